@@ -4,6 +4,21 @@ The public surface is two functions; everything else lives in its own module
 (``debug_server.comms``, ``debug_server.hooks``, ``debug_server.analysis``...).
 """
 
-from debug_server.server import start_debug_server, stop_debug_server
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
 
 __all__ = ["start_debug_server", "stop_debug_server"]
+
+if TYPE_CHECKING:
+    from debug_server.server import start_debug_server, stop_debug_server
+
+
+def __getattr__(name: str) -> Any:
+    # Lazy, so that `import debug_server.comms` (the recording side, on the training hot path)
+    # does not pull in aiohttp and the server machinery.
+    if name in __all__:
+        from debug_server import server
+
+        return getattr(server, name)
+    raise AttributeError(f"module 'debug_server' has no attribute {name!r}")
