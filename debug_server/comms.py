@@ -116,9 +116,10 @@ class OpRecord:
         self.work: Any = None
         self.start_event: Any = None
         self.traceback: Any = None
-        thread = threading.current_thread()
-        self.thread_id = thread.ident
-        self.thread_name = thread.name
+        # The ident only; the name is looked up at dump time (threading.current_thread() costs
+        # more than the rest of this constructor).
+        self.thread_id = threading.get_ident()
+        self.thread_name: str | None = None
 
     @property
     def profiling_name(self) -> str:
@@ -320,6 +321,12 @@ class Comm:
         return list(self._children)
 
     # -- the op path --------------------------------------------------------------------------
+    def _record1(self, op: str, tensor: torch.Tensor, async_op: bool, peer: str = "") -> OpRecord:
+        """The common single-tensor, in-place case, without building tuples generically."""
+        shapes = (tensor.shape,)
+        dtypes = (tensor.dtype,)
+        return self._new_record(op, shapes, dtypes, shapes, dtypes, async_op, peer)
+
     def _record(
         self,
         op: str,
@@ -329,6 +336,26 @@ class Comm:
         peer: str = "",
         input_shapes: tuple[Any, ...] | None = None,
         output_shapes: tuple[Any, ...] | None = None,
+    ) -> OpRecord:
+        return self._new_record(
+            op,
+            input_shapes if input_shapes is not None else _shape_tuple(inputs),
+            _dtype_tuple(inputs),
+            output_shapes if output_shapes is not None else _shape_tuple(outputs),
+            _dtype_tuple(outputs),
+            async_op,
+            peer,
+        )
+
+    def _new_record(
+        self,
+        op: str,
+        input_shapes: tuple[Any, ...],
+        input_dtypes: tuple[Any, ...],
+        output_shapes: tuple[Any, ...],
+        output_dtypes: tuple[Any, ...],
+        async_op: bool,
+        peer: str,
     ) -> OpRecord:
         if self._finalized:
             raise RuntimeError(f"communicator {self._name!r} is finalized")
@@ -350,10 +377,10 @@ class Comm:
             op_id,
             is_p2p,
             peer,
-            input_shapes if input_shapes is not None else _shape_tuple(inputs),
-            _dtype_tuple(inputs),
-            output_shapes if output_shapes is not None else _shape_tuple(outputs),
-            _dtype_tuple(outputs),
+            input_shapes,
+            input_dtypes,
+            output_shapes,
+            output_dtypes,
             async_op,
         )
 
@@ -419,18 +446,18 @@ class Comm:
 
     # -- ops ----------------------------------------------------------------------------------
     def all_reduce(self, tensor: torch.Tensor, op: Any = ReduceOp.SUM, async_op: bool = False) -> CommWork | None:
-        rec = self._record("all_reduce", (tensor,), (tensor,), async_op)
+        rec = self._record1("all_reduce", tensor, async_op)
         return self._run(rec, lambda: dist.all_reduce(tensor, op=op, group=self._pg, async_op=True))
 
     def broadcast(self, tensor: torch.Tensor, root: int, async_op: bool = False) -> CommWork | None:
-        rec = self._record("broadcast", (tensor,), (tensor,), async_op)
+        rec = self._record1("broadcast", tensor, async_op)
         src = self._ranks[root]
         return self._run(rec, lambda: dist.broadcast(tensor, src=src, group=self._pg, async_op=True))
 
     def reduce(
         self, tensor: torch.Tensor, root: int, op: Any = ReduceOp.SUM, async_op: bool = False
     ) -> CommWork | None:
-        rec = self._record("reduce", (tensor,), (tensor,), async_op)
+        rec = self._record1("reduce", tensor, async_op)
         dst = self._ranks[root]
         return self._run(rec, lambda: dist.reduce(tensor, dst=dst, op=op, group=self._pg, async_op=True))
 
@@ -483,12 +510,12 @@ class Comm:
         )
 
     def send(self, tensor: torch.Tensor, dst: int, async_op: bool = False) -> CommWork | None:
-        rec = self._record("send", (tensor,), (tensor,), async_op, peer=f"{self._rank}->{dst}")
+        rec = self._record1("send", tensor, async_op, peer=f"{self._rank}->{dst}")
         gdst = self._ranks[dst]
         return self._run(rec, lambda: dist.isend(tensor, dst=gdst, group=self._pg))
 
     def recv(self, tensor: torch.Tensor, src: int, async_op: bool = False) -> CommWork | None:
-        rec = self._record("recv", (tensor,), (tensor,), async_op, peer=f"{self._rank}<-{src}")
+        rec = self._record1("recv", tensor, async_op, peer=f"{self._rank}<-{src}")
         gsrc = self._ranks[src]
         return self._run(rec, lambda: dist.irecv(tensor, src=gsrc, group=self._pg))
 

@@ -79,14 +79,36 @@ def _dtype_name(dtype: Any) -> str:
     return _DTYPE_NAMES.get(dtype) or str(dtype).replace("torch.", "")
 
 
+# Symbolised stacks are interned: a training loop issues the same few call sites again and
+# again, so records share one frame list (and frames share one dict) instead of each holding
+# ~20 fresh dicts. This keeps a full ring with stacks at well under a megabyte.
+_INTERN_LIMIT = 50_000
+_frame_cache: dict[tuple[Any, ...], dict[str, Any]] = {}
+_stack_cache: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
+
+
 def _frames_of(raw: Any) -> list[dict[str, Any]]:
     """Drop the recorder's own frames so frames[0] is the user's call site (innermost first)."""
-    out = []
+    keys = []
     for fr in raw:
-        if not out and fr["filename"] in _OWN_FILES:
+        if not keys and fr["filename"] in _OWN_FILES:
             continue
-        out.append(fr)
-    return out
+        keys.append((fr["name"], fr["filename"], fr["line"]))
+    stack_key = tuple(keys)
+    cached = _stack_cache.get(stack_key)
+    if cached is not None:
+        return cached
+    if len(_stack_cache) > _INTERN_LIMIT or len(_frame_cache) > _INTERN_LIMIT:
+        _stack_cache.clear()
+        _frame_cache.clear()
+    frames = []
+    for k in keys:
+        d = _frame_cache.get(k)
+        if d is None:
+            d = _frame_cache[k] = {"name": k[0], "filename": k[1], "line": k[2]}
+        frames.append(d)
+    _stack_cache[stack_key] = frames
+    return frames
 
 
 def _symbolize_records(records: list[OpRecord]) -> None:
@@ -104,6 +126,13 @@ def _symbolize_records(records: list[OpRecord]) -> None:
         rec.traceback = _frames_of(frames)
 
 
+def _thread_name(ident: int | None) -> str:
+    for t in threading.enumerate():
+        if t.ident == ident:
+            return t.name
+    return f"thread-{ident}"
+
+
 def _entry(rec: OpRecord) -> dict[str, Any]:
     comm = rec.comm
     started = rec.time_started_ns
@@ -113,7 +142,7 @@ def _entry(rec: OpRecord) -> dict[str, Any]:
         "record_id": rec.record_id,
         "pg_id": comm.pg_id,
         "process_group": (comm.get_name(), comm.get_backend()),
-        "thread_name": rec.thread_name,
+        "thread_name": rec.thread_name or _thread_name(rec.thread_id),
         "thread_id": rec.thread_id,
         "collective_seq_id": rec.seq,
         "p2p_seq_id": rec.p2p_seq,
