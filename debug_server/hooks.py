@@ -13,6 +13,8 @@ The module also keeps the list of live hooks of this process, which the per-rank
 
 from __future__ import annotations
 
+import atexit
+import faulthandler
 import logging
 import os
 import sys
@@ -212,6 +214,8 @@ class FlightRecorderHook:
             if child.get_name() not in self._comms:
                 self.register_with_comm(child)
         _register(self)
+        if self.stall_timeout is not None:
+            _ensure_watchdog()
         return self
 
     def unregister(self) -> None:
@@ -314,6 +318,27 @@ class FlightRecorderHook:
         """
         return write_dump_atomic(_dump_path(rank), self.dump_json())
 
+    def stall_dump(self, rec: OpRecord, age_s: float) -> list[str]:
+        """Evidence for a stalled op, written at once so it survives a later kill.
+
+        Writes this rank's pickle and the Python stacks of all threads next to it
+        (``stalled_stacks_r<rank>.txt``, a name PyTorch's fr_trace skips). Returns the paths.
+        """
+        comm = rec.comm
+        rank = comm.global_ranks[comm.get_rank()]
+        logger.error(
+            "%s #%s on %r in flight for %.1f s (stall_timeout %s s): dumping flight recorder and stacks",
+            rec.op, rec.p2p_seq if rec.is_p2p else rec.seq, comm.get_name(), age_s, self.stall_timeout,
+        )
+        paths = [self.dump_file(rank)]
+        stacks_path = os.path.join(os.path.dirname(paths[0]), f"stalled_stacks_r{rank}.txt")
+        tmp = stacks_path + ".part"
+        with open(tmp, "w") as f:
+            faulthandler.dump_traceback(file=f, all_threads=True)
+        os.replace(tmp, stacks_path)
+        paths.append(stacks_path)
+        return paths
+
     def in_flight(self) -> list[OpRecord]:
         return [r for r in self.records() if r.state != "completed"]
 
@@ -353,6 +378,56 @@ def _health(hooks: list[FlightRecorderHook]) -> dict[str, Any]:
         "in_flight": n,
         "oldest_in_flight_s": round((now - oldest.time_created_ns) / 1e9, 3) if oldest else None,
     }
+
+
+# -- stall watchdog ------------------------------------------------------------------------------
+# One daemon thread per process, started by the first hook with a stall_timeout. It only reads
+# the rings (non-blocking state queries) and writes evidence once per stalled op, so it costs the
+# training loop nothing; it needs the GIL, so a rank wedged in C code holding the GIL is caught
+# from outside instead (the frontend's health polling).
+_watchdog_lock = threading.Lock()
+_watchdog: threading.Thread | None = None
+_watchdog_stop = threading.Event()
+
+
+def _ensure_watchdog() -> None:
+    global _watchdog
+    with _watchdog_lock:
+        if _watchdog is None or not _watchdog.is_alive():
+            _watchdog_stop.clear()
+            _watchdog = threading.Thread(target=_watch, name="fr-stall-watchdog", daemon=True)
+            _watchdog.start()
+
+
+@atexit.register
+def _stop_watchdog() -> None:
+    # Stop before interpreter teardown: querying a c10d work object while the process group's
+    # C++ threads are being destroyed aborts the process ("terminate called...").
+    _watchdog_stop.set()
+    t = _watchdog
+    if t is not None and t.is_alive():
+        t.join(timeout=2.0)
+
+
+def _watch() -> None:
+    reported: set[int] = set()  # record ids already dumped (only stalled ops land here)
+    while not _watchdog_stop.is_set():
+        hooks = [h for h in registered_hooks() if h.stall_timeout is not None]
+        if not hooks:
+            return
+        period = max(0.05, min(1.0, min(h.stall_timeout or 1.0 for h in hooks) / 4))
+        if _watchdog_stop.wait(period):
+            return
+        now = time.time_ns()
+        for h in hooks:
+            for rec in h.in_flight():
+                age = (now - rec.time_created_ns) / 1e9
+                if h.stall_timeout is not None and age > h.stall_timeout and rec.record_id not in reported:
+                    reported.add(rec.record_id)
+                    try:
+                        h.stall_dump(rec, age)
+                    except OSError as exc:
+                        logger.error("stall dump failed: %s", exc)
 
 
 # -- this process's live hooks (read by the per-rank worker) ------------------------------------

@@ -262,3 +262,46 @@ def test_pytorch_fr_trace_j_lists_5_and_4_entries(hang_job):
     # Each row is "rank0-op  rank1-op"; the fifth has only rank 0's entry.
     assert [ln.count("(") for ln in rows] == [2, 2, 2, 2, 1]
     assert "state=started" in rows[4]
+
+
+# Rank 1 is late; rank 0's all_reduce is in flight longer than stall_timeout, so the watchdog
+# dumps the pickle and the stacks at once, long before the communicator's timeout.
+STALL_SCRIPT = r'''
+import datetime, os, time
+import torch
+from debug_server.comms import new_comm
+from debug_server.hooks import FlightRecorderHook, health
+
+comm = new_comm("gloo", torch.device("cpu"), "main_comm", timeout=datetime.timedelta(seconds=30))
+hook = FlightRecorderHook(max_entries=10, stall_timeout=0.5).register_with_comm(comm)
+t = torch.ones(4)
+comm.all_reduce(t)
+print("HEALTHY_BEFORE", health()["healthy"])
+if comm.get_rank() == 1:
+    time.sleep(3)
+    comm.all_reduce(t)
+else:
+    t0 = time.monotonic()
+    work = comm.all_reduce(t, async_op=True)
+    pickle_path = os.environ["TORCHCOMM_FR_DUMP_TEMP_FILE"] + "0"
+    while not os.path.exists(pickle_path) and time.monotonic() - t0 < 2.5:
+        time.sleep(0.05)
+    h = health()
+    print("STALL_SEEN", os.path.exists(pickle_path), round(time.monotonic() - t0, 1) < 2.5, h["healthy"], h["stalled_op"]["seq"], h["stalled_op"]["op"])
+    work.wait()
+    print("HEALTHY_AFTER", health()["healthy"])
+'''
+
+
+def test_stall_watchdog_dumps_before_the_timeout_and_reports_unhealthy(tmp_path):
+    dump_dir = tmp_path / "per_rank"
+    results = run_job(
+        STALL_SCRIPT, 2, tmp_path, timeout=60, extra_env={"TORCHCOMM_FR_DUMP_TEMP_FILE": str(dump_dir / "rank_")}
+    )
+    assert_ok(results)
+    out = results[0].stdout
+    assert "HEALTHY_BEFORE True" in out
+    assert "STALL_SEEN True True False 1 all_reduce" in out
+    assert "HEALTHY_AFTER True" in out
+    stacks = (dump_dir / "stalled_stacks_r0.txt").read_text()
+    assert "rank_script.py" in stacks

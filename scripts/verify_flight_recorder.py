@@ -1,0 +1,185 @@
+"""The reference hang: two ranks, one of them never joins the fifth collective.
+
+    torchrun --nproc_per_node=2 scripts/verify_flight_recorder.py
+
+Each rank creates the communicator ``main_comm``, starts the debug server (rank 0 serves
+http://127.0.0.1:25999 and writes periodic dumps), records with a 100-entry Flight Recorder, and
+runs phase 1 (three all_reduce and one broadcast of 1024 floats, all ranks). In phase 2 the
+hanging rank sleeps instead of joining; the others issue one more all_reduce, which times out
+after COMM_TIMEOUT seconds; they catch the error and write their pickle. While it hangs, open the
+pages or read the dumps: they name the collective (seq 4, all_reduce), the missing rank, and the
+line where it is stuck. The script ends by itself and prints what to run next.
+
+Environment (all optional):
+    FR_DUMP_DIR        where dumps go (default: a folder in the temp dir named after the run)
+    FR_DUMP_INTERVAL   seconds between periodic dumps (default 2)
+    FR_STALL_TIMEOUT   seconds an op may be in flight before the rank reports unhealthy (default 10)
+    COMM_TIMEOUT       the communicator's timeout in seconds (default 20)
+    HANGING_RANK       the rank that hangs (default: the last rank)
+    HANG_SECONDS       how long it sleeps (default COMM_TIMEOUT + 10)
+    DEBUG_SERVER_PORT  the rank-0 frontend's port (default 25999)
+    TEST_BACKEND       gloo (default) or nccl
+    TEST_DEVICE        cpu (default) or cuda (one GPU per rank, LOCAL_RANK)
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+# Run from a source checkout without installing (the device machines have no package registry).
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from debug_server import start_debug_server, stop_debug_server  # noqa: E402
+from debug_server.comms import new_comm  # noqa: E402
+from debug_server.hooks import FlightRecorderHook  # noqa: E402
+
+
+def env_float(name: str, default: float) -> float:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return float(raw)
+    except ValueError:
+        sys.exit(f"error: {name}={raw!r} is not a number of seconds")
+
+
+def say(rank: int, msg: str) -> None:
+    print(f"[rank {rank}] {msg}", flush=True)
+
+
+def hang_phase(seconds: float) -> None:
+    """The hanging rank's "bug": it never reaches the collective."""
+    time.sleep(seconds)  # <- the line the dumps point at (HANG LINE)
+
+
+def wait_for_all(store: dist.Store, key: str, world: int, limit_s: float) -> None:
+    """A barrier through the TCPStore: the communicator may be unusable after its timeout."""
+    store.add(key, 1)
+    deadline = time.monotonic() + limit_s
+    while int(store.add(key, 0)) < world and time.monotonic() < deadline:
+        time.sleep(0.2)
+
+
+def main() -> int:
+    rank = int(os.environ["RANK"])
+    world = int(os.environ["WORLD_SIZE"])
+    backend = os.environ.get("TEST_BACKEND", "gloo")
+    device_kind = os.environ.get("TEST_DEVICE", "cpu")
+    comm_timeout = env_float("COMM_TIMEOUT", 20.0)
+    dump_interval = env_float("FR_DUMP_INTERVAL", 2.0)
+    stall_timeout = env_float("FR_STALL_TIMEOUT", 10.0)
+    hang_seconds = env_float("HANG_SECONDS", comm_timeout + 10.0)
+    hanging_rank = int(os.environ.get("HANGING_RANK", str(world - 1)))
+    port = int(os.environ.get("DEBUG_SERVER_PORT", "25999"))
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID") or os.environ.get("MASTER_PORT", "demo")
+    dump_dir = os.environ.get("FR_DUMP_DIR") or os.path.join(
+        tempfile.gettempdir(), f"debug_server_demo_{run_id}"
+    )
+    # The per-rank pickles go next to the text dumps, where PyTorch's fr_trace reads them.
+    os.environ.setdefault("TORCHCOMM_FR_DUMP_TEMP_FILE", os.path.join(dump_dir, "per_rank", "rank_"))
+
+    if device_kind == "cuda":
+        local_rank = int(os.environ.get("LOCAL_RANK", rank))
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+
+    say(rank, f"rank {rank}/{world}, device {device}, backend {backend}, hanging rank {hanging_rank}, "
+        f"timeout {comm_timeout:g} s")
+    # The default group's timeout is longer than the communicator's, so the communicator's own
+    # timeout is what fires in phase 2 (and NCCL's watchdog does not kill the process first).
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=comm_timeout + 120))
+    start_debug_server(
+        port=port, dump_dir=dump_dir, dump_interval=dump_interval, stall_timeout=stall_timeout
+    )
+    if rank == 0:
+        say(rank, f"debug server: http://127.0.0.1:{port}/  (pages: /fr_trace /stacks)")
+        say(rank, f"dumps every {dump_interval:g} s into {dump_dir}  (per-rank pickles in {dump_dir}/per_rank)")
+
+    comm = new_comm(backend, device, "main_comm", timeout=datetime.timedelta(seconds=comm_timeout))
+    hook = FlightRecorderHook(max_entries=100, stall_timeout=stall_timeout).register_with_comm(comm)
+    t = torch.ones(1024, device=device)
+
+    say(rank, "phase 1: 3 x all_reduce + 1 x broadcast on all ranks")
+    for _ in range(3):
+        comm.all_reduce(t)
+    comm.broadcast(t, root=0)
+    say(rank, "phase 1 done")
+
+    if rank == hanging_rank:
+        say(rank, f"phase 2: hanging (sleeping {hang_seconds:g} s instead of joining all_reduce #4)")
+        hang_phase(hang_seconds)
+        path = hook.dump_file(rank)
+        say(rank, f"woke up; flight recorder pickle written to {path}")
+    else:
+        say(rank, f"phase 2: all_reduce #4, waiting for rank {hanging_rank} (times out after {comm_timeout:g} s)")
+        t0 = time.monotonic()
+        try:
+            comm.all_reduce(t)
+            say(rank, "all_reduce #4 completed (the hanging rank joined?)")
+        except RuntimeError as e:
+            say(rank, f"Caught timeout: {type(e).__name__}: {e}")
+            say(rank, f"(after {time.monotonic() - t0:.1f} s)")
+            path = hook.dump_file(rank)
+            say(rank, f"flight recorder pickle written to {path}")
+
+    # Keep the server up until every rank is done, so the dumps cover the whole hang.
+    store = dist.distributed_c10d._get_default_store()
+    wait_for_all(store, "demo_done", world, hang_seconds + comm_timeout + 60)
+    if rank == 0:
+        # One more dump cycle after everyone wrote their final pickle.
+        time.sleep(min(dump_interval, 5.0))
+        report(dump_dir)
+    wait_for_all(store, "demo_exit", world, 60)
+    stop_debug_server()
+    hook.unregister()
+    comm.finalize()
+    dist.destroy_process_group()
+    return 0
+
+
+def report(dump_dir: str) -> None:
+    """Print the analyzer's verdict on the per-rank pickles and the follow-up commands."""
+    per_rank = os.path.join(dump_dir, "per_rank")
+    stacks = sorted(Path(dump_dir).glob("stacks_*.txt"))
+    cmd = [sys.executable, "-m", "debug_server.fr_trace", per_rank, "-p", "rank_", "--json"]
+    if stacks:
+        cmd += ["--stacks", str(stacks[-1])]
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parent.parent))
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
+    print("", flush=True)
+    print("=" * 78)
+    try:
+        verdict = json.loads(proc.stdout)["verdict"]
+        print(f"Verdict: {verdict}")
+    except (ValueError, KeyError):
+        print(f"analyzer failed (exit {proc.returncode}): {proc.stderr.strip()[:500]}")
+    texts = sorted(Path(dump_dir).glob("torchcomms_fr_trace_*.txt"))
+    print(f"Dumps: {dump_dir}")
+    if texts:
+        print(f"  latest FR trace: {texts[-1]}")
+    if stacks:
+        print(f"  latest stacks:   {stacks[-1]}")
+    print(f"  per-rank pickles: {per_rank}/rank_*")
+    print("Next:")
+    stacks_arg = f" --stacks {stacks[-1]}" if stacks else ""
+    print(f"  python -m debug_server.fr_trace {per_rank} -p rank_{stacks_arg}")
+    print(f"  python -m torch.distributed.flight_recorder.fr_trace {per_rank} -p rank_")
+    print(f"  python -m torch.distributed.flight_recorder.fr_trace {per_rank} -p rank_ -j --print_stack_trace")
+    print("=" * 78, flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,120 @@
+"""The reference scenario end to end: the demo under torchrun, its dumps, and both analyzers."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from mpjob import REPO, free_port
+
+DEMO = REPO / "scripts" / "verify_flight_recorder.py"
+pytestmark = pytest.mark.timeout(240)
+
+
+def _hang_line() -> int:
+    for i, line in enumerate(DEMO.read_text().splitlines(), start=1):
+        if "(HANG LINE)" in line:
+            return i
+    raise AssertionError("demo has no HANG LINE marker")
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    dump_dir = tmp_path_factory.mktemp("demo") / "dumps"
+    env = dict(
+        os.environ,
+        FR_DUMP_DIR=str(dump_dir),
+        FR_DUMP_INTERVAL="1",
+        COMM_TIMEOUT="6",
+        HANG_SECONDS="10",
+        FR_STALL_TIMEOUT="3",
+        DEBUG_SERVER_PORT=str(free_port()),
+        PYTHONPATH=str(REPO),
+        OMP_NUM_THREADS="1",
+    )
+    env.pop("TORCHCOMM_FR_DUMP_TEMP_FILE", None)
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+        f"--master-port={free_port()}", str(DEMO),
+    ]
+    proc = subprocess.Popen(
+        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
+    try:
+        out, _ = proc.communicate(timeout=150)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)
+    assert proc.returncode == 0, out[-6000:]
+    return dump_dir, out
+
+
+def _during_hang(dump_dir: Path, pattern: str) -> list[Path]:
+    return sorted(dump_dir.glob(pattern))
+
+
+def test_demo_prints_caught_timeout_and_verdict(demo):
+    _, out = demo
+    assert "[rank 0] Caught timeout: RuntimeError: all_reduce #4 on communicator 'main_comm'" in out
+    assert "Verdict:" in out and "rank 1" in out.split("Verdict:")[1].splitlines()[0].lower()
+    assert "python -m torch.distributed.flight_recorder.fr_trace" in out
+
+
+def test_fr_trace_dump_shows_seq_4_all_reduce_missing_rank_1(demo):
+    dump_dir, _ = demo
+    rows = []
+    for f in _during_hang(dump_dir, "torchcomms_fr_trace_*.txt"):
+        rows += [ln for ln in f.read_text().splitlines() if re.search(r"\b4\b.*nccl:all_reduce.*\{1\}", ln)]
+    assert rows, "no FR trace dump showed seq 4 nccl:all_reduce with missing ranks {1}"
+
+
+def test_stacks_dump_shows_rank_1_sleeping_and_rank_0_in_all_reduce(demo):
+    dump_dir, _ = demo
+    line = _hang_line()
+    found = False
+    for f in _during_hang(dump_dir, "stacks_*.txt"):
+        text = f.read_text()
+        sections = re.split(r"^=== Rank (\d+)[^\n]*===$", text, flags=re.M)
+        by_rank = {int(sections[i]): sections[i + 1] for i in range(1, len(sections) - 1, 2)}
+        if 0 in by_rank and 1 in by_rank and f'verify_flight_recorder.py", line {line} in hang_phase' in by_rank[1]:
+            assert "all_reduce" in by_rank[0]
+            found = True
+    assert found, f"no stacks dump showed rank 1 at verify_flight_recorder.py:{line}"
+
+
+def test_per_rank_pickles_exist(demo):
+    dump_dir, _ = demo
+    assert (dump_dir / "per_rank" / "rank_0").is_file()
+    assert (dump_dir / "per_rank" / "rank_1").is_file()
+
+
+def test_pytorch_fr_trace_agrees_on_the_pickles(demo):
+    dump_dir, _ = demo
+    per_rank = str(dump_dir / "per_rank")
+    base = [sys.executable, "-m", "torch.distributed.flight_recorder.fr_trace", per_rank, "-p", "rank_"]
+    proc = subprocess.run(base, capture_output=True, text=True, timeout=120)
+    text = proc.stdout + proc.stderr
+    assert "Not all ranks joining collective, sequence number: 4" in text
+    assert "missing ranks: {1}" in text
+    proc = subprocess.run(base + ["-j"], capture_output=True, text=True, timeout=120)
+    rows = [ln for ln in (proc.stdout + proc.stderr).splitlines() if "all_reduce(" in ln or "broadcast(" in ln]
+    assert [ln.count("(") for ln in rows] == [2, 2, 2, 2, 1]  # 5 entries for rank 0, 4 for rank 1
+
+
+def test_our_cli_exits_2_with_missing_rank_1(demo):
+    dump_dir, _ = demo
+    proc = subprocess.run(
+        [sys.executable, "-m", "debug_server.fr_trace", str(dump_dir / "per_rank"), "-p", "rank_", "--json"],
+        capture_output=True, text=True, timeout=120, env=dict(os.environ, PYTHONPATH=str(REPO)),
+    )
+    assert proc.returncode == 2, proc.stderr
+    result = json.loads(proc.stdout)
+    missing = [f for f in result["findings"] if f["kind"] == "missing_ranks"]
+    assert [(f["group"], f["seq"], f["op"], f["ranks"]) for f in missing] == [("main_comm", 4, "all_reduce", [1])]
