@@ -7,8 +7,7 @@ fi
 source .venv/bin/activate
 if ! python -c "import torch" >/dev/null 2>&1; then
   # The CPU build; users with GPUs bring their own torch (pyproject keeps a range).
-  python -m pip install --quiet "torch==2.13.0" --index-url "${TORCH_INDEX_URL:-https://download.pytorch.org/whl/cpu}" \
-    || python -m pip install --quiet "torch==2.13.0"
+  python -m pip install --quiet "torch==2.13.0"
 fi
 if ! python -c "import debug_server, pytest_aiohttp, pytest_timeout, hypothesis, prometheus_client" >/dev/null 2>&1; then
   python -m pip install --quiet -e ".[test]"
