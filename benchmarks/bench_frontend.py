@@ -1,0 +1,251 @@
+"""Frontend latency against N fake ranks, next to PyTorch's build-and-render path on the same data.
+
+Fake ranks are real worker apps (``debug_server.worker``) serving a 2000-entry ring from
+``synthetic.hang_job`` (the last rank never issued the newest all_reduce), spread over a few
+helper processes. The frontend runs as its own process (``python -m debug_server.frontend``),
+exactly as ``start_debug_server`` starts it; this script times HTTP GETs end to end.
+
+PyTorch's baseline: ``FlightRecorderHandler._build_db`` plus the four tabulate HTML tables of
+its ``/torchcomms_fr_trace`` page, called in-process on the very JSON bodies the workers serve
+(so it gets no fetch cost; ours does).
+
+    python benchmarks/bench_frontend.py              # N = 8, 64, 512
+    python benchmarks/bench_frontend.py --ranks 8 64 --reps 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import io
+import json
+import logging
+import os
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from debug_server import synthetic  # noqa: E402
+from debug_server.worker import StaticProvider, make_worker_app  # noqa: E402
+
+RING = 2000
+STACK = (
+    "Thread 0x00007f0000000001 (most recent call first):\n"
+    '  File "/job/train.py", line 88 in hang_phase\n'
+    '  File "/job/train.py", line 120 in <module>\n'
+)
+
+
+# ---------------------------------------------------------------------------------------------
+# Helper process: many fake ranks on one event loop
+
+
+def _rank_dumps(world: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    """One issued-the-hang dump and one missing-rank dump (every other rank has the same data)."""
+    two = synthetic.hang_job(2, n_entries=RING, missing_rank=1)
+    groups = {"main_comm": list(range(world))}
+    return (synthetic.make_dump(two[0]["entries"], groups),
+            synthetic.make_dump(two[1]["entries"], groups))
+
+
+async def _serve(first: int, last: int, world: int) -> None:
+    from aiohttp import web
+
+    full, missing = _rank_dumps(world)
+    runners = []
+    ports = []
+    for rank in range(first, last):
+        app = make_worker_app(StaticProvider(missing if rank == world - 1 else full, stacks=STACK))
+        runner = web.AppRunner(app, handle_signals=False, access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0, backlog=1024)
+        await site.start()
+        runners.append(runner)
+        ports.append(runner.addresses[0][1])
+    print(json.dumps(ports), flush=True)
+    await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)  # until closed
+    for r in runners:
+        await r.cleanup()
+
+
+# ---------------------------------------------------------------------------------------------
+# Driver
+
+
+def _get(url: str, accept: str = "*/*") -> tuple[float, bytes]:
+    t0 = time.perf_counter()
+    with urllib.request.urlopen(urllib.request.Request(url, headers={"Accept": accept}), timeout=600) as r:
+        body = r.read()
+    return time.perf_counter() - t0, body
+
+
+def _median(fn: Any, reps: int) -> tuple[float, Any]:
+    times, last = [], None
+    for _ in range(reps):
+        t, last = fn()
+        times.append(t)
+    return statistics.median(times), last
+
+
+def _start_fleet(world: int, helpers: int) -> tuple[list[subprocess.Popen[str]], list[str]]:
+    procs, urls = [], []
+    bounds = [world * i // helpers for i in range(helpers + 1)]
+    for lo, hi in zip(bounds, bounds[1:], strict=False):
+        if lo == hi:
+            continue
+        procs.append(subprocess.Popen(
+            [sys.executable, __file__, "--serve", str(lo), str(hi), str(world)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True))
+    for p in procs:
+        assert p.stdout is not None
+        urls += [f"http://127.0.0.1:{port}" for port in json.loads(p.stdout.readline())]
+    return procs, urls
+
+
+def _start_frontend(urls: list[str], fetch_timeout: float) -> tuple[subprocess.Popen[bytes], int]:
+    r, w = os.pipe()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "debug_server.frontend", "--port", "0", "--host", "127.0.0.1",
+         "--world-size", str(len(urls)), "--worker-urls", ",".join(urls),
+         "--fetch-timeout", str(fetch_timeout), "--ready-fd", str(w)],
+        pass_fds=(w,), cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
+        stderr=subprocess.DEVNULL)
+    os.close(w)
+    with os.fdopen(r) as f:
+        line = f.readline().strip()
+    if not line.startswith("ready "):
+        proc.kill()
+        raise RuntimeError(f"frontend did not start: {line!r}")
+    return proc, int(line.split()[1])
+
+
+def _torch_baseline(urls: list[str], bodies: list[str]) -> float | None:
+    try:
+        from tabulate import tabulate
+        from torch.distributed.debug._debug_handlers import FlightRecorderHandler
+        from torch.distributed.debug._frontend import Response
+        from torch.distributed.flight_recorder.components.types import (
+            Collective,
+            Group,
+            Membership,
+            NCCLCall,
+        )
+    except ImportError:
+        return None
+    _quiet_torch_logger()
+    resps = [Response(200, b) for b in bodies]
+    t0 = time.perf_counter()
+    db = FlightRecorderHandler._build_db(urls, resps)
+    for rows, fields in ((db.groups, Group._fields), (db.memberships, Membership._fields),
+                         (db.collectives, Collective._fields), (db.ncclcalls, NCCLCall._fields)):
+        tabulate(rows, headers=fields, tablefmt="html")
+    return time.perf_counter() - t0
+
+
+def _quiet_torch_logger() -> None:
+    # torch's analyzer logs every finding to stderr; keep the formatting cost, drop the noise.
+    for h in logging.getLogger("Flight Recorder").handlers:
+        if isinstance(h, logging.StreamHandler):
+            h.setStream(io.StringIO())
+
+
+def _fetch_bodies(urls: list[str], only_active: bool) -> list[str]:
+    q = "true" if only_active else "false"
+    out = []
+    for u in urls:
+        req = urllib.request.Request(f"{u}/handler/torchcomms_fr_trace_json?onlyactive={q}", method="POST")
+        with urllib.request.urlopen(req, timeout=60) as r:
+            out.append(r.read().decode())
+    return out
+
+
+def bench(world: int, reps: int, helpers: int, whole_ring_max: int) -> dict[str, Any]:
+    fleet, urls = _start_fleet(world, helpers)
+    frontend = None
+    try:
+        frontend, port = _start_frontend(urls, fetch_timeout=120)
+        base = f"http://127.0.0.1:{port}"
+        _get(f"{base}/stacks")  # warm connections
+        row: dict[str, Any] = {"ranks": world}
+        row["fr_json_s"], body = _median(lambda: _get(f"{base}/fr_trace?format=json"), reps)
+        verdict = json.loads(body)["verdict"]
+        row["fr_html_s"], html = _median(lambda: _get(f"{base}/fr_trace", "text/html"), reps)
+        row["html_bytes"] = len(html)
+        row["fr_text_s"], _ = _median(lambda: _get(f"{base}/fr_trace"), reps)
+        row["stacks_s"], _ = _median(lambda: _get(f"{base}/stacks"), reps)
+        row["torch_active_s"] = _torch_baseline(urls, _fetch_bodies(urls, only_active=True))
+        if world <= whole_ring_max:
+            row["fr_whole_json_s"], _ = _median(
+                lambda: _get(f"{base}/fr_trace?format=json&onlyactive=false"), max(1, reps // 2))
+            row["torch_whole_s"] = _torch_baseline(urls, _fetch_bodies(urls, only_active=False))
+        row["verdict"] = verdict
+        return row
+    finally:
+        if frontend is not None:
+            frontend.terminate()
+            frontend.wait(10)
+        for p in fleet:
+            assert p.stdin is not None
+            p.stdin.close()
+        for p in fleet:
+            try:
+                p.wait(30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+
+def _fmt(x: float | None) -> str:
+    return "n/a" if x is None else f"{x * 1000:.0f} ms"
+
+
+def _ratio(a: float | None, b: float | None) -> str:
+    return "n/a" if a is None or b is None or a == 0 else f"{b / a:.2f}x"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--ranks", type=int, nargs="+", default=[8, 64, 512])
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--helpers", type=int, default=2, help="fake-rank helper processes")
+    p.add_argument("--whole-ring-max", type=int, default=8,
+                   help="also time whole-ring fetches (onlyactive=false) up to this many ranks")
+    p.add_argument("--serve", nargs=3, type=int, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.serve:
+        asyncio.run(_serve(*args.serve))
+        return
+    print(f"fake ranks: {RING}-entry rings from synthetic.hang_job; last rank missing from the "
+          f"newest all_reduce; {args.helpers} helper processes; medians of {args.reps}")
+    rows = []
+    for n in args.ranks:
+        reps = args.reps if n <= 64 else max(3, args.reps // 2)
+        row = bench(n, reps, args.helpers, args.whole_ring_max)
+        rows.append(row)
+        print(f"\nN={n}: verdict: {row['verdict']}")
+        print(f"  /fr_trace JSON {_fmt(row['fr_json_s'])}  HTML {_fmt(row['fr_html_s'])} "
+              f"({row['html_bytes'] / 1e6:.2f} MB)  text {_fmt(row['fr_text_s'])}  "
+              f"/stacks {_fmt(row['stacks_s'])}")
+        print(f"  torch _build_db + tabulate html on the same active data (no fetch): "
+              f"{_fmt(row['torch_active_s'])}  -> ours end to end (HTML) is "
+              f"{_ratio(row['fr_html_s'], row['torch_active_s'])} torch's speed")
+        if "fr_whole_json_s" in row:
+            print(f"  whole rings: ours /fr_trace?onlyactive=false JSON {_fmt(row['fr_whole_json_s'])}"
+                  f"; torch _build_db + html {_fmt(row['torch_whole_s'])} -> "
+                  f"{_ratio(row['fr_whole_json_s'], row['torch_whole_s'])}")
+    print("\nranks  fr_json   fr_html   html_MB  stacks   torch(active)  torch/ours(html)")
+    for r in rows:
+        print(f"{r['ranks']:>5}  {_fmt(r['fr_json_s']):>8}  {_fmt(r['fr_html_s']):>8}  "
+              f"{r['html_bytes'] / 1e6:>7.2f}  {_fmt(r['stacks_s']):>7}  {_fmt(r['torch_active_s']):>13}  "
+              f"{_ratio(r['fr_html_s'], r['torch_active_s']):>8}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,185 @@
+"""Finding the per-rank workers through the job's TCPStore.
+
+Each worker writes ``debug_server/rank{R}`` = ``http://<host>:<port>`` (the key torch's own
+debug server uses, through the same ``PrefixStore``), then a sidecar ``debug_server/rank{R}_meta``
+= JSON ``{"restart", "pid", "run_id"}``. Readers never block on a missing key: they ``check``
+first, so a rank that never registered is reported at once as "not registered". A key whose
+sidecar names another elastic restart is stale and not trusted; a key without a sidecar (torch's
+C++ worker) is trusted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import socket
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+from debug_server.config import JobEnv
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+
+PREFIX = "debug_server"
+NOT_REGISTERED = "not registered"
+
+
+def url_key(rank: int) -> str:
+    return f"rank{rank}"
+
+
+def meta_key(rank: int) -> str:
+    return f"rank{rank}_meta"
+
+
+@dataclass(slots=True, frozen=True)
+class WorkerAddr:
+    """Where rank ``rank``'s worker listens, or why it is not known (``url`` None)."""
+
+    rank: int
+    url: str | None
+    error: str | None = None
+
+
+def store_client(master_addr: str, master_port: int, timeout: float) -> dist.Store:
+    """A client of the job's TCPStore under torch's ``debug_server`` prefix.
+
+    ``timeout`` bounds the connect and any wait; readers here never wait on a missing key.
+    """
+    import torch.distributed as dist
+
+    store = dist.TCPStore(
+        host_name=master_addr,
+        port=master_port,
+        is_master=False,
+        timeout=timedelta(seconds=timeout),
+    )
+    return dist.PrefixStore(PREFIX, store)
+
+
+def advertised_host(bind_host: str | None) -> str:
+    """The name other hosts use to reach a server bound to ``bind_host``."""
+    if bind_host in (None, "", "0.0.0.0", "::"):
+        return socket.gethostname()
+    return bind_host
+
+
+def register_worker(store: dist.Store, job: JobEnv, url: str) -> None:
+    """Publish this rank's worker URL, then the sidecar that says which restart wrote it.
+
+    URL first: a reader that sees the new URL with the old sidecar distrusts it for a moment,
+    which is safer than trusting an old URL next to a new sidecar.
+    """
+    meta = {"restart": job.restart_count, "pid": os.getpid(), "run_id": job.run_id}
+    store.set(url_key(job.rank), url)
+    store.set(meta_key(job.rank), json.dumps(meta))
+
+
+def _stale_reason(meta_raw: bytes | None, restart_count: int) -> str | None:
+    if meta_raw is None:
+        return None  # no sidecar: torch's own worker, trusted
+    try:
+        meta: Any = json.loads(meta_raw)
+        restart = int(meta["restart"])
+    except (ValueError, KeyError, TypeError):
+        return f"{NOT_REGISTERED} (unreadable registration metadata)"
+    if restart != restart_count:
+        return f"{NOT_REGISTERED} (stale key from restart {restart}, job is at restart {restart_count})"
+    return None
+
+
+def lookup_workers(store: dist.Store, world_size: int, restart_count: int) -> list[WorkerAddr]:
+    """One ``WorkerAddr`` per rank; never waits for a key that is not there."""
+    ranks = range(world_size)
+    if store.check([url_key(r) for r in ranks]):
+        present = list(ranks)
+    else:
+        present = [r for r in ranks if store.check([url_key(r)])]
+    with_meta = [r for r in present if store.check([meta_key(r)])]
+    got_urls = _multi_get(store, present, url_key)
+    got_metas = _multi_get(store, with_meta, meta_key)
+    out: list[WorkerAddr] = []
+    for rank in range(world_size):
+        if rank not in got_urls:
+            out.append(WorkerAddr(rank, None, NOT_REGISTERED))
+            continue
+        stale = _stale_reason(got_metas.get(rank), restart_count)
+        if stale:
+            out.append(WorkerAddr(rank, None, stale))
+        else:
+            out.append(WorkerAddr(rank, got_urls[rank].decode(errors="replace").rstrip("/")))
+    return out
+
+
+def _multi_get(store: dist.Store, ranks: list[int], key: Callable[[int], str]) -> dict[int, bytes]:
+    if not ranks:
+        return {}
+    return dict(zip(ranks, store.multi_get([key(r) for r in ranks]), strict=True))
+
+
+class StoreRegistry:
+    """The frontend's view of the store: async lookups run on one private thread.
+
+    TCPStore calls block, so they run off the event loop, one at a time, on a single thread
+    (the client connection is not shared between threads). The connection is made lazily and
+    remade after an error, so a store that comes up late or restarts is picked up.
+    """
+
+    def __init__(
+        self, master_addr: str, master_port: int, world_size: int, restart_count: int,
+        timeout: float = 5.0,
+    ) -> None:
+        self.world_size = world_size
+        self._addr = (master_addr, master_port)
+        self._restart = restart_count
+        self._timeout = timeout
+        self._store: dist.Store | None = None
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="debug_server.store")
+
+    def _lookup_sync(self) -> list[WorkerAddr]:
+        try:
+            if self._store is None:
+                self._store = store_client(*self._addr, timeout=self._timeout)
+            return lookup_workers(self._store, self.world_size, self._restart)
+        except Exception as e:  # the store is down or gone: every rank is unknown, say why once
+            self._store = None
+            reason = f"{NOT_REGISTERED} (store {self._addr[0]}:{self._addr[1]} unavailable: {_first_line(e)})"
+            logger.warning("debug_server: %s", reason)
+            return [WorkerAddr(r, None, reason) for r in range(self.world_size)]
+
+    async def lookup(self) -> list[WorkerAddr]:
+        return await asyncio.get_running_loop().run_in_executor(self._pool, self._lookup_sync)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._store = None
+
+
+class StaticRegistry:
+    """A fixed rank -> URL map (tests, benchmarks, and a frontend pointed at known workers)."""
+
+    def __init__(self, urls: Sequence[str | None]) -> None:
+        self.world_size = len(urls)
+        self._urls = list(urls)
+
+    async def lookup(self) -> list[WorkerAddr]:
+        return [
+            WorkerAddr(r, u.rstrip("/")) if u else WorkerAddr(r, None, NOT_REGISTERED)
+            for r, u in enumerate(self._urls)
+        ]
+
+    def close(self) -> None:
+        pass
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return text[0] if text else type(e).__name__

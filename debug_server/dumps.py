@@ -1,0 +1,258 @@
+"""The periodic dumper: every interval, a dated record of the job's state in ``dump_dir``.
+
+One cycle writes, each only if enabled:
+
+- ``torchcomms_fr_trace_<ts>.txt``: the analyzer's text report and a "Dump File" section with
+  each rank's pickle result (``fr_trace``);
+- ``stacks_<ts>.txt``: ``=== Rank N ===`` sections of faulthandler text (``stacks``);
+- every rank's pickle under ``$TORCHCOMM_FR_DUMP_TEMP_FILE<rank>`` (``per_rank``);
+- ``fr_snapshot_<ts>.json``: ``{rank: dump | {"error": line}}``, so a post-mortem can re-run the
+  analyzer on exactly what was seen (``snapshot``).
+
+``<ts>`` is ``%Y%m%d_%H%M%S`` with ``_1``, ``_2``... when two cycles fall in one second. Files are
+written to a temp name and renamed; only the newest ``keep`` cycles are kept. A dump directory
+that cannot be written is logged once (and once more when it recovers), never per cycle.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import re
+import tempfile
+import time
+from collections.abc import Collection, Mapping, Sequence
+from typing import Any
+
+from debug_server import analysis, report
+from debug_server.config import ALL_DUMPS
+from debug_server.fanout import Collector, FrData, RankResult
+
+logger = logging.getLogger(__name__)
+
+STAMP_FORMAT = "%Y%m%d_%H%M%S"
+FR_TRACE_PREFIX = "torchcomms_fr_trace"
+STACKS_PREFIX = "stacks"
+SNAPSHOT_PREFIX = "fr_snapshot"
+DUMP_FILE_HANDLER = "torchcomms_fr_dump_file"
+
+_CYCLE_FILE = re.compile(
+    rf"^(?:{FR_TRACE_PREFIX}|{STACKS_PREFIX}|{SNAPSHOT_PREFIX})_(\d{{8}}_\d{{6}})(?:_(\d+))?\.(?:txt|json)$"
+)
+
+
+# ---------------------------------------------------------------------------------------------
+# Renderers shared with the frontend's text pages
+
+
+def status_block(results: Sequence[RankResult]) -> str:
+    """``PARTIAL DATA: 6/8 ranks answered`` and one line per failed rank; empty when all did."""
+    failed = [r for r in results if not r.ok]
+    if not failed:
+        return ""
+    lines = [f"PARTIAL DATA: {len(results) - len(failed)}/{len(results)} ranks answered"]
+    lines += [f"  {r.line()}" for r in failed]
+    return "\n".join(lines)
+
+
+def stacks_text(results: Sequence[RankResult]) -> str:
+    """``=== Rank N ===`` sections: each rank's faulthandler text, or its one failure line."""
+    parts = []
+    for r in results:
+        parts.append(f"=== Rank {r.rank} ===")
+        parts.append((r.body or "").rstrip("\n") if r.ok else r.line())
+        parts.append("")
+    return "\n".join(parts)
+
+
+def dump_file_lines(results: Sequence[RankResult]) -> list[str]:
+    """``Rank N: OK - ... written to <path>`` or ``Rank N: <why not>``."""
+    lines = []
+    for r in results:
+        if r.ok:
+            try:
+                path = r.json().get("path")
+            except (ValueError, AttributeError):
+                path = None
+            lines.append(f"Rank {r.rank}: OK - FR pickle written to {path or '(path not reported)'}")
+        else:
+            lines.append(f"Rank {r.rank}: {r.error or r.status}")
+    return lines
+
+
+def fr_trace_text(result: Mapping[str, Any], fr: FrData,
+                  dump_results: Sequence[RankResult] | None = None) -> str:
+    """The fr_trace page as text (and, with ``dump_results``, the dump file)."""
+    parts = []
+    block = status_block(fr.results)
+    if block:
+        parts += [block, ""]
+    parts.append(report.fr_trace_text(dict(result)).rstrip("\n"))
+    if dump_results is not None:
+        parts += ["", "--- Dump File ---", *dump_file_lines(dump_results)]
+    return "\n".join(parts) + "\n"
+
+
+def snapshot_json(fr: FrData) -> str:
+    """``{"<rank>": dump | {"error": line}}`` built from the raw replies (no re-serialising)."""
+    items = []
+    for r in fr.results:
+        value = r.body if r.rank in fr.dumps and r.body is not None else json.dumps({"error": r.line()})
+        items.append(f"{json.dumps(str(r.rank))}: {value}")
+    return "{" + ",\n".join(items) + "}\n"
+
+
+def analyze_fr(fr: FrData, stacks: Sequence[RankResult] | None, world_size: int) -> dict[str, Any]:
+    """The analyzer over one fan-out's records (what pages and dumps both show)."""
+    stack_texts = {r.rank: r.body for r in stacks or () if r.ok and r.body is not None}
+    return analysis.analyze(fr.dumps, world_size=world_size, stacks=stack_texts or None,
+                            unavailable=fr.unavailable())
+
+
+# ---------------------------------------------------------------------------------------------
+# Files
+
+
+def write_atomic(path: str, data: str | bytes) -> None:
+    """Write to a hidden temp file in the same directory, then rename over ``path``."""
+    directory = os.path.dirname(path) or "."
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp_dump_", suffix=".part")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data.encode() if isinstance(data, str) else data)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+class DumpDir:
+    """Names, writes and prunes the dated files of one dump directory."""
+
+    def __init__(self, path: str, keep: int = 50) -> None:
+        self.path = path
+        self.keep = keep
+        self._last: tuple[str, int] | None = None
+
+    def new_stamp(self, now: float | None = None) -> str:
+        """``%Y%m%d_%H%M%S``, suffixed ``_1``, ``_2``... when that second is already used."""
+        base = time.strftime(STAMP_FORMAT, time.localtime(time.time() if now is None else now))
+        n = self._last[1] + 1 if self._last and self._last[0] == base else 0
+        while self._taken(base, n):  # a stamp from an earlier process in the same second
+            n += 1
+        self._last = (base, n)
+        return base if n == 0 else f"{base}_{n}"
+
+    def _taken(self, base: str, n: int) -> bool:
+        stamp = base if n == 0 else f"{base}_{n}"
+        return any(
+            os.path.exists(os.path.join(self.path, f"{p}_{stamp}.{ext}"))
+            for p, ext in ((FR_TRACE_PREFIX, "txt"), (STACKS_PREFIX, "txt"), (SNAPSHOT_PREFIX, "json"))
+        )
+
+    def write(self, name: str, data: str | bytes) -> str:
+        path = os.path.join(self.path, name)
+        write_atomic(path, data)
+        return path
+
+    def prune(self) -> list[str]:
+        """Delete the files of all but the newest ``keep`` cycles; returns what was deleted."""
+        cycles: dict[tuple[str, int], list[str]] = {}
+        for name in os.listdir(self.path):
+            m = _CYCLE_FILE.match(name)
+            if m:
+                cycles.setdefault((m.group(1), int(m.group(2) or 0)), []).append(name)
+        removed = []
+        for key in sorted(cycles)[: -self.keep]:
+            for name in cycles[key]:
+                try:
+                    os.unlink(os.path.join(self.path, name))
+                    removed.append(name)
+                except FileNotFoundError:
+                    pass
+        return removed
+
+
+# ---------------------------------------------------------------------------------------------
+# The dumper
+
+
+class Dumper:
+    """Runs dump cycles; owned by the frontend app as a background task."""
+
+    def __init__(self, collector: Collector, dump_dir: str, *, interval: float,
+                 enabled: Collection[str] = ALL_DUMPS, keep: int = 50,
+                 first_delay: float = 1.0) -> None:
+        self.collector = collector
+        self.dir = DumpDir(dump_dir, keep)
+        self.interval = interval
+        self.enabled = frozenset(enabled)
+        self.first_delay = min(first_delay, interval)
+        self.cycles = 0
+        self._failing = False
+
+    async def run_forever(self) -> None:
+        """First cycle soon after start (short demos get dumps), then every ``interval``."""
+        delay = self.first_delay
+        while True:
+            await asyncio.sleep(delay)
+            started = time.monotonic()
+            await self.run_cycle()
+            delay = max(0.0, self.interval - (time.monotonic() - started))
+
+    async def run_cycle(self) -> list[str]:
+        """One cycle; returns the paths written. Never raises (but for cancellation)."""
+        try:
+            written = await self._cycle()
+        except OSError as e:
+            if not self._failing:
+                logger.error("debug_server: cannot write dumps to %s: %s (will keep trying; "
+                             "pages are unaffected)", self.dir.path, e)
+            self._failing = True
+            return []
+        except Exception:
+            logger.exception("debug_server: dump cycle failed")
+            return []
+        if self._failing:
+            logger.warning("debug_server: writing dumps to %s works again", self.dir.path)
+        self._failing = False
+        self.cycles += 1
+        return written
+
+    async def _cycle(self) -> list[str]:
+        c = self.collector
+        os.makedirs(self.dir.path, exist_ok=True)
+        addrs = await c.registry.lookup()
+        want_fr = bool(self.enabled & {"fr_trace", "snapshot"})
+        fr_task = c.fr(only_active=False, addrs=addrs) if want_fr else _none()
+        stacks_task = c.stacks(addrs) if self.enabled & {"stacks", "fr_trace"} else _none()
+        dump_task = c.fetch(DUMP_FILE_HANDLER, None, addrs) if "per_rank" in self.enabled else _none()
+        fr, stacks, dumped = await asyncio.gather(fr_task, stacks_task, dump_task)
+        stamp = self.dir.new_stamp()
+        written: list[str] = []
+        loop = asyncio.get_running_loop()
+        if fr is not None and "snapshot" in self.enabled:
+            text = snapshot_json(fr)
+            written.append(await loop.run_in_executor(
+                None, self.dir.write, f"{SNAPSHOT_PREFIX}_{stamp}.json", text))
+        if fr is not None and "fr_trace" in self.enabled:
+            text = await loop.run_in_executor(None, self._fr_text, fr, stacks, dumped)
+            written.append(self.dir.write(f"{FR_TRACE_PREFIX}_{stamp}.txt", text))
+        if stacks is not None and "stacks" in self.enabled:
+            written.append(self.dir.write(f"{STACKS_PREFIX}_{stamp}.txt", stacks_text(stacks)))
+        self.dir.prune()
+        return written
+
+    def _fr_text(self, fr: FrData, stacks: list[RankResult] | None,
+                 dumped: list[RankResult] | None) -> str:
+        result = analyze_fr(fr, stacks, self.collector.world_size)
+        return fr_trace_text(result, fr, dumped)
+
+
+async def _none() -> None:
+    return None

@@ -1,0 +1,544 @@
+"""The rank-0 frontend: one page for the whole job, in its own process.
+
+Run as ``python -m debug_server.frontend --world-size N --master-addr H --master-port P`` (that is
+how ``start_debug_server`` starts it, so it never inherits the trainer's state) or build the app
+with ``make_frontend_app`` (tests). It speaks only JSON to the workers; it never imports the
+recording side.
+
+Pages: ``/`` (ranks, reachability, health, verdict), ``/fr_trace`` (= ``/torchcomms_fr_trace``)
+and ``/stacks``. Each answers HTML to browsers, the plain-text report to curl (``Accept: */*``) and
+JSON to ``Accept: application/json``; ``?format=html|text|json`` overrides.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import errno
+import importlib.resources
+import json
+import logging
+import os
+import signal
+import sys
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import jinja2
+from aiohttp import web
+from aiohttp.typedefs import Handler
+from markupsafe import Markup
+from tabulate import tabulate
+
+from debug_server import report
+from debug_server.config import ALL_DUMPS, DEFAULT_PORT, ServerConfig
+from debug_server.discovery import StaticRegistry, StoreRegistry
+from debug_server.dumps import Dumper, analyze_fr, fr_trace_text, stacks_text
+from debug_server.fanout import Collector, FrData, RankResult, Registry
+
+logger = logging.getLogger(__name__)
+
+HEALTH_HANDLER = "torchcomms_health_check"
+FORMATS = ("html", "text", "json")
+PAGE_ROWS = 1000
+"""Rows per page of the ``?full=1`` HTML view."""
+MAX_PAGE = 100_000
+PARENT_POLL_S = 1.0
+BIND_RETRY_S = 3.0
+"""How long a busy port is retried (an earlier frontend of an elastic restart may hold it)."""
+
+CONFIG = web.AppKey("config", ServerConfig)
+REGISTRY = web.AppKey("registry", Registry)
+COLLECTOR = web.AppKey("collector", Collector)
+TEMPLATES = web.AppKey("templates", jinja2.Environment)
+PARENT_PID = web.AppKey("parent_pid", int)
+SHUTDOWN = web.AppKey("shutdown", asyncio.Event)
+DUMPER = web.AppKey("dumper", Dumper)
+
+
+# ---------------------------------------------------------------------------------------------
+# Templates
+
+
+def _template_sources() -> dict[str, str]:
+    """The templates' text, from the installed package or, failing that, the source tree."""
+    with contextlib.suppress(ModuleNotFoundError, FileNotFoundError, NotADirectoryError):
+        root = importlib.resources.files("debug_server.templates")
+        found = {p.name: p.read_text("utf-8") for p in root.iterdir() if p.name.endswith(".html")}
+        if found:
+            return found
+    src = Path(__file__).resolve().parent.parent / "templates"
+    return {p.name: p.read_text("utf-8") for p in src.glob("*.html")}
+
+
+def load_templates() -> jinja2.Environment:
+    sources = _template_sources()
+    if "base.html" not in sources:
+        raise FileNotFoundError("debug_server templates not found (no base.html in the package "
+                                "or in <repo>/templates)")
+    return jinja2.Environment(loader=jinja2.DictLoader(sources), autoescape=True,
+                              undefined=jinja2.StrictUndefined)
+
+
+def html_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> Markup:
+    """The one place HTML is marked safe: tabulate escapes every cell and header itself."""
+    # No alignment padding: it only adds spaces, and at 512 ranks the page must stay small.
+    return Markup(tabulate(rows, headers=list(headers), tablefmt="html", stralign=None,
+                           numalign=None, disable_numparse=True))
+
+
+# ---------------------------------------------------------------------------------------------
+# Request parsing
+
+
+class BadRequest(web.HTTPBadRequest):
+    def __init__(self, reason: str) -> None:
+        super().__init__(text=reason + "\n")
+
+
+def _query(request: web.Request, allowed: Mapping[str, Callable[[str], Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key in request.query:
+        parse = allowed.get(key)
+        if parse is None:
+            raise BadRequest(f"unknown parameter {key!r} (allowed: {', '.join(sorted(allowed))})")
+        raw = request.query.getone(key)
+        try:
+            out[key] = parse(raw)
+        except ValueError as e:
+            raise BadRequest(f"bad parameter {key}={raw[:40]!r}: {e}") from None
+    return out
+
+
+def _format(raw: str) -> str:
+    if raw not in FORMATS:
+        raise ValueError("must be html, text or json")
+    return raw
+
+
+def _bool01(raw: str) -> bool:
+    try:
+        return {"0": False, "1": True, "false": False, "true": True}[raw.lower()]
+    except KeyError:
+        raise ValueError("must be 0/1 or true/false") from None
+
+
+def _page(raw: str) -> int:
+    n = int(raw)
+    if not 1 <= n <= MAX_PAGE:
+        raise ValueError(f"must be 1..{MAX_PAGE}")
+    return n
+
+
+def negotiate(request: web.Request, fmt: str | None) -> str:
+    """``?format=`` wins; else the Accept header: browsers get html, tools json, curl text."""
+    if fmt:
+        return fmt
+    ranges = []
+    for i, part in enumerate(request.headers.get("Accept", "*/*").split(",")):
+        media, *opts = (s.strip() for s in part.split(";"))
+        q = 1.0
+        for opt in opts:
+            if opt.startswith("q="):
+                with contextlib.suppress(ValueError):
+                    q = float(opt[2:])
+        ranges.append((-q, i, media.lower()))
+    for _, _, media in sorted(ranges):
+        if media in ("text/html", "application/xhtml+xml"):
+            return "html"
+        if media == "application/json":
+            return "json"
+        if media in ("text/plain", "text/*", "*/*"):
+            return "text"
+    return "text"
+
+
+def _respond(fmt: str, body: str | Any) -> web.Response:
+    if fmt == "json":
+        return web.Response(text=json.dumps(body, default=str), content_type="application/json")
+    if fmt == "html":
+        return web.Response(text=body, content_type="text/html")
+    return web.Response(text=body, content_type="text/plain")
+
+
+async def _off_loop(fn: Callable[..., Any], *args: Any) -> Any:
+    # Analysis and rendering are CPU work: off the loop, so other pages and the dumper go on.
+    return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
+
+
+# ---------------------------------------------------------------------------------------------
+# Pages
+
+routes = web.RouteTableDef()
+
+
+def _rank_rows(results: Sequence[RankResult]) -> list[dict[str, Any]]:
+    return [r.summary() | {"line": r.line()} for r in results]
+
+
+@dataclass(slots=True)
+class _Table:
+    """One HTML table and what the reader is told about the rows not in it."""
+
+    html: Markup
+    note: str
+
+
+def _paged_table(table: Callable[[dict[str, Any]], tuple[list[str], list[list[Any]]]],
+                 base: Mapping[str, Any], key: str, chunk: int, page: int) -> _Table:
+    """Page ``page`` of ``base[key]``, every row shown.
+
+    The report's table helpers elide rows to stay bounded; fed at most ``chunk`` rows at a
+    time (their bound), they keep them all, so the rows still come from the one renderer.
+    """
+    items = list(base.get(key, []))
+    lo = (page - 1) * PAGE_ROWS
+    part = items[lo : lo + PAGE_ROWS]
+    headers: list[str] = []
+    rows: list[list[Any]] = []
+    for i in range(0, max(len(part), 1), chunk):
+        headers, got = table({**base, "collectives": [], key: part[i : i + chunk]})
+        rows += got
+    note = (f"rows {lo + 1}-{lo + len(part)} of {len(items)} (page {page})" if part
+            else f"page {page} is past the end ({len(items)} rows)")
+    return _Table(html_table(headers, rows), note)
+
+
+def _bounded_table(table: Callable[[dict[str, Any]], tuple[list[str], list[list[Any]]]],
+                   result: Mapping[str, Any], key: str, what: str) -> _Table:
+    headers, rows = table(dict(result))
+    total = len(result.get(key, []))
+    note = f"{len(rows)} of {total} {what} (failing ones first)" if len(rows) < total else ""
+    return _Table(html_table(headers, rows), note)
+
+
+def fr_tables(result: Mapping[str, Any], *, full: bool, page: int) -> tuple[_Table, _Table]:
+    """The Collectives and NCCL Calls tables: bounded by default, every row page by page."""
+    if full:
+        return (_paged_table(report.collectives_table, result, "collectives",
+                             report.PASSING_ROWS_SHOWN, page),
+                _paged_table(report.nccl_calls_table, result, "nccl_calls",
+                             report.NCCL_ROWS_SHOWN, page))
+    return (_bounded_table(report.collectives_table, result, "collectives", "collectives"),
+            _bounded_table(report.nccl_calls_table, result, "nccl_calls", "calls"))
+
+
+def render_fr_html(env: jinja2.Environment, result: Mapping[str, Any], fr: FrData,
+                   *, full: bool, page: int, only_active: bool) -> str:
+    coll, calls = fr_tables(result, full=full, page=page)
+    return env.get_template("fr_trace.html").render(
+        title="Flight Recorder",
+        verdict=result.get("verdict", ""),
+        findings=report.findings_lines(dict(result)),
+        failures=[r.line() for r in fr.results if not r.ok],
+        ranks_answered=len(fr.dumps), world_size=len(fr.results),
+        groups=html_table(*report.groups_table(dict(result))),
+        collectives=coll.html, collectives_note=coll.note,
+        calls=calls.html, calls_note=calls.note,
+        full=full, page=page, only_active=only_active,
+    )
+
+
+async def _fr_page(request: web.Request) -> web.Response:
+    q = _query(request, {"format": _format, "full": _bool01, "page": _page,
+                         "onlyactive": _bool01})
+    fmt = negotiate(request, q.get("format"))
+    only_active = q.get("onlyactive", True)
+    collector = request.app[COLLECTOR]
+    addrs = await collector.registry.lookup()
+    fr, stacks = await asyncio.gather(collector.fr(only_active=only_active, addrs=addrs),
+                                      collector.stacks(addrs))
+    result = await _off_loop(analyze_fr, fr, stacks, collector.world_size)
+    if fmt == "json":
+        return _respond(fmt, {**result, "ranks": _rank_rows(fr.results)})
+    if fmt == "text":
+        return _respond(fmt, await _off_loop(fr_trace_text, result, fr))
+    html = await _off_loop(lambda: render_fr_html(
+        request.app[TEMPLATES], result, fr, full=q.get("full", False), page=q.get("page", 1),
+        only_active=only_active))
+    return _respond(fmt, html)
+
+
+@routes.get("/fr_trace")
+async def fr_trace(request: web.Request) -> web.Response:
+    return await _fr_page(request)
+
+
+@routes.get("/torchcomms_fr_trace")
+async def torchcomms_fr_trace(request: web.Request) -> web.Response:
+    return await _fr_page(request)
+
+
+@routes.get("/stacks")
+async def stacks(request: web.Request) -> web.Response:
+    fmt = negotiate(request, _query(request, {"format": _format}).get("format"))
+    results = await request.app[COLLECTOR].stacks()
+    if fmt == "json":
+        return _respond(fmt, {"ranks": [r.summary() | {"stacks": r.body if r.ok else None}
+                                        for r in results]})
+    if fmt == "text":
+        return _respond(fmt, stacks_text(results))
+    html = request.app[TEMPLATES].get_template("stacks.html").render(
+        title="Stacks", ranks=results, failures=[r.line() for r in results if not r.ok])
+    return _respond(fmt, html)
+
+
+def _in_flight(h: Mapping[str, Any]) -> str:
+    n, oldest = h.get("in_flight"), h.get("oldest_in_flight_s")
+    if not n:
+        return ""
+    age = f", oldest {oldest:.0f} s" if isinstance(oldest, int | float) else ""
+    return f" ({n} op{'s' if n != 1 else ''} in flight{age})"
+
+
+def _health_line(r: RankResult) -> str:
+    if not r.ok:
+        return "n/a" if r.http_status == 404 else "unknown"
+    try:
+        h = r.json()
+    except ValueError:
+        return "unreadable"
+    if not isinstance(h, dict):
+        return "unreadable"
+    if h.get("healthy", True):
+        return "healthy" + _in_flight(h)
+    op = h.get("stalled_op")
+    if isinstance(op, dict):
+        age = op.get("age_s")
+        age_s = f" for {age:.0f} s" if isinstance(age, int | float) else ""
+        return f"UNHEALTHY: {op.get('group')} seq {op.get('seq')} {op.get('op')} stalled{age_s}"
+    return "UNHEALTHY"
+
+
+@routes.get("/")
+async def index(request: web.Request) -> web.Response:
+    fmt = negotiate(request, _query(request, {"format": _format}).get("format"))
+    collector = request.app[COLLECTOR]
+    addrs = await collector.registry.lookup()
+    health, fr, stack_res = await asyncio.gather(
+        collector.fetch(HEALTH_HANDLER, None, addrs), collector.fr(only_active=True, addrs=addrs),
+        collector.stacks(addrs))
+    result = await _off_loop(analyze_fr, fr, stack_res, collector.world_size)
+    reach = {r.rank: r for r in stack_res}
+    rows = [{"rank": h.rank, "url": h.url or "", "status": reach[h.rank].status,
+             "line": reach[h.rank].line(), "health": _health_line(h)} for h in health]
+    reachable = sum(1 for r in stack_res if r.ok)
+    verdict = result.get("verdict", "")
+    if fmt == "json":
+        return _respond(fmt, {"world_size": collector.world_size, "reachable": reachable,
+                              "verdict": verdict, "findings": result.get("findings", []),
+                              "ranks": rows})
+    if fmt == "text":
+        lines = [f"debug_server: {reachable}/{collector.world_size} ranks reachable",
+                 f"Verdict: {verdict}", ""]
+        lines += [f"rank {r['rank']}: {r['status']}, {r['health']}  {r['url']}"
+                  if r["status"] == "ok" else f"{r['line']}" for r in rows]
+        return _respond(fmt, "\n".join(lines) + "\n")
+    html = request.app[TEMPLATES].get_template("index.html").render(
+        title="Overview", world_size=collector.world_size, reachable=reachable,
+        verdict=verdict, findings=report.findings_lines(dict(result)), ranks=rows, failures=[])
+    return _respond(fmt, html)
+
+
+# ---------------------------------------------------------------------------------------------
+# App
+
+
+@web.middleware
+async def _one_line_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except web.HTTPException:
+        raise
+    except Exception as e:  # the traceback goes to the log, one line to the reader
+        logger.exception("debug_server frontend: %s failed", request.path)
+        return web.Response(status=500, text=f"{request.path} failed: {type(e).__name__}: "
+                                             f"{str(e).splitlines()[0][:300] if str(e) else ''}\n")
+
+
+async def _client_ctx(app: web.Application) -> AsyncIterator[None]:
+    config = app[CONFIG]
+    connector = aiohttp.TCPConnector(limit=config.max_concurrency)
+    async with aiohttp.ClientSession(connector=connector) as session:
+        app[COLLECTOR] = Collector(session, app[REGISTRY], timeout=config.fetch_timeout,
+                                   max_concurrency=config.max_concurrency)
+        yield
+    app[REGISTRY].close()
+
+
+async def _background_ctx(app: web.Application) -> AsyncIterator[None]:
+    config = app[CONFIG]
+    tasks = []
+    if config.dump_dir:
+        dumper = Dumper(app[COLLECTOR], config.dump_dir, interval=config.dump_interval,
+                        enabled=config.enabled_dumps, keep=config.keep_dumps)
+        app[DUMPER] = dumper
+        tasks.append(asyncio.create_task(dumper.run_forever(), name="debug_server.dumper"))
+    if PARENT_PID in app:
+        tasks.append(asyncio.create_task(_watch_parent(app), name="debug_server.parent"))
+    yield
+    for t in tasks:
+        t.cancel()
+    for t in tasks:
+        with contextlib.suppress(asyncio.CancelledError):
+            await t
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+async def _watch_parent(app: web.Application) -> None:
+    """Exit with the trainer: a frontend outliving rank 0 would hold the port for nothing."""
+    pid = app[PARENT_PID]
+    was_child = os.getppid() == pid
+    while True:
+        await asyncio.sleep(PARENT_POLL_S)
+        # getppid() changes when the parent dies (re-parenting); it also guards against pid reuse.
+        if (was_child and os.getppid() != pid) or not _pid_alive(pid):
+            logger.warning("debug_server frontend: parent process %d is gone; exiting", pid)
+            app[SHUTDOWN].set()
+            return
+
+
+def make_frontend_app(config: ServerConfig, registry: Registry,
+                      *, parent_pid: int | None = None) -> web.Application:
+    """The frontend app over ``registry``'s workers (and, with ``config.dump_dir``, the dumper)."""
+    app = web.Application(middlewares=[_one_line_errors])
+    app[CONFIG] = config
+    app[REGISTRY] = registry
+    app[TEMPLATES] = load_templates()
+    app[SHUTDOWN] = asyncio.Event()
+    if parent_pid is not None:
+        app[PARENT_PID] = parent_pid
+    app.cleanup_ctx.append(_client_ctx)
+    app.cleanup_ctx.append(_background_ctx)
+    app.add_routes(routes)
+    return app
+
+
+# ---------------------------------------------------------------------------------------------
+# The frontend process
+
+
+def _report_ready(fd: int | None, line: str) -> None:
+    if fd is None:
+        return
+    with contextlib.suppress(OSError):
+        os.write(fd, (line.strip() + "\n").encode())
+        os.close(fd)
+
+
+async def _bind(runner: web.AppRunner, config: ServerConfig, retry_s: float) -> None:
+    # After an elastic restart the previous frontend may hold the port for a moment longer
+    # (it polls its dead parent every second, then shuts down), so a busy port is retried
+    # briefly before it is reported.
+    deadline = asyncio.get_running_loop().time() + retry_s
+    while True:
+        site = web.TCPSite(runner, config.host, config.port)
+        try:
+            await site.start()
+            return
+        except OSError as e:
+            await site.stop()  # unregister the failed site from the runner
+            if e.errno != errno.EADDRINUSE or asyncio.get_running_loop().time() >= deadline:
+                raise
+        await asyncio.sleep(0.25)
+
+
+async def serve(config: ServerConfig, registry: Registry, *, parent_pid: int | None = None,
+                ready_fd: int | None = None) -> int:
+    """Serve until SIGTERM/SIGINT or the parent's death; returns the process exit code."""
+    app = make_frontend_app(config, registry, parent_pid=parent_pid)
+    runner = web.AppRunner(app, handle_signals=False, shutdown_timeout=2.0, access_log=None)
+    await runner.setup()
+    try:
+        try:
+            await _bind(runner, config, BIND_RETRY_S)
+        except OSError as e:
+            where = f"{config.host or '*'}:{config.port}"
+            msg = (f"error: port {config.port} is already in use ({where})"
+                   if e.errno == errno.EADDRINUSE else f"error: cannot bind port {config.port} "
+                   f"({where}): {e.strerror or e}")
+            logger.error("debug_server frontend: %s", msg)
+            _report_ready(ready_fd, msg)
+            return 3
+        port = next(a[1] for a in runner.addresses if isinstance(a, tuple))
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, app[SHUTDOWN].set)  # our own process: ours to handle
+        logger.info("debug_server frontend on port %d for %d ranks", port, registry.world_size)
+        _report_ready(ready_fd, f"ready {port}")
+        await app[SHUTDOWN].wait()
+        return 0
+    finally:
+        await runner.cleanup()
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m debug_server.frontend",
+                                description="Rank-0 frontend of debug_server.")
+    p.add_argument("--port", type=int, default=DEFAULT_PORT)
+    p.add_argument("--host", default=None, help="bind address (default: all interfaces)")
+    p.add_argument("--world-size", type=int, required=True)
+    p.add_argument("--master-addr", help="TCPStore host (default $MASTER_ADDR)")
+    p.add_argument("--master-port", type=int, help="TCPStore port (default $MASTER_PORT)")
+    p.add_argument("--restart-count", type=int, default=None,
+                   help="elastic restart whose registrations to trust "
+                        "(default $TORCHELASTIC_RESTART_COUNT or 0)")
+    p.add_argument("--worker-urls", help="comma-separated worker URLs instead of the store")
+    p.add_argument("--dump-dir")
+    p.add_argument("--dump-interval", type=float, default=60.0)
+    p.add_argument("--enabled-dumps", default=",".join(sorted(ALL_DUMPS)))
+    p.add_argument("--keep-dumps", type=int, default=50)
+    p.add_argument("--fetch-timeout", type=float, default=5.0)
+    p.add_argument("--max-concurrency", type=int, default=64)
+    p.add_argument("--parent-pid", type=int)
+    p.add_argument("--ready-fd", type=int, help="write 'ready <port>' or 'error: ...' here")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the frontend process (``python -m debug_server.frontend``)."""
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        config = ServerConfig(
+            port=args.port, host=args.host, dump_dir=args.dump_dir,
+            dump_interval=args.dump_interval, fetch_timeout=args.fetch_timeout,
+            enabled_dumps=frozenset(d for d in args.enabled_dumps.split(",") if d),
+            keep_dumps=args.keep_dumps, max_concurrency=args.max_concurrency)
+    except ValueError as e:
+        _report_ready(args.ready_fd, f"error: {e}")
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    registry: Registry
+    if args.worker_urls:
+        registry = StaticRegistry([u or None for u in args.worker_urls.split(",")])
+    else:
+        addr = args.master_addr or os.environ.get("MASTER_ADDR")
+        port = args.master_port or int(os.environ.get("MASTER_PORT", "0"))
+        if not addr or not port:
+            _report_ready(args.ready_fd, "error: no store address (--master-addr/--master-port)")
+            print("error: give --master-addr/--master-port or --worker-urls", file=sys.stderr)
+            return 2
+        restart = args.restart_count
+        if restart is None:
+            restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+        registry = StoreRegistry(addr, port, args.world_size, restart,
+                                 timeout=min(5.0, args.fetch_timeout))
+    return asyncio.run(serve(config, registry, parent_pid=args.parent_pid, ready_fd=args.ready_fd))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

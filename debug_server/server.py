@@ -1,0 +1,296 @@
+"""``start_debug_server`` / ``stop_debug_server``: the worker on every rank, the frontend on rank 0."""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import errno
+import logging
+import os
+import select
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Collection
+from pathlib import Path
+
+from debug_server.config import ALL_DUMPS, DEFAULT_PORT, JobEnv, ServerConfig, default_bind_host
+from debug_server.discovery import advertised_host, register_worker, store_client
+from debug_server.worker import HooksProvider, WorkerThread, start_worker_thread
+
+logger = logging.getLogger(__name__)
+
+_LOCK = threading.Lock()
+_CURRENT: DebugServer | None = None
+
+DUMP_PATH_ENV = "TORCHCOMM_FR_DUMP_TEMP_FILE"
+FRONTEND_START_TIMEOUT = 60.0
+STORE_CONNECT_TIMEOUT = 300.0
+REGISTER_WAIT = 2.0
+
+
+class _Registration:
+    """Writes this rank's worker URL into the job's store from a daemon thread.
+
+    Under torchrun the store is up before the trainer starts and this finishes at once; with a
+    plain ``env://`` rendezvous rank 0 creates the store later, in ``init_process_group``, so
+    blocking ``start_debug_server`` on it would deadlock a job that starts the server first.
+    """
+
+    def __init__(self, job: JobEnv, url: str) -> None:
+        self.job = job
+        self.url = url
+        self.done = threading.Event()
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="debug_server.register", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            store = store_client(self.job.master_addr, self.job.master_port, STORE_CONNECT_TIMEOUT)
+            register_worker(store, self.job, self.url)
+        except Exception as e:  # logged here: nobody may be waiting any more
+            self.error = e
+            logger.error("debug_server: rank %d could not register its worker %s in the store "
+                         "%s:%d: %s", self.job.rank, self.url, self.job.master_addr,
+                         self.job.master_port, str(e).splitlines()[0] if str(e) else e)
+        finally:
+            self.done.set()
+
+
+class DebugServer:
+    """What ``start_debug_server`` started in this process; ``stop()`` ends it (idempotent)."""
+
+    def __init__(self, job: JobEnv, config: ServerConfig, worker: WorkerThread, worker_url: str,
+                 frontend: subprocess.Popen[bytes] | None, frontend_port: int | None,
+                 registration: _Registration) -> None:
+        self.job = job
+        self.registration = registration
+        self.config = config
+        self.worker = worker
+        self.worker_url = worker_url
+        self.frontend = frontend
+        self.frontend_port = frontend_port
+        self._stopped = False
+
+    def wait_registered(self, timeout: float | None = None) -> bool:
+        """True once this rank's worker is in the store (False on timeout or failure)."""
+        return self.registration.done.wait(timeout) and self.registration.error is None
+
+    @property
+    def worker_port(self) -> int:
+        return self.worker.port
+
+    @property
+    def frontend_url(self) -> str | None:
+        """``http://<host>:<port>`` of the rank-0 frontend; None on other ranks."""
+        if self.frontend_port is None:
+            return None
+        host = self.config.host or "127.0.0.1"
+        return f"http://{_url_host(host)}:{self.frontend_port}"
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Stop the frontend process (rank 0) and this rank's worker. Safe to call twice."""
+        global _CURRENT
+        if self._stopped:
+            return
+        self._stopped = True
+        atexit.unregister(self._terminate_at_exit)
+        if self.frontend is not None:
+            _end_process(self.frontend, timeout)
+        self.worker.stop(timeout)
+        with _LOCK:
+            if _CURRENT is self:
+                _CURRENT = None
+
+    def _terminate_at_exit(self) -> None:
+        # At interpreter exit: signal the frontend and move on (it also notices our death
+        # within a second); never make the trainer wait.
+        if not self._stopped and self.frontend is not None and self.frontend.poll() is None:
+            with contextlib.suppress(OSError):
+                self.frontend.terminate()
+
+
+def start_debug_server(
+    port: int = DEFAULT_PORT,
+    worker_port: int = 0,
+    dump_dir: str | None = None,
+    dump_interval: float = 60.0,
+    enabled_dumps: Collection[str] | None = None,
+    fetch_timeout: float = 5.0,
+    host: str | None = None,
+    *,
+    keep_dumps: int = 50,
+    max_concurrency: int = 64,
+    stall_timeout: float | None = None,
+    auth_token: str | None = None,
+) -> DebugServer:
+    """Start the hang debugger on this rank; call it on every rank after torchrun set the env.
+
+    Every rank starts a worker (an HTTP server in a daemon thread that serves this process's
+    stacks and Flight Recorder record) and registers it in the job's TCPStore
+    (``MASTER_ADDR:MASTER_PORT``). Rank 0 also starts the frontend in its own process, which
+    serves ``/``, ``/fr_trace`` and ``/stacks`` for the whole job and runs the periodic dumper.
+
+    Args:
+        port: The frontend's port on rank 0 (default 25999). If it is taken, this raises
+            ``OSError`` naming the port (and the worker is stopped again).
+        worker_port: This rank's worker port; 0 (default) lets the OS pick a free one.
+        dump_dir: Where the frontend writes periodic dumps; None (default) disables them. When
+            set and ``TORCHCOMM_FR_DUMP_TEMP_FILE`` is not, that variable is set to
+            ``<dump_dir>/per_rank/rank_`` so every rank's pickle lands next to the reports.
+        dump_interval: Seconds between dump cycles (default 60); the first cycle runs about a
+            second after start so short runs get dumps too.
+        enabled_dumps: Which dumps a cycle writes, a subset of ``{"fr_trace", "stacks",
+            "per_rank", "snapshot"}``; None (default) means all.
+        fetch_timeout: Seconds the frontend waits for one rank before reporting it as timed
+            out (default 5); pages and dumps never wait longer than this on a stuck rank.
+        host: Address to bind the worker and frontend to. None (default) binds 127.0.0.1 for
+            a single-host job (``MASTER_ADDR`` is loopback and ``LOCAL_WORLD_SIZE ==
+            WORLD_SIZE``) and all interfaces otherwise.
+        keep_dumps: Dump cycles kept in ``dump_dir`` (default 50); older files are deleted.
+        max_concurrency: Most worker requests the frontend has in flight at once (default 64).
+        stall_timeout: Seconds an op may stay in flight before this rank's health check
+            (``/`` on the frontend, ``torchcomms_health_check`` on the worker) reports it as
+            unhealthy, naming the op; None (default) leaves it to the hooks' own setting.
+        auth_token: Reserved for access control on multi-host jobs; must be None for now.
+
+    Returns:
+        A ``DebugServer`` handle; ``handle.stop()`` (or ``stop_debug_server()``) ends it.
+
+    Raises:
+        RuntimeError: if a debug server is already running in this process.
+        debug_server.config.ConfigError: on a missing torchrun variable or a bad argument.
+        OSError: if a port cannot be bound (the message names it).
+    """
+    global _CURRENT
+    job = JobEnv.from_env()
+    config = ServerConfig(
+        port=port, worker_port=worker_port, dump_dir=dump_dir, dump_interval=dump_interval,
+        enabled_dumps=ALL_DUMPS if enabled_dumps is None else frozenset(enabled_dumps),
+        fetch_timeout=fetch_timeout, keep_dumps=keep_dumps, max_concurrency=max_concurrency,
+        stall_timeout=stall_timeout, auth_token=auth_token,
+        host=host if host is not None else default_bind_host(job),
+    )
+    with _LOCK:
+        if _CURRENT is not None:
+            raise RuntimeError("debug server already running in this process; "
+                               "call stop_debug_server() first")
+        if dump_dir is not None and not os.environ.get(DUMP_PATH_ENV):
+            # The dump cycle asks every rank to write its pickle to $TORCHCOMM_FR_DUMP_TEMP_FILE
+            # <rank>; pointing it into dump_dir/per_rank puts them next to the reports, where
+            # PyTorch's fr_trace reads them with `-p rank_`. A user's own setting wins.
+            os.environ[DUMP_PATH_ENV] = os.path.join(os.path.abspath(dump_dir), "per_rank", "rank_")
+        # Start the frontend first: it needs seconds to import; the worker starts meanwhile.
+        pending = _spawn_frontend(config, job) if job.rank == 0 else None
+        worker: WorkerThread | None = None
+        try:
+            worker = start_worker_thread(HooksProvider(job.rank, config.stall_timeout), config.host,
+                                         config.worker_port)
+            worker_url = f"http://{_url_host(advertised_host(config.host))}:{worker.port}"
+            registration = _Registration(job, worker_url)
+            registration.done.wait(REGISTER_WAIT)
+            frontend_port = _wait_ready(pending, config) if pending is not None else None
+        except BaseException:
+            if pending is not None:
+                _end_process(pending[0], 2.0)
+            if worker is not None:
+                worker.stop()
+            raise
+        handle = DebugServer(job, config, worker, worker_url,
+                             pending[0] if pending else None, frontend_port, registration)
+        _CURRENT = handle
+    atexit.register(handle._terminate_at_exit)
+    logger.info("debug_server: rank %d worker at %s%s", job.rank, worker_url,
+                f"; frontend at {handle.frontend_url}" if handle.frontend_url else "")
+    return handle
+
+
+def stop_debug_server() -> None:
+    """Stop this process's debug server, if any. Safe on every rank and safe to call twice."""
+    with _LOCK:
+        handle = _CURRENT
+    if handle is not None:
+        handle.stop()
+
+
+def _url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
+def _spawn_frontend(config: ServerConfig, job: JobEnv) -> tuple[subprocess.Popen[bytes], int]:
+    """Start ``python -m debug_server.frontend``; it reports on a pipe whether it bound the port."""
+    read_fd, write_fd = os.pipe()
+    args = [
+        sys.executable, "-m", "debug_server.frontend",
+        "--port", str(config.port),
+        "--world-size", str(job.world_size),
+        "--master-addr", job.master_addr, "--master-port", str(job.master_port),
+        "--restart-count", str(job.restart_count),
+        "--dump-interval", str(config.dump_interval),
+        "--enabled-dumps", ",".join(sorted(config.enabled_dumps)),
+        "--keep-dumps", str(config.keep_dumps),
+        "--fetch-timeout", str(config.fetch_timeout),
+        "--max-concurrency", str(config.max_concurrency),
+        "--parent-pid", str(os.getpid()),
+        "--ready-fd", str(write_fd),
+    ]
+    if config.host is not None:
+        args += ["--host", config.host]
+    if config.dump_dir is not None:
+        args += ["--dump-dir", os.path.abspath(config.dump_dir)]
+    env = dict(os.environ)
+    # The child must import this very package even when the trainer found it via sys.path
+    # tweaks rather than an install.
+    pkg_root = str(Path(__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (pkg_root, env.get("PYTHONPATH")) if p)
+    try:
+        proc = subprocess.Popen(args, env=env, stdin=subprocess.DEVNULL, pass_fds=(write_fd,),
+                                close_fds=True)
+    finally:
+        os.close(write_fd)
+    return proc, read_fd
+
+
+def _wait_ready(pending: tuple[subprocess.Popen[bytes], int], config: ServerConfig) -> int:
+    """The frontend's bound port, or an error naming the port; bounded by FRONTEND_START_TIMEOUT."""
+    proc, read_fd = pending
+    deadline = time.monotonic() + FRONTEND_START_TIMEOUT
+    buf = b""
+    try:
+        while b"\n" not in buf:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"debug_server frontend did not report ready on port "
+                                   f"{config.port} within {FRONTEND_START_TIMEOUT:.0f} s")
+            ready, _, _ = select.select([read_fd], [], [], min(left, 0.5))
+            if not ready:
+                continue
+            chunk = os.read(read_fd, 4096)
+            if not chunk:  # the child exited (or closed the pipe) without a word
+                code = proc.wait(timeout=5)
+                raise RuntimeError(f"debug_server frontend (port {config.port}) exited with "
+                                   f"code {code} before it was ready; see its log above")
+            buf += chunk
+    finally:
+        os.close(read_fd)
+    line = buf.split(b"\n", 1)[0].decode(errors="replace").strip()
+    if line.startswith("ready "):
+        return int(line.split()[1])
+    reason = line.removeprefix("error: ")
+    code = errno.EADDRINUSE if "in use" in reason else errno.EACCES
+    raise OSError(code, f"debug_server frontend: {reason}; pass another port= to "
+                  f"start_debug_server or stop what holds port {config.port}")
+
+
+def _end_process(proc: subprocess.Popen[bytes], timeout: float) -> None:
+    if proc.poll() is None:
+        with contextlib.suppress(OSError):
+            proc.terminate()
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(OSError):
+                proc.kill()
+            proc.wait(timeout)

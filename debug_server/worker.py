@@ -1,0 +1,381 @@
+"""The per-rank worker: a small aiohttp app in a daemon thread of each rank.
+
+Wire protocol (the paths of torch's C++ ``WorkerServer``, so either frontend reads either
+worker): ``GET /handler/`` lists handler names as JSON; ``POST /handler/<name>?<params>`` runs
+one. Unknown name: 404. Bad parameter: 400. Failure: 500. Error bodies are one line, never a
+traceback. Everything is JSON or text; nothing from the network is unpickled.
+
+What the worker serves comes from a ``Provider``; ``HooksProvider`` reads this process's
+Flight Recorder hooks, ``StaticProvider`` serves fixed data (tests, benchmarks).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Protocol
+
+from aiohttp import web
+
+from debug_server.stacks import capture_stacks
+
+logger = logging.getLogger(__name__)
+
+_BOOL = {"true": True, "false": False}
+
+
+class HandlerError(Exception):
+    """An error a handler reports with an HTTP status and a one-line reason."""
+
+    def __init__(self, status: int, reason: str) -> None:
+        super().__init__(reason)
+        self.status = status
+        self.reason = reason
+
+
+class Provider(Protocol):
+    """What a worker serves. Methods run on the worker's thread and may raise."""
+
+    def fr_snapshot(self, *, only_active: bool, include_collectives: bool) -> Mapping[str, Any]:
+        """The merged Flight Recorder dump of this process (torch FR schema)."""
+        ...
+
+    def c10d_fr_json(self, *, only_active: bool, include_collectives: bool) -> str:
+        """torch c10d's built-in FR as JSON text; raise ``HandlerError(404, ...)`` if absent."""
+        ...
+
+    def stacks(self) -> str:
+        """faulthandler text of every thread."""
+        ...
+
+    def dump_file(self) -> str:
+        """Write this rank's pickle now and return its path."""
+        ...
+
+    def health(self) -> Mapping[str, Any]:
+        """``{"healthy": bool, "stalled_op": ... | None, ...}``."""
+        ...
+
+
+def c10d_fr_json(*, only_active: bool, include_collectives: bool) -> str:
+    """torch's built-in c10d Flight Recorder as JSON, where this torch build has it."""
+    try:
+        from torch._C import _distributed_c10d as c10d
+    except ImportError:
+        raise HandlerError(404, "this torch has no torch.distributed (c10d) build") from None
+    fn = getattr(c10d, "_dump_fr_trace_json", None) or getattr(c10d, "_dump_nccl_trace_json", None)
+    if fn is None:
+        raise HandlerError(404, "this torch has no built-in c10d flight recorder JSON dump")
+    raw = fn(include_collectives, only_active)
+    return raw.decode() if isinstance(raw, bytes) else str(raw)
+
+
+class HooksProvider:
+    """Serves the FlightRecorderHook(s) of this process; finds them with no wiring by the user.
+
+    ``stall_timeout``: an op in flight longer than this makes the health check unhealthy, on
+    top of whatever the hooks' own ``stall_timeout`` says.
+    """
+
+    def __init__(self, rank: int, stall_timeout: float | None = None) -> None:
+        self.rank = rank
+        self.stall_timeout = stall_timeout
+
+    def fr_snapshot(self, *, only_active: bool, include_collectives: bool) -> Mapping[str, Any]:
+        # Imported here so the server side loads without the recording side (and vice versa).
+        from debug_server import hooks
+
+        return hooks.snapshot(only_active=only_active, include_collectives=include_collectives)
+
+    def c10d_fr_json(self, *, only_active: bool, include_collectives: bool) -> str:
+        return c10d_fr_json(only_active=only_active, include_collectives=include_collectives)
+
+    def stacks(self) -> str:
+        return capture_stacks()
+
+    def dump_file(self) -> str:
+        from debug_server import hooks
+
+        return hooks.dump_file(self.rank)
+
+    def health(self) -> Mapping[str, Any]:
+        from debug_server import hooks
+
+        health = dict(hooks.health())
+        if self.stall_timeout is not None and health.get("healthy", True):
+            stalled = stalled_op(hooks.snapshot(only_active=True)["entries"], self.stall_timeout)
+            if stalled is not None:
+                health.update(healthy=False, stalled_op=stalled)
+        return health
+
+
+def stalled_op(entries: Sequence[Mapping[str, Any]], stall_timeout: float,
+               now_ns: int | None = None) -> dict[str, Any] | None:
+    """The oldest unfinished entry if it has been in flight longer than ``stall_timeout``."""
+    active = [e for e in entries if e.get("state") != "completed" and e.get("time_created_ns")]
+    if not active:
+        return None
+    oldest = min(active, key=lambda e: e["time_created_ns"])
+    age = ((time.time_ns() if now_ns is None else now_ns) - oldest["time_created_ns"]) / 1e9
+    if age <= stall_timeout:
+        return None
+    pg = oldest.get("process_group") or ["", ""]
+    return {
+        "group": pg[0],
+        "seq": oldest.get("p2p_seq_id") if oldest.get("is_p2p") else oldest.get("collective_seq_id"),
+        "op": str(oldest.get("profiling_name", "")).split(":", 1)[-1].split(" ")[0],
+        "age_s": round(age, 3),
+    }
+
+
+class StaticProvider:
+    """Fixed data behind a real worker: fake ranks in tests and benchmarks."""
+
+    def __init__(
+        self,
+        dump: Mapping[str, Any],
+        *,
+        stacks: str = "",
+        health: Mapping[str, Any] | None = None,
+        dump_path: str | None = None,
+    ) -> None:
+        self.dump = dump
+        self.stacks_text = stacks
+        self.health_info = health if health is not None else {"healthy": True, "stalled_op": None}
+        self.dump_path = dump_path
+        self.dump_calls = 0
+
+    def fr_snapshot(self, *, only_active: bool, include_collectives: bool) -> Mapping[str, Any]:
+        entries = self.dump.get("entries", []) if include_collectives else []
+        if only_active:
+            entries = [e for e in entries if e.get("state") != "completed"]
+        return {**self.dump, "entries": entries}
+
+    def c10d_fr_json(self, *, only_active: bool, include_collectives: bool) -> str:
+        raise HandlerError(404, "no c10d flight recorder in this fake rank")
+
+    def stacks(self) -> str:
+        return self.stacks_text
+
+    def dump_file(self) -> str:
+        if self.dump_path is None:
+            raise HandlerError(500, "no dump path configured")
+        from debug_server.dumpio import write_dump_atomic
+
+        self.dump_calls += 1
+        return write_dump_atomic(self.dump_path, dict(self.dump))
+
+    def health(self) -> Mapping[str, Any]:
+        return self.health_info
+
+
+# ---------------------------------------------------------------------------------------------
+# The app
+
+PROVIDER = web.AppKey("provider", Provider)
+
+Handler = Callable[[Provider, Mapping[str, str]], Any]
+
+
+def _flag(params: Mapping[str, str], name: str, default: bool) -> bool:
+    raw = params.get(name)
+    if raw is None:
+        return default
+    try:
+        return _BOOL[raw.lower()]
+    except KeyError:
+        raise HandlerError(400, f"parameter {name}={raw!r} must be true or false") from None
+
+
+def _only(params: Mapping[str, str], allowed: frozenset[str]) -> None:
+    extra = sorted(set(params) - allowed)
+    if extra:
+        names = ", ".join(sorted(allowed)) or "none"
+        raise HandlerError(400, f"unknown parameter {extra[0]!r} (allowed: {names})")
+
+
+_FR_PARAMS = frozenset({"onlyactive", "includecollectives"})
+_NO_PARAMS: frozenset[str] = frozenset()
+
+
+def _ping(p: Provider, q: Mapping[str, str]) -> str:
+    _only(q, _NO_PARAMS)
+    return "pong"
+
+
+def _dump_traceback(p: Provider, q: Mapping[str, str]) -> str:
+    _only(q, _NO_PARAMS)
+    return p.stacks()
+
+
+def _fr_args(q: Mapping[str, str]) -> dict[str, bool]:
+    _only(q, _FR_PARAMS)
+    return {
+        "only_active": _flag(q, "onlyactive", False),
+        "include_collectives": _flag(q, "includecollectives", True),
+    }
+
+
+def _torchcomms_fr_trace_json(p: Provider, q: Mapping[str, str]) -> Mapping[str, Any]:
+    return p.fr_snapshot(**_fr_args(q))
+
+
+def _fr_trace_json(p: Provider, q: Mapping[str, str]) -> web.Response:
+    text = p.c10d_fr_json(**_fr_args(q))
+    return web.Response(text=text, content_type="application/json")
+
+
+def _torchcomms_fr_dump_file(p: Provider, q: Mapping[str, str]) -> Mapping[str, Any]:
+    _only(q, _NO_PARAMS)
+    try:
+        path = p.dump_file()
+    except OSError as e:
+        raise HandlerError(500, f"writing the dump failed: {e}") from None
+    return {"path": path}
+
+
+def _torchcomms_health_check(p: Provider, q: Mapping[str, str]) -> Mapping[str, Any]:
+    _only(q, _NO_PARAMS)
+    return p.health()
+
+
+HANDLERS: dict[str, Handler] = {
+    "ping": _ping,
+    "dump_traceback": _dump_traceback,
+    "torchcomms_fr_trace_json": _torchcomms_fr_trace_json,
+    "fr_trace_json": _fr_trace_json,
+    "torchcomms_fr_dump_file": _torchcomms_fr_dump_file,
+    "torchcomms_health_check": _torchcomms_health_check,
+}
+
+routes = web.RouteTableDef()
+
+
+@routes.get("/handler/")
+async def list_handlers(request: web.Request) -> web.Response:
+    return web.json_response(sorted(HANDLERS))
+
+
+@routes.post("/handler/{name}")
+async def run_handler(request: web.Request) -> web.Response:
+    name = request.match_info["name"]
+    handler = HANDLERS.get(name)
+    if handler is None:
+        return web.Response(status=404, text=f"Handler {name} not found")
+    params = {k: request.query.getone(k) for k in request.query}
+    try:
+        # Runs on this worker's own thread: a slow snapshot delays only this worker's replies.
+        out = handler(request.app[PROVIDER], params)
+    except HandlerError as e:
+        return web.Response(status=e.status, text=e.reason)
+    except Exception as e:  # one line to the caller, the traceback to this rank's log
+        logger.exception("debug_server worker: handler %s failed", name)
+        return web.Response(status=500, text=f"{name} failed: {type(e).__name__}: {_one_line(e)}")
+    if isinstance(out, web.Response):
+        return out
+    if isinstance(out, str):
+        return web.Response(text=out)
+    return web.Response(text=json.dumps(out, default=str), content_type="application/json")
+
+
+def _one_line(e: BaseException) -> str:
+    lines = str(e).strip().splitlines()
+    return lines[0][:500] if lines else ""
+
+
+def make_worker_app(provider: Provider) -> web.Application:
+    """The worker app serving ``provider`` under torch's ``/handler/<name>`` paths."""
+    app = web.Application()
+    app[PROVIDER] = provider
+    app.add_routes(routes)
+    return app
+
+
+# ---------------------------------------------------------------------------------------------
+# Running it in a daemon thread of the trainer
+
+
+class WorkerThread:
+    """A worker app served from a daemon thread with its own event loop.
+
+    Daemon, no signal handlers: the trainer exits as if the worker were not there. ``port`` is
+    the bound port (the one asked for, or the one the OS picked for 0).
+    """
+
+    def __init__(self, app: web.Application, host: str | None, port: int) -> None:
+        self._app = app
+        self._host = host
+        self._want_port = port
+        self.port = 0
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop: asyncio.Event | None = None
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="debug_server.worker", daemon=True)
+
+    def start(self, timeout: float = 30.0) -> WorkerThread:
+        self._thread.start()
+        if not self._ready.wait(timeout):
+            raise TimeoutError(f"debug_server worker did not start within {timeout} s")
+        if self._error is not None:
+            raise self._error
+        return self
+
+    def _run(self) -> None:
+        try:
+            asyncio.run(self._serve())
+        except BaseException as e:  # reported to start(); never propagates into the trainer
+            if not self._ready.is_set():
+                self._error = e
+                self._ready.set()
+            else:
+                logger.exception("debug_server worker thread ended with an error")
+
+    async def _serve(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._stop = asyncio.Event()
+        runner = web.AppRunner(self._app, handle_signals=False, shutdown_timeout=2.0,
+                               access_log=None)
+        await runner.setup()
+        try:
+            site = web.TCPSite(runner, self._host, self._want_port, reuse_address=True)
+            try:
+                await site.start()
+            except OSError as e:
+                raise OSError(
+                    e.errno, f"debug_server worker cannot bind {self._host or '*'}:{self._want_port}: "
+                    f"{e.strerror or e}") from None
+            self.port = _bound_port(runner)
+            self._ready.set()
+            await self._stop.wait()
+        finally:
+            await runner.cleanup()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        loop, stop = self._loop, self._stop
+        if loop is not None and stop is not None and not loop.is_closed():
+            try:
+                loop.call_soon_threadsafe(stop.set)
+            except RuntimeError:  # loop already closed
+                pass
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+
+
+def _bound_port(runner: web.AppRunner) -> int:
+    for addr in runner.addresses:
+        if isinstance(addr, tuple) and len(addr) >= 2:
+            return int(addr[1])
+    raise RuntimeError("debug_server worker has no bound TCP address")
+
+
+def start_worker_thread(
+    provider: Provider, host: str | None = "127.0.0.1", port: int = 0
+) -> WorkerThread:
+    """Serve ``provider`` from a daemon thread; returns once the port is bound (or raises)."""
+    return WorkerThread(make_worker_app(provider), host, port).start()
+

@@ -1,0 +1,106 @@
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+import pytest
+from conftest import closed_port_url, free_port, make_job
+
+from debug_server.config import ConfigError, JobEnv, default_bind_host
+from debug_server.discovery import (
+    StoreRegistry,
+    lookup_workers,
+    register_worker,
+    store_client,
+)
+
+ENV = {"RANK": "1", "WORLD_SIZE": "4", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
+
+
+def test_job_env_reads_torchrun_variables() -> None:
+    job = JobEnv.from_env({**ENV, "TORCHELASTIC_RESTART_COUNT": "2", "LOCAL_WORLD_SIZE": "2"})
+    assert (job.rank, job.world_size, job.local_world_size, job.restart_count) == (1, 4, 2, 2)
+
+
+@pytest.mark.parametrize(("env", "named"), [
+    ({k: v for k, v in ENV.items() if k != "MASTER_PORT"}, "MASTER_PORT"),
+    ({**ENV, "WORLD_SIZE": "four"}, "WORLD_SIZE='four'"),
+    ({**ENV, "RANK": "7"}, "RANK=7"),
+])
+def test_job_env_error_names_the_bad_variable(env: dict[str, str], named: str) -> None:
+    with pytest.raises(ConfigError, match=named):
+        JobEnv.from_env(env)
+
+
+def test_single_host_job_binds_loopback_and_multi_host_binds_all() -> None:
+    assert default_bind_host(JobEnv.from_env({**ENV, "LOCAL_WORLD_SIZE": "4"})) == "127.0.0.1"
+    assert default_bind_host(JobEnv.from_env({**ENV, "MASTER_ADDR": "localhost"})) == "127.0.0.1"
+    assert default_bind_host(JobEnv.from_env({**ENV, "LOCAL_WORLD_SIZE": "2"})) is None
+    assert default_bind_host(JobEnv.from_env({**ENV, "MASTER_ADDR": "node17"})) is None
+
+
+def test_registered_rank_is_found_and_missing_rank_is_reported_at_once(tcp_store: Any) -> None:
+    store = store_client("127.0.0.1", tcp_store.port, timeout=5)
+    register_worker(store, make_job(0, 3, tcp_store.port), "http://127.0.0.1:1234")
+    t0 = time.monotonic()
+    addrs = lookup_workers(store, 3, restart_count=0)
+    assert time.monotonic() - t0 < 1.0
+    assert [(a.rank, a.url, a.error) for a in addrs] == [
+        (0, "http://127.0.0.1:1234", None), (1, None, "not registered"), (2, None, "not registered")]
+
+
+def test_key_from_an_earlier_restart_is_not_trusted(tcp_store: Any) -> None:
+    store = store_client("127.0.0.1", tcp_store.port, timeout=5)
+    register_worker(store, make_job(0, 1, tcp_store.port, restart=0), "http://old:1")
+    (addr,) = lookup_workers(store, 1, restart_count=1)
+    assert addr.url is None
+    assert addr.error == "not registered (stale key from restart 0, job is at restart 1)"
+    register_worker(store, make_job(0, 1, tcp_store.port, restart=1), "http://new:2")
+    assert lookup_workers(store, 1, restart_count=1)[0].url == "http://new:2"
+
+
+def test_key_without_sidecar_is_trusted_like_torchs_own_worker(tcp_store: Any) -> None:
+    store = store_client("127.0.0.1", tcp_store.port, timeout=5)
+    store.set("rank0", "http://host:5/")
+    assert lookup_workers(store, 1, restart_count=3)[0].url == "http://host:5"
+
+
+def test_sidecar_records_restart_pid_and_run_id(tcp_store: Any) -> None:
+    store = store_client("127.0.0.1", tcp_store.port, timeout=5)
+    register_worker(store, make_job(0, 1, tcp_store.port, restart=2), "http://h:1")
+    meta = json.loads(store.get("rank0_meta"))
+    assert meta["restart"] == 2 and meta["run_id"] == "job" and meta["pid"] > 0
+
+
+def test_torchs_own_store_client_reads_our_registration(tcp_store: Any, monkeypatch: Any) -> None:
+    pytest.importorskip("torch.distributed.debug._store")
+    from torch.distributed.debug._store import tcpstore_client
+
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(tcp_store.port))
+    register_worker(store_client("127.0.0.1", tcp_store.port, 5), make_job(0, 1, tcp_store.port),
+                    "http://127.0.0.1:4321")
+    assert tcpstore_client().get("rank0") == b"http://127.0.0.1:4321"
+
+
+async def test_store_registry_lookup_is_async_and_bounded(tcp_store: Any) -> None:
+    registry = StoreRegistry("127.0.0.1", tcp_store.port, world_size=2, restart_count=0, timeout=2)
+    try:
+        store_client("127.0.0.1", tcp_store.port, 5).set("rank1", "http://127.0.0.1:9")
+        addrs = await registry.lookup()
+        assert [a.url for a in addrs] == [None, "http://127.0.0.1:9"]
+    finally:
+        registry.close()
+
+
+async def test_store_registry_with_store_down_reports_every_rank_not_registered() -> None:
+    port = int(closed_port_url().rsplit(":", 1)[1]) or free_port()
+    registry = StoreRegistry("127.0.0.1", port, world_size=2, restart_count=0, timeout=0.5)
+    try:
+        t0 = time.monotonic()
+        addrs = await registry.lookup()
+        assert time.monotonic() - t0 < 5
+        assert all(a.url is None and "unavailable" in (a.error or "") for a in addrs)
+    finally:
+        registry.close()

@@ -1,0 +1,149 @@
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import re
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+from conftest import closed_port_url
+
+from debug_server import synthetic
+from debug_server.config import ServerConfig
+from debug_server.discovery import StaticRegistry
+from debug_server.dumps import DumpDir, Dumper, write_atomic
+from debug_server.fanout import Collector
+from debug_server.frontend import DUMPER, make_frontend_app
+
+NOW = time.mktime((2025, 1, 2, 3, 4, 5, 0, 0, -1))
+STAMP = "20250102_030405"
+
+
+def test_stamps_in_one_second_get_suffixes(tmp_path: Path) -> None:
+    d = DumpDir(str(tmp_path))
+    assert [d.new_stamp(NOW) for _ in range(3)] == [STAMP, f"{STAMP}_1", f"{STAMP}_2"]
+    assert d.new_stamp(NOW + 1) == "20250102_030406"
+
+
+def test_stamp_used_by_an_earlier_process_is_not_reused(tmp_path: Path) -> None:
+    (tmp_path / f"stacks_{STAMP}.txt").write_text("old")
+    assert DumpDir(str(tmp_path)).new_stamp(NOW) == f"{STAMP}_1"
+
+
+def test_prune_keeps_newest_cycles_with_numeric_suffix_order(tmp_path: Path) -> None:
+    d = DumpDir(str(tmp_path), keep=2)
+    for stamp in [STAMP, f"{STAMP}_2", f"{STAMP}_10", "20250102_030406"]:
+        for name in (f"stacks_{stamp}.txt", f"torchcomms_fr_trace_{stamp}.txt", f"fr_snapshot_{stamp}.json"):
+            (tmp_path / name).write_text("x")
+    (tmp_path / "notes.txt").write_text("mine")
+    removed = d.prune()
+    assert len(removed) == 6
+    left = sorted(p.name for p in tmp_path.iterdir())
+    assert left == sorted(["notes.txt", f"stacks_{STAMP}_10.txt", f"torchcomms_fr_trace_{STAMP}_10.txt",
+                           f"fr_snapshot_{STAMP}_10.json", "stacks_20250102_030406.txt",
+                           "torchcomms_fr_trace_20250102_030406.txt", "fr_snapshot_20250102_030406.json"])
+
+
+def test_write_atomic_replaces_and_leaves_no_temp_files(tmp_path: Path) -> None:
+    path = str(tmp_path / "a.txt")
+    write_atomic(path, "one")
+    write_atomic(path, b"two")
+    assert Path(path).read_text() == "two" and os.listdir(tmp_path) == ["a.txt"]
+
+
+@pytest.fixture
+async def collector() -> Any:
+    sessions: list[aiohttp.ClientSession] = []
+
+    def make(urls: list[str | None]) -> Collector:
+        sessions.append(aiohttp.ClientSession())
+        return Collector(sessions[-1], StaticRegistry(urls), timeout=2)
+
+    yield make
+    for s in sessions:
+        await s.close()
+
+
+async def _job(fake_job: Any, tmp_path: Path) -> list[str]:
+    per_rank = tmp_path / "dumps" / "per_rank"
+    urls = await fake_job(synthetic.hang_job(2, n_entries=5, missing_rank=1),
+                          dump_paths=[str(per_rank / "rank_0"), str(per_rank / "rank_1")])
+    return [*urls, closed_port_url()]
+
+
+async def test_cycle_writes_reports_snapshot_and_per_rank_pickles(fake_job: Any, collector: Any, tmp_path: Path) -> None:
+    dumper = Dumper(collector(await _job(fake_job, tmp_path)), str(tmp_path / "dumps"), interval=60)
+    written = await dumper.run_cycle()
+    names = sorted(os.path.basename(p) for p in written)
+    assert [re.sub(r"\d{8}_\d{6}", "TS", n) for n in names] == [
+        "fr_snapshot_TS.json", "stacks_TS.txt", "torchcomms_fr_trace_TS.txt"]
+    d = tmp_path / "dumps"
+    assert sorted(os.listdir(d / "per_rank")) == ["rank_0", "rank_1"]
+
+    fr = (d / names[2]).read_text()
+    assert "Rank 1 never joined all_reduce #4" in fr
+    assert f"Rank 0: OK - FR pickle written to {d / 'per_rank' / 'rank_0'}" in fr
+    assert re.search(r"^Rank 2: unreachable after \d", fr, re.M)
+    assert fr.index("--- Dump File ---") > fr.index("=== Verdict ===")
+
+    stacks = (d / names[1]).read_text()
+    assert stacks.startswith("=== Rank 0 ===\nThread 0x")
+    assert re.search(r"=== Rank 2 ===\nrank 2: unreachable after", stacks)
+
+    snap = json.loads((d / names[0]).read_text())
+    assert len(snap["0"]["entries"]) == 5 and len(snap["1"]["entries"]) == 4
+    assert snap["2"]["error"].startswith("rank 2: unreachable after")
+
+
+async def test_cycles_in_one_second_get_unique_names_and_retention_applies(fake_job: Any, collector: Any, tmp_path: Path) -> None:
+    dumper = Dumper(collector(await _job(fake_job, tmp_path)), str(tmp_path / "dumps"),
+                    interval=60, keep=2, enabled={"stacks"})
+    for _ in range(4):
+        await dumper.run_cycle()
+    left = sorted(os.listdir(tmp_path / "dumps"))
+    assert len(left) == 2 and all(n.startswith("stacks_") for n in left)
+    assert dumper.cycles == 4
+
+
+async def test_enabled_dumps_limits_what_a_cycle_writes(fake_job: Any, collector: Any, tmp_path: Path) -> None:
+    dumper = Dumper(collector(await _job(fake_job, tmp_path)), str(tmp_path / "dumps"),
+                    interval=60, enabled={"fr_trace"})
+    (path,) = await dumper.run_cycle()
+    assert os.path.basename(path).startswith("torchcomms_fr_trace_")
+    assert "--- Dump File ---" not in Path(path).read_text()
+    assert not (tmp_path / "dumps" / "per_rank").exists()
+
+
+async def test_unwritable_dump_dir_logs_once_and_pages_still_answer(
+        aiohttp_client: Any, fake_job: Any, tmp_path: Path, caplog: Any) -> None:
+    (tmp_path / "file").write_text("not a directory")
+    urls = await fake_job(synthetic.hang_job(2, n_entries=5, missing_rank=1))
+    config = ServerConfig(port=0, dump_dir=str(tmp_path / "file" / "dumps"), dump_interval=0.05,
+                          enabled_dumps=frozenset({"stacks", "fr_trace"}), fetch_timeout=2)
+    caplog.set_level(logging.ERROR, logger="debug_server.dumps")
+    client = await aiohttp_client(make_frontend_app(config, StaticRegistry(urls)))
+    dumper = client.app[DUMPER]
+    for _ in range(3):
+        await dumper.run_cycle()
+    resp = await client.get("/stacks", headers={"Accept": "*/*"})
+    assert resp.status == 200 and "=== Rank 1 ===" in await resp.text()
+    errors = [r for r in caplog.records if "cannot write dumps" in r.getMessage()]
+    assert len(errors) == 1 and str(tmp_path / "file" / "dumps") in errors[0].getMessage()
+    assert dumper.cycles == 0
+
+
+async def test_first_background_cycle_comes_soon_after_start(aiohttp_client: Any, fake_job: Any, tmp_path: Path) -> None:
+    urls = await fake_job(synthetic.hang_job(2, n_entries=5, missing_rank=1))
+    config = ServerConfig(port=0, dump_dir=str(tmp_path / "d"), dump_interval=600,
+                          enabled_dumps=frozenset({"stacks"}), fetch_timeout=2)
+    client = await aiohttp_client(make_frontend_app(config, StaticRegistry(urls)))
+    deadline = time.monotonic() + 5
+    while client.app[DUMPER].cycles == 0 and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    assert client.app[DUMPER].cycles == 1
+    assert [n[:7] for n in os.listdir(tmp_path / "d")] == ["stacks_"]

@@ -1,0 +1,351 @@
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import free_port, make_job
+
+import debug_server
+from debug_server.config import ServerConfig
+from debug_server.discovery import StoreRegistry, register_worker, store_client
+from debug_server.frontend import make_frontend_app
+from debug_server.server import DUMP_PATH_ENV, start_debug_server, stop_debug_server
+from debug_server.worker import HooksProvider, start_worker_thread
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture
+def rank_env(monkeypatch: Any, tcp_store: Any) -> Any:
+    def set_env(rank: int, world_size: int) -> None:
+        for k, v in {"RANK": rank, "WORLD_SIZE": world_size, "LOCAL_WORLD_SIZE": world_size,
+                     "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": tcp_store.port}.items():
+            monkeypatch.setenv(k, str(v))
+        monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
+
+    yield set_env
+    stop_debug_server()
+
+
+def _get(url: str, accept: str = "*/*", timeout: float = 10) -> tuple[int, str]:
+    req = urllib.request.Request(url, headers={"Accept": accept})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        with e:
+            return e.code, e.read().decode()
+
+
+def _worker_threads() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name == "debug_server.worker"]
+
+
+def test_rank0_serves_pages_and_stop_works_twice(rank_env: Any, tmp_path: Path) -> None:
+    rank_env(0, 1)
+    handle = start_debug_server(port=0, fetch_timeout=3)
+    try:
+        assert handle.frontend_url and handle.worker_url.startswith("http://127.0.0.1:")
+        status, text = _get(f"{handle.frontend_url}/stacks")
+        assert status == 200 and text.startswith("=== Rank 0 ===\n")
+        assert "in test_rank0_serves_pages_and_stop_works_twice" in text
+        with pytest.raises(RuntimeError, match="already running"):
+            start_debug_server(port=0)
+    finally:
+        handle.stop()
+    assert handle.frontend is not None and handle.frontend.poll() is not None
+    handle.stop()
+    stop_debug_server()
+    stop_debug_server()
+    assert _worker_threads() == []
+
+
+def test_port_in_use_is_an_error_naming_the_port(rank_env: Any) -> None:
+    rank_env(0, 1)
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        with pytest.raises(OSError, match=f"port {port}"):
+            start_debug_server(port=port, host="127.0.0.1")
+    assert _worker_threads() == []
+    stop_debug_server()  # nothing running: a no-op
+
+
+def test_other_ranks_start_no_frontend_and_register_their_worker(rank_env: Any, tcp_store: Any) -> None:
+    rank_env(1, 2)
+    handle = start_debug_server()
+    assert handle.frontend is None and handle.frontend_url is None
+    assert handle.wait_registered(5)
+    store = store_client("127.0.0.1", tcp_store.port, 5)
+    assert store.get("rank1").decode() == handle.worker_url
+    assert json.loads(store.get("rank1_meta"))["pid"] == os.getpid()
+    status, _ = _get_post(f"{handle.worker_url}/handler/ping")
+    assert status == 200
+
+
+def _get_post(url: str) -> tuple[int, str]:
+    with urllib.request.urlopen(urllib.request.Request(url, method="POST"), timeout=5) as r:
+        return r.status, r.read().decode()
+
+
+def test_dump_dir_defaults_the_per_rank_pickle_path(rank_env: Any, monkeypatch: Any, tmp_path: Path) -> None:
+    rank_env(1, 2)
+    monkeypatch.delenv(DUMP_PATH_ENV, raising=False)
+    start_debug_server(dump_dir=str(tmp_path))
+    assert os.environ[DUMP_PATH_ENV] == str(tmp_path / "per_rank" / "rank_")
+
+
+def test_user_set_per_rank_pickle_path_is_kept(rank_env: Any, monkeypatch: Any, tmp_path: Path) -> None:
+    rank_env(1, 2)
+    monkeypatch.setenv(DUMP_PATH_ENV, "/mine/fr_")
+    start_debug_server(dump_dir=str(tmp_path))
+    assert os.environ[DUMP_PATH_ENV] == "/mine/fr_"
+
+
+def test_frontend_process_does_not_import_the_recording_side() -> None:
+    code = ("import sys, debug_server.frontend; "
+            "bad = [m for m in ('debug_server.comms', 'debug_server.hooks') if m in sys.modules]; "
+            "sys.exit(f'imported {bad}' if bad else 0)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr
+
+
+TRAINER = """
+import os, sys, time
+from debug_server import start_debug_server
+h = start_debug_server(port=0, fetch_timeout=2)
+print("FRONTEND", h.frontend.pid, flush=True)
+time.sleep(60)
+"""
+
+
+def _pid_gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    # A zombie still answers kill(0); the frontend is not our child, so look at its state.
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+def test_frontend_exits_when_its_trainer_dies(tcp_store: Any, tmp_path: Path) -> None:
+    env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(tcp_store.port),
+           "PYTHONPATH": str(REPO)}
+    out = (tmp_path / "out.txt").open("w+")
+    trainer = subprocess.Popen([sys.executable, "-c", TRAINER], env=env, stdout=out,
+                               stderr=subprocess.STDOUT, start_new_session=True)
+    frontend_pid = None
+    try:
+        deadline = time.monotonic() + 60
+        while frontend_pid is None and time.monotonic() < deadline and trainer.poll() is None:
+            m = re.search(r"FRONTEND (\d+)", (tmp_path / "out.txt").read_text())
+            frontend_pid = int(m.group(1)) if m else None
+            time.sleep(0.1)
+        assert frontend_pid, (tmp_path / "out.txt").read_text()
+        trainer.kill()
+        trainer.wait()
+        t0 = time.monotonic()
+        while not _pid_gone(frontend_pid) and time.monotonic() - t0 < 10:
+            time.sleep(0.1)
+        assert _pid_gone(frontend_pid), "frontend outlived its trainer"
+        assert time.monotonic() - t0 < 5
+    finally:
+        out.close()
+        for pid in (trainer.pid, frontend_pid):
+            if pid:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        trainer.wait()
+
+
+# ---------------------------------------------------------------------------------------------
+# Interop with torch's own debug server
+
+
+def test_torchs_frontend_reads_our_workers_stacks(tcp_store: Any, monkeypatch: Any) -> None:
+    frontend = pytest.importorskip("torch.distributed.debug._frontend")
+    handlers = pytest.importorskip("torch.distributed.debug._debug_handlers")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(tcp_store.port))
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    worker = start_worker_thread(HooksProvider(0))
+    try:
+        register_worker(store_client("127.0.0.1", tcp_store.port, 5), make_job(0, 1, tcp_store.port),
+                        f"http://127.0.0.1:{worker.port}")
+        _, (resp,) = frontend.fetch_all("dump_traceback", timeout=5)
+        assert resp.status_code == 200
+        assert "in test_torchs_frontend_reads_our_workers_stacks" in resp.text
+        dump = handlers.StacksHandler().dump()
+        assert dump.startswith("=== Rank 0: http://127.0.0.1:") and "most recent call first" in dump
+    finally:
+        worker.stop()
+
+
+async def test_our_frontend_reads_torchs_cpp_workers(aiohttp_client: Any, tcp_store: Any) -> None:
+    c10d = pytest.importorskip("torch._C._distributed_c10d")
+    if not hasattr(c10d, "_WorkerServer"):
+        pytest.skip("this torch has no C++ WorkerServer")
+    cpp = c10d._WorkerServer("127.0.0.1", 0)
+    try:
+        store_client("127.0.0.1", tcp_store.port, 5).set("rank0", f"http://127.0.0.1:{cpp.port}")
+        registry = StoreRegistry("127.0.0.1", tcp_store.port, world_size=1, restart_count=0)
+        client = await aiohttp_client(make_frontend_app(ServerConfig(port=0, fetch_timeout=5), registry))
+        text = await (await client.get("/stacks", headers={"Accept": "*/*"})).text()
+        assert text.startswith("=== Rank 0 ===\n") and "most recent call first" in text
+        assert "in _run_once" in text  # this test's event loop, waiting on the page
+        body = await (await client.get("/fr_trace?format=json")).json()
+        assert body["ranks"][0]["status"] == "ok" and body["ranks_with_data"] == [0]
+    finally:
+        cpp.shutdown()
+
+
+# ---------------------------------------------------------------------------------------------
+# A real 2-rank gloo job that hangs
+
+
+JOB = """
+import os, time
+from datetime import timedelta
+import torch
+from debug_server import comms, hooks, start_debug_server
+
+rank = int(os.environ["RANK"])
+start_debug_server(port=int(os.environ["FE_PORT"]), dump_dir=os.environ["DUMP_DIR"],
+                   dump_interval=1, fetch_timeout=3, stall_timeout=2)
+comm = comms.new_comm("gloo", torch.device("cpu"), "main_comm", timeout=timedelta(seconds=80))
+hooks.FlightRecorderHook(max_entries=100).register_with_comm(comm)
+t = torch.ones(1024)
+for _ in range(3):
+    comm.all_reduce(t)
+comm.broadcast(t, 0)
+print("PHASE2", flush=True)
+if rank == 1:
+    time.sleep(80)  # SLEEP_LINE
+else:
+    comm.all_reduce(t)
+"""
+
+COLLECTIVE_ROW = re.compile(
+    r"^\s*\d+\s+main_comm\s+False\s+4\s+nccl:all_reduce\s+started\s+\{1\}\s+\{0, 1\}", re.M)
+
+
+def _section(text: str, rank: int) -> str:
+    return text.split(f"=== Rank {rank} ===", 1)[1].split("=== Rank ", 1)[0]
+
+
+def _wait_for(what: str, check: Any, deadline: float, interval: float = 0.5) -> Any:
+    last = None
+    while time.monotonic() < deadline:
+        try:
+            last = check()
+        except OSError as e:  # not up yet
+            last = e
+        if last and not isinstance(last, Exception):
+            return last
+        time.sleep(interval)
+    raise AssertionError(f"timed out waiting for {what}; last: {str(last)[:2000]}")
+
+
+@pytest.mark.timeout(150)
+def test_two_rank_gloo_hang_is_diagnosed_end_to_end(tmp_path: Path) -> None:
+    pytest.importorskip("debug_server.comms")
+    pytest.importorskip("debug_server.hooks")
+    script = tmp_path / "rank_script.py"
+    script.write_text(textwrap.dedent(JOB))
+    lines = script.read_text().splitlines()
+    sleep_line = 1 + lines.index("    time.sleep(80)  # SLEEP_LINE")
+    fe_port, store_port, dump_dir = free_port(), free_port(), tmp_path / "dumps"
+    procs: list[subprocess.Popen[bytes]] = []
+    logs = []
+    deadline = time.monotonic() + 90
+    try:
+        for rank in range(2):
+            env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
+                   "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store_port),
+                   "FE_PORT": str(fe_port), "DUMP_DIR": str(dump_dir), "OMP_NUM_THREADS": "1",
+                   "PYTHONPATH": str(REPO)}
+            env.pop(DUMP_PATH_ENV, None)
+            logs.append((tmp_path / f"rank{rank}.log").open("w+b"))
+            procs.append(subprocess.Popen([sys.executable, str(script)], env=env, cwd=tmp_path,
+                                          stdout=logs[-1], stderr=subprocess.STDOUT,
+                                          start_new_session=True))
+
+        def both_in_phase2() -> bool:
+            for p, log in zip(procs, logs, strict=True):
+                if p.poll() is not None:
+                    raise AssertionError(f"a rank exited early:\n{Path(log.name).read_text()[-3000:]}")
+            return all(b"PHASE2" in Path(log.name).read_bytes() for log in logs)
+
+        _wait_for("both ranks in phase 2", both_in_phase2, deadline)
+        base = f"http://127.0.0.1:{fe_port}"
+
+        def hang_in_fr_trace() -> str | None:
+            text = _get(f"{base}/fr_trace")[1]
+            return text if COLLECTIVE_ROW.search(text) else None
+
+        def rank0_in_all_reduce() -> str | None:
+            text = _get(f"{base}/stacks")[1]
+            return text if "in all_reduce" in _section(text, 0) else None
+
+        text = _wait_for("the hang in /fr_trace", hang_in_fr_trace, deadline)
+        assert "Rank 1 never joined all_reduce #4 on main_comm" in text
+
+        stacks = _wait_for("rank 0 inside all_reduce", rank0_in_all_reduce, deadline)
+        assert f'rank_script.py", line {sleep_line} in <module>' in _section(stacks, 1)
+        assert "in all_reduce" not in _section(stacks, 1)
+
+        def rank0_unhealthy() -> str | None:
+            text = _get(f"{base}/")[1]
+            return text if "rank 0: ok, UNHEALTHY: main_comm seq 4 all_reduce stalled" in text else None
+
+        overview = _wait_for("rank 0 reported stalled", rank0_unhealthy, deadline)
+        assert "rank 1: ok, healthy" in overview
+
+        status, body = _get(f"{base}/fr_trace?format=json")
+        findings = json.loads(body)["findings"]
+        assert {"kind": "missing_ranks", "seq": 4, "ranks": [1]}.items() <= next(
+            f for f in findings if f["kind"] == "missing_ranks").items()
+
+        def dumps_written() -> bool:
+            names = os.listdir(dump_dir) if dump_dir.exists() else []
+            reports = [n for n in names if n.startswith("torchcomms_fr_trace_")]
+            return (any(n.startswith("stacks_") for n in names)
+                    and any(COLLECTIVE_ROW.search((dump_dir / n).read_text()) for n in reports)
+                    and sorted(os.listdir(dump_dir / "per_rank")) == ["rank_0", "rank_1"])
+
+        _wait_for("dump files", dumps_written, deadline)
+    finally:
+        for p in procs:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)  # the rank and its frontend child
+            except ProcessLookupError:
+                pass
+        for p in procs:
+            p.wait(10)
+        for log in logs:
+            log.close()
+
+
+def test_public_api_is_two_functions() -> None:
+    assert debug_server.__all__ == ["start_debug_server", "stop_debug_server"]
