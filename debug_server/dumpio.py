@@ -9,10 +9,15 @@ cannot run code.
 from __future__ import annotations
 
 import io
+import json
+import logging
 import os
 import pickle
+import re
 import tempfile
 from typing import Any
+
+logger = logging.getLogger(__name__)
 
 FR_VERSION = "2.10"
 
@@ -60,3 +65,149 @@ def write_dump_atomic(path: str, dump: dict[str, Any]) -> str:
             pass
         raise
     return path
+
+
+# A plain literal list of ints, e.g. "[0, 1, 2]" or "[]". PyTorch's analyzer eval()s this field;
+# we accept only what this pattern admits and parse it with json, so a hostile string is refused.
+_RANKS_RE = re.compile(r"^\s*\[\s*(?:-?\d+\s*(?:,\s*-?\d+\s*)*)?\]\s*$")
+_REQUIRED_KEYS = ("version", "entries")
+_MAX_RANKS_TEXT = 10_000_000
+
+
+def parse_ranks(value: Any) -> list[int]:
+    """Parse ``pg_config[*]["ranks"]`` ("[0, 1]" or a list of ints) without eval.
+
+    Raises :class:`DumpError` for anything else (a string that is not a plain literal list of
+    ints, floats, nested lists, booleans).
+    """
+    if isinstance(value, (list, tuple)):
+        if all(type(r) is int for r in value):
+            return list(value)
+        raise DumpError(f"ranks is not a list of ints: {value!r:.80}")
+    if isinstance(value, str) and len(value) < _MAX_RANKS_TEXT and _RANKS_RE.match(value):
+        return json.loads(value)
+    raise DumpError(f"refused pg_config ranks {value!r:.80} (not a plain list of ints)")
+
+
+def _version_tuple(version: Any) -> tuple[int, int] | None:
+    if not isinstance(version, str):
+        return None
+    m = re.fullmatch(r"(\d+)\.(\d+)", version.strip())
+    return (int(m.group(1)), int(m.group(2))) if m else None
+
+
+def validate_dump(dump: Any, source: str = "dump") -> dict[str, Any]:
+    """Check the top-level shape of one rank's dump; return it or raise :class:`DumpError`.
+
+    Entries themselves are not checked one by one here (the analyzer skips a bad entry with a
+    note); what is refused is what would make the whole file meaningless or unsafe: not a dict,
+    missing ``version``/``entries``, a version other than 2.x, ``pg_config`` ranks that are not a
+    plain literal list of ints.
+    """
+    if not isinstance(dump, dict):
+        raise DumpError(f"{source}: not an FR dump (top level is {type(dump).__name__}, not dict)")
+    missing = [k for k in _REQUIRED_KEYS if k not in dump]
+    if missing:
+        raise DumpError(f"{source}: not an FR dump (missing {', '.join(missing)})")
+    vt = _version_tuple(dump["version"])
+    if vt is None or vt[0] != 2:
+        raise DumpError(f"{source}: unsupported FR version {dump['version']!r:.40} (need 2.x)")
+    if not isinstance(dump["entries"], list):
+        raise DumpError(f"{source}: entries is {type(dump['entries']).__name__}, not a list")
+    pg_config = dump.get("pg_config", {})
+    if not isinstance(pg_config, dict):
+        raise DumpError(f"{source}: pg_config is {type(pg_config).__name__}, not a dict")
+    for name, cfg in pg_config.items():
+        if not isinstance(cfg, dict):
+            raise DumpError(f"{source}: pg_config[{name!r:.40}] is not a dict")
+        if "ranks" in cfg:
+            try:
+                parse_ranks(cfg["ranks"])
+            except DumpError as e:
+                raise DumpError(f"{source}: pg_config[{name!r:.40}]: {e}") from None
+    return dump
+
+
+def loads_dump(data: bytes, source: str = "dump") -> dict[str, Any]:
+    """Decode one dump from bytes (pickle via :func:`safe_loads`, or JSON) and validate it."""
+    head = data[:64].lstrip()
+    if not head:
+        raise DumpError(f"{source}: empty file")
+    if head[:1] in (b"{", b"["):
+        try:
+            obj = json.loads(data)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise DumpError(f"{source}: invalid JSON ({str(e).splitlines()[0]:.80})") from None
+    elif data[:1] == b"\x80":
+        try:
+            obj = safe_loads(data)
+        except pickle.UnpicklingError as e:
+            msg = str(e).splitlines()[0] if str(e) else "invalid pickle"
+            if msg.startswith("refused global"):
+                raise DumpError(f"{source}: {msg} (not a plain FR dump)") from None
+            if "truncated" in msg or "ran out" in msg.lower():
+                raise DumpError(f"{source}: truncated pickle") from None
+            raise DumpError(f"{source}: invalid pickle ({msg:.80})") from None
+        except (EOFError, IndexError):
+            raise DumpError(f"{source}: truncated pickle") from None
+        except Exception as e:  # noqa: BLE001 - any decoder failure means "unusable file"
+            raise DumpError(f"{source}: invalid pickle ({type(e).__name__})") from None
+    else:
+        raise DumpError(f"{source}: not a pickle or JSON FR dump")
+    return validate_dump(obj, source)
+
+
+def load_dump(path: str) -> dict[str, Any]:
+    """Read and validate one per-rank dump file (pickle or JSON); raise :class:`DumpError`."""
+    source = os.path.basename(path)
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as e:
+        raise DumpError(f"{source}: cannot read ({e.strerror or e})") from None
+    return loads_dump(data, source)
+
+
+_RANK_SUFFIX_RE = re.compile(r"^(.*?)(\d+)$")
+
+
+def infer_prefix(names: list[str]) -> str | None:
+    """The common prefix of ``<prefix><rank>`` file names, or None when not unique.
+
+    Like PyTorch's loader: every name ending in digits proposes its non-digit head; exactly one
+    proposal means that is the prefix.
+    """
+    prefixes = {m.group(1) for n in names if (m := _RANK_SUFFIX_RE.match(n))}
+    return next(iter(prefixes)) if len(prefixes) == 1 else None
+
+
+def rank_files(directory: str, prefix: str | None = None) -> tuple[dict[int, str], list[str]]:
+    """Map rank -> path for the dump files in ``directory`` named ``<prefix><rank>``.
+
+    Returns ``(files, notes)``; notes name the files that were skipped and why. Hidden files
+    (``.tmp_fr_*`` being written) are ignored. Raises :class:`DumpError` if the directory is
+    unreadable or the prefix cannot be inferred.
+    """
+    try:
+        names = sorted(n for n in os.listdir(directory) if not n.startswith("."))
+    except OSError as e:
+        raise DumpError(f"{directory}: cannot list ({e.strerror or e})") from None
+    names = [n for n in names if os.path.isfile(os.path.join(directory, n))]
+    if prefix is None:
+        prefix = infer_prefix(names)
+        if prefix is None:
+            if not any(_RANK_SUFFIX_RE.match(n) for n in names):
+                return {}, [f"skipped {n}: no rank number in the name" for n in names]
+            raise DumpError(
+                f"{directory}: cannot infer a common file prefix from "
+                f"{', '.join(names[:4])}{'...' if len(names) > 4 else ''}"
+            )
+    files: dict[int, str] = {}
+    notes: list[str] = []
+    for n in names:
+        rest = n[len(prefix) :] if n.startswith(prefix) else None
+        if rest is None or not rest.isdigit():
+            notes.append(f"skipped {n}: not named {prefix}<rank>")
+            continue
+        files[int(rest)] = os.path.join(directory, n)
+    return files, notes

@@ -1,0 +1,193 @@
+"""Parse faulthandler-style stack dumps and summarize where a rank is.
+
+Both our workers (``faulthandler.dump_traceback(all_threads=True)``) and PyTorch's C++ worker
+(``dump_traceback``) produce the same text::
+
+    Thread 0x00007f3c... (most recent call first):
+      File "/x/train.py", line 88 in hang_phase
+      File "/x/train.py", line 120 in <module>
+
+    Current thread 0x00007f3b... (most recent call first):
+      File ".../threading.py", line 327 in wait
+
+Frames are listed innermost first. faulthandler marks the thread that *made* the dump as
+"Current thread"; in a debug server that is the server thread, never the training loop, so the
+main thread is chosen by its outermost frame being ``<module>`` instead. Pure: no torch.
+"""
+
+from __future__ import annotations
+
+import linecache
+import logging
+import os
+import re
+from dataclasses import dataclass, field
+
+logger = logging.getLogger(__name__)
+
+_THREAD_RE = re.compile(
+    r"^(?P<current>Current thread|Thread|Stack)\s*(?P<tid>0x[0-9a-fA-F]+)?[^(]*\(most recent call first\):\s*$"
+)
+_FRAME_RE = re.compile(r'^\s+File "(?P<file>.*)", line (?P<line>\d+) in (?P<func>.+?)\s*$')
+
+# Function names that mean "this thread is inside a collective or waiting for one".
+COLLECTIVE_NAMES = frozenset(
+    {
+        "all_reduce", "allreduce", "all_reduce_coalesced", "allreduce_coalesced",
+        "broadcast", "broadcast_object_list", "reduce", "barrier", "monitored_barrier",
+        "all_gather", "allgather", "all_gather_single", "all_gather_into_tensor",
+        "_all_gather_base", "all_gather_object", "reduce_scatter", "reduce_scatter_tensor",
+        "reduce_scatter_single", "_reduce_scatter_base", "all_to_all", "all_to_all_single",
+        "alltoall", "alltoall_base", "gather", "scatter", "gather_object", "scatter_object_list",
+        "send", "recv", "isend", "irecv", "batch_isend_irecv", "wait", "synchronize",
+    }
+)  # fmt: skip
+# "wait" in these stdlib files is a lock or a queue, not a collective.
+_NOT_COLLECTIVE_FILES = ("threading.py", "queue.py", "selectors.py", "subprocess.py")
+_NOT_COLLECTIVE_DIRS = ("/asyncio/", "/concurrent/", "/multiprocessing/")
+_CALL_RE = re.compile(r"([A-Za-z_][\w.]*)\s*\(")
+
+
+@dataclass(slots=True)
+class Frame:
+    """One stack frame as faulthandler prints it."""
+
+    filename: str
+    line: int
+    function: str
+
+
+@dataclass(slots=True)
+class Thread:
+    """One thread of a dump; ``frames`` innermost first, as printed."""
+
+    ident: str
+    current: bool
+    frames: list[Frame] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class Position:
+    """Where a rank's main thread is: what a person reads in a verdict."""
+
+    summary: str
+    """Short form, e.g. ``all_reduce at train.py:148`` or ``time.sleep at demo.py:88``."""
+    position: str
+    """``file:line function`` of the frame that matters (the user's line)."""
+    in_collective: bool
+    """True when any frame is a collective/wait call or lives in torch.distributed or comms.py."""
+    call: str | None
+    """The call on the source line when the source is readable (``time.sleep``), else None."""
+
+
+def parse_threads(text: str) -> list[Thread]:
+    """Split faulthandler text into threads; unknown lines are ignored, never an error."""
+    threads: list[Thread] = []
+    cur: Thread | None = None
+    for raw in text.splitlines():
+        m = _THREAD_RE.match(raw.strip()) if not raw.startswith(" ") else None
+        if m:
+            cur = Thread(ident=m.group("tid") or "", current=m.group("current") == "Current thread")
+            threads.append(cur)
+            continue
+        fm = _FRAME_RE.match(raw)
+        if fm:
+            if cur is None:
+                # Frames without a header (a single-thread dump that lost its first line).
+                cur = Thread(ident="", current=False)
+                threads.append(cur)
+            cur.frames.append(Frame(fm.group("file"), int(fm.group("line")), fm.group("func")))
+    return threads
+
+
+def main_thread(threads: list[Thread]) -> Thread | None:
+    """The training thread: outermost frame is ``<module>``; prefer one that did not dump."""
+    with_module = [t for t in threads if t.frames and t.frames[-1].function == "<module>"]
+    for pool in (
+        [t for t in with_module if not t.current],
+        with_module,
+        [t for t in threads if t.frames and not t.current],
+        [t for t in threads if t.frames],
+    ):
+        if pool:
+            return pool[0]
+    return None
+
+
+def is_library_frame(frame: Frame) -> bool:
+    """True for frames of the communication stack (torch.distributed, our comms wrapper)."""
+    f = frame.filename.replace("\\", "/")
+    return "torch/distributed/" in f or f.endswith("debug_server/comms.py")
+
+
+def is_collective_frame(frame: Frame) -> bool:
+    """True when this frame means the thread is in (or waiting for) a collective."""
+    if is_library_frame(frame):
+        return True
+    if frame.function not in COLLECTIVE_NAMES:
+        return False
+    f = frame.filename.replace("\\", "/")
+    return not (f.endswith(_NOT_COLLECTIVE_FILES) or any(d in f for d in _NOT_COLLECTIVE_DIRS))
+
+
+def _source_call(frame: Frame) -> str | None:
+    # The innermost Python frame of a sleeping thread is the caller of time.sleep (a C function
+    # faulthandler cannot show); the source line names it when the file is readable here.
+    try:
+        src = linecache.getline(frame.filename, frame.line).strip()
+    except (OSError, ValueError):  # pragma: no cover - linecache swallows most errors itself
+        return None
+    if not src:
+        return None
+    calls = _CALL_RE.findall(src)
+    return calls[0] if calls else None
+
+
+def summarize(frames: list[Frame]) -> Position:
+    """Summarize a thread's frames (innermost first) as a :class:`Position`."""
+    if not frames:
+        return Position("no Python frame", "?", False, None)
+    in_coll = any(is_collective_frame(f) for f in frames)
+    if in_coll:
+        # Report the user's line that called into the collective, named by the collective.
+        lib_idx = [i for i, f in enumerate(frames) if is_collective_frame(f)]
+        outer = max(lib_idx)
+        user = frames[outer + 1] if outer + 1 < len(frames) else frames[outer]
+        named = [frames[i].function for i in lib_idx if frames[i].function in COLLECTIVE_NAMES]
+        op = named[-1] if named else frames[outer].function
+        where = f"{os.path.basename(user.filename)}:{user.line}"
+        return Position(f"{op} at {where}", f"{where} {user.function}", True, op)
+    top = frames[0]
+    where = f"{os.path.basename(top.filename)}:{top.line}"
+    call = _source_call(top)
+    summary = f"{call} at {where}" if call else f"{top.function} at {where}"
+    return Position(summary, f"{where} {top.function}", False, call)
+
+
+def summarize_text(text: str) -> Position | None:
+    """Parse one rank's stack text and summarize its main thread (None if nothing parsed)."""
+    t = main_thread(parse_threads(text))
+    if t is None:
+        return None
+    return summarize(t.frames)
+
+
+_SECTION_RE = re.compile(r"^=== Rank (\d+)(?::[^\n]*?)? ===\s*$")
+
+
+def split_stacks_file(text: str) -> dict[int, str]:
+    """Split a ``stacks_<ts>.txt`` file into rank -> that rank's faulthandler text.
+
+    Sections start with ``=== Rank N ===`` or ``=== Rank N: <addr> ===``; text before the first
+    section is ignored.
+    """
+    out: dict[int, list[str]] = {}
+    cur: list[str] | None = None
+    for line in text.splitlines():
+        m = _SECTION_RE.match(line)
+        if m:
+            cur = out.setdefault(int(m.group(1)), [])
+            continue
+        if cur is not None:
+            cur.append(line)
+    return {r: "\n".join(lines).strip("\n") + "\n" for r, lines in out.items()}

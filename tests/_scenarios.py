@@ -1,0 +1,232 @@
+"""Scenario corpus for the analyzer tests: synthetic dumps in the recorder's schema.
+
+Each builder returns ``{rank: dump}``; tests assert the exact findings each one must produce.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+from debug_server.synthetic import hang_job, make_dump, make_entry
+
+DATA = os.path.join(os.path.dirname(__file__), "data")
+
+Dumps = dict[int, dict[str, Any]]
+
+
+def load_fixture(name: str) -> Dumps:
+    """A captured real dump set from tests/data (JSON: {"dumps": {rank: dump}})."""
+    with open(os.path.join(DATA, name), encoding="utf-8") as f:
+        return {int(r): d for r, d in json.load(f)["dumps"].items()}
+
+
+def _seqs(
+    n: int, *, comm: str = "main_comm", start_record: int = 0, hang_last: bool = False, **kw: Any
+) -> list[dict[str, Any]]:
+    return [
+        make_entry(
+            record_id=start_record + s,
+            comm=comm,
+            seq=s,
+            state="started" if hang_last and s == n - 1 else "completed",
+            **kw,
+        )
+        for s in range(n)
+    ]
+
+
+def clean(world: int = 2, n: int = 5) -> Dumps:
+    return {r: make_dump(_seqs(n), {"main_comm": range(world)}) for r in range(world)}
+
+
+def missing_rank() -> Dumps:
+    """The reference demo: rank 1 never issues all_reduce #4."""
+    return hang_job(2, 5, missing_rank=1)
+
+
+def _with_odd_entry(world: int, seq: int, odd_rank: int, **odd: Any) -> Dumps:
+    dumps = {}
+    for r in range(world):
+        ents = _seqs(5)
+        if r == odd_rank:
+            ents[seq] = make_entry(record_id=seq, seq=seq, **odd)
+        dumps[r] = make_dump(ents, {"main_comm": range(world)})
+    return dumps
+
+
+def type_mismatch() -> Dumps:
+    """Rank 2 of 4 broadcasts where the others all_reduce (#2)."""
+    return _with_odd_entry(4, 2, 2, op="broadcast")
+
+
+def size_mismatch() -> Dumps:
+    """Rank 1 of 4 all_reduces 512 floats where the others use 1024 (#2)."""
+    return _with_odd_entry(4, 2, 1, input_sizes=((512,),))
+
+
+def dtype_mismatch() -> Dumps:
+    """Rank 3 of 4 all_reduces Half where the others use Float (#3)."""
+    return _with_odd_entry(4, 3, 3, dtype="Half")
+
+
+def two_subcomms() -> Dumps:
+    """4 ranks; sub_a = [0, 1] is fine; rank 3 never issues sub_b #2 that rank 2 waits in."""
+    groups = {"main_comm": [0, 1, 2, 3], "sub_a": [0, 1], "sub_b": [2, 3]}
+    dumps = {}
+    for r in range(4):
+        rid = 0
+        ents = []
+        for s in range(3):
+            ents.append(make_entry(record_id=rid, comm="main_comm", seq=s))
+            rid += 1
+        sub = "sub_a" if r < 2 else "sub_b"
+        n = 2 if r == 3 else 3
+        for s in range(n):
+            hang = sub == "sub_b" and s == 2
+            ents.append(
+                make_entry(record_id=rid, comm=sub, seq=s, state="started" if hang else "completed")
+            )
+            rid += 1
+        dumps[r] = make_dump(ents, groups)
+    return dumps
+
+
+def wrapped_ring(hang: bool = False) -> Dumps:
+    """Rank 0's ring no longer holds main_comm #0-#9 (evicted by other_comm entries).
+
+    With ``hang``, rank 1 also never issues the last all_reduce (#29).
+    """
+    groups = {"main_comm": [0, 1], "other_comm": [0]}
+    n = 30
+    r0 = [
+        make_entry(
+            record_id=100 + s, seq=s, state="started" if hang and s == n - 1 else "completed"
+        )
+        for s in range(10, n)
+    ]
+    r1_last = n - 1 if hang else n
+    r1 = [make_entry(record_id=s, seq=s) for s in range(r1_last)]
+    return {0: make_dump(r0, groups), 1: make_dump(r1, groups)}
+
+
+def p2p_deadlock() -> Dumps:
+    """Both ranks post a recv from the other after 3 all_reduces: nobody sends."""
+    groups = {"main_comm": [0, 1]}
+    dumps = {}
+    for r in range(2):
+        ents = _seqs(3)
+        peer = 1 - r
+        ents.append(
+            make_entry(
+                record_id=3, seq=3, p2p_seq=1, op="recv", is_p2p=True,
+                peer_desc=f"{r}<-{peer}", state="started",
+            )
+        )  # fmt: skip
+        dumps[r] = make_dump(ents, groups)
+    return dumps
+
+
+def send_and_collective_share_number() -> Dumps:
+    """A send/recv pair whose collective_seq_id equals the next all_reduce's (recorder schema)."""
+    groups = {"main_comm": [0, 1]}
+    dumps = {}
+    for r in range(2):
+        ents = _seqs(3)
+        if r == 0:
+            ents.append(
+                make_entry(record_id=3, seq=3, p2p_seq=1, op="send", is_p2p=True, peer_desc="0->1")
+            )
+        else:
+            ents.append(
+                make_entry(record_id=3, seq=3, p2p_seq=1, op="recv", is_p2p=True, peer_desc="1<-0")
+            )
+        ents.append(make_entry(record_id=4, seq=3))
+        ents.append(make_entry(record_id=5, seq=4))
+        dumps[r] = make_dump(ents, groups)
+    return dumps
+
+
+def record_id_misaligned(ring: int | None = None) -> Dumps:
+    """Rank 0 also drives a private group, so its record_ids run far ahead of rank 1's.
+
+    With ``ring``, rank 0 keeps only its newest ``ring`` entries (PyTorch then drops every rank 1
+    entry older than rank 0's oldest record_id and reports rank 1 missing).
+    """
+    groups = {"main_comm": [0, 1], "solo": [0]}
+    r0 = []
+    rid = 0
+    for s in range(5):
+        for k in range(20):
+            r0.append(make_entry(record_id=rid, comm="solo", seq=s * 20 + k))
+            rid += 1
+        r0.append(make_entry(record_id=rid, seq=s))
+        rid += 1
+    if ring is not None:
+        # A ring of 60 keeps main_comm #2-#4 on rank 0 (record_ids 62, 83, 104); rank 1 holds
+        # #0-#4 with record_ids 0..4, all older than rank 0's oldest retained record_id.
+        r0 = r0[-ring:]
+    r1 = [make_entry(record_id=s, seq=s) for s in range(5)]
+    return {0: make_dump(r0, groups), 1: make_dump(r1, groups)}
+
+
+def state_difference() -> Dumps:
+    """Rank 1 was dumped a moment earlier: its last all_reduce is still 'started'."""
+    dumps = clean(2, 5)
+    dumps[1]["entries"][-1] = make_entry(record_id=4, seq=4, state="started")
+    return dumps
+
+
+def stuck_everywhere() -> Dumps:
+    """Both ranks issued all_reduce #4 and neither completed it."""
+    return {r: make_dump(_seqs(5, hang_last=True), {"main_comm": [0, 1]}) for r in range(2)}
+
+
+def all_gather_bad_output() -> Dumps:
+    """Rank 1 of 4 all_gathers into an output sized for 2 ranks instead of 4."""
+    world = 4
+    dumps = {}
+    for r in range(world):
+        out = ((2048,),) if r == 1 else ((4096,),)
+        ents = [
+            make_entry(
+                record_id=0, seq=0, op="all_gather", input_sizes=((1024,),), output_sizes=out
+            )
+        ]
+        dumps[r] = make_dump(ents, {"main_comm": range(world)})
+    return dumps
+
+
+def faulthandler_text(frames: list[tuple[str, int, str]], *, server_thread: bool = True) -> str:
+    """faulthandler-style text: the main thread (frames innermost first) and a server thread."""
+    lines = ["Thread 0x00007f0000000001 (most recent call first):"]
+    lines += [f'  File "{f}", line {ln} in {fn}' for f, ln, fn in frames]
+    if server_thread:
+        lines += [
+            "",
+            "Current thread 0x00007f0000000002 (most recent call first):",
+            '  File "/site-packages/debug_server/stacks.py", line 20 in dump_all',
+            '  File "/usr/lib/python3.11/threading.py", line 975 in run',
+            '  File "/usr/lib/python3.11/threading.py", line 1038 in _bootstrap_inner',
+            '  File "/usr/lib/python3.11/threading.py", line 995 in _bootstrap',
+        ]
+    return "\n".join(lines) + "\n"
+
+
+C10D = "/site-packages/torch/distributed/distributed_c10d.py"
+
+
+def stack_in_all_reduce(user_file: str = "/job/train.py", line: int = 148) -> str:
+    return faulthandler_text(
+        [
+            (C10D, 2806, "all_reduce"),
+            ("/site-packages/torch/distributed/c10d_logger.py", 81, "wrapper"),
+            (user_file, line, "train_step"),
+            (user_file, 200, "<module>"),
+        ]
+    )
+
+
+def stack_sleeping(user_file: str, line: int, func: str = "hang_phase") -> str:
+    return faulthandler_text([(user_file, line, func), (user_file, 120, "<module>")])

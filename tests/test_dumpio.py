@@ -1,0 +1,134 @@
+"""Loading per-rank dumps safely: restricted pickles, JSON, validation, file naming."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+
+import _scenarios as S
+import pytest
+
+from debug_server.dumpio import (
+    DumpError,
+    infer_prefix,
+    load_dump,
+    loads_dump,
+    parse_ranks,
+    rank_files,
+    safe_loads,
+    write_dump_atomic,
+)
+
+
+class _Evil:
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.path}",))
+
+
+def test_write_then_load_round_trips(tmp_path):
+    dump = S.clean()[0]
+    path = write_dump_atomic(str(tmp_path / "rank_0"), dump)
+    assert load_dump(path) == dump
+    assert os.listdir(tmp_path) == ["rank_0"]
+
+
+def test_json_dump_loads_like_a_pickle(tmp_path):
+    dump = S.clean()[0]
+    p = tmp_path / "rank_0"
+    p.write_text(json.dumps(dump))
+    assert load_dump(str(p)) == dump
+
+
+def test_hostile_pickle_is_refused_and_never_runs(tmp_path):
+    target = tmp_path / "pwned"
+    p = tmp_path / "rank_0"
+    p.write_bytes(pickle.dumps({"version": "2.10", "entries": [_Evil(str(target))]}))
+    with pytest.raises(
+        DumpError, match=r"^rank_0: refused global posix.system \(not a plain FR dump\)$"
+    ):
+        load_dump(str(p))
+    assert not target.exists()
+
+
+def test_safe_loads_allows_sets_only_as_globals():
+    assert safe_loads(pickle.dumps({"a": {1, 2}, "b": (1,)})) == {"a": {1, 2}, "b": (1,)}
+
+
+def test_truncated_pickle_is_one_line_error(tmp_path):
+    p = tmp_path / "rank_1"
+    p.write_bytes(pickle.dumps(S.clean()[0])[:500])
+    with pytest.raises(DumpError, match=r"^rank_1: truncated pickle$"):
+        load_dump(str(p))
+
+
+@pytest.mark.parametrize(
+    "data,msg",
+    [
+        (b"", "empty file"),
+        (b"hello world", "not a pickle or JSON FR dump"),
+        (b"{not json", "invalid JSON"),
+        (b"[1, 2]", "not an FR dump (top level is list, not dict)"),
+        (json.dumps({"version": "2.10"}).encode(), "missing entries"),
+        (json.dumps({"version": "1.0", "entries": []}).encode(), "unsupported FR version '1.0'"),
+        (json.dumps({"version": 2.1, "entries": []}).encode(), "unsupported FR version 2.1"),
+        (json.dumps({"version": "2.10", "entries": {}}).encode(), "entries is dict, not a list"),
+    ],
+)
+def test_unusable_dumps_are_refused_with_reason(data, msg):
+    with pytest.raises(DumpError) as ei:
+        loads_dump(data, "rank_0")
+    assert msg in str(ei.value) and "\n" not in str(ei.value)
+
+
+def test_hostile_ranks_string_in_json_is_refused(tmp_path):
+    target = tmp_path / "X"
+    dump = S.clean()[0]
+    dump["pg_config"]["main_comm"]["ranks"] = f"__import__('os').system('touch {target}')"
+    with pytest.raises(DumpError, match="refused pg_config ranks"):
+        loads_dump(json.dumps(dump).encode(), "rank_0")
+    assert not target.exists()
+
+
+@pytest.mark.parametrize(
+    "value,expected", [("[0, 1]", [0, 1]), ("[]", []), (" [3,4 ,5] ", [3, 4, 5]), ([2, 3], [2, 3])]
+)
+def test_parse_ranks_accepts_plain_lists(value, expected):
+    assert parse_ranks(value) == expected
+
+
+@pytest.mark.parametrize(
+    "value", ["[0, 1.5]", "[[0]]", "range(4)", "[0, 1] + []", [True], [0.0], None, "[1,]"]
+)
+def test_parse_ranks_refuses_anything_else(value):
+    with pytest.raises(DumpError):
+        parse_ranks(value)
+
+
+def test_rank_files_skips_names_without_rank(tmp_path):
+    for n in ("rank_0", "rank_1", "README", ".tmp_fr_x.part"):
+        (tmp_path / n).write_text("x")
+    files, notes = rank_files(str(tmp_path), "rank_")
+    assert files == {0: str(tmp_path / "rank_0"), 1: str(tmp_path / "rank_1")}
+    assert notes == ["skipped README: not named rank_<rank>"]
+
+
+def test_prefix_is_inferred_when_unique():
+    assert infer_prefix(["rank_0", "rank_1", "notes.txt"]) == "rank_"
+    assert infer_prefix(["a_0", "b_1"]) is None
+
+
+def test_rank_files_without_any_ranked_name_returns_nothing(tmp_path):
+    (tmp_path / "foo").write_text("x")
+    files, notes = rank_files(str(tmp_path))
+    assert files == {} and notes == ["skipped foo: no rank number in the name"]
+
+
+def test_ambiguous_prefix_is_an_error(tmp_path):
+    for n in ("a_0", "b_1"):
+        (tmp_path / n).write_text("x")
+    with pytest.raises(DumpError, match="cannot infer a common file prefix"):
+        rank_files(str(tmp_path))

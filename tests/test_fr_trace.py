@@ -1,0 +1,262 @@
+"""The CLI: exit codes, outputs, and refusing unusable or hostile input in one line."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import subprocess
+import sys
+
+import _scenarios as S
+import pytest
+
+from debug_server import fr_trace
+from debug_server.dumpio import write_dump_atomic
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def write(dir_, dumps, prefix="rank_"):
+    dir_.mkdir(exist_ok=True)
+    for r, d in dumps.items():
+        write_dump_atomic(str(dir_ / f"{prefix}{r}"), d)
+    return str(dir_)
+
+
+def run_sub(args, timeout=60):
+    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return subprocess.run(
+        [sys.executable, *args], capture_output=True, text=True, timeout=timeout, cwd=REPO, env=env
+    )
+
+
+def test_clean_exits_0(tmp_path, capsys):
+    assert fr_trace.main([write(tmp_path / "d", S.clean())]) == 0
+    assert "No hang or mismatch found" in capsys.readouterr().out
+
+
+def test_missing_rank_exits_2_with_row(tmp_path, capsys):
+    assert fr_trace.main([write(tmp_path / "d", S.missing_rank()), "-p", "rank_"]) == 2
+    out = capsys.readouterr().out
+    assert any("nccl:all_reduce" in ln and "{1}" in ln and " 4 " in ln for ln in out.splitlines())
+
+
+def test_json_output_has_contract_keys(tmp_path, capsys):
+    assert fr_trace.main([write(tmp_path / "d", S.missing_rank()), "--json"]) == 2
+    r = json.loads(capsys.readouterr().out)
+    assert {"world_size", "ranks_with_data", "ranks_without_data", "groups", "collectives",
+            "nccl_calls", "findings", "verdict", "stack_groups"} <= set(r)  # fmt: skip
+    assert [(f["kind"], f["seq"], f["ranks"]) for f in r["findings"]] == [("missing_ranks", 4, [1])]
+
+
+def test_output_file_gets_the_json(tmp_path, capsys):
+    out = tmp_path / "out.json"
+    assert fr_trace.main([write(tmp_path / "d", S.missing_rank()), "-o", str(out)]) == 2
+    assert json.loads(out.read_text())["findings"][0]["ranks"] == [1]
+    assert "=== Verdict ===" in capsys.readouterr().out
+
+
+def test_history_lost_alone_exits_0(tmp_path):
+    assert fr_trace.main([write(tmp_path / "d", S.wrapped_ring())]) == 0
+
+
+def test_just_print_entries_aligns_rows_by_group_and_seq(tmp_path, capsys):
+    assert fr_trace.main([write(tmp_path / "d", S.two_subcomms()), "-j"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split() == ["group", "seq", "Rank", "0", "Rank", "1", "Rank", "2", "Rank", "3"]
+    sub_b = [ln for ln in lines if ln.startswith("sub_b")]
+    assert [ln.split()[1] for ln in sub_b] == ["0", "1", "2"]
+    assert sub_b[2].count("all_reduce(") == 1 and "state=started" in sub_b[2]  # rank 3 blank
+    sub_a = [ln for ln in lines if ln.startswith("sub_a")]
+    assert all(ln.count("all_reduce(") == 2 for ln in sub_a)
+
+
+def test_just_print_with_stack_trace_and_selected_ranks(tmp_path, capsys):
+    args = [
+        write(tmp_path / "d", S.missing_rank()),
+        "-j",
+        "--print_stack_trace",
+        "--selected-ranks",
+        "1",
+    ]
+    assert fr_trace.main(args) == 0
+    out = capsys.readouterr().out
+    assert "Rank 0" not in out and "Rank 1" in out and "stack_id=0" in out
+    assert "train_step at train.py:148" in out
+
+
+def test_stacks_file_is_joined_into_the_verdict(tmp_path, capsys):
+    demo = tmp_path / "demo.py"
+    demo.write_text("import time\n" * 87 + "    time.sleep(30)\n")
+    stacks = tmp_path / "stacks_20250101_000000.txt"
+    stacks.write_text(
+        "=== Rank 0: http://127.0.0.1:4000 ===\n" + S.stack_in_all_reduce()
+        + "=== Rank 1 ===\n" + S.stack_sleeping(str(demo), 88)
+    )  # fmt: skip
+    assert fr_trace.main([write(tmp_path / "d", S.missing_rank()), "--stacks", str(stacks)]) == 2
+    out = capsys.readouterr().out
+    assert (
+        "Rank 1's main thread is at demo.py:88 in hang_phase (time.sleep), not in a collective."
+        in out
+    )
+
+
+def test_pg_filters_limit_analysis(tmp_path, capsys):
+    assert (
+        fr_trace.main(
+            [
+                write(tmp_path / "d", S.two_subcomms()),
+                "--pg-filters",
+                "sub_a",
+                "--mismatch-cap",
+                "3",
+            ]
+        )
+        == 0
+    )
+
+
+def err_lines(capsys):
+    return capsys.readouterr().err.strip().splitlines()
+
+
+def test_empty_dir_exits_1_with_one_line(tmp_path, capsys):
+    (tmp_path / "d").mkdir()
+    assert fr_trace.main([str(tmp_path / "d")]) == 1
+    err = err_lines(capsys)
+    assert err[0] == f"error: no dump files in {tmp_path / 'd'}" and err[1].startswith("hint: ")
+
+
+def test_files_without_rank_are_skipped_then_error(tmp_path, capsys):
+    d = tmp_path / "d"
+    d.mkdir()
+    (d / "notes.txt").write_text("x")
+    assert fr_trace.main([str(d)]) == 1
+    err = err_lines(capsys)
+    assert err[0] == f"error: no dump files in {d}"
+
+
+def test_hostile_pickle_refused_and_side_effect_absent(tmp_path, capsys):
+    target = tmp_path / "pwned"
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, (f"touch {target}",))
+
+    d = tmp_path / "d"
+    write(d, S.clean())
+    (d / "rank_0").write_bytes(pickle.dumps({"version": "2.10", "entries": [Evil()]}))
+    assert fr_trace.main([str(d)]) == 1
+    err = err_lines(capsys)
+    assert err[0] == "error: rank_0: refused global posix.system (not a plain FR dump)"
+    assert not target.exists()
+
+
+def test_truncated_file_exits_1(tmp_path, capsys):
+    d = tmp_path / "d"
+    write(d, S.clean())
+    data = (d / "rank_1").read_bytes()
+    (d / "rank_1").write_bytes(data[: len(data) // 2])
+    assert fr_trace.main([str(d)]) == 1
+    assert err_lines(capsys)[0] == "error: rank_1: truncated pickle"
+
+
+def test_garbage_file_exits_1(tmp_path, capsys):
+    d = tmp_path / "d"
+    write(d, S.clean())
+    (d / "rank_1").write_bytes(b"\x00\x01garbage")
+    assert fr_trace.main([str(d)]) == 1
+    assert err_lines(capsys)[0] == "error: rank_1: not a pickle or JSON FR dump"
+
+
+def test_bad_file_with_allow_incomplete_becomes_rank_without_data(tmp_path, capsys):
+    d = tmp_path / "d"
+    write(d, S.missing_rank())
+    (d / "rank_1").write_bytes(b"junk")
+    assert fr_trace.main([str(d), "--allow-incomplete-ranks", "--json"]) == 0
+    cap = capsys.readouterr()
+    r = json.loads(cap.out)
+    assert r["ranks_without_data"] == [1]
+    assert r["unavailable"] == [
+        {"rank": 1, "reason": "unusable dump: not a pickle or JSON FR dump"}
+    ]
+
+
+def test_mixed_versions_exit_1(tmp_path, capsys):
+    dumps = S.clean(3)
+    dumps[1]["version"] = "2.2"
+    assert fr_trace.main([write(tmp_path / "d", dumps)]) == 1
+    assert err_lines(capsys)[0] == "error: rank_1 has version 2.2 but rank_0 has 2.10"
+
+
+def test_wrong_version_exits_1(tmp_path, capsys):
+    dumps = S.clean()
+    dumps[0]["version"] = "9.9"
+    dumps[1]["version"] = "9.9"
+    assert fr_trace.main([write(tmp_path / "d", dumps)]) == 1
+    assert err_lines(capsys)[0] == "error: rank_0: unsupported FR version '9.9' (need 2.x)"
+
+
+def test_json_dump_with_hostile_ranks_refused(tmp_path, capsys):
+    target = tmp_path / "X"
+    d = tmp_path / "d"
+    d.mkdir()
+    for r, dump in S.clean().items():
+        dump["pg_config"]["main_comm"]["ranks"] = f"__import__('os').system('touch {target}')"
+        (d / f"rank_{r}").write_text(json.dumps(dump))
+    assert fr_trace.main([str(d)]) == 1
+    assert err_lines(capsys)[0].startswith(
+        "error: rank_0: pg_config['main_comm']: refused pg_config ranks"
+    )
+    assert not target.exists()
+
+
+def test_missing_dump_file_of_a_member_exits_1_unless_allowed(tmp_path, capsys):
+    dumps = S.missing_rank()
+    del dumps[1]
+    d = write(tmp_path / "d", dumps)
+    assert fr_trace.main([d]) == 1
+    assert err_lines(capsys)[0].startswith("error: no dump file for rank {1}")
+    assert fr_trace.main([d, "--allow-incomplete-ranks", "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["unavailable"] == [{"rank": 1, "reason": "no dump file"}]
+
+
+def test_ambiguous_prefix_exits_1(tmp_path, capsys):
+    d = tmp_path / "d"
+    write(d, {0: S.clean()[0]}, prefix="a_")
+    write(d, {1: S.clean()[1]}, prefix="b_")
+    assert fr_trace.main([str(d)]) == 1
+    err = err_lines(capsys)
+    assert "cannot infer a common file prefix" in err[0] and err[1].startswith(
+        "hint: pass -p PREFIX"
+    )
+
+
+def test_worker_pool_gives_the_same_result_as_one_process(tmp_path):
+    from debug_server.synthetic import hang_job
+
+    d = write(tmp_path / "d", hang_job(8, 20, missing_rank=5))
+    one = run_sub(["-m", "debug_server.fr_trace", d, "--json", "--jobs", "1"])
+    two = run_sub(["-m", "debug_server.fr_trace", d, "--json", "--jobs", "2"])
+    assert (one.returncode, two.returncode) == (2, 2)
+    assert json.loads(one.stdout) == json.loads(two.stdout)
+
+
+def test_module_entry_point_exit_code_and_no_traceback(tmp_path):
+    (tmp_path / "d").mkdir()
+    p = run_sub(["-m", "debug_server.fr_trace", str(tmp_path / "d")])
+    assert p.returncode == 1 and "Traceback" not in p.stderr
+    assert p.stderr.startswith("error: no dump files in ")
+
+
+def test_pytorch_fr_trace_reads_our_pickles(tmp_path):
+    """Schema check against PyTorch's own analyzer on write_dump_atomic pickles."""
+    pytest.importorskip("torch.distributed.flight_recorder.fr_trace")
+    d = write(tmp_path / "d", S.missing_rank())
+    p = run_sub(["-m", "torch.distributed.flight_recorder.fr_trace", d, "-p", "rank_"], timeout=120)
+    out = p.stdout + p.stderr
+    assert p.returncode == 0, out[-2000:]
+    assert "missing ranks: {1}" in out
+    assert "Not all ranks joining collective, sequence number: 4" in out
