@@ -442,7 +442,21 @@ class Comm:
             sys.stderr.write(msg + "; aborting the process\n")
             sys.stderr.flush()
             os.abort()
+        if self._is_cuda:
+            # The stuck NCCL kernel would otherwise hold the stream, and c10d's watchdog would kill
+            # the process when the group's own (longer) timeout expires: abort the communicator
+            # so the error can propagate as documented. The communicator is unusable afterwards.
+            self._abort_nccl()
         raise err from exc
+
+    def _abort_nccl(self) -> None:
+        abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+        if abort is None:
+            return
+        try:
+            abort(self._pg)
+        except Exception:
+            logger.warning("aborting communicator %r failed", self._name, exc_info=True)
 
     # -- ops ----------------------------------------------------------------------------------
     def all_reduce(self, tensor: torch.Tensor, op: Any = ReduceOp.SUM, async_op: bool = False) -> CommWork | None:
@@ -556,10 +570,17 @@ class Comm:
             logger.debug("destroy_process_group(%s) failed", self._name, exc_info=True)
 
 
+# Why the margin: c10d's NCCL watchdog tears the process down when a group's timeout expires. The
+# communicator's own timeout (the host-side wait) must fire first, so the abort hooks can dump
+# and the error can reach the caller.
+_WATCHDOG_MARGIN = datetime.timedelta(seconds=60)
+
+
 def _new_group(
     global_ranks: list[int], backend: str, timeout: datetime.timedelta, name: str, local_sync: bool
 ) -> Any:
-    kwargs: dict[str, Any] = {"ranks": global_ranks, "backend": backend, "timeout": timeout}
+    pg_timeout = timeout + _WATCHDOG_MARGIN if backend == "nccl" else timeout
+    kwargs: dict[str, Any] = {"ranks": global_ranks, "backend": backend, "timeout": pg_timeout}
     if local_sync:
         kwargs["use_local_synchronization"] = True
     try:

@@ -30,30 +30,36 @@ from debug_server.dumpio import FR_VERSION, write_dump_atomic
 if TYPE_CHECKING:
     from debug_server.comms import Comm, HookHandle, OpRecord
 
-__all__ = ["FlightRecorderHook", "dump_file", "health", "registered_hooks", "snapshot"]
+__all__ = [
+    "FlightRecorderHook",
+    "default_stall_timeout",
+    "dump_file",
+    "health",
+    "registered_hooks",
+    "set_default_stall_timeout",
+    "snapshot",
+]
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_DUMP_PREFIX = os.path.join("~", ".cache", "torch", "comm_lib_trace_rank_")
 
-try:  # ~0.7 us per capture; symbolised in one batch at dump time
-    from torch._C._profiler import gather_traceback as _gather
-    from torch._C._profiler import symbolize_tracebacks as _symbolize
+def _capture() -> tuple[Any, ...]:
+    """The caller's stack as a flat (code, lasti, code, lasti, ...) tuple: ~2 us at depth 20.
 
-    def _capture() -> Any:
-        return _gather(python=True, script=False, cpp=False)
-
-except ImportError:  # pragma: no cover - torch builds without the profiler bindings
-
-    _symbolize = None
-
-    def _capture() -> Any:
-        frames = []
-        f: Any = sys._getframe(1)
-        while f is not None:
-            frames.append((f.f_code.co_name, f.f_code.co_filename, f.f_lineno))
-            f = f.f_back
-        return tuple(frames)
+    Code objects and instruction offsets only: no line numbers (computed lazily at dump time
+    from the line table), no frame objects (they would keep the caller's locals, tensors
+    included, alive). torch's CapturedTraceback is cheaper to capture, but its symbolisation
+    took seconds per dump on CUDA builds (23 s for 2000 entries on an H200 host).
+    """
+    f: Any = sys._getframe(2)  # skip _capture and the hook's _on_pre
+    out: list[Any] = []
+    app = out.append
+    while f is not None:
+        app(f.f_code)
+        app(f.f_lasti)
+        f = f.f_back
+    return tuple(out)
 
 
 _OWN_FILES = tuple(
@@ -83,49 +89,53 @@ def _dtype_name(dtype: Any) -> str:
 
 # Symbolised stacks are interned: a training loop issues the same few call sites again and
 # again, so records share one frame list (and frames share one dict) instead of each holding
-# ~20 fresh dicts. This keeps a full ring with stacks at well under a megabyte.
+# ~20 fresh dicts. This keeps a full ring with stacks well under a megabyte. Keys use id(code);
+# the cached value holds the code object, so an id is never reused while its entry lives.
 _INTERN_LIMIT = 50_000
-_frame_cache: dict[tuple[Any, ...], dict[str, Any]] = {}
-_stack_cache: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
+_frame_cache: dict[tuple[int, int], tuple[Any, dict[str, Any]]] = {}
+_stack_cache: dict[tuple[int, ...], list[dict[str, Any]]] = {}
 
 
-def _frames_of(raw: Any) -> list[dict[str, Any]]:
-    """Drop the recorder's own frames so frames[0] is the user's call site (innermost first)."""
-    keys = []
-    for fr in raw:
-        if not keys and fr["filename"] in _OWN_FILES:
-            continue
-        keys.append((fr["name"], fr["filename"], fr["line"]))
-    stack_key = tuple(keys)
-    cached = _stack_cache.get(stack_key)
+def _line_of(code: Any, lasti: int) -> int:
+    for start, end, line in code.co_lines():
+        if start <= lasti < end and line is not None:
+            return int(line)
+    return int(code.co_firstlineno)
+
+
+def _frame(code: Any, lasti: int) -> dict[str, Any]:
+    key = (id(code), lasti)
+    hit = _frame_cache.get(key)
+    if hit is not None:
+        return hit[1]
+    d = {"name": code.co_name, "filename": code.co_filename, "line": _line_of(code, lasti)}
+    _frame_cache[key] = (code, d)
+    return d
+
+
+def _frames_of(raw: tuple[Any, ...]) -> list[dict[str, Any]]:
+    """Symbolise a captured stack, innermost first, starting at the user's call site."""
+    i = 0
+    while i < len(raw) and raw[i].co_filename in _OWN_FILES:
+        i += 2
+    key = tuple(id(x) if j % 2 == 0 else x for j, x in enumerate(raw[i:]))
+    cached = _stack_cache.get(key)
     if cached is not None:
         return cached
     if len(_stack_cache) > _INTERN_LIMIT or len(_frame_cache) > _INTERN_LIMIT:
         _stack_cache.clear()
         _frame_cache.clear()
-    frames = []
-    for k in keys:
-        d = _frame_cache.get(k)
-        if d is None:
-            d = _frame_cache[k] = {"name": k[0], "filename": k[1], "line": k[2]}
-        frames.append(d)
-    _stack_cache[stack_key] = frames
+    frames = [_frame(raw[j], raw[j + 1]) for j in range(i, len(raw), 2)]
+    _stack_cache[key] = frames
     return frames
 
 
 def _symbolize_records(records: list[OpRecord]) -> None:
-    """Replace raw tracebacks by frame lists in place (once per record, in one batch)."""
-    pending = [r for r in records if r.traceback is not None and not isinstance(r.traceback, list)]
-    if not pending:
-        return
-    if _symbolize is not None:
-        symbolized = _symbolize([r.traceback for r in pending])
-    else:
-        symbolized = [
-            [{"name": n, "filename": f, "line": ln} for (n, f, ln) in r.traceback] for r in pending
-        ]
-    for rec, frames in zip(pending, symbolized, strict=True):
-        rec.traceback = _frames_of(frames)
+    """Replace raw captured stacks by (interned) frame lists, once per record."""
+    for rec in records:
+        raw = rec.traceback
+        if raw is not None and not isinstance(raw, list):
+            rec.traceback = _frames_of(raw)
 
 
 def _thread_name(ident: int | None) -> str:
@@ -174,7 +184,9 @@ class FlightRecorderHook:
         dump_on_abort: write this rank's pickle (``dump_file``) when a communicator times out
             or fails, before the error propagates or the process aborts.
         stall_timeout: seconds an op may stay in flight before ``health()`` reports the rank
-            unhealthy (None: never).
+            unhealthy and the stall watchdog writes this rank's pickle and stacks at once. None
+            (default): the process default, which ``start_debug_server(stall_timeout=...)`` sets
+            (60 s unless told otherwise); with no debug server and no default, never.
     """
 
     def __init__(
@@ -214,9 +226,14 @@ class FlightRecorderHook:
             if child.get_name() not in self._comms:
                 self.register_with_comm(child)
         _register(self)
-        if self.stall_timeout is not None:
+        if self.effective_stall_timeout is not None:
             _ensure_watchdog()
         return self
+
+    @property
+    def effective_stall_timeout(self) -> float | None:
+        """This hook's ``stall_timeout``, or the process default when it has none."""
+        return self.stall_timeout if self.stall_timeout is not None else _default_stall_timeout
 
     def unregister(self) -> None:
         """Stop recording and leave this process's list of live hooks. Idempotent."""
@@ -328,7 +345,8 @@ class FlightRecorderHook:
         rank = comm.global_ranks[comm.get_rank()]
         logger.error(
             "%s #%s on %r in flight for %.1f s (stall_timeout %s s): dumping flight recorder and stacks",
-            rec.op, rec.p2p_seq if rec.is_p2p else rec.seq, comm.get_name(), age_s, self.stall_timeout,
+            rec.op, rec.p2p_seq if rec.is_p2p else rec.seq, comm.get_name(), age_s,
+            self.effective_stall_timeout,
         )
         paths = [self.dump_file(rank)]
         stacks_path = os.path.join(os.path.dirname(paths[0]), f"stalled_stacks_r{rank}.txt")
@@ -343,7 +361,10 @@ class FlightRecorderHook:
         return [r for r in self.records() if r.state != "completed"]
 
     def health(self) -> dict[str, Any]:
-        """``{"healthy", "stalled_op", "in_flight"}``; stalled = in flight > ``stall_timeout``."""
+        """``{"healthy", "stalled_op", "in_flight", "oldest_in_flight_s"}``.
+
+        Stalled: in flight longer than ``effective_stall_timeout``.
+        """
         return _health([self])
 
 
@@ -360,12 +381,13 @@ def _health(hooks: list[FlightRecorderHook]) -> dict[str, Any]:
     n = 0
     stalled: dict[str, Any] | None = None
     for h in hooks:
+        limit = h.effective_stall_timeout
         for r in h.in_flight():
             n += 1
             if oldest is None or r.time_created_ns < oldest.time_created_ns:
                 oldest = r
             age = (now - r.time_created_ns) / 1e9
-            if h.stall_timeout is not None and age > h.stall_timeout and stalled is None:
+            if limit is not None and age > limit and stalled is None:
                 stalled = {
                     "group": r.comm.get_name(),
                     "seq": r.p2p_seq if r.is_p2p else r.seq,
@@ -388,6 +410,27 @@ def _health(hooks: list[FlightRecorderHook]) -> dict[str, Any]:
 _watchdog_lock = threading.Lock()
 _watchdog: threading.Thread | None = None
 _watchdog_stop = threading.Event()
+# The stall timeout of hooks created with stall_timeout=None. start_debug_server sets it (60 s
+# by default) so the watchdog works with no extra wiring, and resets it to None on stop.
+_default_stall_timeout: float | None = None
+
+
+def default_stall_timeout() -> float | None:
+    """The process default used by hooks whose own ``stall_timeout`` is None."""
+    return _default_stall_timeout
+
+
+def set_default_stall_timeout(seconds: float | None) -> None:
+    """Set the stall timeout of hooks without their own (None: such hooks never stall).
+
+    Starts the watchdog when registered hooks now have a timeout.
+    """
+    global _default_stall_timeout
+    if seconds is not None and not seconds > 0:
+        raise ValueError(f"stall timeout must be > 0 seconds or None, got {seconds}")
+    _default_stall_timeout = seconds
+    if seconds is not None and registered_hooks():
+        _ensure_watchdog()
 
 
 def _ensure_watchdog() -> None:
@@ -412,17 +455,18 @@ def _stop_watchdog() -> None:
 def _watch() -> None:
     reported: set[int] = set()  # record ids already dumped (only stalled ops land here)
     while not _watchdog_stop.is_set():
-        hooks = [h for h in registered_hooks() if h.stall_timeout is not None]
+        hooks = [h for h in registered_hooks() if h.effective_stall_timeout is not None]
         if not hooks:
             return
-        period = max(0.05, min(1.0, min(h.stall_timeout or 1.0 for h in hooks) / 4))
+        period = max(0.05, min(1.0, min(h.effective_stall_timeout or 1.0 for h in hooks) / 4))
         if _watchdog_stop.wait(period):
             return
         now = time.time_ns()
         for h in hooks:
+            limit = h.effective_stall_timeout
             for rec in h.in_flight():
                 age = (now - rec.time_created_ns) / 1e9
-                if h.stall_timeout is not None and age > h.stall_timeout and rec.record_id not in reported:
+                if limit is not None and age > limit and rec.record_id not in reported:
                     reported.add(rec.record_id)
                     try:
                         h.stall_dump(rec, age)
