@@ -79,7 +79,8 @@ def main() -> None:
     async_op = args.device == "cuda"
 
     print(f"torch {torch.__version__}, backend {backend}, device {dev}, iters {args.iters}, rounds {args.rounds}")
-    print(f"{'numel':>6} {'bare us':>9} {'hooked us':>10} {'added us':>9} {'ratio':>6}")
+    plain = new_comm(backend, dev, "bench_plain")  # the same communicator code, no hook
+    print(f"{'numel':>6} {'bare us':>9} {'hooked us':>10} {'added us':>9} {'ratio':>6} {'(comm w/o hook us)':>19}")
     for numel in (1, 1024):
         t = torch.ones(numel, device=dev)
 
@@ -89,15 +90,28 @@ def main() -> None:
         def hooked(t: torch.Tensor = t) -> object:
             return comm.all_reduce(t, async_op=async_op)
 
+        def unhooked(t: torch.Tensor = t) -> object:
+            return plain.all_reduce(t, async_op=async_op)
+
         for _ in range(200):  # warm-up
             bare()
             hooked()
-        b, h = [], []
-        for _ in range(args.rounds):  # interleaved so drift hits both equally
+            unhooked()
+        b, h, u = [], [], []
+        for _ in range(args.rounds):  # interleaved so drift hits all equally
             b.append(per_op_us(bare, args.iters, sync))
             h.append(per_op_us(hooked, args.iters, sync))
-        mb, mh = statistics.median(b), statistics.median(h)
-        print(f"{numel:>6} {mb:>9.2f} {mh:>10.2f} {mh - mb:>9.2f} {mh / mb:>6.2f}")
+            u.append(per_op_us(unhooked, args.iters, sync))
+        mb, mh, mu = statistics.median(b), statistics.median(h), statistics.median(u)
+        print(f"{numel:>6} {mb:>9.2f} {mh:>10.2f} {mh - mb:>9.2f} {mh / mb:>6.2f} {mu:>19.2f}")
+    if args.device == "cuda":
+        # What a start event costs on its own (pooled events are reused; this is a fresh one).
+        def event() -> object:
+            ev = torch.cuda.Event()
+            ev.record()
+            return ev
+
+        print(f"torch.cuda.Event() + record(): {statistics.median(per_op_us(event, args.iters, sync) for _ in range(args.rounds)):.2f} us")
 
     # Memory of a full ring: a fresh hook, 2000 ops from two call sites 20 frames deep.
     hook.unregister()

@@ -149,11 +149,6 @@ class OpRecord:
             if done:
                 self._mark_completed()
 
-    def _mark_started(self) -> None:
-        if self.state == "scheduled":
-            self.state = "started"
-            self.time_started_ns = time.time_ns()
-
     def _mark_completed(self) -> None:
         if self.state != "completed":
             now = time.time_ns()
@@ -161,9 +156,13 @@ class OpRecord:
                 self.time_started_ns = now
             self.time_completed_ns = now
             self.state = "completed"
-        # Drop references that keep tensors and CUDA events alive.
+        # Drop references that keep tensors alive; the start event has fired (the op is done),
+        # so it goes back to the communicator's pool for reuse.
         self.work = None
-        self.start_event = None
+        ev = self.start_event
+        if ev is not None:
+            self.start_event = None
+            self.comm._release_event(ev)
 
 
 class HookHandle:
@@ -254,6 +253,12 @@ class Comm:
         self._children: list[Comm] = []
         self._finalized = False
         self._is_cuda = device.type == "cuda"
+        # Reused start events: creating a CUDA event per op costs more than recording one.
+        self._event_pool: list[Any] = []
+
+    def _release_event(self, ev: Any) -> None:
+        if len(self._event_pool) < 1024:
+            self._event_pool.append(ev)
 
     # -- identity ----------------------------------------------------------------------------
     def get_rank(self) -> int:
@@ -388,7 +393,10 @@ class Comm:
         for fn in self._pre_hooks:
             fn(rec)
         if self._is_cuda:
-            ev = torch.cuda.Event()
+            # Recorded on the issuing stream just before the op: it fires when the stream
+            # reaches the collective, i.e. when the NCCL kernel can start ("started").
+            pool = self._event_pool
+            ev = pool.pop() if pool else torch.cuda.Event()
             ev.record()
             rec.start_event = ev
         else:
