@@ -127,7 +127,7 @@ class ServerConfig:
     stall_timeout: float | None = None
     """Seconds an op may stay in flight before a rank's health check says unhealthy."""
     auth_token: str | None = field(default=None, repr=False)
-    """Shared secret for multi-host jobs; must be None until access control ships."""
+    """The token every worker and frontend request must carry; None: no access control."""
 
     def __post_init__(self) -> None:
         unknown = set(self.enabled_dumps) - ALL_DUMPS
@@ -150,6 +150,6 @@ class ServerConfig:
         if self.keep_dumps < 1:
             raise ConfigError(f"keep_dumps={self.keep_dumps} must be >= 1")
         if self.auth_token is not None:
-            # The hook for multi-host access control: the store will hand the token to workers
-            # and the frontend. Refuse rather than pretend the endpoints are protected.
-            raise ConfigError("auth_token is not supported yet; bind to loopback (host='127.0.0.1')")
+            from debug_server.auth import check_token_text  # auth imports this module
+
+            check_token_text(self.auth_token)

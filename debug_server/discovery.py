@@ -47,6 +47,8 @@ class WorkerAddr:
     rank: int
     url: str | None
     error: str | None = None
+    meta: dict[str, Any] | None = None
+    """The registration sidecar (pid, host, signal-stacks info); None for torch's own worker."""
 
 
 def store_client(master_addr: str, master_port: int, timeout: float) -> dist.Store:
@@ -72,13 +74,16 @@ def advertised_host(bind_host: str | None) -> str:
     return bind_host
 
 
-def register_worker(store: dist.Store, job: JobEnv, url: str) -> None:
+def register_worker(store: dist.Store, job: JobEnv, url: str,
+                    extra: dict[str, Any] | None = None) -> None:
     """Publish this rank's worker URL, then the sidecar that says which restart wrote it.
 
     URL first: a reader that sees the new URL with the old sidecar distrusts it for a moment,
-    which is safer than trusting an old URL next to a new sidecar.
+    which is safer than trusting an old URL next to a new sidecar. The sidecar also carries the
+    pid and host, so a frontend on the same host can reach a rank by signal (``sigstack``).
     """
-    meta = {"restart": job.restart_count, "pid": os.getpid(), "run_id": job.run_id}
+    meta = {"restart": job.restart_count, "pid": os.getpid(), "run_id": job.run_id,
+            "host": socket.gethostname(), **(extra or {})}
     store.set(url_key(job.rank), url)
     store.set(meta_key(job.rank), json.dumps(meta))
 
@@ -115,8 +120,17 @@ def lookup_workers(store: dist.Store, world_size: int, restart_count: int) -> li
         if stale:
             out.append(WorkerAddr(rank, None, stale))
         else:
-            out.append(WorkerAddr(rank, got_urls[rank].decode(errors="replace").rstrip("/")))
+            out.append(WorkerAddr(rank, got_urls[rank].decode(errors="replace").rstrip("/"),
+                                  meta=_meta_dict(got_metas.get(rank))))
     return out
+
+
+def _meta_dict(raw: bytes | None) -> dict[str, Any] | None:
+    try:
+        meta = json.loads(raw) if raw is not None else None
+    except ValueError:
+        return None
+    return meta if isinstance(meta, dict) else None
 
 
 def _multi_get(store: dist.Store, ranks: list[int], key: Callable[[int], str]) -> dict[int, bytes]:
@@ -143,6 +157,16 @@ class StoreRegistry:
         self._timeout = timeout
         self._store: dist.Store | None = None
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="debug_server.store")
+        # Import torch and connect now, in the background: done lazily, the first page would
+        # pay seconds for it, on top of a stuck rank's fetch_timeout.
+        self._pool.submit(self._connect)
+
+    def _connect(self) -> None:
+        try:
+            if self._store is None:
+                self._store = store_client(*self._addr, timeout=self._timeout)
+        except Exception:  # the lookup reports it, once, when a page asks
+            self._store = None
 
     def _lookup_sync(self) -> list[WorkerAddr]:
         try:

@@ -36,6 +36,8 @@ STAMP_FORMAT = "%Y%m%d_%H%M%S"
 FR_TRACE_PREFIX = "torchcomms_fr_trace"
 STACKS_PREFIX = "stacks"
 SNAPSHOT_PREFIX = "fr_snapshot"
+HANG_REPORT_PREFIX = "hang_report"
+"""``hang_report_<ts>.txt/.json``: written by ``hangreport.HangWatch``, never pruned."""
 DUMP_FILE_HANDLER = "torchcomms_fr_dump_file"
 
 _CYCLE_FILE = re.compile(
@@ -152,7 +154,8 @@ class DumpDir:
         stamp = base if n == 0 else f"{base}_{n}"
         return any(
             os.path.exists(os.path.join(self.path, f"{p}_{stamp}.{ext}"))
-            for p, ext in ((FR_TRACE_PREFIX, "txt"), (STACKS_PREFIX, "txt"), (SNAPSHOT_PREFIX, "json"))
+            for p, ext in ((FR_TRACE_PREFIX, "txt"), (STACKS_PREFIX, "txt"), (SNAPSHOT_PREFIX, "json"),
+                           (HANG_REPORT_PREFIX, "txt"), (HANG_REPORT_PREFIX, "json"))
         )
 
     def write(self, name: str, data: str | bytes) -> str:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -20,6 +21,9 @@ from urllib.parse import urlencode
 import aiohttp
 
 from debug_server.discovery import NOT_REGISTERED, WorkerAddr
+from debug_server.sigstack import SignalCapture
+
+logger = logging.getLogger(__name__)
 
 OK = "ok"
 UNREACHABLE = "unreachable"
@@ -170,6 +174,36 @@ C10D_FR_HANDLER = "fr_trace_json"
 STACKS_HANDLER = "dump_traceback"
 
 
+class RankStates:
+    """The last reachability state of every rank; logs one line per change, not per fetch.
+
+    A rank that answers at all (even an HTTP error) is ``ok`` here; otherwise its state is the
+    fan-out status (``unreachable``, ``timed out``, ``not registered``). A dead rank thus costs
+    one log line ("rank 3: ok -> unreachable"), not one per page and per dump cycle.
+    """
+
+    def __init__(self) -> None:
+        self.last: dict[int, str] = {}
+
+    @staticmethod
+    def state(r: RankResult) -> str:
+        return OK if r.status == OK or r.http_status is not None else r.status
+
+    def update(self, results: Sequence[RankResult]) -> None:
+        for r in results:
+            new = self.state(r)
+            old = self.last.get(r.rank)
+            if old == new:
+                continue
+            self.last[r.rank] = new
+            if old is None and new == OK:
+                continue  # first sight of a healthy rank: nothing to report
+            level = logging.INFO if new == OK else logging.WARNING
+            detail = "" if new == OK else f" ({r.error})" if r.error and r.error != new else ""
+            logger.log(level, "debug_server: rank %d: %s%s%s", r.rank,
+                       f"{old} -> " if old is not None else "", new, detail)
+
+
 class Collector:
     """Lookup plus fan-out with one session, one timeout, one bound on requests in flight."""
 
@@ -181,6 +215,8 @@ class Collector:
         self.registry = registry
         self.timeout = timeout
         self.semaphore = asyncio.Semaphore(max_concurrency)
+        self.states = RankStates()
+        self.signal_capture = SignalCapture()
 
     @property
     def world_size(self) -> int:
@@ -192,8 +228,10 @@ class Collector:
     ) -> list[RankResult]:
         if addrs is None:
             addrs = await self.registry.lookup()
-        return await fan_out(self.session, addrs, handler, params, timeout=self.timeout,
-                             semaphore=self.semaphore)
+        results = await fan_out(self.session, addrs, handler, params, timeout=self.timeout,
+                                semaphore=self.semaphore)
+        self.states.update(results)
+        return results
 
     async def fr(self, *, only_active: bool, addrs: Sequence[WorkerAddr] | None = None) -> FrData:
         """Every rank's FR dump as JSON, parsed off the event loop.
@@ -213,7 +251,13 @@ class Collector:
         return FrData(results, dumps)
 
     async def stacks(self, addrs: Sequence[WorkerAddr] | None = None) -> list[RankResult]:
-        return await self.fetch(STACKS_HANDLER, None, addrs)
+        """Every rank's stacks; a rank on this host whose worker timed out (its main thread
+        holding the GIL) is asked by signal instead (``sigstack``), within about 1 s more."""
+        if addrs is None:
+            addrs = await self.registry.lookup()
+        results = await self.fetch(STACKS_HANDLER, None, addrs)
+        await self.signal_capture.fill(results, {a.rank: a.meta for a in addrs}, TIMED_OUT)
+        return results
 
 
 def parse_dumps(results: Sequence[RankResult]) -> dict[int, dict[str, Any]]:

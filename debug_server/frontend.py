@@ -22,8 +22,8 @@ import logging
 import os
 import signal
 import sys
+import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -31,14 +31,15 @@ import aiohttp
 import jinja2
 from aiohttp import web
 from aiohttp.typedefs import Handler
-from markupsafe import Markup
-from tabulate import tabulate
 
-from debug_server import report
+from debug_server import export, views
+from debug_server.auth import TOKEN_ENV, TOKEN_HEADER, TokenGate, auth_middleware
 from debug_server.config import ALL_DUMPS, DEFAULT_PORT, ServerConfig
 from debug_server.discovery import StaticRegistry, StoreRegistry
 from debug_server.dumps import Dumper, analyze_fr, fr_trace_text, stacks_text
-from debug_server.fanout import Collector, FrData, RankResult, Registry
+from debug_server.fanout import Collector, RankResult, Registry
+from debug_server.hangreport import HangWatch
+from debug_server.metrics import metrics_response
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +49,8 @@ PAGE_ROWS = 1000
 """Rows per page of the ``?full=1`` HTML view."""
 MAX_PAGE = 100_000
 PARENT_POLL_S = 1.0
+CONNECTIONS_PER_RANK = 8
+"""Most connections the frontend holds to one worker (in use plus idle keep-alive)."""
 BIND_RETRY_S = 3.0
 """How long a busy port is retried (an earlier frontend of an elastic restart may hold it)."""
 
@@ -58,6 +61,7 @@ TEMPLATES = web.AppKey("templates", jinja2.Environment)
 PARENT_PID = web.AppKey("parent_pid", int)
 SHUTDOWN = web.AppKey("shutdown", asyncio.Event)
 DUMPER = web.AppKey("dumper", Dumper)
+HANG_WATCH = web.AppKey("hang_watch", HangWatch)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -82,13 +86,6 @@ def load_templates() -> jinja2.Environment:
                                 "or in <repo>/templates)")
     return jinja2.Environment(loader=jinja2.DictLoader(sources), autoescape=True,
                               undefined=jinja2.StrictUndefined)
-
-
-def html_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> Markup:
-    """The one place HTML is marked safe: tabulate escapes every cell and header itself."""
-    # No alignment padding: it only adds spaces, and at 512 ranks the page must stay small.
-    return Markup(tabulate(rows, headers=list(headers), tablefmt="html", stralign=None,
-                           numalign=None, disable_numparse=True))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -180,72 +177,9 @@ def _rank_rows(results: Sequence[RankResult]) -> list[dict[str, Any]]:
     return [r.summary() | {"line": r.line()} for r in results]
 
 
-@dataclass(slots=True)
-class _Table:
-    """One HTML table and what the reader is told about the rows not in it."""
-
-    html: Markup
-    note: str
-
-
-def _paged_table(table: Callable[[dict[str, Any]], tuple[list[str], list[list[Any]]]],
-                 base: Mapping[str, Any], key: str, chunk: int, page: int) -> _Table:
-    """Page ``page`` of ``base[key]``, every row shown.
-
-    The report's table helpers elide rows to stay bounded; fed at most ``chunk`` rows at a
-    time (their bound), they keep them all, so the rows still come from the one renderer.
-    """
-    items = list(base.get(key, []))
-    lo = (page - 1) * PAGE_ROWS
-    part = items[lo : lo + PAGE_ROWS]
-    headers: list[str] = []
-    rows: list[list[Any]] = []
-    for i in range(0, max(len(part), 1), chunk):
-        headers, got = table({**base, "collectives": [], key: part[i : i + chunk]})
-        rows += got
-    note = (f"rows {lo + 1}-{lo + len(part)} of {len(items)} (page {page})" if part
-            else f"page {page} is past the end ({len(items)} rows)")
-    return _Table(html_table(headers, rows), note)
-
-
-def _bounded_table(table: Callable[[dict[str, Any]], tuple[list[str], list[list[Any]]]],
-                   result: Mapping[str, Any], key: str, what: str) -> _Table:
-    headers, rows = table(dict(result))
-    total = len(result.get(key, []))
-    note = f"{len(rows)} of {total} {what} (failing ones first)" if len(rows) < total else ""
-    return _Table(html_table(headers, rows), note)
-
-
-def fr_tables(result: Mapping[str, Any], *, full: bool, page: int) -> tuple[_Table, _Table]:
-    """The Collectives and NCCL Calls tables: bounded by default, every row page by page."""
-    if full:
-        return (_paged_table(report.collectives_table, result, "collectives",
-                             report.PASSING_ROWS_SHOWN, page),
-                _paged_table(report.nccl_calls_table, result, "nccl_calls",
-                             report.NCCL_ROWS_SHOWN, page))
-    return (_bounded_table(report.collectives_table, result, "collectives", "collectives"),
-            _bounded_table(report.nccl_calls_table, result, "nccl_calls", "calls"))
-
-
-def render_fr_html(env: jinja2.Environment, result: Mapping[str, Any], fr: FrData,
-                   *, full: bool, page: int, only_active: bool) -> str:
-    coll, calls = fr_tables(result, full=full, page=page)
-    return env.get_template("fr_trace.html").render(
-        title="Flight Recorder",
-        verdict=result.get("verdict", ""),
-        findings=report.findings_lines(dict(result)),
-        failures=[r.line() for r in fr.results if not r.ok],
-        ranks_answered=len(fr.dumps), world_size=len(fr.results),
-        groups=html_table(*report.groups_table(dict(result))),
-        collectives=coll.html, collectives_note=coll.note,
-        calls=calls.html, calls_note=calls.note,
-        full=full, page=page, only_active=only_active,
-    )
-
-
 async def _fr_page(request: web.Request) -> web.Response:
     q = _query(request, {"format": _format, "full": _bool01, "page": _page,
-                         "onlyactive": _bool01})
+                         "onlyactive": _bool01, "refresh": views.parse_refresh})
     fmt = negotiate(request, q.get("format"))
     only_active = q.get("onlyactive", True)
     collector = request.app[COLLECTOR]
@@ -257,7 +191,7 @@ async def _fr_page(request: web.Request) -> web.Response:
         return _respond(fmt, {**result, "ranks": _rank_rows(fr.results)})
     if fmt == "text":
         return _respond(fmt, await _off_loop(fr_trace_text, result, fr))
-    html = await _off_loop(lambda: render_fr_html(
+    html = await _off_loop(lambda: views.render_fr_html(
         request.app[TEMPLATES], result, fr, full=q.get("full", False), page=q.get("page", 1),
         only_active=only_active))
     return _respond(fmt, html)
@@ -273,17 +207,31 @@ async def torchcomms_fr_trace(request: web.Request) -> web.Response:
     return await _fr_page(request)
 
 
+@routes.get("/fr_trace/trace.json")
+async def trace_json(request: web.Request) -> web.Response:
+    """The FR entries as a Chrome trace-event timeline (Perfetto), as a download."""
+    q = _query(request, {"onlyactive": _bool01})
+    fr = await request.app[COLLECTOR].fr(only_active=q.get("onlyactive", False))
+    now_ns = time.time_ns()
+    body = await _off_loop(lambda: json.dumps(export.chrome_trace(fr.dumps, end_ns=now_ns)))
+    stamp = time.strftime("%Y%m%d_%H%M%S")
+    return web.Response(text=body, content_type="application/json", headers={
+        "Content-Disposition": f'attachment; filename="fr_trace_{stamp}.trace.json"'})
+
+
 @routes.get("/stacks")
 async def stacks(request: web.Request) -> web.Response:
-    fmt = negotiate(request, _query(request, {"format": _format}).get("format"))
+    fmt = negotiate(request, _query(request, {"format": _format, "refresh": views.parse_refresh})
+                    .get("format"))
     results = await request.app[COLLECTOR].stacks()
     if fmt == "json":
         return _respond(fmt, {"ranks": [r.summary() | {"stacks": r.body if r.ok else None}
                                         for r in results]})
     if fmt == "text":
         return _respond(fmt, stacks_text(results))
-    html = request.app[TEMPLATES].get_template("stacks.html").render(
-        title="Stacks", ranks=results, failures=[r.line() for r in results if not r.ok])
+    html = await _off_loop(lambda: request.app[TEMPLATES].get_template("stacks.html").render(
+        title="Stacks", failures=[r.line() for r in results if not r.ok],
+        **views.stacks_model(results)))
     return _respond(fmt, html)
 
 
@@ -314,9 +262,17 @@ def _health_line(r: RankResult) -> str:
     return "UNHEALTHY"
 
 
+@routes.get("/metrics")
+async def metrics(request: web.Request) -> web.Response:
+    _query(request, {})
+    watch = request.app.get(HANG_WATCH)
+    return await metrics_response(request.app[COLLECTOR], len(watch.reports) if watch else 0)
+
+
 @routes.get("/")
 async def index(request: web.Request) -> web.Response:
-    fmt = negotiate(request, _query(request, {"format": _format}).get("format"))
+    fmt = negotiate(request, _query(request, {"format": _format, "refresh": views.parse_refresh})
+                    .get("format"))
     collector = request.app[COLLECTOR]
     addrs = await collector.registry.lookup()
     health, fr, stack_res = await asyncio.gather(
@@ -338,9 +294,10 @@ async def index(request: web.Request) -> web.Response:
         lines += [f"rank {r['rank']}: {r['status']}, {r['health']}  {r['url']}"
                   if r["status"] == "ok" else f"{r['line']}" for r in rows]
         return _respond(fmt, "\n".join(lines) + "\n")
-    html = request.app[TEMPLATES].get_template("index.html").render(
-        title="Overview", world_size=collector.world_size, reachable=reachable,
-        verdict=verdict, findings=report.findings_lines(dict(result)), ranks=rows, failures=[])
+    model = views.overview_model(result, fr, stack_res, {r["rank"]: r["health"] for r in rows},
+                                 collector.world_size)
+    html = await _off_loop(lambda: request.app[TEMPLATES].get_template("index.html").render(
+        title="Overview", failures=[], **model))
     return _respond(fmt, html)
 
 
@@ -362,8 +319,12 @@ async def _one_line_errors(request: web.Request, handler: Handler) -> web.Stream
 
 async def _client_ctx(app: web.Application) -> AsyncIterator[None]:
     config = app[CONFIG]
-    connector = aiohttp.TCPConnector(limit=config.max_concurrency)
-    async with aiohttp.ClientSession(connector=connector) as session:
+    # aiohttp caps connections in use, not idle ones: without a per-host cap, keep-alive
+    # sockets pile up to the peak concurrency of every rank (ranks x max_concurrency fds).
+    connector = aiohttp.TCPConnector(limit=config.max_concurrency,
+                                     limit_per_host=CONNECTIONS_PER_RANK)
+    headers = {TOKEN_HEADER: config.auth_token} if config.auth_token else None
+    async with aiohttp.ClientSession(connector=connector, headers=headers) as session:
         app[COLLECTOR] = Collector(session, app[REGISTRY], timeout=config.fetch_timeout,
                                    max_concurrency=config.max_concurrency)
         yield
@@ -378,6 +339,12 @@ async def _background_ctx(app: web.Application) -> AsyncIterator[None]:
                         enabled=config.enabled_dumps, keep=config.keep_dumps)
         app[DUMPER] = dumper
         tasks.append(asyncio.create_task(dumper.run_forever(), name="debug_server.dumper"))
+    # Health is polled every min(dump_interval, 2 s) whatever the dump interval, so a hang
+    # report lands seconds after a rank stalls (written only with a dump_dir, logged always).
+    watch = HangWatch(app[COLLECTOR], config.dump_dir, interval=config.dump_interval,
+                      keep=config.keep_dumps, per_rank="per_rank" in config.enabled_dumps)
+    app[HANG_WATCH] = watch
+    tasks.append(asyncio.create_task(watch.run_forever(), name="debug_server.hang_watch"))
     if PARENT_PID in app:
         tasks.append(asyncio.create_task(_watch_parent(app), name="debug_server.parent"))
     yield
@@ -413,8 +380,14 @@ async def _watch_parent(app: web.Application) -> None:
 
 def make_frontend_app(config: ServerConfig, registry: Registry,
                       *, parent_pid: int | None = None) -> web.Application:
-    """The frontend app over ``registry``'s workers (and, with ``config.dump_dir``, the dumper)."""
-    app = web.Application(middlewares=[_one_line_errors])
+    """The frontend app over ``registry``'s workers (and, with ``config.dump_dir``, the dumper).
+
+    With ``config.auth_token`` every page requires it (header, cookie, or ``/?token=`` once)
+    and the fan-out sends it to the workers.
+    """
+    guard = ([auth_middleware(TokenGate(config.auth_token), browser=True)]
+             if config.auth_token else [])
+    app = web.Application(middlewares=[*guard, _one_line_errors])
     app[CONFIG] = config
     app[REGISTRY] = registry
     app[TEMPLATES] = load_templates()
@@ -517,7 +490,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             port=args.port, host=args.host, dump_dir=args.dump_dir,
             dump_interval=args.dump_interval, fetch_timeout=args.fetch_timeout,
             enabled_dumps=frozenset(d for d in args.enabled_dumps.split(",") if d),
-            keep_dumps=args.keep_dumps, max_concurrency=args.max_concurrency)
+            keep_dumps=args.keep_dumps, max_concurrency=args.max_concurrency,
+            # From the environment, never argv: the command line is visible to every user.
+            auth_token=os.environ.pop(TOKEN_ENV, None) or None)
     except ValueError as e:
         _report_ready(args.ready_fd, f"error: {e}")
         print(f"error: {e}", file=sys.stderr)

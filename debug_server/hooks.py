@@ -464,14 +464,18 @@ def _watch() -> None:
         now = time.time_ns()
         for h in hooks:
             limit = h.effective_stall_timeout
-            for rec in h.in_flight():
-                age = (now - rec.time_created_ns) / 1e9
-                if limit is not None and age > limit and rec.record_id not in reported:
-                    reported.add(rec.record_id)
-                    try:
+            # One bad pass (a dump that cannot be written, a record read while the training
+            # thread mutates it) must not end the watchdog for the rest of the run.
+            try:
+                for rec in h.in_flight():
+                    age = (now - rec.time_created_ns) / 1e9
+                    if limit is not None and age > limit and rec.record_id not in reported:
+                        reported.add(rec.record_id)
                         h.stall_dump(rec, age)
-                    except OSError as exc:
-                        logger.error("stall dump failed: %s", exc)
+            except OSError as exc:
+                logger.error("stall dump failed: %s", exc)
+            except Exception:
+                logger.exception("stall watchdog pass failed; continuing")
 
 
 # -- this process's live hooks (read by the per-rank worker) ------------------------------------

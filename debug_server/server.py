@@ -15,6 +15,15 @@ import time
 from collections.abc import Collection
 from pathlib import Path
 
+from debug_server import sigstack
+from debug_server.auth import (
+    TOKEN_ENV,
+    TokenGate,
+    new_token,
+    publish_token,
+    read_token,
+    token_required,
+)
 from debug_server.config import ALL_DUMPS, DEFAULT_PORT, JobEnv, ServerConfig, default_bind_host
 from debug_server.discovery import advertised_host, register_worker, store_client
 from debug_server.worker import HooksProvider, WorkerThread, start_worker_thread
@@ -28,6 +37,9 @@ DUMP_PATH_ENV = "TORCHCOMM_FR_DUMP_TEMP_FILE"
 FRONTEND_START_TIMEOUT = 60.0
 STORE_CONNECT_TIMEOUT = 300.0
 REGISTER_WAIT = 2.0
+DEFAULT_STALL_TIMEOUT = 60.0
+"""Seconds in flight before an op counts as stalled: well under the usual communicator timeout
+(NCCL's default is 10 minutes), so the evidence is on disk long before the job is torn down."""
 
 
 class _Registration:
@@ -38,9 +50,13 @@ class _Registration:
     blocking ``start_debug_server`` on it would deadlock a job that starts the server first.
     """
 
-    def __init__(self, job: JobEnv, url: str) -> None:
+    def __init__(self, job: JobEnv, url: str, *, gate: TokenGate | None = None,
+                 publish: str | None = None, extra: dict[str, object] | None = None) -> None:
         self.job = job
         self.url = url
+        self.gate = gate
+        self.publish = publish
+        self.extra = extra
         self.done = threading.Event()
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="debug_server.register", daemon=True)
@@ -49,7 +65,13 @@ class _Registration:
     def _run(self) -> None:
         try:
             store = store_client(self.job.master_addr, self.job.master_port, STORE_CONNECT_TIMEOUT)
-            register_worker(store, self.job, self.url)
+            if self.publish is not None:  # rank 0: hand the token to the other ranks
+                publish_token(store, self.job.restart_count, self.publish)
+            elif self.gate is not None and not self.gate.known:
+                # Learn rank 0's token before registering, so the frontend never meets this
+                # worker while it still refuses everything.
+                self.gate.set(read_token(store, self.job.restart_count))
+            register_worker(store, self.job, self.url, self.extra)
         except Exception as e:  # logged here: nobody may be waiting any more
             self.error = e
             logger.error("debug_server: rank %d could not register its worker %s in the store "
@@ -72,7 +94,22 @@ class DebugServer:
         self.worker_url = worker_url
         self.frontend = frontend
         self.frontend_port = frontend_port
+        self.sigstack: sigstack.SigStack | None = None
+        self.gate: TokenGate | None = None
         self._stopped = False
+
+    @property
+    def auth_token(self) -> str | None:
+        """The token requests must carry (None without access control, or while a rank other
+        than 0 still waits for it)."""
+        return self.gate.token if self.gate is not None else None
+
+    @property
+    def browser_url(self) -> str | None:
+        """The frontend link to open in a browser (with ``?token=`` when a token is required)."""
+        if self.frontend_url is None:
+            return None
+        return f"{self.frontend_url}/" + (f"?token={self.auth_token}" if self.auth_token else "")
 
     def wait_registered(self, timeout: float | None = None) -> bool:
         """True once this rank's worker is in the store (False on timeout or failure)."""
@@ -100,9 +137,12 @@ class DebugServer:
         if self.frontend is not None:
             _end_process(self.frontend, timeout)
         self.worker.stop(timeout)
+        if self.sigstack is not None:
+            self.sigstack.close()
         with _LOCK:
             if _CURRENT is self:
                 _CURRENT = None
+                _set_stall_default(None)
 
     def _terminate_at_exit(self) -> None:
         # At interpreter exit: signal the frontend and move on (it also notices our death
@@ -123,7 +163,8 @@ def start_debug_server(
     *,
     keep_dumps: int = 50,
     max_concurrency: int = 64,
-    stall_timeout: float | None = None,
+    stall_timeout: float | None = DEFAULT_STALL_TIMEOUT,
+    auth: str = "auto",
     auth_token: str | None = None,
 ) -> DebugServer:
     """Start the hang debugger on this rank; call it on every rank after torchrun set the env.
@@ -151,10 +192,26 @@ def start_debug_server(
             WORLD_SIZE``) and all interfaces otherwise.
         keep_dumps: Dump cycles kept in ``dump_dir`` (default 50); older files are deleted.
         max_concurrency: Most worker requests the frontend has in flight at once (default 64).
-        stall_timeout: Seconds an op may stay in flight before this rank's health check
-            (``/`` on the frontend, ``torchcomms_health_check`` on the worker) reports it as
-            unhealthy, naming the op; None (default) leaves it to the hooks' own setting.
-        auth_token: Reserved for access control on multi-host jobs; must be None for now.
+        stall_timeout: Seconds an op may stay in flight before it counts as stalled (default
+            60): the process default of every ``FlightRecorderHook`` created with
+            ``stall_timeout=None`` (a hook's own value wins). A stalled op makes this rank's
+            health check (``torchcomms_health_check``, ``/``, ``/metrics``) unhealthy, the
+            hook's watchdog writes this rank's pickle and ``stalled_stacks_r<rank>.txt`` at
+            once, and the frontend writes ``hang_report_<ts>.txt/.json`` into ``dump_dir``.
+            Keep it well under the communicator's timeout and above the longest legitimate
+            wait (a barrier while rank 0 saves a checkpoint). None: no default.
+        auth: Access control of the workers and the frontend. ``"auto"`` (default): require
+            a token when they listen beyond loopback (a multi-host job, or an explicit
+            non-loopback ``host``) or when ``auth_token`` is given; a single-host job binds
+            127.0.0.1 and needs none. ``"token"``: always require one. ``"none"``: never (a
+            trusted network; lets torch's own frontend read these workers, which cannot send
+            a token).
+        auth_token: The token to require (printable ASCII, >= 16 characters), the same on
+            every rank. None (default): when one is required, rank 0 creates one with
+            ``secrets.token_urlsafe(32)`` and the other ranks read it from the job's store
+            (bounded wait) before registering. Requests carry it in the header
+            ``X-Debug-Server-Token``; a browser opens ``handle.browser_url`` (``/?token=...``,
+            logged by rank 0) once and then holds an HttpOnly cookie. Missing: 401, wrong: 403.
 
     Returns:
         A ``DebugServer`` handle; ``handle.stop()`` (or ``stop_debug_server()``) ends it.
@@ -166,12 +223,16 @@ def start_debug_server(
     """
     global _CURRENT
     job = JobEnv.from_env()
+    bind_host = host if host is not None else default_bind_host(job)
+    required = token_required(auth, bind_host, auth_token)
+    if required and auth_token is None and job.rank == 0:
+        auth_token = new_token()
     config = ServerConfig(
         port=port, worker_port=worker_port, dump_dir=dump_dir, dump_interval=dump_interval,
         enabled_dumps=ALL_DUMPS if enabled_dumps is None else frozenset(enabled_dumps),
         fetch_timeout=fetch_timeout, keep_dumps=keep_dumps, max_concurrency=max_concurrency,
         stall_timeout=stall_timeout, auth_token=auth_token,
-        host=host if host is not None else default_bind_host(job),
+        host=bind_host,
     )
     with _LOCK:
         if _CURRENT is not None:
@@ -185,11 +246,19 @@ def start_debug_server(
         # Start the frontend first: it needs seconds to import; the worker starts meanwhile.
         pending = _spawn_frontend(config, job) if job.rank == 0 else None
         worker: WorkerThread | None = None
+        gate = TokenGate(auth_token) if required else None
+        # Stacks by signal for when this process holds the GIL and the worker cannot answer.
+        sig = sigstack.install()
         try:
-            worker = start_worker_thread(HooksProvider(job.rank, config.stall_timeout), config.host,
-                                         config.worker_port)
+            # The stall timeout reaches health through the hooks' process default (set below),
+            # so a hook's own stall_timeout is not overridden by the worker.
+            worker = start_worker_thread(HooksProvider(job.rank), config.host, config.worker_port,
+                                         gate=gate)
             worker_url = f"http://{_url_host(advertised_host(config.host))}:{worker.port}"
-            registration = _Registration(job, worker_url)
+            registration = _Registration(
+                job, worker_url, gate=gate,
+                publish=auth_token if required and job.rank == 0 else None,
+                extra={sigstack.META_KEY: sig.meta()} if sig is not None else None)
             registration.done.wait(REGISTER_WAIT)
             frontend_port = _wait_ready(pending, config) if pending is not None else None
         except BaseException:
@@ -197,13 +266,21 @@ def start_debug_server(
                 _end_process(pending[0], 2.0)
             if worker is not None:
                 worker.stop()
+            if sig is not None:
+                sig.close()
             raise
         handle = DebugServer(job, config, worker, worker_url,
                              pending[0] if pending else None, frontend_port, registration)
+        handle.sigstack = sig
+        handle.gate = gate
         _CURRENT = handle
+        _set_stall_default(config.stall_timeout)
     atexit.register(handle._terminate_at_exit)
     logger.info("debug_server: rank %d worker at %s%s", job.rank, worker_url,
                 f"; frontend at {handle.frontend_url}" if handle.frontend_url else "")
+    if handle.frontend_url and handle.auth_token:
+        # Warning level so it shows without any logging setup: the one way in for a browser.
+        logger.warning("debug_server: access token required; open %s", handle.browser_url)
     return handle
 
 
@@ -213,6 +290,13 @@ def stop_debug_server() -> None:
         handle = _CURRENT
     if handle is not None:
         handle.stop()
+
+
+def _set_stall_default(seconds: float | None) -> None:
+    # Imported here so that importing the server side does not load the recording side.
+    from debug_server import hooks
+
+    hooks.set_default_stall_timeout(seconds)
 
 
 def _url_host(host: str) -> str:
@@ -241,6 +325,9 @@ def _spawn_frontend(config: ServerConfig, job: JobEnv) -> tuple[subprocess.Popen
     if config.dump_dir is not None:
         args += ["--dump-dir", os.path.abspath(config.dump_dir)]
     env = dict(os.environ)
+    env.pop(TOKEN_ENV, None)
+    if config.auth_token:
+        env[TOKEN_ENV] = config.auth_token  # not argv: the command line is visible to all users
     # The child must import this very package even when the trainer found it via sys.path
     # tweaks rather than an install.
     pkg_root = str(Path(__file__).resolve().parent.parent)

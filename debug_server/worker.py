@@ -21,6 +21,7 @@ from typing import Any, Protocol
 
 from aiohttp import web
 
+from debug_server.auth import TokenGate, auth_middleware
 from debug_server.stacks import capture_stacks
 
 logger = logging.getLogger(__name__)
@@ -287,9 +288,13 @@ def _one_line(e: BaseException) -> str:
     return lines[0][:500] if lines else ""
 
 
-def make_worker_app(provider: Provider) -> web.Application:
-    """The worker app serving ``provider`` under torch's ``/handler/<name>`` paths."""
-    app = web.Application()
+def make_worker_app(provider: Provider, gate: TokenGate | None = None) -> web.Application:
+    """The worker app serving ``provider`` under torch's ``/handler/<name>`` paths.
+
+    With ``gate``, every request must carry the job's token (header ``X-Debug-Server-Token``).
+    """
+    guard = [auth_middleware(gate, browser=False)] if gate is not None else []
+    app = web.Application(middlewares=guard)
     app[PROVIDER] = provider
     app.add_routes(routes)
     return app
@@ -374,8 +379,9 @@ def _bound_port(runner: web.AppRunner) -> int:
 
 
 def start_worker_thread(
-    provider: Provider, host: str | None = "127.0.0.1", port: int = 0
+    provider: Provider, host: str | None = "127.0.0.1", port: int = 0,
+    gate: TokenGate | None = None,
 ) -> WorkerThread:
     """Serve ``provider`` from a daemon thread; returns once the port is bound (or raises)."""
-    return WorkerThread(make_worker_app(provider), host, port).start()
+    return WorkerThread(make_worker_app(provider, gate), host, port).start()
 

@@ -9,6 +9,15 @@ if ! python -c "import torch" >/dev/null 2>&1; then
   # The CPU build; users with GPUs bring their own torch (pyproject keeps a range).
   python -m pip install --quiet "torch==2.13.0"
 fi
-if ! python -c "import debug_server, pytest_aiohttp, pytest_timeout, hypothesis, prometheus_client" >/dev/null 2>&1; then
+if ! python -c "import debug_server, pytest_aiohttp, pytest_timeout, hypothesis, prometheus_client, selenium" >/dev/null 2>&1; then
   python -m pip install --quiet -e ".[test]"
+fi
+# The browser test drives Debian's Chromium (never a browser download; clusters are offline).
+# Only for the tests, only where it is missing and apt-get exists; a failure here just makes
+# tests/test_browser.py skip with its reason.
+if [ "$(basename "$0")" = "run_tests.sh" ] && [ ! -x /usr/bin/chromium ] && command -v apt-get >/dev/null 2>&1; then
+  SUDO=""
+  if [ "$(id -u)" -ne 0 ] && command -v sudo >/dev/null 2>&1; then SUDO="sudo -n"; fi
+  { $SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq chromium chromium-driver; } \
+    >/dev/null 2>&1 || echo "note: could not install chromium (the browser test will skip)" >&2
 fi

@@ -118,20 +118,26 @@ def main() -> int:
     comm.broadcast(t, root=0)
     say(rank, "phase 1 done")
 
+    hang_start = time.time()
+    timed_out = False
     if rank == hanging_rank:
         say(rank, f"phase 2: hanging (sleeping {hang_seconds:g} s instead of joining all_reduce #4)")
         hang_phase(hang_seconds)
         path = hook.dump_file(rank)
         say(rank, f"woke up; flight recorder pickle written to {path}")
     else:
-        say(rank, f"phase 2: all_reduce #4, waiting for rank {hanging_rank} (times out after {comm_timeout:g} s)")
+        # Wall-clock stamps let a reader (and tests/test_watchdog.py) compare the hang report's
+        # time with the hang's start and with the communicator's timeout.
+        say(rank, f"phase 2: all_reduce #4, waiting for rank {hanging_rank} (times out after {comm_timeout:g} s) "
+            f"[wall {time.time():.3f}]")
         t0 = time.monotonic()
         try:
             comm.all_reduce(t)
             say(rank, "all_reduce #4 completed (the hanging rank joined?)")
         except RuntimeError as e:
+            timed_out = True
             say(rank, f"Caught timeout: {type(e).__name__}: {e}")
-            say(rank, f"(after {time.monotonic() - t0:.1f} s)")
+            say(rank, f"(after {time.monotonic() - t0:.1f} s) [wall {time.time():.3f}]")
             path = hook.dump_file(rank)
             say(rank, f"flight recorder pickle written to {path}")
 
@@ -141,19 +147,30 @@ def main() -> int:
     if rank == 0:
         # One more dump cycle after everyone wrote their final pickle.
         time.sleep(min(dump_interval, 5.0))
-        report(dump_dir)
+        report(dump_dir, hang_start + comm_timeout)
     wait_for_all(store, "demo_exit", world, 60)
     stop_debug_server()
     hook.unregister()
+    if timed_out and backend == "nccl":
+        # After a timeout c10d marks the NCCL group failed and its watchdog takes the process
+        # down; tearing the group down cleanly would block until then. Leave at once instead.
+        sys.stdout.flush()
+        os._exit(0)
     comm.finalize()
     dist.destroy_process_group()
     return 0
 
 
-def report(dump_dir: str) -> None:
-    """Print the analyzer's verdict on the per-rank pickles and the follow-up commands."""
+def report(dump_dir: str, timeout_at: float) -> None:
+    """Print the analyzer's verdict on the per-rank pickles and the follow-up commands.
+
+    The verdict joins the stacks dumped during the hang (the last before the communicator's
+    timeout fired): afterwards every rank has moved on to the demo's final wait.
+    """
     per_rank = os.path.join(dump_dir, "per_rank")
-    stacks = sorted(Path(dump_dir).glob("stacks_*.txt"))
+    all_stacks = sorted(Path(dump_dir).glob("stacks_*.txt"))
+    during = [p for p in all_stacks if p.stat().st_mtime < timeout_at]
+    stacks = during or all_stacks
     cmd = [sys.executable, "-m", "debug_server.fr_trace", per_rank, "-p", "rank_", "--json"]
     if stacks:
         cmd += ["--stacks", str(stacks[-1])]
@@ -171,8 +188,11 @@ def report(dump_dir: str) -> None:
     if texts:
         print(f"  latest FR trace: {texts[-1]}")
     if stacks:
-        print(f"  latest stacks:   {stacks[-1]}")
+        print(f"  stacks during the hang: {stacks[-1]}")
     print(f"  per-rank pickles: {per_rank}/rank_*")
+    hang_reports = sorted(Path(dump_dir).glob("hang_report_*.txt"))
+    if hang_reports:
+        print(f"  hang report:     {hang_reports[0]}  (written by the stall watchdog)")
     print("Next:")
     stacks_arg = f" --stacks {stacks[-1]}" if stacks else ""
     print(f"  python -m debug_server.fr_trace {per_rank} -p rank_{stacks_arg}")

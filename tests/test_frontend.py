@@ -17,10 +17,10 @@ from debug_server.frontend import (
     PARENT_PID,
     SHUTDOWN,
     _watch_parent,
-    fr_tables,
     load_templates,
     make_frontend_app,
 )
+from debug_server.views import fr_tables
 
 BROWSER = "text/html,application/xhtml+xml,application/xml;q=0.9,*/*;q=0.8"
 CURL = "*/*"
@@ -180,13 +180,14 @@ async def test_never_registered_rank_does_not_block_pages(aiohttp_client: Any, f
 def test_default_html_tables_are_bounded_and_full_view_pages_every_row() -> None:
     result = analysis.analyze(synthetic.hang_job(2, n_entries=2000, missing_rank=1), world_size=2)
     coll, calls = fr_tables(result, full=False, page=1)
-    assert coll.html.count("<tr>") == 1 + 1 + 50  # header, the failing row, newest passing
+    assert coll.html.count("<tr") == 1 + 1 + 50  # header, the failing row, newest passing
+    assert coll.html.count('<tr class="fail">') == 1
     assert "51 of 2000 collectives" in coll.note
-    assert calls.html.count("<tr>") == 1 + 200
+    assert calls.html.count("<tr") == 1 + 200
     coll2, calls2 = fr_tables(result, full=True, page=2)
-    assert coll2.html.count("<tr>") == 1 + 1000 and coll2.note == "rows 1001-2000 of 2000 (page 2)"
+    assert coll2.html.count("<tr") == 1 + 1000 and coll2.note == "rows 1001-2000 of 2000 (page 2)"
     assert ">1999<" in coll2.html and ">999<" not in coll2.html
-    assert calls2.html.count("<tr>") == 1 + 1000
+    assert calls2.html.count("<tr") == 1 + 1000
     past, _ = fr_tables(result, full=True, page=9)
     assert past.note == "page 9 is past the end (2000 rows)"
 

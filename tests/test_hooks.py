@@ -59,6 +59,9 @@ out = {
 }
 with open(f"out_{rank}.json", "w") as f:
     json.dump(out, f)
+# An orderly teardown: exiting with live gloo groups can abort in C++ at interpreter exit.
+torch.distributed.barrier()
+torch.distributed.destroy_process_group()
 '''
 
 
@@ -290,6 +293,8 @@ else:
     print("STALL_SEEN", os.path.exists(pickle_path), round(time.monotonic() - t0, 1) < 2.5, h["healthy"], h["stalled_op"]["seq"], h["stalled_op"]["op"])
     work.wait()
     print("HEALTHY_AFTER", health()["healthy"])
+torch.distributed.barrier()
+torch.distributed.destroy_process_group()
 '''
 
 

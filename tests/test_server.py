@@ -332,7 +332,9 @@ def test_two_rank_gloo_hang_is_diagnosed_end_to_end(tmp_path: Path) -> None:
             reports = [n for n in names if n.startswith("torchcomms_fr_trace_")]
             return (any(n.startswith("stacks_") for n in names)
                     and any(COLLECTIVE_ROW.search((dump_dir / n).read_text()) for n in reports)
-                    and sorted(os.listdir(dump_dir / "per_rank")) == ["rank_0", "rank_1"])
+                    # (the stall watchdog also leaves stalled_stacks_r0.txt there)
+                    and sorted(n for n in os.listdir(dump_dir / "per_rank")
+                               if n.startswith("rank_")) == ["rank_0", "rank_1"])
 
         _wait_for("dump files", dumps_written, deadline)
     finally:

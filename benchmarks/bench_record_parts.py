@@ -1,0 +1,88 @@
+"""Where the recording cost goes, piece by piece (median us per call), on CPU or CUDA.
+
+    python benchmarks/bench_record_parts.py [--device cuda]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from debug_server import hooks  # noqa: E402
+from debug_server.comms import new_comm  # noqa: E402
+
+
+def at_depth(depth: int, fn: Callable[[], float]) -> float:
+    return fn() if depth <= 0 else at_depth(depth - 1, fn)
+
+
+def us(fn: Callable[[], object], n: int = 200, rounds: int = 41) -> float:
+    # Small blocks with a sync between them: a GPU launch queue never fills, so the figure is
+    # host time, not GPU throughput.
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+
+    def run() -> float:
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        dt = time.perf_counter() - t0
+        sync()
+        return dt / n * 1e6
+
+    return statistics.median(at_depth(20, run) for _ in range(rounds))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--device", default="cpu")
+    args = ap.parse_args()
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29556")
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
+    cuda = args.device == "cuda"
+    dev = torch.device("cuda:0" if cuda else "cpu")
+    if cuda:
+        torch.cuda.set_device(dev)
+    backend = "nccl" if cuda else "gloo"
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=60))
+    comm = new_comm(backend, dev, "parts")
+    t = torch.ones(4, device=dev)
+    print(f"python {sys.version.split()[0]}, torch {torch.__version__}, {dev}")
+    print(f"capture (depth ~25)       {us(lambda: hooks._capture()):7.2f}")
+    print(f"_record1                  {us(lambda: comm._record1('all_reduce', t, True)):7.2f}")
+    print(f"tensor.shape + dtype      {us(lambda: (t.shape, t.dtype)):7.2f}")
+    print(f"time.time_ns              {us(time.time_ns):7.2f}")
+    if cuda:
+        print(f"cuda.Event()              {us(torch.cuda.Event):7.2f}")
+        ev = torch.cuda.Event()
+        print(f"ev.record()               {us(ev.record):7.2f}")
+        s = torch.cuda.current_stream()
+        print(f"ev.record(stream)         {us(lambda: ev.record(s)):7.2f}")
+        print(f"current_stream()          {us(torch.cuda.current_stream):7.2f}")
+        print(f"_cuda_getCurrentRawStream {us(lambda: torch._C._cuda_getCurrentRawStream(0)):7.2f}")
+    pg = comm.process_group
+    print(f"bare all_reduce async     {us(lambda: dist.all_reduce(t, group=pg, async_op=True)):7.2f}")
+    print(f"comm all_reduce async     {us(lambda: comm.all_reduce(t, async_op=True)):7.2f}")
+    hook = hooks.FlightRecorderHook(2000).register_with_comm(comm)
+    print(f"comm+hook all_reduce async{us(lambda: comm.all_reduce(t, async_op=True)):7.2f}")
+    hook.unregister()
+    if cuda:
+        torch.cuda.synchronize()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,278 @@
+"""The frontend's hang watch: a verdict on disk seconds after a rank stalls.
+
+``HangWatch`` polls every rank's ``torchcomms_health_check`` every ``min(dump_interval, 2 s)``
+(cheap: no FR data moves). When the job goes from healthy to unhealthy (the first rank reports
+a stalled op; not every poll while it stays stalled) it has every rank write its pickle, fetches
+the FR data and stacks once, runs the analyzer, and writes ``hang_report_<ts>.txt`` and
+``hang_report_<ts>.json`` into ``dump_dir``: who is missing from which collective, and the line
+each culprit is on. That lands long before the communicator's timeout tears the job down. When
+every rank is healthy again the watch re-arms, so a later stall gets its own report.
+
+A rank whose health check times out ``unresponsive_polls`` times in a row (a process wedged in C
+code holding the GIL cannot answer) counts as unhealthy too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import json
+import logging
+import os
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from debug_server import stackparse
+from debug_server.dumps import (
+    DUMP_FILE_HANDLER,
+    HANG_REPORT_PREFIX,
+    STAMP_FORMAT,
+    DumpDir,
+    analyze_fr,
+    dump_file_lines,
+    fr_trace_text,
+)
+from debug_server.fanout import TIMED_OUT, Collector, FrData, RankResult
+
+logger = logging.getLogger(__name__)
+
+HEALTH_HANDLER = "torchcomms_health_check"
+MAX_POLL_INTERVAL = 2.0
+"""Seconds between health polls at most, however long ``dump_interval`` is."""
+UNRESPONSIVE_POLLS = 3
+REPORT_VERSION = 1
+
+
+@dataclass(slots=True)
+class RankHealth:
+    """One rank's answer to one health poll, reduced to what the watch decides on."""
+
+    rank: int
+    answered: bool
+    """The worker replied with a health JSON object."""
+    healthy: bool | None
+    """None when unknown (no answer, or a worker without a health check)."""
+    stalled_op: dict[str, Any] | None = None
+    info: dict[str, Any] = field(default_factory=dict)
+    """The whole health reply (``in_flight``, ``oldest_in_flight_s``...)."""
+    error: str | None = None
+
+    def line(self) -> str:
+        if self.healthy is None:
+            return f"rank {self.rank}: health unknown ({self.error or 'no answer'})"
+        if self.healthy:
+            return f"rank {self.rank}: healthy"
+        op = self.stalled_op
+        if op:
+            age = op.get("age_s")
+            age_s = f" in flight for {age:.1f} s" if isinstance(age, int | float) else ""
+            return (f"rank {self.rank}: UNHEALTHY: {op.get('group')} seq {op.get('seq')} "
+                    f"{op.get('op')}{age_s}")
+        return f"rank {self.rank}: UNHEALTHY: {self.error or 'stalled'}"
+
+
+def parse_health(results: Sequence[RankResult]) -> list[RankHealth]:
+    """Health replies as records; a missing or malformed reply is ``healthy=None``."""
+    out = []
+    for r in results:
+        if not r.ok:
+            out.append(RankHealth(r.rank, False, None, error=r.error or r.status))
+            continue
+        try:
+            h = r.json()
+        except ValueError:
+            h = None
+        if not isinstance(h, dict) or not isinstance(h.get("healthy"), bool):
+            out.append(RankHealth(r.rank, False, None, error="health reply is not understood"))
+            continue
+        op = h.get("stalled_op")
+        out.append(RankHealth(r.rank, True, h["healthy"], op if isinstance(op, dict) else None,
+                              info=h))
+    return out
+
+
+@dataclass(slots=True)
+class HangReport:
+    """What one report says; ``to_json`` is the ``.json`` file, ``text`` the ``.txt`` file."""
+
+    stamp: str
+    time_unix: float
+    trigger: list[RankHealth]
+    health: list[RankHealth]
+    result: dict[str, Any]
+    culprits: list[dict[str, Any]]
+    text: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "version": REPORT_VERSION,
+            "stamp": self.stamp,
+            "time_unix": round(self.time_unix, 3),
+            "time_iso": _iso(self.time_unix),
+            "trigger": [_health_json(h) for h in self.trigger],
+            "health": [_health_json(h) for h in self.health],
+            "verdict": self.result.get("verdict", ""),
+            "findings": self.result.get("findings", []),
+            "culprits": self.culprits,
+            "analysis": self.result,
+        }
+
+
+def _health_json(h: RankHealth) -> dict[str, Any]:
+    return {"rank": h.rank, "healthy": h.healthy, "stalled_op": h.stalled_op,
+            "in_flight": h.info.get("in_flight"),
+            "oldest_in_flight_s": h.info.get("oldest_in_flight_s"), "error": h.error}
+
+
+def _iso(t: float) -> str:
+    return datetime.datetime.fromtimestamp(t).astimezone().isoformat(timespec="milliseconds")
+
+
+def _where(stack_text: str | None) -> dict[str, Any] | None:
+    """The main thread's innermost user frame of one rank: file (full path), line, function."""
+    if not stack_text:
+        return None
+    thread = stackparse.main_thread(stackparse.parse_threads(stack_text))
+    if thread is None or not thread.frames:
+        return None
+    pos = stackparse.summarize(thread.frames)
+    # The user's frame: outside the communication stack, innermost first.
+    frames = [f for f in thread.frames if not stackparse.is_collective_frame(f)] or thread.frames
+    top = frames[0]
+    return {"file": top.filename, "line": top.line, "function": top.function,
+            "summary": pos.summary, "in_collective": pos.in_collective}
+
+
+def culprits_of(result: Mapping[str, Any], stacks: Mapping[int, str]) -> list[dict[str, Any]]:
+    """One row per (finding, culprit rank): the collective and where that rank is now."""
+    rows = []
+    for f in result.get("findings", []):
+        if f.get("severity", "error") != "error":
+            continue
+        for rank in f.get("ranks", []):
+            rows.append({"rank": rank, "kind": f.get("kind"), "group": f.get("group"),
+                         "seq": f.get("seq"), "op": f.get("op"), "detail": f.get("detail", ""),
+                         "where": _where(stacks.get(rank))})
+    return rows
+
+
+def render_text(rep: HangReport, fr: FrData, stacks: Mapping[int, str],
+                dumped: Sequence[RankResult] | None) -> str:
+    """The ``.txt`` report: trigger, verdict, culprits with their stacks, then the FR tables."""
+    lines = [f"=== Hang report {rep.stamp} ===",
+             f"Written: {_iso(rep.time_unix)} (unix {rep.time_unix:.3f})",
+             "Trigger: " + "; ".join(h.line() for h in rep.trigger), "",
+             "=== Health ===", *(h.line() for h in rep.health), "",
+             "=== Verdict ===", rep.result.get("verdict", "") or "(no verdict)", ""]
+    lines.append("=== Culprits ===")
+    if not rep.culprits:
+        lines.append("(the analyzer found no culprit rank; see the stacks and tables below)")
+    for c in rep.culprits:
+        w = c["where"]
+        at = (f"{w['file']}:{w['line']} in {w['function']} ({w['summary']})" if w
+              else "stack unavailable")
+        lines.append(f"rank {c['rank']}: {c['kind']} {c['group']} seq {c['seq']} {c['op']}; "
+                     f"now at {at}")
+    shown = sorted({c["rank"] for c in rep.culprits} | {h.rank for h in rep.trigger})
+    for rank in shown:
+        lines += ["", f"=== Rank {rank} stacks ===",
+                  (stacks.get(rank) or "(unavailable)").rstrip("\n")]
+    lines += ["", "=== Flight recorder ===", fr_trace_text(rep.result, fr, dumped).rstrip("\n")]
+    return "\n".join(lines) + "\n"
+
+
+class HangWatch:
+    """Polls health; on the job's first unhealthy rank, writes one hang report."""
+
+    def __init__(self, collector: Collector, dump_dir: str | None, *, interval: float,
+                 keep: int = 50, per_rank: bool = True,
+                 unresponsive_polls: int = UNRESPONSIVE_POLLS) -> None:
+        self.collector = collector
+        self.dir = DumpDir(dump_dir, keep) if dump_dir else None
+        self.interval = min(interval, MAX_POLL_INTERVAL)
+        self.per_rank = per_rank
+        self.unresponsive_polls = unresponsive_polls
+        self.unhealthy = False
+        """True from the report until every rank is healthy again."""
+        self.reports: list[str] = []
+        """Paths of the ``.txt`` reports written (or, without a dump_dir, their stamps)."""
+        self.last: list[RankHealth] = []
+        self._timeouts: dict[int, int] = {}
+
+    async def run_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval)
+            try:
+                await self.poll()
+            except OSError as e:
+                logger.error("debug_server: cannot write hang report to %s: %s",
+                             self.dir.path if self.dir else None, e)
+            except Exception:
+                logger.exception("debug_server: health poll failed")
+
+    async def poll(self) -> HangReport | None:
+        """One health poll; returns the report when this poll wrote one."""
+        addrs = await self.collector.registry.lookup()
+        results = await self.collector.fetch(HEALTH_HANDLER, None, addrs)
+        health = parse_health(results)
+        for r, h in zip(results, health, strict=True):
+            self._timeouts[r.rank] = self._timeouts.get(r.rank, 0) + 1 if r.status == TIMED_OUT else 0
+            if self._timeouts[r.rank] >= self.unresponsive_polls:
+                h.healthy = False
+                h.error = f"health check timed out {self._timeouts[r.rank]} times in a row"
+        self.last = health
+        bad = [h for h in health if h.healthy is False]
+        if not bad:
+            if self.unhealthy:
+                logger.warning("debug_server: no rank reports a stall any more")
+                self.unhealthy = False
+            return None
+        if self.unhealthy:
+            return None
+        self.unhealthy = True
+        logger.error("debug_server: job unhealthy: %s; writing hang report",
+                     "; ".join(h.line() for h in bad))
+        return await self.write_report(bad, health, addrs)
+
+    async def write_report(self, trigger: list[RankHealth], health: list[RankHealth],
+                           addrs: Any = None) -> HangReport:
+        c = self.collector
+        now = time.time()
+        dump_task = (c.fetch(DUMP_FILE_HANDLER, None, addrs) if self.per_rank and self.dir
+                     else _none())
+        fr, stacks, dumped = await asyncio.gather(c.fr(only_active=False, addrs=addrs),
+                                                  c.stacks(addrs), dump_task)
+        loop = asyncio.get_running_loop()
+        result = await loop.run_in_executor(None, analyze_fr, fr, stacks, c.world_size)
+        stack_texts = {r.rank: r.body for r in stacks if r.ok and r.body is not None}
+        stamp = self.dir.new_stamp(now) if self.dir else report_stamp(now)
+        rep = HangReport(stamp, now, trigger, health, result, culprits_of(result, stack_texts))
+        rep.text = await loop.run_in_executor(None, render_text, rep, fr, stack_texts, dumped)
+        logger.error("debug_server: hang verdict: %s", result.get("verdict", ""))
+        if self.dir is None:
+            self.reports.append(stamp)
+            return rep
+        os.makedirs(self.dir.path, exist_ok=True)
+        body = json.dumps({**rep.to_json(), "dump_files": dump_file_lines(dumped or [])},
+                          default=str, indent=1)
+        # JSON first: a reader that waits for the .txt then finds both.
+        await loop.run_in_executor(None, self.dir.write, f"{HANG_REPORT_PREFIX}_{stamp}.json",
+                                   body + "\n")
+        path = await loop.run_in_executor(None, self.dir.write,
+                                          f"{HANG_REPORT_PREFIX}_{stamp}.txt", rep.text)
+        self.reports.append(path)
+        logger.error("debug_server: hang report written to %s", path)
+        return rep
+
+
+def report_stamp(now: float) -> str:
+    return time.strftime(STAMP_FORMAT, time.localtime(now))
+
+
+async def _none() -> None:
+    return None
+
+
+__all__ = ["HangReport", "HangWatch", "RankHealth", "culprits_of", "parse_health"]

@@ -1,0 +1,468 @@
+"""View-models of the rank-0 pages: what each HTML page shows, built from analysis + fan-out.
+
+Renderers format, they do not analyse (DESIGN.md): everything here is read off the result of
+:func:`debug_server.analysis.analyze`, the fan-out records (``RankResult``) and, for the
+per-communicator progress, the ``pg_status``/entries of the FR dumps the ranks sent. The
+templates turn these plain dicts into HTML; :func:`html_table` is the one place HTML is marked
+safe (every header and cell is escaped there).
+
+Everything stays bounded at 512+ ranks: the rank grid is one small cell per rank, tables are
+bounded or paged, and stacks are grouped by identical content.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import jinja2
+from markupsafe import Markup, escape
+
+from debug_server import report, stackparse
+from debug_server.discovery import NOT_REGISTERED
+from debug_server.fanout import FrData, RankResult
+
+logger = logging.getLogger(__name__)
+
+PAGE_ROWS = 1000
+"""Rows per page of the ``?full=1`` HTML view."""
+MAX_REFRESH_S = 3600
+LINKED_RANKS = 16
+"""Up to this many ranks in a cell are linked one by one; more are one link to the stacks page."""
+RANK_TABLE_OPEN = 32
+"""The full ranks table starts expanded up to this many ranks, collapsed above."""
+
+OK, BEHIND, UNREACHABLE, UNHEALTHY, UNREGISTERED = (
+    "ok", "behind", "unreachable", "unhealthy", "not registered")
+RANK_STATES = (BEHIND, UNHEALTHY, UNREACHABLE, UNREGISTERED, OK)
+"""Grid states, in the order the legend lists them."""
+
+
+# ---------------------------------------------------------------------------------------------
+# The one HTML helper
+
+
+class Link(NamedTuple):
+    """A table cell that links somewhere (text escaped like every other cell)."""
+
+    text: str
+    href: str
+
+
+def _cell(value: Any) -> str:
+    if isinstance(value, Link):
+        return f'<a href="{escape(value.href)}">{escape(value.text)}</a>'
+    if isinstance(value, list | tuple) and value and all(isinstance(v, Link) for v in value):
+        return ", ".join(_cell(v) for v in value)
+    return str(escape("" if value is None else value))
+
+
+def html_table(headers: Sequence[str], rows: Sequence[Sequence[Any]],
+               row_classes: Sequence[str] | None = None) -> Markup:
+    """The one place HTML is marked safe: every header and cell is escaped here.
+
+    Cells are plain values (escaped) or :class:`Link` (or a list of them); ``row_classes``
+    gives each row's CSS class ("" for none). No padding: at 512 ranks the page must stay small.
+    """
+    out = ["<table>\n<thead><tr>"]
+    out += [f"<th>{escape(h)}</th>" for h in headers]
+    out.append("</tr></thead>\n<tbody>\n")
+    for i, row in enumerate(rows):
+        cls = row_classes[i] if row_classes else ""
+        out.append(f'<tr class="{escape(cls)}">' if cls else "<tr>")
+        out += [f"<td>{_cell(v)}</td>" for v in row]
+        out.append("</tr>\n")
+    out.append("</tbody>\n</table>")
+    return Markup("".join(out))
+
+
+def rank_links(ranks: Sequence[int]) -> list[Link] | Link | str:
+    """Ranks linked to their stacks (``/stacks#rank-N``); a long set is one link to the page."""
+    rs = sorted(set(ranks))
+    if not rs:
+        return ""
+    if len(rs) <= LINKED_RANKS:
+        return [Link(str(r), f"/stacks#rank-{r}") for r in rs]
+    return Link(report.format_rank_set(rs), "/stacks")
+
+
+# ---------------------------------------------------------------------------------------------
+# Shared pieces: query parsing, the verdict banner
+
+
+def parse_refresh(raw: str) -> int:
+    """``?refresh=N``: seconds between reloads (0 = off); read by the page's inline script."""
+    n = int(raw)
+    if not 0 <= n <= MAX_REFRESH_S:
+        raise ValueError(f"must be 0..{MAX_REFRESH_S} seconds")
+    return n
+
+
+def _positions(result: Mapping[str, Any]) -> dict[int, dict[str, Any]]:
+    return {r: g for g in result.get("stack_groups", []) for r in g.get("ranks", [])}
+
+
+def _where(ranks: Sequence[int], pos: Mapping[int, Mapping[str, Any]]) -> str:
+    """``rank 1 at time.sleep at demo.py:88 (not in a collective)``, grouped by position."""
+    by: dict[tuple[str, bool], list[int]] = {}
+    for r in ranks:
+        g = pos.get(r)
+        if g is not None:
+            by.setdefault((g["summary"], bool(g.get("in_collective"))), []).append(r)
+    parts = []
+    for (summary, in_coll), rs in list(by.items())[:3]:
+        who = f"rank {rs[0]}" if len(rs) == 1 else f"ranks {report.format_rank_set(rs)}"
+        parts.append(f"{who} at {summary}" + ("" if in_coll else " (not in a collective)"))
+    return "; ".join(parts)
+
+
+@dataclass(slots=True)
+class Banner:
+    """The verdict at a glance: a level (css class), one headline per problem, the full verdict."""
+
+    level: str
+    headlines: list[dict[str, Any]] = field(default_factory=list)
+    verdict: str = ""
+
+
+def banner(result: Mapping[str, Any], world_size: int) -> Banner:
+    """Who is missing from what and where it is stuck, from the findings joined with stacks."""
+    findings = [f for f in result.get("findings", []) if f.get("severity", "error") != "info"]
+    pos = _positions(result)
+    heads: list[dict[str, Any]] = []
+    missing = [f for f in findings if f["kind"] == "missing_ranks"]
+    # The rank that is not waiting in any collective is the root; list it first.
+    missing.sort(key=lambda f: (all(pos.get(r, {}).get("in_collective", True) for r in f["ranks"]),
+                                len(f["ranks"])))
+    for f in missing[:3]:
+        rs = f["ranks"]
+        who = "Rank" if len(rs) == 1 else "Ranks"
+        waiting = f.get("waiting") or []
+        heads.append({
+            "who": who, "ranks": rank_links(rs),
+            "what": f"{'is' if len(rs) == 1 else 'are'} missing from {f['op']} #{f['seq']} "
+                    f"on {f.get('group_label') or f['group']}",
+            "where": _where(rs, pos),
+            "also": _where(waiting, pos) if waiting else "",
+        })
+    for f in findings:
+        if f["kind"] == "missing_ranks" or len(heads) >= 4:
+            continue
+        heads.append({"who": f["kind"].replace("_", " ").capitalize() + ":", "ranks": rank_links(
+            f.get("ranks", [])[:LINKED_RANKS]), "what": f.get("detail", ""),
+            "where": _where(f.get("ranks", [])[:3], pos), "also": ""})
+    no_data = result.get("ranks_without_data", [])
+    level = "bad" if findings else ("warn" if no_data else "ok")
+    if not heads and no_data:
+        heads.append({"who": "No data from", "ranks": rank_links(no_data),
+                      "what": f"({len(no_data)} of {world_size} ranks)", "where": "", "also": ""})
+    return Banner(level, heads, result.get("verdict", ""))
+
+
+def nav_links() -> list[Link]:
+    return [Link("overview JSON", "/?format=json"), Link("overview text", "/?format=text"),
+            Link("FR JSON", "/fr_trace?format=json"), Link("FR text", "/fr_trace?format=text"),
+            Link("stacks JSON", "/stacks?format=json"), Link("stacks text", "/stacks?format=text"),
+            Link("trace (Perfetto)", "/fr_trace/trace.json")]
+
+
+def _stamp() -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S %Z")
+
+
+# ---------------------------------------------------------------------------------------------
+# Overview
+
+
+def comm_progress(dumps: Mapping[int, Mapping[str, Any]]) -> dict[str, dict[int, tuple[int, int]]]:
+    """communicator -> rank -> (last issued seq, last completed seq), -1 when unknown.
+
+    From ``pg_status`` (true even when only active entries were sent) and the entries themselves.
+    """
+    out: dict[str, dict[int, tuple[int, int]]] = {}
+    for rank, dump in dumps.items():
+        per: dict[str, list[int]] = {}
+        for name, st in (dump.get("pg_status") or {}).items():
+            if isinstance(st, Mapping):
+                per[str(name)] = [_int(st.get("last_enqueued_collective")),
+                                  _int(st.get("last_completed_collective"))]
+        for name in dump.get("pg_config") or {}:
+            per.setdefault(str(name), [-1, -1])
+        for e in dump.get("entries") or ():
+            if e.get("is_p2p"):
+                continue
+            pg = e.get("process_group") or ("?",)
+            cur = per.setdefault(str(pg[0]), [-1, -1])
+            seq = _int(e.get("collective_seq_id"))
+            cur[0] = max(cur[0], seq)
+            if e.get("state") == "completed":
+                cur[1] = max(cur[1], seq)
+        for name, (issued, done) in per.items():
+            out.setdefault(name, {})[int(rank)] = (issued, done)
+    return out
+
+
+def _int(v: Any) -> int:
+    try:
+        return int(v)
+    except (TypeError, ValueError):
+        return -1
+
+
+def _seq(n: int) -> str:
+    return "-" if n < 0 else str(n)
+
+
+def overview_model(result: Mapping[str, Any], fr: FrData, stacks: Sequence[RankResult],
+                   health: Mapping[int, str], world_size: int) -> dict[str, Any]:
+    """Everything ``index.html`` shows. ``health`` maps rank -> the health line of the page."""
+    progress = comm_progress(fr.dumps)
+    behind: dict[int, list[str]] = {}
+    comm_rows, comm_classes = [], []
+    groups = {g["name"]: g for g in result.get("groups", [])}
+    missing_in: dict[str, set[int]] = {}
+    for f in result.get("findings", []):
+        if f["kind"] == "missing_ranks":
+            missing_in.setdefault(f["group"], set()).update(f["ranks"])
+    for name in sorted(set(progress) | set(groups)):
+        per = progress.get(name, {})
+        issued = [i for i, _ in per.values() if i >= 0]
+        done = [d for _, d in per.values() if d >= 0]
+        top = max(issued, default=-1)
+        late = {r for r, (i, _) in per.items() if 0 <= i < top} | missing_in.get(name, set())
+        for r in late:
+            behind.setdefault(r, []).append(name)
+        members = groups.get(name, {}).get("ranks") or sorted(per)
+        comm_rows.append([
+            name, groups.get(name, {}).get("desc", ""), len(members), _seq(top),
+            _seq(max(done, default=-1)), _seq(min(done, default=-1)) if done else "-",
+            rank_links(sorted(late)) or "none",
+        ])
+        comm_classes.append("fail" if late else "")
+    reach = {r.rank: r for r in stacks}
+    pos = _positions(result)
+    cells, problems = [], []
+    counts = dict.fromkeys(RANK_STATES, 0)
+    for rank in range(world_size):
+        rec = reach.get(rank)
+        h = health.get(rank, "")
+        at = pos.get(rank)
+        where = f"; at {at['summary']}" if at else ""
+        if rec is None or rec.status == NOT_REGISTERED:
+            state, detail = UNREGISTERED, (rec.error or rec.status) if rec else "no record"
+        elif not rec.ok:
+            state, detail = UNREACHABLE, rec.error or rec.status
+        elif rank in behind:
+            state, detail = BEHIND, f"behind on {', '.join(sorted(behind[rank]))}{where}"
+        elif h.startswith("UNHEALTHY"):
+            state, detail = UNHEALTHY, f"{h}{where}"
+        else:
+            state, detail = OK, f"{h or 'ok'}{where}"
+        counts[state] += 1
+        cells.append({"rank": rank, "state": state, "title": f"rank {rank}: {state}; {detail}"})
+        if state != OK:
+            problems.append({"rank": rank, "state": state, "detail": detail,
+                             "url": rec.url if rec else None})
+    ranks_table = html_table(
+        ["rank", "state", "worker", "reachability", "health"],
+        [[Link(str(c["rank"]), f"/stacks#rank-{c['rank']}"), c["state"],
+          (reach[c["rank"]].url or "") if c["rank"] in reach else "",
+          reach[c["rank"]].line() if c["rank"] in reach else "", health.get(c["rank"], "")]
+         for c in cells],
+        [_ROW_CLASS.get(c["state"], "") for c in cells])
+    return {
+        "banner": banner(result, world_size),
+        "reachable": sum(1 for r in stacks if r.ok),
+        "world_size": world_size,
+        "counts": [(s, counts[s]) for s in RANK_STATES],
+        "cells": cells,
+        "problems": problems[:200],
+        "problems_more": max(0, len(problems) - 200),
+        "comms": html_table(["communicator", "backend", "size", "last issued seq",
+                             "last completed seq (max)", "last completed seq (min)",
+                             "behind / missing ranks"], comm_rows, comm_classes),
+        "ranks_table": ranks_table,
+        "ranks_open": world_size <= RANK_TABLE_OPEN,
+        "downloads": nav_links(),
+        "stamp": _stamp(),
+    }
+
+
+_ROW_CLASS = {BEHIND: "fail", UNHEALTHY: "warn", UNREACHABLE: "warn", UNREGISTERED: "warn"}
+
+
+# ---------------------------------------------------------------------------------------------
+# Flight Recorder page
+
+
+@dataclass(slots=True)
+class Table:
+    """One HTML table and what the reader is told about the rows not in it."""
+
+    html: Markup
+    note: str
+
+
+_TableFn = Callable[[dict[str, Any]], tuple[list[str], list[list[Any]]]]
+
+
+def _decorate(key: str, headers: list[str], rows: list[list[Any]],
+              by_id: Mapping[int, Mapping[str, Any]]) -> tuple[list[list[Any]], list[str]]:
+    """Row classes for failing/mismatched collectives; missing ranks linked to their stacks."""
+    classes = []
+    if key != "collectives":
+        for row in rows:
+            c = by_id.get(row[1]) if len(row) > 1 else None
+            classes.append("fail" if c is not None and not c.get("pass_check") else "")
+        return rows, classes
+    mi = headers.index("missing_ranks")
+    out = []
+    for row in rows:
+        c = by_id.get(row[0], {})
+        if c.get("mismatch"):
+            classes.append("mismatch")
+        elif not c.get("pass_check", True):
+            classes.append("fail")
+        else:
+            classes.append("")
+        row = list(row)
+        if c.get("missing_ranks"):
+            row[mi] = rank_links(c["missing_ranks"])
+        out.append(row)
+    return out, classes
+
+
+def _paged_table(table: _TableFn, base: Mapping[str, Any], key: str, chunk: int,
+                 page: int) -> Table:
+    """Page ``page`` of ``base[key]``, every row shown.
+
+    The report's table helpers elide rows to stay bounded; fed at most ``chunk`` rows at a
+    time (their bound), they keep them all, so the rows still come from the one renderer.
+    """
+    items = list(base.get(key, []))
+    lo = (page - 1) * PAGE_ROWS
+    part = items[lo : lo + PAGE_ROWS]
+    headers: list[str] = []
+    rows: list[list[Any]] = []
+    for i in range(0, max(len(part), 1), chunk):
+        headers, got = table({**base, "collectives": [], key: part[i : i + chunk]})
+        rows += got
+    note = (f"rows {lo + 1}-{lo + len(part)} of {len(items)} (page {page})" if part
+            else f"page {page} is past the end ({len(items)} rows)")
+    by_id = {c["id"]: c for c in base.get("collectives", [])}
+    rows, classes = _decorate(key, headers, rows, by_id)
+    return Table(html_table(headers, rows, classes), note)
+
+
+def _bounded_table(table: _TableFn, result: Mapping[str, Any], key: str, what: str) -> Table:
+    headers, rows = table(dict(result))
+    total = len(result.get(key, []))
+    note = f"{len(rows)} of {total} {what} (failing ones first)" if len(rows) < total else ""
+    by_id = {c["id"]: c for c in result.get("collectives", [])}
+    rows, classes = _decorate(key, headers, rows, by_id)
+    return Table(html_table(headers, rows, classes), note)
+
+
+def fr_tables(result: Mapping[str, Any], *, full: bool, page: int) -> tuple[Table, Table]:
+    """The Collectives and NCCL Calls tables: bounded by default, every row page by page."""
+    if full:
+        return (_paged_table(report.collectives_table, result, "collectives",
+                             report.PASSING_ROWS_SHOWN, page),
+                _paged_table(report.nccl_calls_table, result, "nccl_calls",
+                             report.NCCL_ROWS_SHOWN, page))
+    return (_bounded_table(report.collectives_table, result, "collectives", "collectives"),
+            _bounded_table(report.nccl_calls_table, result, "nccl_calls", "calls"))
+
+
+def _findings(result: Mapping[str, Any]) -> list[dict[str, Any]]:
+    lines = report.findings_lines(dict(result))
+    out = []
+    for f, line in zip(result.get("findings", []), lines, strict=False):
+        out.append({"kind": f["kind"], "line": line, "ranks": rank_links(f.get("ranks", [])),
+                    "info": f.get("severity") == "info"})
+    return out
+
+
+def render_fr_html(env: jinja2.Environment, result: Mapping[str, Any], fr: FrData,
+                   *, full: bool, page: int, only_active: bool) -> str:
+    coll, calls = fr_tables(result, full=full, page=page)
+    failing = sum(1 for c in result.get("collectives", []) if not c.get("pass_check"))
+    return env.get_template("fr_trace.html").render(
+        title="Flight Recorder",
+        banner=banner(result, len(fr.results)),
+        findings=_findings(result),
+        failures=[r.line() for r in fr.results if not r.ok],
+        ranks_answered=len(fr.dumps), world_size=len(fr.results),
+        groups=html_table(*report.groups_table(dict(result))),
+        collectives=coll.html, collectives_note=coll.note,
+        n_collectives=len(result.get("collectives", [])), n_failing=failing,
+        calls=calls.html, calls_note=calls.note,
+        full=full, page=page, only_active=only_active,
+        downloads=nav_links(), stamp=_stamp(),
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Stacks page
+
+
+def _stack_key(text: str) -> tuple[Any, ...]:
+    # Thread idents differ on every rank; the frames are what makes two ranks "the same".
+    threads = stackparse.parse_threads(text)
+    if not threads:
+        return ("raw", text)
+    return tuple(tuple((f.filename, f.line, f.function) for f in t.frames) for t in threads)
+
+
+def _threads_view(text: str) -> list[dict[str, Any]]:
+    threads = stackparse.parse_threads(text)
+    main = stackparse.main_thread(threads)
+    views = []
+    for t in threads:
+        views.append({
+            "name": ("main thread" if t is main else ("dumping thread" if t.current else "thread"))
+                    + (f" {t.ident}" if t.ident else ""),
+            "main": t is main,
+            "frames": [f"{f.filename}:{f.line} in {f.function}" for f in t.frames],
+        })
+    views.sort(key=lambda v: not v["main"])
+    return views
+
+
+def stacks_model(results: Sequence[RankResult]) -> dict[str, Any]:
+    """Ranks with identical stacks grouped, the odd ones (smallest groups) first."""
+    by_key: dict[tuple[Any, ...], list[RankResult]] = {}
+    for r in results:
+        key = _stack_key(r.body or "") if r.ok else ("failed", r.status)
+        by_key.setdefault(key, []).append(r)
+    groups = []
+    for key, members in by_key.items():
+        first = members[0]
+        ranks = [m.rank for m in members]
+        if first.ok:
+            text = first.body or ""
+            pos = stackparse.summarize_text(text)
+            summary = pos.summary if pos else "no Python frame"
+            if pos and not pos.in_collective:
+                summary += " (not in a collective)"
+            threads = _threads_view(text)
+            groups.append({"ranks": ranks, "ok": True, "summary": summary,
+                           "in_collective": bool(pos and pos.in_collective),
+                           "main": [t for t in threads if t["main"]],
+                           "others": [t for t in threads if not t["main"]],
+                           "raw": text, "raw_rank": first.rank, "lines": []})
+        else:
+            groups.append({"ranks": ranks, "ok": False, "summary": key[1], "main": [],
+                           "others": [], "in_collective": True, "raw": "",
+                           "raw_rank": first.rank, "lines": [m.line() for m in members[:50]]})
+    # Odd ones first; among equally small groups, ranks outside any collective (the likely
+    # cause of a hang) before ranks waiting inside one.
+    groups.sort(key=lambda g: (not g["ok"], len(g["ranks"]), g["in_collective"], g["ranks"][0]))
+    for g in groups:
+        g["label"] = (f"{len(g['ranks'])} ranks" if len(g["ranks"]) > 1
+                      else f"rank {g['ranks'][0]}")
+        g["set"] = report.format_rank_set(g["ranks"])
+    return {"groups": groups, "n_ranks": len(results), "stamp": _stamp()}
