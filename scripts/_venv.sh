@@ -6,8 +6,9 @@ fi
 # shellcheck disable=SC1091
 source .venv/bin/activate
 if ! python -c "import torch" >/dev/null 2>&1; then
-  # The CPU build; users with GPUs bring their own torch (pyproject keeps a range).
-  python -m pip install --quiet "torch==2.13.0"
+  # The CPU build; users with GPUs bring their own torch (pyproject keeps a range). numpy only
+  # because torch warns at every start without it ("Failed to initialize NumPy").
+  python -m pip install --quiet "torch==2.13.0" numpy
 fi
 if ! python -c "import debug_server, pytest_aiohttp, pytest_timeout, hypothesis, prometheus_client, selenium" >/dev/null 2>&1; then
   python -m pip install --quiet -e ".[test]"

@@ -55,7 +55,10 @@ def env_float(name: str, default: float) -> float:
 
 
 def say(rank: int, msg: str) -> None:
-    print(f"[rank {rank}] {msg}", flush=True)
+    # One write per line: print() writes text and newline separately, so two ranks sharing
+    # torchrun's stdout would interleave mid-line.
+    sys.stdout.write(f"[rank {rank}] {msg}\n")
+    sys.stdout.flush()
 
 
 def hang_phase(seconds: float) -> None:
