@@ -360,6 +360,41 @@ def _coalesce(
 # --------------------------------------------------------------------------------------------
 
 
+def stack_groups(stacks: Mapping[int, str]) -> list[dict[str, Any]]:
+    """Ranks grouped by where their main thread is, odd ones (smallest groups) first.
+
+    ``stacks``: rank -> faulthandler text. Each group is ``{"ranks", "summary",
+    "in_collective"}``, e.g. ``{"ranks": [5], "summary": "time.sleep at demo.py:66",
+    "in_collective": False}``; the same groups as ``analyze(...)["stack_groups"]``.
+    """
+    return _group_stacks(stacks, [])[0]
+
+
+def _group_stacks(
+    stacks: Mapping[int, str], notes: list[str]
+) -> tuple[list[dict[str, Any]], dict[int, stackparse.Position]]:
+    by_summary: dict[tuple[str, bool], list[int]] = {}
+    positions: dict[int, stackparse.Position] = {}
+    cache: dict[str, stackparse.Position | None] = {}
+    for r, text in sorted(stacks.items()):
+        if text not in cache:
+            try:
+                cache[text] = stackparse.summarize_text(text)
+            except Exception as e:  # noqa: BLE001 - unparseable stacks must not stop the analysis
+                notes.append(f"rank {r}: stack text unparseable ({type(e).__name__})")
+                cache[text] = None
+        pos = cache[text]
+        if pos is None:
+            continue
+        positions[r] = pos
+        by_summary.setdefault((pos.summary, pos.in_collective), []).append(r)
+    groups = [
+        {"ranks": rs, "summary": s, "in_collective": ic}
+        for (s, ic), rs in sorted(by_summary.items(), key=lambda kv: (len(kv[1]), kv[1][0]))
+    ]
+    return groups, positions
+
+
 def format_ranks(ranks: Iterable[int]) -> str:
     """``[0, 1, 2, 5]`` -> ``0-2, 5`` (sorted, ranges collapsed)."""
     rs = sorted(set(ranks))
@@ -1051,26 +1086,7 @@ class _Merge:
     # -- stacks and verdict --------------------------------------------------------------------
 
     def _stack_groups(self) -> tuple[list[dict[str, Any]], dict[int, stackparse.Position]]:
-        by_summary: dict[tuple[str, bool], list[int]] = {}
-        positions: dict[int, stackparse.Position] = {}
-        cache: dict[str, stackparse.Position | None] = {}
-        for r, text in sorted(self.stacks.items()):
-            if text not in cache:
-                try:
-                    cache[text] = stackparse.summarize_text(text)
-                except Exception as e:  # noqa: BLE001 - unparseable stacks must not stop the analysis
-                    self.notes.append(f"rank {r}: stack text unparseable ({type(e).__name__})")
-                    cache[text] = None
-            pos = cache[text]
-            if pos is None:
-                continue
-            positions[r] = pos
-            by_summary.setdefault((pos.summary, pos.in_collective), []).append(r)
-        groups = [
-            {"ranks": rs, "summary": s, "in_collective": ic}
-            for (s, ic), rs in sorted(by_summary.items(), key=lambda kv: (len(kv[1]), kv[1][0]))
-        ]
-        return groups, positions
+        return _group_stacks(self.stacks, self.notes)
 
     def _verdict(
         self, stack_groups: list[dict[str, Any]], positions: dict[int, stackparse.Position]

@@ -59,14 +59,31 @@ def status_block(results: Sequence[RankResult]) -> str:
     return "\n".join(lines)
 
 
-def stacks_text(results: Sequence[RankResult]) -> str:
-    """``=== Rank N ===`` sections: each rank's faulthandler text, or its one failure line."""
+def stacks_text(results: Sequence[RankResult], groups: Sequence[Mapping[str, Any]] = ()) -> str:
+    """``=== Rank N ===`` sections: each rank's faulthandler text, or its one failure line.
+
+    ``groups`` (``analysis.stack_groups``) become a preamble: one line per set of ranks whose
+    main threads stand at the same place, odd ones first, so 63 identical ranks read as one line.
+    """
     parts = []
+    if groups:
+        parts.append("--- Stack groups (main thread; odd ones first) ---")
+        for g in groups:
+            n = len(g["ranks"])
+            where = g["summary"] + ("" if g.get("in_collective") else "  (not in a collective)")
+            parts.append(f"{n} rank{'s' if n != 1 else ''} ({analysis.format_ranks(g['ranks'])}): {where}")
+        parts.append("")
     for r in results:
         parts.append(f"=== Rank {r.rank} ===")
         parts.append((r.body or "").rstrip("\n") if r.ok else r.line())
         parts.append("")
     return "\n".join(parts)
+
+
+def stacks_report(results: Sequence[RankResult]) -> str:
+    """The /stacks text and ``stacks_<ts>.txt``: the stack groups, then every rank's section."""
+    texts = {r.rank: r.body for r in results if r.ok and r.body}
+    return stacks_text(results, analysis.stack_groups(texts))
 
 
 def dump_file_lines(results: Sequence[RankResult]) -> list[str]:
@@ -247,7 +264,8 @@ class Dumper:
             text = await loop.run_in_executor(None, self._fr_text, fr, stacks, dumped)
             written.append(self.dir.write(f"{FR_TRACE_PREFIX}_{stamp}.txt", text))
         if stacks is not None and "stacks" in self.enabled:
-            written.append(self.dir.write(f"{STACKS_PREFIX}_{stamp}.txt", stacks_text(stacks)))
+            text = await loop.run_in_executor(None, stacks_report, stacks)
+            written.append(self.dir.write(f"{STACKS_PREFIX}_{stamp}.txt", text))
         self.dir.prune()
         return written
 

@@ -36,7 +36,7 @@ from debug_server import export, views
 from debug_server.auth import TOKEN_ENV, TOKEN_HEADER, TokenGate, auth_middleware
 from debug_server.config import ALL_DUMPS, DEFAULT_PORT, ServerConfig
 from debug_server.discovery import StaticRegistry, StoreRegistry
-from debug_server.dumps import Dumper, analyze_fr, fr_trace_text, stacks_text
+from debug_server.dumps import Dumper, analyze_fr, fr_trace_text, stacks_report
 from debug_server.fanout import Collector, RankResult, Registry
 from debug_server.hangreport import HangWatch
 from debug_server.metrics import metrics_response
@@ -228,7 +228,7 @@ async def stacks(request: web.Request) -> web.Response:
         return _respond(fmt, {"ranks": [r.summary() | {"stacks": r.body if r.ok else None}
                                         for r in results]})
     if fmt == "text":
-        return _respond(fmt, stacks_text(results))
+        return _respond(fmt, await _off_loop(lambda: stacks_report(results)))
     html = await _off_loop(lambda: request.app[TEMPLATES].get_template("stacks.html").render(
         title="Stacks", failures=[r.line() for r in results if not r.ok],
         **views.stacks_model(results)))

@@ -92,7 +92,8 @@ async def test_cycle_writes_reports_snapshot_and_per_rank_pickles(fake_job: Any,
     assert fr.index("--- Dump File ---") > fr.index("=== Verdict ===")
 
     stacks = (d / names[1]).read_text()
-    assert stacks.startswith("=== Rank 0 ===\nThread 0x")
+    assert stacks.startswith("--- Stack groups (main thread; odd ones first) ---\n")
+    assert "\n=== Rank 0 ===\nThread 0x" in stacks
     assert re.search(r"=== Rank 2 ===\nrank 2: unreachable after", stacks)
 
     snap = json.loads((d / names[0]).read_text())
@@ -147,3 +148,26 @@ async def test_first_background_cycle_comes_soon_after_start(aiohttp_client: Any
         await asyncio.sleep(0.05)
     assert client.app[DUMPER].cycles == 1
     assert [n[:7] for n in os.listdir(tmp_path / "d")] == ["stacks_"]
+
+
+def _stack(func: str, line: int) -> str:
+    return (
+        "Thread 0x00007f0000000001 (most recent call first):\n"
+        f'  File "/job/train.py", line {line} in {func}\n'
+        '  File "/job/train.py", line 200 in <module>\n'
+    )
+
+
+def test_stacks_report_groups_identical_ranks_odd_one_first() -> None:
+    from debug_server.dumps import stacks_report
+    from debug_server.fanout import OK, RankResult
+
+    results = [
+        RankResult(r, f"http://h:{r}", OK, body=_stack("hang_phase", 66) if r == 5 else _stack("step", 138))
+        for r in range(8)
+    ] + [RankResult(8, None, "not registered", error="not registered")]
+    text = stacks_report(results)
+    head = text.split("=== Rank 0 ===")[0].splitlines()
+    assert head[1] == "1 rank (5): hang_phase at train.py:66  (not in a collective)"
+    assert head[2] == "7 ranks (0-4, 6-7): step at train.py:138  (not in a collective)"
+    assert "=== Rank 8 ===\nrank 8: not registered" in text
