@@ -122,7 +122,6 @@ def main() -> int:
     say(rank, "phase 1 done")
 
     hang_start = time.time()
-    timed_out = False
     if rank == hanging_rank:
         say(rank, f"phase 2: hanging (sleeping {hang_seconds:g} s instead of joining all_reduce #4)")
         hang_phase(hang_seconds)
@@ -138,7 +137,6 @@ def main() -> int:
             comm.all_reduce(t)
             say(rank, "all_reduce #4 completed (the hanging rank joined?)")
         except RuntimeError as e:
-            timed_out = True
             say(rank, f"Caught timeout: {type(e).__name__}: {e}")
             say(rank, f"(after {time.monotonic() - t0:.1f} s) [wall {time.time():.3f}]")
             path = hook.dump_file(rank)
@@ -154,9 +152,10 @@ def main() -> int:
     wait_for_all(store, "demo_exit", world, 60)
     stop_debug_server()
     hook.unregister()
-    if timed_out and backend == "nccl":
-        # After a timeout c10d marks the NCCL group failed and its watchdog takes the process
-        # down; tearing the group down cleanly would block until then. Leave at once instead.
+    if backend == "nccl":
+        # After the timeout c10d marks the NCCL group failed on the waiting ranks (its watchdog
+        # takes those processes down) and the hanging rank's peers are gone: tearing the group
+        # down cleanly would block on every rank. Leave at once instead.
         sys.stdout.flush()
         os._exit(0)
     comm.finalize()
