@@ -114,6 +114,31 @@ def main() -> None:
             u.append(per_op_us(unhooked, args.iters, sync))
         mb, mh, mu = statistics.median(b), statistics.median(h), statistics.median(u)
         print(f"{numel:>6} {mb:>9.2f} {mh:>10.2f} {mh - mb:>9.2f} {mh / mb:>6.2f} {mu:>19.2f}")
+    # The same paths with the collective replaced by a no-op work object: what recording and
+    # the communicator wrapper cost on their own, free of the collective's scheduling noise.
+    class _DoneWork:
+        def wait(self, timeout: object = None) -> bool:
+            return True
+
+        def is_completed(self) -> bool:
+            return True
+
+    done = _DoneWork()
+    t = torch.ones(1024, device=dev)
+
+    def issue() -> object:
+        return done
+
+    def path_hooked() -> object:
+        return comm._run(comm._record1("all_reduce", t, async_op), issue)
+
+    def path_plain() -> object:
+        return plain._run(plain._record1("all_reduce", t, async_op), issue)
+
+    ph = statistics.median(per_op_us(path_hooked, args.iters, sync) for _ in range(args.rounds))
+    pp = statistics.median(per_op_us(path_plain, args.iters, sync) for _ in range(args.rounds))
+    print(f"without the collective: communicator path {pp:.2f} us, with the FR hook {ph:.2f} us "
+          f"(the hook adds {ph - pp:.2f} us)")
     if args.device == "cuda":
         # What a start event costs on its own (pooled events are reused; this is a fresh one).
         def event() -> object:
