@@ -51,12 +51,22 @@ def write_dump_atomic(path: str, dump: dict[str, Any]) -> str:
     The temp file is created in the target directory without the target's name prefix, so a
     reader globbing ``rank_*`` never sees a half-written file.
     """
+    os.makedirs(os.path.dirname(os.path.abspath(path)) or ".", exist_ok=True)
+    write_atomic(path, pickle.dumps(dump, protocol=4))
+    return path
+
+
+def write_atomic(path: str, data: str | bytes) -> None:
+    """Write to a hidden temp file in the same directory, then rename over ``path``.
+
+    The temp name (``.tmp_*.part``) never matches a dump prefix, so readers never see a
+    half-written file; on any failure the temp file is removed and the error propagates.
+    """
     directory = os.path.dirname(os.path.abspath(path)) or "."
-    os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp_fr_", suffix=".part")
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp_", suffix=".part")
     try:
         with os.fdopen(fd, "wb") as f:
-            pickle.dump(dump, f, protocol=4)
+            f.write(data.encode() if isinstance(data, str) else data)
         os.replace(tmp, path)
     except BaseException:
         try:
@@ -64,7 +74,6 @@ def write_dump_atomic(path: str, dump: dict[str, Any]) -> str:
         except OSError:
             pass
         raise
-    return path
 
 
 # A plain literal list of ints, e.g. "[0, 1, 2]" or "[]". PyTorch's analyzer eval()s this field;
@@ -185,7 +194,7 @@ def rank_files(directory: str, prefix: str | None = None) -> tuple[dict[int, str
     """Map rank -> path for the dump files in ``directory`` named ``<prefix><rank>``.
 
     Returns ``(files, notes)``; notes name the files that were skipped and why. Hidden files
-    (``.tmp_fr_*`` being written) are ignored. Raises :class:`DumpError` if the directory is
+    (``.tmp_*`` being written) are ignored. Raises :class:`DumpError` if the directory is
     unreadable or the prefix cannot be inferred.
     """
     try:

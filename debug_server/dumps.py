@@ -21,13 +21,13 @@ import json
 import logging
 import os
 import re
-import tempfile
 import time
 from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 from debug_server import analysis, report
 from debug_server.config import ALL_DUMPS
+from debug_server.dumpio import write_atomic
 from debug_server.fanout import Collector, FrData, RankResult
 
 logger = logging.getLogger(__name__)
@@ -132,22 +132,6 @@ def analyze_fr(fr: FrData, stacks: Sequence[RankResult] | None, world_size: int)
 
 # ---------------------------------------------------------------------------------------------
 # Files
-
-
-def write_atomic(path: str, data: str | bytes) -> None:
-    """Write to a hidden temp file in the same directory, then rename over ``path``."""
-    directory = os.path.dirname(path) or "."
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp_dump_", suffix=".part")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data.encode() if isinstance(data, str) else data)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
 
 
 class DumpDir:

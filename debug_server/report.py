@@ -18,6 +18,8 @@ from typing import Any
 
 from tabulate import tabulate
 
+from debug_server.analysis import format_ranks
+
 logger = logging.getLogger(__name__)
 
 PASSING_ROWS_SHOWN = 50
@@ -51,15 +53,7 @@ def format_rank_set(ranks: Iterable[int]) -> str:
         return ""
     if len(rs) <= _SMALL_SET:
         return "{" + ", ".join(map(str, rs)) + "}"
-    parts: list[str] = []
-    i = 0
-    while i < len(rs):
-        j = i
-        while j + 1 < len(rs) and rs[j + 1] == rs[j] + 1:
-            j += 1
-        parts.append(str(rs[i]) if i == j else f"{rs[i]}-{rs[j]}")
-        i = j + 1
-    return "{" + ", ".join(parts) + "}"
+    return "{" + format_ranks(rs) + "}"
 
 
 def _selected_collectives(result: dict[str, Any]) -> tuple[list[dict[str, Any]], int]:
