@@ -89,6 +89,16 @@ class _CommState:
     init_started: bool = False
     init_complete: bool = False
 
+    @property
+    def issued(self) -> int:
+        """How many collectives this rank issued on the communicator.
+
+        The larger of the last opCount + 1 and the number of COLL lines: older NCCL counts
+        opCount up per collective, NCCL 2.28 prints ``opCount 0`` on every line (seen on H200
+        hosts), and a log cut at the start has fewer lines than opCounts.
+        """
+        return max((self.last_count + 1) if self.last_count is not None else 0, self.coll_lines)
+
 
 @dataclass(slots=True)
 class _Proc:
@@ -327,18 +337,20 @@ class _Analyzer:
         for key, members in comms.items():
             counts = [st.last_count for _, st in members if st.last_count is not None]
             nranks = next((st.nranks for _, st in members if st.nranks), None)
-            top = max(counts) if counts else None
+            top_count = max(counts) if counts else None
+            top = max(st.issued for _, st in members)
             communicators.append(
                 {
                     "comm": key,
                     "nranks": nranks,
                     "ranks": [p.rank for p, _ in members],
-                    "max_op_count": None if top is None else f"{top:x}",
+                    "max_op_count": None if top_count is None else f"{top_count:x}",
+                    "max_issued": top,
                 }
             )
-            if top is not None:
+            if top > 0:
                 for p, st in members:
-                    if st.last_count is None or st.last_count < top:
+                    if st.issued < top:
                         behind.append(
                             {
                                 "comm": key,
@@ -347,8 +359,10 @@ class _Analyzer:
                                 "pid": p.pid,
                                 "last_op_count": st.last_count_hex,
                                 "last_op": st.last_op,
-                                "max_op_count": f"{top:x}",
-                                "ops_behind": top - (st.last_count if st.last_count is not None else -1),
+                                "max_op_count": None if top_count is None else f"{top_count:x}",
+                                "issued": st.issued,
+                                "max_issued": top,
+                                "ops_behind": top - st.issued,
                             }
                         )
             started = [p for p, st in members if st.init_started and not st.init_complete]
@@ -492,9 +506,10 @@ def render_text(result: dict[str, Any]) -> str:
         out.append("Ranks behind (they never issued the next collective the others did):")
         for b in result["behind"]:
             who = f"rank {b['rank']}" if b["rank"] is not None else f"{b['host']}:{b['pid']}"
-            last = f"0x{b['last_op_count']} ({b['last_op']})" if b["last_op_count"] else "none"
+            last = f"last {b['last_op']} opCount 0x{b['last_op_count']}" if b["last_op_count"] else "none"
             out.append(
-                f"  {who} on {b['comm']}: last opCount {last}, others reached 0x{b['max_op_count']}"
+                f"  {who} on {b['comm']}: issued {b['issued']} collectives ({last}), others issued "
+                f"{b['max_issued']} (max opCount 0x{b['max_op_count']})"
             )
     else:
         out.append("Ranks behind: none")

@@ -117,7 +117,10 @@ def test_exit_code_0_when_clean_and_2_when_behind(tmp_path, capsys):
     hung = write_job(tmp_path / "b", [7, 6])
     assert nccl_log.main(hung) == 2
     out = capsys.readouterr().out
-    assert "rank 1 on nranks=2#0: last opCount 0x6 (AllReduce), others reached 0x7" in out
+    assert (
+        "rank 1 on nranks=2#0: issued 7 collectives (last AllReduce opCount 0x6), others issued 8 "
+        "(max opCount 0x7)" in out
+    )
 
 
 def test_summary_has_one_line_per_rank(tmp_path, capsys):
@@ -150,11 +153,12 @@ def test_json_shape(tmp_path, capsys):
     assert r1["comms"] == [{"comm": "nranks=2#0", "nranks": 2, "comm_rank": 1,
                             "last_op_count": "f", "last_op": "AllReduce", "coll_lines": 16}]
     assert result["communicators"] == [
-        {"comm": "nranks=2#0", "nranks": 2, "ranks": [0, 1], "max_op_count": "10"}
+        {"comm": "nranks=2#0", "nranks": 2, "ranks": [0, 1], "max_op_count": "10", "max_issued": 17}
     ]
     assert result["behind"][0] == {"comm": "nranks=2#0", "rank": 1, "host": "node01",
                                    "pid": 31001, "last_op_count": "f", "last_op": "AllReduce",
-                                   "max_op_count": "10", "ops_behind": 1}
+                                   "max_op_count": "10", "issued": 16, "max_issued": 17,
+                                   "ops_behind": 1}
 
 
 def test_newer_nccl_lines_with_comm_hash_and_no_nranks(tmp_path):
@@ -278,3 +282,14 @@ def test_no_coll_lines_is_clean_with_a_note(tmp_path):
     ("node12.log", 99, None), ("RANK-5.txt", 1, 5)])
 def test_rank_from_file_name(name, pid, rank):
     assert nccl_log._rank_from_filename(name, pid) == rank
+
+
+def test_real_nccl_2_28_logs_name_the_rank_one_op_behind(capsys):
+    # Captured on an H200 host (NCCL 2.28.9) from the reference demo's hang: NCCL prints
+    # "opCount 0" on every COLL line, so the count of collectives issued tells who is behind.
+    logs = sorted(str(p) for p in (Path(__file__).parent / "data" / "nccl_logs").glob("nccl.*.log"))
+    assert nccl_log.main(logs + ["--json"]) == 2
+    result = json.loads(capsys.readouterr().out)
+    assert [(b["rank"], b["issued"], b["max_issued"], b["last_op"]) for b in result["behind"]] == [
+        (1, 4, 5, "Broadcast")
+    ]
