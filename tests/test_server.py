@@ -60,7 +60,8 @@ def test_rank0_serves_pages_and_stop_works_twice(rank_env: Any, tmp_path: Path) 
     try:
         assert handle.frontend_url and handle.worker_url.startswith("http://127.0.0.1:")
         status, text = _get(f"{handle.frontend_url}/stacks")
-        assert status == 200 and text.startswith("=== Rank 0 ===\n")
+        assert status == 200 and text.startswith("--- Stack groups (main thread; odd ones first) ---\n1 rank (0): ")
+        assert "\n=== Rank 0 ===\n" in text
         assert "in test_rank0_serves_pages_and_stop_works_twice" in text
         with pytest.raises(RuntimeError, match="already running"):
             start_debug_server(port=0)
@@ -212,7 +213,7 @@ async def test_our_frontend_reads_torchs_cpp_workers(aiohttp_client: Any, tcp_st
         registry = StoreRegistry("127.0.0.1", tcp_store.port, world_size=1, restart_count=0)
         client = await aiohttp_client(make_frontend_app(ServerConfig(port=0, fetch_timeout=5), registry))
         text = await (await client.get("/stacks", headers={"Accept": "*/*"})).text()
-        assert text.startswith("=== Rank 0 ===\n") and "most recent call first" in text
+        assert "\n=== Rank 0 ===\n" in text and "most recent call first" in text
         assert "in _run_once" in text  # this test's event loop, waiting on the page
         body = await (await client.get("/fr_trace?format=json")).json()
         assert body["ranks"][0]["status"] == "ok" and body["ranks_with_data"] == [0]
