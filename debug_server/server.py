@@ -96,6 +96,7 @@ class DebugServer:
         self.frontend_port = frontend_port
         self.sigstack: sigstack.SigStack | None = None
         self.gate: TokenGate | None = None
+        self.env_set: str | None = None
         self._stopped = False
 
     @property
@@ -139,6 +140,8 @@ class DebugServer:
         self.worker.stop(timeout)
         if self.sigstack is not None:
             self.sigstack.close()
+        if self.env_set is not None and os.environ.get(DUMP_PATH_ENV) == self.env_set:
+            del os.environ[DUMP_PATH_ENV]
         with _LOCK:
             if _CURRENT is self:
                 _CURRENT = None
@@ -238,11 +241,14 @@ def start_debug_server(
         if _CURRENT is not None:
             raise RuntimeError("debug server already running in this process; "
                                "call stop_debug_server() first")
+        env_set: str | None = None
         if dump_dir is not None and not os.environ.get(DUMP_PATH_ENV):
             # The dump cycle asks every rank to write its pickle to $TORCHCOMM_FR_DUMP_TEMP_FILE
             # <rank>; pointing it into dump_dir/per_rank puts them next to the reports, where
-            # PyTorch's fr_trace reads them with `-p rank_`. A user's own setting wins.
-            os.environ[DUMP_PATH_ENV] = os.path.join(os.path.abspath(dump_dir), "per_rank", "rank_")
+            # PyTorch's fr_trace reads them with `-p rank_`. A user's own setting wins; ours is
+            # taken back by stop(), so it never outlives the server (or leaks into children).
+            env_set = os.path.join(os.path.abspath(dump_dir), "per_rank", "rank_")
+            os.environ[DUMP_PATH_ENV] = env_set
         # Start the frontend first: it needs seconds to import; the worker starts meanwhile.
         pending = _spawn_frontend(config, job) if job.rank == 0 else None
         worker: WorkerThread | None = None
@@ -273,6 +279,7 @@ def start_debug_server(
                              pending[0] if pending else None, frontend_port, registration)
         handle.sigstack = sig
         handle.gate = gate
+        handle.env_set = env_set
         _CURRENT = handle
         _set_stall_default(config.stall_timeout)
     atexit.register(handle._terminate_at_exit)

@@ -108,12 +108,16 @@ def test_dump_dir_defaults_the_per_rank_pickle_path(rank_env: Any, monkeypatch: 
     monkeypatch.delenv(DUMP_PATH_ENV, raising=False)
     start_debug_server(dump_dir=str(tmp_path))
     assert os.environ[DUMP_PATH_ENV] == str(tmp_path / "per_rank" / "rank_")
+    stop_debug_server()
+    assert DUMP_PATH_ENV not in os.environ  # taken back: it must not leak into later jobs
 
 
 def test_user_set_per_rank_pickle_path_is_kept(rank_env: Any, monkeypatch: Any, tmp_path: Path) -> None:
     rank_env(1, 2)
     monkeypatch.setenv(DUMP_PATH_ENV, "/mine/fr_")
     start_debug_server(dump_dir=str(tmp_path))
+    assert os.environ[DUMP_PATH_ENV] == "/mine/fr_"
+    stop_debug_server()
     assert os.environ[DUMP_PATH_ENV] == "/mine/fr_"
 
 
