@@ -289,7 +289,8 @@ class FlightRecorderHook:
         ``only_active`` or ``include_completed=False`` keep only ops not yet completed;
         ``include_collectives=False`` leaves ``entries`` empty (config and status only).
         """
-        recs = self.records() if include_collectives else []
+        everything = self.records()  # one pass: refreshed states feed both status and entries
+        recs = everything if include_collectives else []
         if only_active or not include_completed:
             recs = [r for r in recs if r.state != "completed"]
         _symbolize_records(recs)
@@ -297,7 +298,7 @@ class FlightRecorderHook:
             "version": FR_VERSION,
             "comm_lib_version": f"debug_server/torch-{torch.__version__}",
             "pg_config": self._pg_config(),
-            "pg_status": self._pg_status(),
+            "pg_status": self._pg_status(everything),
             "entries": [_entry(r) for r in recs],
         }
 
@@ -307,7 +308,7 @@ class FlightRecorderHook:
             for name, c in self._comms.items()
         }
 
-    def _pg_status(self) -> dict[str, dict[str, int]]:
+    def _pg_status(self, records: list[OpRecord]) -> dict[str, dict[str, int]]:
         status = {
             name: {
                 "last_enqueued_collective": c.next_seq - 1,
@@ -316,7 +317,7 @@ class FlightRecorderHook:
             }
             for name, c in self._comms.items()
         }
-        for r in self.records():
+        for r in records:
             if r.is_p2p:
                 continue
             s = status.get(r.comm.get_name())

@@ -15,6 +15,7 @@ import textwrap
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -121,3 +122,42 @@ def run_job(
 def assert_ok(results: list[RankResult]) -> None:
     for r in results:
         assert r.returncode == 0, f"rank {r.rank} exited {r.returncode}\nstdout:\n{r.stdout}\nstderr:\n{r.stderr[-4000:]}"
+
+
+# -- the reference demo (scripts/verify_flight_recorder.py) under torchrun ---------------------
+DEMO = REPO / "scripts" / "verify_flight_recorder.py"
+
+
+def demo_hang_line() -> int:
+    """The line of the demo's sleep, which the dumps must point at."""
+    for i, line in enumerate(DEMO.read_text().splitlines(), start=1):
+        if "(HANG LINE)" in line:
+            return i
+    raise AssertionError("demo has no HANG LINE marker")
+
+
+def start_demo(dump_dir: Path, port: int, stdout: Any, **env: str) -> subprocess.Popen[str]:
+    """Start the 2-rank demo in its own session (end it with ``os.killpg``); ``env`` overrides."""
+    full = dict(
+        os.environ, FR_DUMP_DIR=str(dump_dir), DEBUG_SERVER_PORT=str(port),
+        PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", **env,
+    )
+    full.pop("TORCHCOMM_FR_DUMP_TEMP_FILE", None)
+    return subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+         f"--master-port={free_port()}", str(DEMO)],
+        env=full, stdout=stdout, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+    )
+
+
+def run_demo(dump_dir: Path, timeout: float = 150, **env: str) -> str:
+    """Run the demo to its end (bounded, killed by process group) and return its output."""
+    proc = start_demo(dump_dir, free_port(), subprocess.PIPE, **env)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)
+    assert proc.returncode == 0, out[-6000:]
+    return out

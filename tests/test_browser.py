@@ -11,8 +11,6 @@ import json
 import os
 import shutil
 import signal
-import subprocess
-import sys
 import tempfile
 import time
 import urllib.error
@@ -22,11 +20,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from mpjob import REPO, free_port
+from mpjob import free_port, start_demo
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMEDRIVER = shutil.which("chromedriver") or "/usr/bin/chromedriver"
-DEMO = REPO / "scripts" / "verify_flight_recorder.py"
 pytestmark = pytest.mark.timeout(90)
 
 webdriver = pytest.importorskip("selenium.webdriver", reason="selenium is not installed "
@@ -46,16 +43,11 @@ def _get_json(url: str) -> Any:
 def hung_demo(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """The reference demo under torchrun, yielded once rank 1 is missing from all_reduce #4."""
     port = free_port()
-    env = dict(os.environ, FR_DUMP_DIR=str(tmp_path_factory.mktemp("browser") / "dumps"),
-               FR_DUMP_INTERVAL="1", COMM_TIMEOUT="20", HANG_SECONDS="25",
-               DEBUG_SERVER_PORT=str(port), PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-    env.pop("TORCHCOMM_FR_DUMP_TEMP_FILE", None)
+    dump_dir = tmp_path_factory.mktemp("browser") / "dumps"
     log = tmp_path_factory.mktemp("browser_log") / "demo.log"
     with open(log, "w") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-             f"--master-port={free_port()}", str(DEMO)],
-            env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = start_demo(dump_dir, port, out, FR_DUMP_INTERVAL="1", COMM_TIMEOUT="20",
+                          HANG_SECONDS="25")
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 45

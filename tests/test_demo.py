@@ -5,54 +5,22 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from mpjob import REPO, free_port
+from mpjob import REPO, demo_hang_line, run_demo
 
-DEMO = REPO / "scripts" / "verify_flight_recorder.py"
 pytestmark = pytest.mark.timeout(240)
-
-
-def _hang_line() -> int:
-    for i, line in enumerate(DEMO.read_text().splitlines(), start=1):
-        if "(HANG LINE)" in line:
-            return i
-    raise AssertionError("demo has no HANG LINE marker")
 
 
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
     dump_dir = tmp_path_factory.mktemp("demo") / "dumps"
-    env = dict(
-        os.environ,
-        FR_DUMP_DIR=str(dump_dir),
-        FR_DUMP_INTERVAL="1",
-        COMM_TIMEOUT="6",
-        HANG_SECONDS="10",
-        FR_STALL_TIMEOUT="3",
-        DEBUG_SERVER_PORT=str(free_port()),
-        PYTHONPATH=str(REPO),
-        OMP_NUM_THREADS="1",
+    out = run_demo(
+        dump_dir, FR_DUMP_INTERVAL="1", COMM_TIMEOUT="6", HANG_SECONDS="10", FR_STALL_TIMEOUT="3"
     )
-    env.pop("TORCHCOMM_FR_DUMP_TEMP_FILE", None)
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-        f"--master-port={free_port()}", str(DEMO),
-    ]
-    proc = subprocess.Popen(
-        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
-    )
-    try:
-        out, _ = proc.communicate(timeout=150)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=10)
-    assert proc.returncode == 0, out[-6000:]
     return dump_dir, out
 
 
@@ -77,7 +45,7 @@ def test_fr_trace_dump_shows_seq_4_all_reduce_missing_rank_1(demo):
 
 def test_stacks_dump_shows_rank_1_sleeping_and_rank_0_in_all_reduce(demo):
     dump_dir, _ = demo
-    line = _hang_line()
+    line = demo_hang_line()
     sleeping, both = 0, 0
     for f in _during_hang(dump_dir, "stacks_*.txt"):
         text = f.read_text()

@@ -9,17 +9,14 @@ pickle is on disk first). In-process: the health poll's transition logic over fa
 from __future__ import annotations
 
 import json
-import os
 import re
 import signal
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 from conftest import MAIN_STACK
-from mpjob import REPO, assert_ok, free_port, run_job
+from mpjob import assert_ok, demo_hang_line, free_port, run_demo, run_job
 
 from debug_server import synthetic
 from debug_server.config import ServerConfig
@@ -30,15 +27,7 @@ from debug_server.frontend import HANG_WATCH, make_frontend_app
 from debug_server.hangreport import MAX_POLL_INTERVAL, HangWatch
 from debug_server.worker import StaticProvider
 
-DEMO = REPO / "scripts" / "verify_flight_recorder.py"
 WALL = re.compile(r"\[wall (\d+\.\d+)\]")
-
-
-def _hang_line() -> int:
-    for i, line in enumerate(DEMO.read_text().splitlines(), start=1):
-        if "(HANG LINE)" in line:
-            return i
-    raise AssertionError("demo has no HANG LINE marker")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -51,23 +40,10 @@ COMM_TIMEOUT = 20.0
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
     dump_dir = tmp_path_factory.mktemp("watchdog_demo") / "dumps"
-    env = dict(
-        os.environ, FR_DUMP_DIR=str(dump_dir), FR_DUMP_INTERVAL="2", FR_STALL_TIMEOUT="5",
-        COMM_TIMEOUT=f"{COMM_TIMEOUT:g}", HANG_SECONDS="22", DEBUG_SERVER_PORT=str(free_port()),
-        PYTHONPATH=str(REPO), OMP_NUM_THREADS="1",
+    out = run_demo(
+        dump_dir, FR_DUMP_INTERVAL="2", FR_STALL_TIMEOUT="5", COMM_TIMEOUT=f"{COMM_TIMEOUT:g}",
+        HANG_SECONDS="22",
     )
-    env.pop("TORCHCOMM_FR_DUMP_TEMP_FILE", None)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-           f"--master-port={free_port()}", str(DEMO)]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=150)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=10)
-    assert proc.returncode == 0, out[-6000:]
     return dump_dir, out
 
 
@@ -99,7 +75,7 @@ def test_demo_hang_report_names_rank_1_seq_4_all_reduce_and_the_sleep_line(demo)
     text = report.read_text()
     assert "Trigger: rank 0: UNHEALTHY: main_comm seq 4 all_reduce in flight for" in text
     assert "Rank 1 never joined all_reduce #4 on main_comm" in text
-    line = _hang_line()
+    line = demo_hang_line()
     culprit = next(ln for ln in text.splitlines() if ln.startswith("rank 1: missing_ranks"))
     assert "main_comm seq 4 all_reduce" in culprit
     assert f"verify_flight_recorder.py:{line} in hang_phase" in culprit
@@ -116,7 +92,7 @@ def test_demo_hang_report_json_has_culprit_and_finding(demo):
     assert (c["rank"], c["kind"], c["group"], c["seq"], c["op"]) == \
         (1, "missing_ranks", "main_comm", 4, "all_reduce")
     assert c["where"]["file"].endswith("verify_flight_recorder.py")
-    assert (c["where"]["line"], c["where"]["function"]) == (_hang_line(), "hang_phase")
+    assert (c["where"]["line"], c["where"]["function"]) == (demo_hang_line(), "hang_phase")
     assert any(line.startswith("Rank 1: OK") for line in meta["dump_files"])
 
 
