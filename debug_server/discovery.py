@@ -15,13 +15,13 @@ import json
 import logging
 import os
 import socket
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
-from debug_server.config import JobEnv
+from debug_server.config import JobEnv, is_loopback
 
 if TYPE_CHECKING:
     import torch.distributed as dist
@@ -67,11 +67,110 @@ def store_client(master_addr: str, master_port: int, timeout: float) -> dist.Sto
     return dist.PrefixStore(PREFIX, store)
 
 
-def advertised_host(bind_host: str | None) -> str:
-    """The name other hosts use to reach a server bound to ``bind_host``."""
-    if bind_host in (None, "", "0.0.0.0", "::"):
-        return socket.gethostname()
-    return bind_host
+HOST_ENV = "DEBUG_SERVER_HOST"
+"""The address (or name) this rank's servers advertise to the others; wins over any guess."""
+WILDCARD_HOSTS = (None, "", "0.0.0.0", "::")
+
+
+class Advertised(NamedTuple):
+    """The address other hosts use to reach this process's servers, and how it was chosen."""
+
+    host: str
+    how: str
+    reachable: bool = True
+    """False when only this host can use it (a loopback address)."""
+
+
+def route_source(dest: str, port: int) -> str | None:
+    """The local address this host sends from to reach ``dest``, or None if it has no route.
+
+    A UDP ``connect`` only asks the kernel for a route: no packet leaves the host.
+    """
+    try:
+        infos = socket.getaddrinfo(dest, port, type=socket.SOCK_DGRAM)
+    except (OSError, UnicodeError):
+        return None
+    for family, _, _, _, sockaddr in infos:
+        try:
+            with socket.socket(family, socket.SOCK_DGRAM) as s:
+                s.connect(sockaddr)
+                return str(s.getsockname()[0])
+        except OSError:
+            continue
+    return None
+
+
+def hostname_addresses() -> list[str]:
+    """What ``gethostname()`` resolves to here, IPv4 first (empty when it does not resolve)."""
+    try:
+        infos = socket.getaddrinfo(socket.gethostname(), None, type=socket.SOCK_STREAM)
+    except (OSError, UnicodeError):
+        return []
+    addrs = [str(i[4][0]) for i in sorted(infos, key=lambda i: i[0] != socket.AF_INET)]
+    return list(dict.fromkeys(addrs))
+
+
+def interface_addresses() -> list[str]:
+    """IPv4 addresses of this host's interfaces, in interface order (Linux; else empty)."""
+    try:
+        import fcntl
+        import struct
+
+        names = [name for _, name in socket.if_nameindex()]
+    except (ImportError, OSError):
+        return []
+    out = []
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for name in names:
+            try:  # SIOCGIFADDR: the interface's IPv4 address
+                raw = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))
+            except OSError:  # no IPv4 address on it
+                continue
+            out.append(socket.inet_ntoa(raw[20:24]))
+    return out
+
+
+def advertise(bind_host: str | None, master_addr: str | None = None, master_port: int = 0,
+              env: Mapping[str, str] | None = None) -> Advertised:
+    """The address other hosts use to reach a server bound to ``bind_host``.
+
+    In order: a loopback bind address (nothing else reaches it); ``$DEBUG_SERVER_HOST``; an
+    explicit bind address (``host=``); the local address of the interface that reaches
+    ``MASTER_ADDR`` (the one the job's own rendezvous uses); the host name's own non-loopback
+    address; the first non-loopback interface address. A loopback address is the last resort
+    only: a host name that resolves to ``127.0.1.1`` (the Debian default), or a
+    ``MASTER_ADDR`` that is this host's own name, must not make the frontend on another host
+    call itself.
+    """
+    env = os.environ if env is None else env
+    if bind_host is not None and bind_host not in WILDCARD_HOSTS and is_loopback(bind_host):
+        # Nothing else can reach a loopback bind, whatever the environment says (a cluster-wide
+        # DEBUG_SERVER_HOST must not break a single-host job).
+        return Advertised(bind_host, "the bind address (loopback: this host only)",
+                          reachable=False)
+    override = env.get(HOST_ENV, "").strip()
+    if override:
+        return Advertised(override, f"${HOST_ENV}")
+    if bind_host is not None and bind_host not in WILDCARD_HOSTS:
+        return Advertised(bind_host, "the bind address (host=)")
+    if master_addr:
+        src = route_source(master_addr, master_port or 9)
+        if src is not None and not is_loopback(src):
+            return Advertised(src, f"the interface toward MASTER_ADDR {master_addr}")
+    name = socket.gethostname()
+    for addr in hostname_addresses():
+        if not is_loopback(addr):
+            return Advertised(addr, f"the address of host name {name}")
+    for addr in interface_addresses():
+        if not is_loopback(addr):
+            return Advertised(addr, "the first non-loopback interface address")
+    return Advertised("127.0.0.1", "no non-loopback address found", reachable=False)
+
+
+def advertised_host(bind_host: str | None, master_addr: str | None = None,
+                    master_port: int = 0) -> str:
+    """The address other hosts use to reach a server bound to ``bind_host`` (see ``advertise``)."""
+    return advertise(bind_host, master_addr, master_port).host
 
 
 def register_worker(store: dist.Store, job: JobEnv, url: str,
@@ -181,6 +280,19 @@ class StoreRegistry:
 
     async def lookup(self) -> list[WorkerAddr]:
         return await asyncio.get_running_loop().run_in_executor(self._pool, self._lookup_sync)
+
+    @property
+    def store_address(self) -> tuple[str, int]:
+        """``(MASTER_ADDR, MASTER_PORT)`` of the job's store (``/tcpstore`` reads it too)."""
+        return self._addr
+
+    @property
+    def restart_count(self) -> int:
+        return self._restart
+
+    @property
+    def store_timeout(self) -> float:
+        return self._timeout
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -21,6 +21,7 @@ import json
 import logging
 import os
 import re
+import socket
 import time
 from collections.abc import Collection, Mapping, Sequence
 from typing import Any
@@ -87,17 +88,38 @@ def stacks_report(results: Sequence[RankResult]) -> str:
 
 
 def dump_file_lines(results: Sequence[RankResult]) -> list[str]:
-    """``Rank N: OK - ... written to <path>`` or ``Rank N: <why not>``."""
+    """``Rank N: OK - ... written to <path>`` or ``Rank N: <why not>``.
+
+    A pickle this process cannot see was written on another host (a dump dir that is not
+    shared): its line names that host, and a last line says how to analyze without it.
+    """
     lines = []
+    elsewhere: list[int] = []
+    here_dirs: list[str] = []
     for r in results:
         if r.ok:
             try:
-                path = r.json().get("path")
+                reply = r.json()
+                path, host = reply.get("path"), reply.get("host")
             except (ValueError, AttributeError):
-                path = None
-            lines.append(f"Rank {r.rank}: OK - FR pickle written to {path or '(path not reported)'}")
+                path = host = None
+            line = f"Rank {r.rank}: OK - FR pickle written to {path or '(path not reported)'}"
+            if isinstance(path, str) and path:
+                if os.path.exists(path):
+                    here_dirs.append(os.path.dirname(path))
+                else:
+                    elsewhere.append(r.rank)
+                    line += f" on host {host or '(not reported)'}, not on this host ({socket.gethostname()})"
+            lines.append(line)
         else:
             lines.append(f"Rank {r.rank}: {r.error or r.status}")
+    if elsewhere:
+        where = here_dirs[0] if here_dirs else "<dir>"
+        lines.append(
+            f"Rank{'s' if len(elsewhere) > 1 else ''} {report.format_rank_set(elsewhere)} wrote "
+            f"{'their pickles' if len(elsewhere) > 1 else 'its pickle'} on other hosts: copy them "
+            f"next to the others, or analyze the ones here: python -m debug_server.fr_trace {where} "
+            f"-p rank_ --allow-incomplete-ranks")
     return lines
 
 
@@ -115,10 +137,17 @@ def fr_trace_text(result: Mapping[str, Any], fr: FrData,
 
 
 def snapshot_json(fr: FrData) -> str:
-    """``{"<rank>": dump | {"error": line}}`` built from the raw replies (no re-serialising)."""
+    """``{"<rank>": dump | {"error": line}}``: exactly what the analysis saw.
+
+    Whole rings are copied from the raw replies (no re-serialising); a windowed fetch
+    (``fr.window``) writes the dumps as cut to the job's window, which is what was analyzed.
+    """
     items = []
     for r in fr.results:
-        value = r.body if r.rank in fr.dumps and r.body is not None else json.dumps({"error": r.line()})
+        if r.rank not in fr.dumps or r.body is None:
+            value = json.dumps({"error": r.line()})
+        else:
+            value = r.body if fr.window is None else json.dumps(fr.dumps[r.rank], default=str)
         items.append(f"{json.dumps(str(r.rank))}: {value}")
     return "{" + ",\n".join(items) + "}\n"
 
@@ -233,7 +262,7 @@ class Dumper:
         os.makedirs(self.dir.path, exist_ok=True)
         addrs = await c.registry.lookup()
         want_fr = bool(self.enabled & {"fr_trace", "snapshot"})
-        fr_task = c.fr(only_active=False, addrs=addrs) if want_fr else _none()
+        fr_task = c.fr(addrs=addrs) if want_fr else _none()
         stacks_task = c.stacks(addrs) if self.enabled & {"stacks", "fr_trace"} else _none()
         dump_task = c.fetch(DUMP_FILE_HANDLER, None, addrs) if "per_rank" in self.enabled else _none()
         fr, stacks, dumped = await asyncio.gather(fr_task, stacks_task, dump_task)

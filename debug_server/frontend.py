@@ -6,7 +6,7 @@ with ``make_frontend_app`` (tests). It speaks only JSON to the workers; it never
 recording side.
 
 Pages: ``/`` (ranks, reachability, health, verdict), ``/fr_trace`` (= ``/torchcomms_fr_trace``)
-and ``/stacks``. Each answers HTML to browsers, the plain-text report to curl (``Accept: */*``) and
+and ``/stacks``; ``/profile``, ``/tcpstore`` and ``/wait_counters`` (``pages_extra``). Each answers HTML to browsers, the plain-text report to curl (``Accept: */*``) and
 JSON to ``Accept: application/json``; ``?format=html|text|json`` overrides.
 """
 
@@ -39,6 +39,7 @@ from debug_server.discovery import StaticRegistry, StoreRegistry
 from debug_server.dumps import Dumper, analyze_fr, fr_trace_text, stacks_report
 from debug_server.fanout import Collector, RankResult, Registry
 from debug_server.hangreport import HangWatch
+from debug_server.listen import start_sites
 from debug_server.metrics import metrics_response
 
 logger = logging.getLogger(__name__)
@@ -181,19 +182,21 @@ async def _fr_page(request: web.Request) -> web.Response:
     q = _query(request, {"format": _format, "full": _bool01, "page": _page,
                          "onlyactive": _bool01, "refresh": views.parse_refresh})
     fmt = negotiate(request, q.get("format"))
-    only_active = q.get("onlyactive", True)
+    # Default: each communicator from its frontier on (every entry that can still disagree);
+    # onlyactive=false: whole rings. onlyactive=true names the default (it holds every active entry).
+    whole = not q.get("onlyactive", True)
     collector = request.app[COLLECTOR]
     addrs = await collector.registry.lookup()
-    fr, stacks = await asyncio.gather(collector.fr(only_active=only_active, addrs=addrs),
+    fr, stacks = await asyncio.gather(collector.fr(whole=whole, addrs=addrs),
                                       collector.stacks(addrs))
     result = await _off_loop(analyze_fr, fr, stacks, collector.world_size)
     if fmt == "json":
-        return _respond(fmt, {**result, "ranks": _rank_rows(fr.results)})
+        return _respond(fmt, {**result, "ranks": _rank_rows(fr.results), "fr_window": fr.window})
     if fmt == "text":
         return _respond(fmt, await _off_loop(fr_trace_text, result, fr))
     html = await _off_loop(lambda: views.render_fr_html(
         request.app[TEMPLATES], result, fr, full=q.get("full", False), page=q.get("page", 1),
-        only_active=only_active))
+        whole=whole))
     return _respond(fmt, html)
 
 
@@ -211,28 +214,49 @@ async def torchcomms_fr_trace(request: web.Request) -> web.Response:
 async def trace_json(request: web.Request) -> web.Response:
     """The FR entries as a Chrome trace-event timeline (Perfetto), as a download."""
     q = _query(request, {"onlyactive": _bool01})
-    fr = await request.app[COLLECTOR].fr(only_active=q.get("onlyactive", False))
-    now_ns = time.time_ns()
+    only_active = q.get("onlyactive", False)
+    fr = await request.app[COLLECTOR].fr(only_active=only_active, whole=not only_active)
+    now_ns = request.app[COLLECTOR].data_time_ns()
     body = await _off_loop(lambda: json.dumps(export.chrome_trace(fr.dumps, end_ns=now_ns)))
     stamp = time.strftime("%Y%m%d_%H%M%S")
     return web.Response(text=body, content_type="application/json", headers={
         "Content-Disposition": f'attachment; filename="fr_trace_{stamp}.trace.json"'})
 
 
-@routes.get("/stacks")
-async def stacks(request: web.Request) -> web.Response:
-    fmt = negotiate(request, _query(request, {"format": _format, "refresh": views.parse_refresh})
-                    .get("format"))
-    results = await request.app[COLLECTOR].stacks()
+async def _stacks_page(request: web.Request, *, path: str, every: bool,
+                       native_default: bool) -> web.Response:
+    allowed: dict[str, Callable[[str], Any]] = {
+        "format": _format, "refresh": views.parse_refresh, "native": _bool01}
+    if every:  # torch's /pyspy_dump page always sends it; reads here never block unless native
+        allowed["nonblocking"] = _bool01
+    q = _query(request, allowed)
+    fmt = negotiate(request, q.get("format"))
+    native = q.get("native", native_default)
+    results = await request.app[COLLECTOR].stacks(native=native, every=every)
     if fmt == "json":
-        return _respond(fmt, {"ranks": [r.summary() | {"stacks": r.body if r.ok else None}
+        return _respond(fmt, {"native": native,
+                              "ranks": [r.summary() | {"stacks": r.body if r.ok else None}
                                         for r in results]})
     if fmt == "text":
         return _respond(fmt, await _off_loop(lambda: stacks_report(results)))
     html = await _off_loop(lambda: request.app[TEMPLATES].get_template("stacks.html").render(
-        title="Stacks", failures=[r.line() for r in results if not r.ok],
-        **views.stacks_model(results)))
+        title="py-spy stacks" if every else "Stacks",
+        failures=[r.line() for r in results if not r.ok],
+        **views.stacks_model(results, path=path, native=native)))
     return _respond(fmt, html)
+
+
+@routes.get("/stacks")
+async def stacks(request: web.Request) -> web.Response:
+    """Every rank's stacks: the worker's own, py-spy's for a stuck rank; ``native=1``: all
+    through py-spy ``--native`` (Python and C/C++ frames interleaved)."""
+    return await _stacks_page(request, path="/stacks", every=False, native_default=False)
+
+
+@routes.get("/pyspy_dump")
+async def pyspy_dump(request: web.Request) -> web.Response:
+    """PyTorch's page name: every rank through py-spy, native frames unless ``native=0``."""
+    return await _stacks_page(request, path="/pyspy_dump", every=True, native_default=True)
 
 
 def _in_flight(h: Mapping[str, Any]) -> str:
@@ -276,7 +300,7 @@ async def index(request: web.Request) -> web.Response:
     collector = request.app[COLLECTOR]
     addrs = await collector.registry.lookup()
     health, fr, stack_res = await asyncio.gather(
-        collector.fetch(HEALTH_HANDLER, None, addrs), collector.fr(only_active=True, addrs=addrs),
+        collector.fetch(HEALTH_HANDLER, None, addrs), collector.fr(addrs=addrs),
         collector.stacks(addrs))
     result = await _off_loop(analyze_fr, fr, stack_res, collector.world_size)
     reach = {r.rank: r for r in stack_res}
@@ -286,7 +310,9 @@ async def index(request: web.Request) -> web.Response:
     verdict = result.get("verdict", "")
     if fmt == "json":
         return _respond(fmt, {"world_size": collector.world_size, "reachable": reachable,
-                              "verdict": verdict, "findings": result.get("findings", []),
+                              "verdict": verdict, "category": result.get("category"),
+                              "next_step": result.get("next_step"),
+                              "findings": result.get("findings", []),
                               "ranks": rows})
     if fmt == "text":
         lines = [f"debug_server: {reachable}/{collector.world_size} ranks reachable",
@@ -379,24 +405,34 @@ async def _watch_parent(app: web.Application) -> None:
 
 
 def make_frontend_app(config: ServerConfig, registry: Registry,
-                      *, parent_pid: int | None = None) -> web.Application:
+                      *, parent_pid: int | None = None, collector: Any = None,
+                      middlewares: Sequence[Any] = ()) -> web.Application:
     """The frontend app over ``registry``'s workers (and, with ``config.dump_dir``, the dumper).
 
     With ``config.auth_token`` every page requires it (header, cookie, or ``/?token=`` once)
-    and the fan-out sends it to the workers.
+    and the fan-out sends it to the workers. ``collector`` replaces the live fan-out with an
+    object of the same methods (the post-mortem viewer's disk-backed twin, ``view.py``): then
+    no client session, dumper or hang watch starts. ``middlewares`` run inside the token check.
     """
     guard = ([auth_middleware(TokenGate(config.auth_token), browser=True)]
              if config.auth_token else [])
-    app = web.Application(middlewares=[*guard, _one_line_errors])
+    app = web.Application(middlewares=[*guard, *middlewares, _one_line_errors])
     app[CONFIG] = config
     app[REGISTRY] = registry
     app[TEMPLATES] = load_templates()
     app[SHUTDOWN] = asyncio.Event()
     if parent_pid is not None:
         app[PARENT_PID] = parent_pid
-    app.cleanup_ctx.append(_client_ctx)
-    app.cleanup_ctx.append(_background_ctx)
+    if collector is None:
+        app.cleanup_ctx.append(_client_ctx)
+        app.cleanup_ctx.append(_background_ctx)
+    else:
+        app[COLLECTOR] = collector
     app.add_routes(routes)
+    # /profile, /tcpstore, /wait_counters; imported here because pages_extra imports this module.
+    from debug_server import pages_extra
+
+    pages_extra.setup(app)
     return app
 
 
@@ -412,18 +448,16 @@ def _report_ready(fd: int | None, line: str) -> None:
         os.close(fd)
 
 
-async def _bind(runner: web.AppRunner, config: ServerConfig, retry_s: float) -> None:
+async def _bind(runner: web.AppRunner, config: ServerConfig, retry_s: float) -> int:
     # After an elastic restart the previous frontend may hold the port for a moment longer
     # (it polls its dead parent every second, then shuts down), so a busy port is retried
-    # briefly before it is reported.
+    # briefly before it is reported. One port for every address family (listen.py), so the
+    # link rank 0 prints works over IPv4 and IPv6 even with port=0.
     deadline = asyncio.get_running_loop().time() + retry_s
     while True:
-        site = web.TCPSite(runner, config.host, config.port)
         try:
-            await site.start()
-            return
+            return await start_sites(runner, config.host, config.port)
         except OSError as e:
-            await site.stop()  # unregister the failed site from the runner
             if e.errno != errno.EADDRINUSE or asyncio.get_running_loop().time() >= deadline:
                 raise
         await asyncio.sleep(0.25)
@@ -437,7 +471,7 @@ async def serve(config: ServerConfig, registry: Registry, *, parent_pid: int | N
     await runner.setup()
     try:
         try:
-            await _bind(runner, config, BIND_RETRY_S)
+            port = await _bind(runner, config, BIND_RETRY_S)
         except OSError as e:
             where = f"{config.host or '*'}:{config.port}"
             msg = (f"error: port {config.port} is already in use ({where})"
@@ -446,7 +480,6 @@ async def serve(config: ServerConfig, registry: Registry, *, parent_pid: int | N
             logger.error("debug_server frontend: %s", msg)
             _report_ready(ready_fd, msg)
             return 3
-        port = next(a[1] for a in runner.addresses if isinstance(a, tuple))
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, app[SHUTDOWN].set)  # our own process: ours to handle
@@ -516,4 +549,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Run the importable copy of this module, not __main__: modules that import
+    # debug_server.frontend (pages_extra) must see the same AppKeys the app is built with.
+    from debug_server import frontend
+
+    sys.exit(frontend.main())

@@ -15,7 +15,7 @@ import time
 from collections.abc import Collection
 from pathlib import Path
 
-from debug_server import sigstack
+from debug_server import c10d_fr, pyspy, sigstack
 from debug_server.auth import (
     TOKEN_ENV,
     TokenGate,
@@ -25,7 +25,13 @@ from debug_server.auth import (
     token_required,
 )
 from debug_server.config import ALL_DUMPS, DEFAULT_PORT, JobEnv, ServerConfig, default_bind_host
-from debug_server.discovery import advertised_host, register_worker, store_client
+from debug_server.discovery import (
+    HOST_ENV,
+    Advertised,
+    advertise,
+    register_worker,
+    store_client,
+)
 from debug_server.worker import HooksProvider, WorkerThread, start_worker_thread
 
 logger = logging.getLogger(__name__)
@@ -97,6 +103,10 @@ class DebugServer:
         self.sigstack: sigstack.SigStack | None = None
         self.gate: TokenGate | None = None
         self.env_set: str | None = None
+        self.fr_env_set: dict[str, str] = {}
+        """c10d Flight Recorder variables this server set (``c10d_fr.turn_on_env``)."""
+        self.advertised: Advertised | None = None
+        """The address this rank's servers advertise (``discovery.advertise``)."""
         self._stopped = False
 
     @property
@@ -122,10 +132,13 @@ class DebugServer:
 
     @property
     def frontend_url(self) -> str | None:
-        """``http://<host>:<port>`` of the rank-0 frontend; None on other ranks."""
+        """``http://<host>:<port>`` of the rank-0 frontend; None on other ranks.
+
+        The host is the advertised one, so on a multi-host job the link works from elsewhere.
+        """
         if self.frontend_port is None:
             return None
-        host = self.config.host or "127.0.0.1"
+        host = self.advertised.host if self.advertised else (self.config.host or "127.0.0.1")
         return f"http://{_url_host(host)}:{self.frontend_port}"
 
     def stop(self, timeout: float = 5.0) -> None:
@@ -142,6 +155,9 @@ class DebugServer:
             self.sigstack.close()
         if self.env_set is not None and os.environ.get(DUMP_PATH_ENV) == self.env_set:
             del os.environ[DUMP_PATH_ENV]
+        for k, v in self.fr_env_set.items():
+            if os.environ.get(k) == v:
+                del os.environ[k]
         with _LOCK:
             if _CURRENT is self:
                 _CURRENT = None
@@ -169,6 +185,7 @@ def start_debug_server(
     stall_timeout: float | None = DEFAULT_STALL_TIMEOUT,
     auth: str = "auto",
     auth_token: str | None = None,
+    signal_stacks: bool | None = None,
 ) -> DebugServer:
     """Start the hang debugger on this rank; call it on every rank after torchrun set the env.
 
@@ -192,7 +209,11 @@ def start_debug_server(
             out (default 5); pages and dumps never wait longer than this on a stuck rank.
         host: Address to bind the worker and frontend to. None (default) binds 127.0.0.1 for
             a single-host job (``MASTER_ADDR`` is loopback and ``LOCAL_WORLD_SIZE ==
-            WORLD_SIZE``) and all interfaces otherwise.
+            WORLD_SIZE``) and all interfaces otherwise (IPv4 and, where the host has it,
+            IPv6, on one port). The address registered for the other hosts, and used in
+            ``handle.browser_url``, is ``$DEBUG_SERVER_HOST`` if set, else an explicit
+            ``host``, else the local address of the interface that reaches ``MASTER_ADDR``
+            (never a loopback address while another one exists).
         keep_dumps: Dump cycles kept in ``dump_dir`` (default 50); older files are deleted.
         max_concurrency: Most worker requests the frontend has in flight at once (default 64).
         stall_timeout: Seconds an op may stay in flight before it counts as stalled (default
@@ -215,6 +236,12 @@ def start_debug_server(
             (bounded wait) before registering. Requests carry it in the header
             ``X-Debug-Server-Token``; a browser opens ``handle.browser_url`` (``/?token=...``,
             logged by rank 0) once and then holds an HttpOnly cookie. Missing: 401, wrong: 403.
+        signal_stacks: Opt in to stacks by signal (``sigstack``) for when py-spy cannot read
+            this rank (absent, or ptrace not permitted) and its worker does not answer. The
+            signal interrupts a ``sleep``/``poll`` the rank sits in (EINTR), so it changes what
+            the rank does; off by default. None (default): ``$DEBUG_SERVER_SIGNAL_STACKS=1``
+            turns it on. Stacks come first from the worker, then from py-spy outside the
+            process (which never signals or pauses the rank), and only then by signal.
 
     Returns:
         A ``DebugServer`` handle; ``handle.stop()`` (or ``stop_debug_server()``) ends it.
@@ -249,18 +276,29 @@ def start_debug_server(
             # taken back by stop(), so it never outlives the server (or leaks into children).
             env_set = os.path.join(os.path.abspath(dump_dir), "per_rank", "rank_")
             os.environ[DUMP_PATH_ENV] = env_set
+        # c10d's own Flight Recorder holds what DDP, FSDP and plain torch.distributed issue. It
+        # sizes its ring once, when the first process group is created, from these variables:
+        # before that, turn it on (2000 entries) unless the user chose; after, only a log line
+        # (below) can help. stop() takes ours back, like the dump path above.
+        pg_existed = c10d_fr.group_exists()
+        fr_env_set = {} if pg_existed else c10d_fr.turn_on_env()
         # Start the frontend first: it needs seconds to import; the worker starts meanwhile.
         pending = _spawn_frontend(config, job) if job.rank == 0 else None
         worker: WorkerThread | None = None
         gate = TokenGate(auth_token) if required else None
-        # Stacks by signal for when this process holds the GIL and the worker cannot answer.
-        sig = sigstack.install()
+        # py-spy, run by the frontend or a sibling rank (neither is an ancestor), reads this
+        # process from outside when its worker cannot answer; Yama ptrace_scope=1 needs this.
+        pyspy.allow_ptrace()
+        # Stacks by signal: only where the rank opted in (a signal interrupts sleeps and polls).
+        sig = sigstack.install(signal_stacks)
         try:
             # The stall timeout reaches health through the hooks' process default (set below),
             # so a hook's own stall_timeout is not overridden by the worker.
             worker = start_worker_thread(HooksProvider(job.rank), config.host, config.worker_port,
                                          gate=gate)
-            worker_url = f"http://{_url_host(advertised_host(config.host))}:{worker.port}"
+            # Frontend and worker bind the same host, so this one address serves both links.
+            advertised = advertise(config.host, job.master_addr, job.master_port)
+            worker_url = f"http://{_url_host(advertised.host)}:{worker.port}"
             registration = _Registration(
                 job, worker_url, gate=gate,
                 publish=auth_token if required and job.rank == 0 else None,
@@ -279,12 +317,27 @@ def start_debug_server(
                              pending[0] if pending else None, frontend_port, registration)
         handle.sigstack = sig
         handle.gate = gate
+        handle.advertised = advertised
         handle.env_set = env_set
+        handle.fr_env_set = fr_env_set
         _CURRENT = handle
         _set_stall_default(config.stall_timeout)
     atexit.register(handle._terminate_at_exit)
-    logger.info("debug_server: rank %d worker at %s%s", job.rank, worker_url,
-                f"; frontend at {handle.frontend_url}" if handle.frontend_url else "")
+    # A loopback address on a multi-host job means no other host can reach this rank: say so
+    # where it shows without any logging setup.
+    level = logging.INFO if advertised.reachable or job.single_host else logging.WARNING
+    logger.log(level, "debug_server: rank %d worker at %s (%s)%s", job.rank, worker_url,
+               advertised.how + ("" if advertised.reachable else
+                                 f"; other hosts cannot reach it: set {HOST_ENV}"),
+               f"; frontend at {handle.frontend_url}" if handle.frontend_url else "")
+    off = c10d_fr.off_reason() if pg_existed else None
+    if off is not None:
+        # One line per job, not per rank: every rank has the same environment.
+        logger.log(logging.WARNING if job.rank == 0 else logging.DEBUG,
+                   "debug_server: c10d's Flight Recorder is off (%s), so ops issued directly "
+                   "through torch.distributed (DDP, FSDP) are not recorded; set "
+                   "TORCH_FR_BUFFER_SIZE=2000 before init_process_group, or call "
+                   "start_debug_server before it", off)
     if handle.frontend_url and handle.auth_token:
         # Warning level so it shows without any logging setup: the one way in for a browser.
         logger.warning("debug_server: access token required; open %s", handle.browser_url)

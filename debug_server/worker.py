@@ -5,6 +5,10 @@ worker): ``GET /handler/`` lists handler names as JSON; ``POST /handler/<name>?<
 one. Unknown name: 404. Bad parameter: 400. Failure: 500. Error bodies are one line, never a
 traceback. Everything is JSON or text; nothing from the network is unpickled.
 
+The FR handlers take torch's ``onlyactive`` and ``includecollectives``, and two of ours for the
+live window (``frwindow``): ``since={"<group>": <seq>}`` keeps each named group from that seq on,
+``window=<slack>`` cuts at this rank's own frontier less ``slack``.
+
 What the worker serves comes from a ``Provider``; ``HooksProvider`` reads this process's
 Flight Recorder hooks, ``StaticProvider`` serves fixed data (tests, benchmarks).
 """
@@ -12,8 +16,11 @@ Flight Recorder hooks, ``StaticProvider`` serves fixed data (tests, benchmarks).
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
 import logging
+import os
+import socket
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -21,7 +28,9 @@ from typing import Any, Protocol
 
 from aiohttp import web
 
+from debug_server import frwindow, pyspy, rank_capture
 from debug_server.auth import TokenGate, auth_middleware
+from debug_server.listen import start_sites
 from debug_server.stacks import capture_stacks
 
 logger = logging.getLogger(__name__)
@@ -85,12 +94,14 @@ class HooksProvider:
     def __init__(self, rank: int, stall_timeout: float | None = None) -> None:
         self.rank = rank
         self.stall_timeout = stall_timeout
+        self._c10d_watch: Any = None  # c10d_fr.StallWatch, made at the first health check
 
     def fr_snapshot(self, *, only_active: bool, include_collectives: bool) -> Mapping[str, Any]:
         # Imported here so the server side loads without the recording side (and vice versa).
-        from debug_server import hooks
+        from debug_server import c10d_fr
 
-        return hooks.snapshot(only_active=only_active, include_collectives=include_collectives)
+        # The hooks' entries and c10d's own (DDP, FSDP, plain torch.distributed) in one dump.
+        return c10d_fr.snapshot(only_active=only_active, include_collectives=include_collectives)
 
     def c10d_fr_json(self, *, only_active: bool, include_collectives: bool) -> str:
         return c10d_fr_json(only_active=only_active, include_collectives=include_collectives)
@@ -99,17 +110,26 @@ class HooksProvider:
         return capture_stacks()
 
     def dump_file(self) -> str:
-        from debug_server import hooks
+        from debug_server import c10d_fr
 
-        return hooks.dump_file(self.rank)
+        return c10d_fr.dump_file(self.rank)
 
     def health(self) -> Mapping[str, Any]:
-        from debug_server import hooks
+        from debug_server import c10d_fr, hooks
 
         health = dict(hooks.health())
         if self.stall_timeout is not None and health.get("healthy", True):
             stalled = stalled_op(hooks.snapshot(only_active=True)["entries"], self.stall_timeout)
             if stalled is not None:
+                health.update(healthy=False, stalled_op=stalled)
+        limit = self.stall_timeout if self.stall_timeout is not None else hooks.default_stall_timeout()
+        if limit is not None:
+            # c10d's groups (DDP, FSDP...) by their progress; fed on every poll, so it counts
+            # how long a group has been pending even while a hook already reports a stall.
+            if self._c10d_watch is None:
+                self._c10d_watch = c10d_fr.StallWatch()
+            stalled = c10d_fr.stalled_op(self._c10d_watch, limit)
+            if stalled is not None and health.get("healthy", True):
                 health.update(healthy=False, stalled_op=stalled)
         return health
 
@@ -199,7 +219,8 @@ def _only(params: Mapping[str, str], allowed: frozenset[str]) -> None:
         raise HandlerError(400, f"unknown parameter {extra[0]!r} (allowed: {names})")
 
 
-_FR_PARAMS = frozenset({"onlyactive", "includecollectives"})
+_FR_PARAMS = frozenset({"onlyactive", "includecollectives", "since", "window"})
+_MAX_SLACK = 1_000_000
 _NO_PARAMS: frozenset[str] = frozenset()
 
 
@@ -221,12 +242,38 @@ def _fr_args(q: Mapping[str, str]) -> dict[str, bool]:
     }
 
 
+def _cut_arg(q: Mapping[str, str]) -> Callable[[Mapping[str, Any]], Mapping[str, Any]] | None:
+    """The live window (``frwindow``): ``since={"<group>": <seq>}`` keeps each named group from
+    that seq on; ``window=<slack>`` cuts at this rank's own frontier less ``slack``."""
+    raw, slack = q.get("since"), q.get("window")
+    if raw is not None:
+        try:
+            since = frwindow.parse_since(raw)
+        except ValueError as e:
+            raise HandlerError(400, f"parameter since: {e}") from None
+        return lambda dump: frwindow.window(dump, since)
+    if slack is not None:
+        if not slack.isdigit() or int(slack) > _MAX_SLACK:
+            raise HandlerError(400, f"parameter window={slack[:40]!r} must be an integer "
+                                    f"0..{_MAX_SLACK}")
+        return lambda dump: frwindow.local_window(dump, int(slack))
+    return None
+
+
 def _torchcomms_fr_trace_json(p: Provider, q: Mapping[str, str]) -> Mapping[str, Any]:
-    return p.fr_snapshot(**_fr_args(q))
+    args, cut = _fr_args(q), _cut_arg(q)
+    dump = p.fr_snapshot(**args)
+    # The cut is applied to whatever dict the provider produced, whichever recorders fed it.
+    return dump if cut is None else cut(dump)
 
 
-def _fr_trace_json(p: Provider, q: Mapping[str, str]) -> web.Response:
-    text = p.c10d_fr_json(**_fr_args(q))
+def _fr_trace_json(p: Provider, q: Mapping[str, str]) -> web.Response | Mapping[str, Any]:
+    args, cut = _fr_args(q), _cut_arg(q)
+    text = p.c10d_fr_json(**args)
+    if cut is not None:
+        dump = json.loads(text)
+        if isinstance(dump, dict):
+            return cut(dump)
     return web.Response(text=text, content_type="application/json")
 
 
@@ -236,12 +283,44 @@ def _torchcomms_fr_dump_file(p: Provider, q: Mapping[str, str]) -> Mapping[str, 
         path = p.dump_file()
     except OSError as e:
         raise HandlerError(500, f"writing the dump failed: {e}") from None
-    return {"path": path}
+    # The host tells a frontend on another host that the path is not on its disk (a dump
+    # dir that is not shared between hosts).
+    return {"path": path, "host": socket.gethostname()}
 
 
 def _torchcomms_health_check(p: Provider, q: Mapping[str, str]) -> Mapping[str, Any]:
     _only(q, _NO_PARAMS)
     return p.health()
+
+
+_PYSPY_PARAMS = frozenset({"native", "nonblocking", "subprocesses", "pid"})
+_BOOL01 = {"1": True, "0": False, "true": True, "false": False}
+
+
+def _pyspy_dump(p: Provider, q: Mapping[str, str]) -> str:
+    """py-spy of this process (torch's ``pyspy_dump``), or with ``pid=`` of a sibling rank
+    on this host: the way a stuck rank on a host without the frontend gets read."""
+    _only(q, _PYSPY_PARAMS)
+    flags = {}
+    for name in ("native", "nonblocking", "subprocesses"):
+        raw = q.get(name, "0").lower()
+        if raw not in _BOOL01:
+            raise HandlerError(400, f"parameter {name}={raw[:20]!r} must be 0/1 or true/false")
+        flags[name] = _BOOL01[raw]
+    # nonblocking is accepted for torch's frontend (it always sends it): every read here is
+    # non-blocking unless native frames are asked for, which py-spy can only unwind paused.
+    pid = os.getpid()
+    if "pid" in q:
+        try:
+            pid = int(q["pid"])
+        except ValueError:
+            raise HandlerError(400, f"parameter pid={q['pid'][:20]!r} must be an integer") from None
+    try:
+        pyspy.check_target(pid)
+        return pyspy.read(pid, native=flags["native"], subprocesses=flags["subprocesses"])
+    except pyspy.PySpyError as e:
+        code = 403 if e.kind == pyspy.REFUSED else 404 if e.kind == pyspy.GONE else 500
+        raise HandlerError(code, e.reason) from None
 
 
 HANDLERS: dict[str, Handler] = {
@@ -251,6 +330,8 @@ HANDLERS: dict[str, Handler] = {
     "fr_trace_json": _fr_trace_json,
     "torchcomms_fr_dump_file": _torchcomms_fr_dump_file,
     "torchcomms_health_check": _torchcomms_health_check,
+    pyspy.HANDLER: _pyspy_dump,
+    **rank_capture.HANDLERS,  # torch_profile, wait_counter_values
 }
 
 routes = web.RouteTableDef()
@@ -271,6 +352,8 @@ async def run_handler(request: web.Request) -> web.Response:
     try:
         # Runs on this worker's own thread: a slow snapshot delays only this worker's replies.
         out = handler(request.app[PROVIDER], params)
+        if inspect.isawaitable(out):  # a long capture (torch_profile) waits off this loop
+            out = await out
     except HandlerError as e:
         return web.Response(status=e.status, text=e.reason)
     except Exception as e:  # one line to the caller, the traceback to this rank's log
@@ -347,14 +430,14 @@ class WorkerThread:
                                access_log=None)
         await runner.setup()
         try:
-            site = web.TCPSite(runner, self._host, self._want_port, reuse_address=True)
+            # One port for every address family: the registered port must answer over IPv4
+            # and IPv6 alike (TCPSite with host None gives each family its own port).
             try:
-                await site.start()
+                self.port = await start_sites(runner, self._host, self._want_port)
             except OSError as e:
                 raise OSError(
                     e.errno, f"debug_server worker cannot bind {self._host or '*'}:{self._want_port}: "
                     f"{e.strerror or e}") from None
-            self.port = _bound_port(runner)
             self._ready.set()
             await self._stop.wait()
         finally:
@@ -369,13 +452,6 @@ class WorkerThread:
                 pass
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(timeout)
-
-
-def _bound_port(runner: web.AppRunner) -> int:
-    for addr in runner.addresses:
-        if isinstance(addr, tuple) and len(addr) >= 2:
-            return int(addr[1])
-    raise RuntimeError("debug_server worker has no bound TCP address")
 
 
 def start_worker_thread(

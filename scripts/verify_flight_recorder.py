@@ -10,6 +10,17 @@ after COMM_TIMEOUT seconds; they catch the error and write their pickle. While i
 pages or read the dumps: they name the collective (seq 4, all_reduce), the missing rank, and the
 line where it is stuck. The script ends by itself and prints what to run next.
 
+On several hosts (``torchrun --nnodes=N --node_rank=K --master_addr=<rank 0's host>``) rank 0
+prints the link with its reachable address and the access token, and when FR_DUMP_DIR is not
+shared, the summary says which ranks' pickles are on other hosts and suggests
+``--allow-incomplete-ranks`` (tests/test_twohosts.py runs it on two network namespaces).
+
+With ``DEMO_API=c10d`` the same scenario runs through plain torch.distributed, as DDP, FSDP and
+most training code do: no communicator and no hook, ``dist.all_reduce`` and ``dist.broadcast``
+on the default group, whose timeout is COMM_TIMEOUT. The record then comes from c10d's own
+Flight Recorder, merged by the debug server: the stuck op is all_reduce seq 5 on ``default_pg``
+(c10d counts from 1).
+
 Environment (all optional):
     FR_DUMP_DIR        where dumps go (default: a folder in the temp dir named after the run)
     FR_DUMP_INTERVAL   seconds between periodic dumps (default 2)
@@ -20,6 +31,7 @@ Environment (all optional):
     DEBUG_SERVER_PORT  the rank-0 frontend's port (default 25999)
     TEST_BACKEND       gloo (default) or nccl
     TEST_DEVICE        cpu (default) or cuda (one GPU per rank, LOCAL_RANK)
+    DEMO_API           comm (default: new_comm + FlightRecorderHook) or c10d (gloo only)
 """
 
 from __future__ import annotations
@@ -39,7 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from debug_server import start_debug_server, stop_debug_server  # noqa: E402
+from debug_server import c10d_fr, start_debug_server, stop_debug_server  # noqa: E402
 from debug_server.comms import new_comm  # noqa: E402
 from debug_server.hooks import FlightRecorderHook  # noqa: E402
 
@@ -99,47 +111,53 @@ def main() -> int:
     else:
         device = torch.device("cpu")
 
+    api = os.environ.get("DEMO_API", "comm")
+    if api not in ("comm", "c10d") or (api == "c10d" and backend != "gloo"):
+        # On NCCL a timed-out default group is torn down by c10d's watchdog, process and all.
+        sys.exit(f"error: DEMO_API={api!r}: use comm, or c10d with TEST_BACKEND=gloo")
     say(rank, f"rank {rank}/{world}, device {device}, backend {backend}, hanging rank {hanging_rank}, "
-        f"timeout {comm_timeout:g} s")
+        f"timeout {comm_timeout:g} s, api {api}")
     # The default group's timeout is longer than the communicator's, so the communicator's own
     # timeout is what fires in phase 2 (and NCCL's watchdog does not kill the process first).
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=comm_timeout + 120))
-    start_debug_server(
+    # With DEMO_API=c10d the default group is the one that times out.
+    pg_timeout = comm_timeout if api == "c10d" else comm_timeout + 120
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=pg_timeout))
+    server = start_debug_server(
         port=port, dump_dir=dump_dir, dump_interval=dump_interval, stall_timeout=stall_timeout
     )
     if rank == 0:
-        say(rank, f"debug server: http://127.0.0.1:{port}/  (pages: /fr_trace /stacks)")
+        # On several hosts the link carries rank 0's reachable address and the access token.
+        say(rank, f"debug server: {server.browser_url}  (pages: /fr_trace /stacks)")
         say(rank, f"dumps every {dump_interval:g} s into {dump_dir}  (per-rank pickles in {dump_dir}/per_rank)")
 
-    comm = new_comm(backend, device, "main_comm", timeout=datetime.timedelta(seconds=comm_timeout))
-    hook = FlightRecorderHook(max_entries=100, stall_timeout=stall_timeout).register_with_comm(comm)
+    ops = C10dOps(rank) if api == "c10d" else CommOps(backend, device, comm_timeout, stall_timeout, rank)
     t = torch.ones(1024, device=device)
 
     say(rank, "phase 1: 3 x all_reduce + 1 x broadcast on all ranks")
     for _ in range(3):
-        comm.all_reduce(t)
-    comm.broadcast(t, root=0)
+        ops.all_reduce(t)
+    ops.broadcast(t)
     say(rank, "phase 1 done")
 
     hang_start = time.time()
     if rank == hanging_rank:
-        say(rank, f"phase 2: hanging (sleeping {hang_seconds:g} s instead of joining all_reduce #4)")
+        say(rank, f"phase 2: hanging (sleeping {hang_seconds:g} s instead of joining all_reduce {ops.label})")
         hang_phase(hang_seconds)
-        path = hook.dump_file(rank)
+        path = ops.dump_file()
         say(rank, f"woke up; flight recorder pickle written to {path}")
     else:
         # Wall-clock stamps let a reader (and tests/test_watchdog.py) compare the hang report's
         # time with the hang's start and with the communicator's timeout.
-        say(rank, f"phase 2: all_reduce #4, waiting for rank {hanging_rank} (times out after {comm_timeout:g} s) "
-            f"[wall {time.time():.3f}]")
+        say(rank, f"phase 2: all_reduce {ops.label}, waiting for rank {hanging_rank} (times out after "
+            f"{comm_timeout:g} s) [wall {time.time():.3f}]")
         t0 = time.monotonic()
         try:
-            comm.all_reduce(t)
-            say(rank, "all_reduce #4 completed (the hanging rank joined?)")
+            ops.all_reduce(t)
+            say(rank, f"all_reduce {ops.label} completed (the hanging rank joined?)")
         except RuntimeError as e:
             say(rank, f"Caught timeout: {type(e).__name__}: {e}")
             say(rank, f"(after {time.monotonic() - t0:.1f} s) [wall {time.time():.3f}]")
-            path = hook.dump_file(rank)
+            path = ops.dump_file()
             say(rank, f"flight recorder pickle written to {path}")
 
     # Keep the server up until every rank is done, so the dumps cover the whole hang.
@@ -148,43 +166,121 @@ def main() -> int:
     if rank == 0:
         # One more dump cycle after everyone wrote their final pickle.
         time.sleep(min(dump_interval, 5.0))
-        report(dump_dir, hang_start + comm_timeout)
+        report(dump_dir, hang_start + comm_timeout, world)
     wait_for_all(store, "demo_exit", world, 60)
     stop_debug_server()
-    hook.unregister()
+    ops.unregister()
     if backend == "nccl":
         # After the timeout c10d marks the NCCL group failed on the waiting ranks (its watchdog
         # takes those processes down) and the hanging rank's peers are gone: tearing the group
         # down cleanly would block on every rank. Leave at once instead.
         sys.stdout.flush()
         os._exit(0)
-    comm.finalize()
+    ops.finalize()
     dist.destroy_process_group()
     return 0
 
 
-def report(dump_dir: str, timeout_at: float) -> None:
+class CommOps:
+    """Phase ops through our communicator ``main_comm``, recorded by a 100-entry hook."""
+
+    label = "#4"
+
+    def __init__(self, backend: str, device: torch.device, timeout: float, stall_timeout: float,
+                 rank: int) -> None:
+        self.rank = rank
+        self.timeout = timeout
+        self.comm = new_comm(backend, device, "main_comm", timeout=datetime.timedelta(seconds=timeout))
+        self.hook = FlightRecorderHook(max_entries=100, stall_timeout=stall_timeout).register_with_comm(self.comm)
+
+    def all_reduce(self, t: torch.Tensor) -> None:
+        if t.is_cuda:
+            # On CUDA the op returns once enqueued (stream-ordered, like torch); the host waits
+            # only when asked. The demo asks, as a step reading a result would: in a hang the
+            # communicator's watchdog ends the wait at its timeout with the error it names.
+            self.comm.all_reduce(t, async_op=True).wait(timeout=self.timeout + 60)
+        else:
+            self.comm.all_reduce(t)
+
+    def broadcast(self, t: torch.Tensor) -> None:
+        self.comm.broadcast(t, root=0)
+
+    def dump_file(self) -> str:
+        return self.hook.dump_file(self.rank)
+
+    def unregister(self) -> None:
+        self.hook.unregister()
+
+    def finalize(self) -> None:
+        self.comm.finalize()
+
+
+class C10dOps:
+    """Phase ops through plain torch.distributed on the default group (DEMO_API=c10d)."""
+
+    label = "#5 on default_pg"
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+
+    def all_reduce(self, t: torch.Tensor) -> None:
+        dist.all_reduce(t)
+
+    def broadcast(self, t: torch.Tensor) -> None:
+        dist.broadcast(t, src=0)
+
+    def dump_file(self) -> str:
+        # What the worker's torchcomms_fr_dump_file writes: c10d's record merged with ours.
+        return c10d_fr.dump_file(self.rank)
+
+    def unregister(self) -> None:
+        pass
+
+    def finalize(self) -> None:
+        pass
+
+
+def report(dump_dir: str, timeout_at: float, world: int) -> None:
     """Print the analyzer's verdict on the per-rank pickles and the follow-up commands.
 
     The verdict joins the stacks dumped during the hang (the last before the communicator's
-    timeout fired): afterwards every rank has moved on to the demo's final wait.
+    timeout fired): afterwards every rank has moved on to the demo's final wait. On several
+    hosts without a shared FR_DUMP_DIR, the other hosts' pickles are on those hosts: the
+    verdict then covers the ranks here (``--allow-incomplete-ranks``) and says so.
     """
     per_rank = os.path.join(dump_dir, "per_rank")
+    elsewhere = [r for r in range(world) if not os.path.exists(os.path.join(per_rank, f"rank_{r}"))]
+    incomplete = " --allow-incomplete-ranks" if elsewhere else ""
     all_stacks = sorted(Path(dump_dir).glob("stacks_*.txt"))
     during = [p for p in all_stacks if p.stat().st_mtime < timeout_at]
     stacks = during or all_stacks
-    cmd = [sys.executable, "-m", "debug_server.fr_trace", per_rank, "-p", "rank_", "--json"]
+    cmd = [sys.executable, "-m", "debug_server.fr_trace", per_rank, "-p", "rank_", "--json",
+           *incomplete.split()]
     if stacks:
         cmd += ["--stacks", str(stacks[-1])]
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parent.parent))
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
+    hang_reports = sorted(Path(dump_dir).glob("hang_report_*.txt"))
     print("", flush=True)
     print("=" * 78)
+    if elsewhere and hang_reports:
+        # The pickles here cover only this host's ranks; the hang report saw every rank.
+        try:
+            hang = json.loads(hang_reports[0].with_suffix(".json").read_text())
+            print(f"Verdict (every rank, from the hang report): {hang['verdict']}")
+        except (OSError, ValueError, KeyError):
+            pass
+    label = "Verdict on the pickles here" if elsewhere else "Verdict"
     try:
         verdict = json.loads(proc.stdout)["verdict"]
-        print(f"Verdict: {verdict}")
+        print(f"{label}: {verdict}")
     except (ValueError, KeyError):
         print(f"analyzer failed (exit {proc.returncode}): {proc.stderr.strip()[:500]}")
+    if elsewhere:
+        print(f"No pickle here for rank{'s' if len(elsewhere) > 1 else ''} "
+              f"{', '.join(map(str, elsewhere))}: they are on the other hosts (FR_DUMP_DIR is not "
+              f"shared). Copy them into {per_rank} for a verdict over every rank, or analyze "
+              f"these with --allow-incomplete-ranks (below).")
     texts = sorted(Path(dump_dir).glob("torchcomms_fr_trace_*.txt"))
     print(f"Dumps: {dump_dir}")
     if texts:
@@ -192,14 +288,14 @@ def report(dump_dir: str, timeout_at: float) -> None:
     if stacks:
         print(f"  stacks during the hang: {stacks[-1]}")
     print(f"  per-rank pickles: {per_rank}/rank_*")
-    hang_reports = sorted(Path(dump_dir).glob("hang_report_*.txt"))
     if hang_reports:
         print(f"  hang report:     {hang_reports[0]}  (written by the stall watchdog)")
     print("Next:")
     stacks_arg = f" --stacks {stacks[-1]}" if stacks else ""
-    print(f"  python -m debug_server.fr_trace {per_rank} -p rank_{stacks_arg}")
-    print(f"  python -m torch.distributed.flight_recorder.fr_trace {per_rank} -p rank_")
-    print(f"  python -m torch.distributed.flight_recorder.fr_trace {per_rank} -p rank_ -j --print_stack_trace")
+    print(f"  python -m debug_server.fr_trace {per_rank} -p rank_{stacks_arg}{incomplete}")
+    print(f"  python -m torch.distributed.flight_recorder.fr_trace {per_rank} -p rank_{incomplete}")
+    print(f"  python -m torch.distributed.flight_recorder.fr_trace {per_rank} -p rank_ -j --print_stack_trace"
+          f"{incomplete}")
     print("=" * 78, flush=True)
 
 

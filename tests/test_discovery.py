@@ -7,11 +7,16 @@ from typing import Any
 import pytest
 from conftest import closed_port_url, free_port, make_job
 
-from debug_server.config import ConfigError, JobEnv, default_bind_host
+from debug_server import discovery
+from debug_server.config import ConfigError, JobEnv, default_bind_host, is_loopback
 from debug_server.discovery import (
+    Advertised,
     StoreRegistry,
+    advertise,
+    interface_addresses,
     lookup_workers,
     register_worker,
+    route_source,
     store_client,
 )
 
@@ -104,3 +109,62 @@ async def test_store_registry_with_store_down_reports_every_rank_not_registered(
         assert all(a.url is None and "unavailable" in (a.error or "") for a in addrs)
     finally:
         registry.close()
+
+
+# -- what a rank advertises to the other hosts (issue 19) ------------------------------------
+
+
+def _own_non_loopback_address() -> str:
+    addrs = [a for a in interface_addresses() if not is_loopback(a)]
+    if not addrs:
+        pytest.skip("this host has no non-loopback IPv4 interface")
+    return addrs[-1]
+
+
+def test_advertised_host_is_the_interface_toward_master_addr() -> None:
+    own = _own_non_loopback_address()
+    adv = advertise(None, own, 29500, env={})
+    assert adv == Advertised(own, f"the interface toward MASTER_ADDR {own}")
+    assert route_source(own, 29500) == own
+
+
+def test_env_override_wins_over_the_route_and_host() -> None:
+    own = _own_non_loopback_address()
+    env = {"DEBUG_SERVER_HOST": "node7.example"}
+    assert advertise(None, own, 29500, env=env).host == "node7.example"
+    assert advertise("10.1.2.3", own, 29500, env=env).host == "node7.example"
+
+
+def test_explicit_bind_address_wins_over_the_route() -> None:
+    own = _own_non_loopback_address()
+    assert advertise("10.1.2.3", own, 29500, env={}) == Advertised(
+        "10.1.2.3", "the bind address (host=)")
+
+
+def test_loopback_bind_is_advertised_even_with_env_override() -> None:
+    adv = advertise("127.0.0.1", "127.0.0.1", 29500, env={"DEBUG_SERVER_HOST": "node7.example"})
+    assert (adv.host, adv.reachable) == ("127.0.0.1", False)
+
+
+def test_127_0_1_1_is_never_advertised_when_a_better_address_exists(monkeypatch: Any) -> None:
+    # The Debian trap: /etc/hosts maps the host name to 127.0.1.1, and MASTER_ADDR is that
+    # name on rank 0's host. The route toward it is loopback; an interface address wins.
+    _own_non_loopback_address()
+    monkeypatch.setattr(discovery, "hostname_addresses", lambda: ["127.0.1.1"])
+    adv = advertise(None, "127.0.1.1", 29500, env={})
+    assert not is_loopback(adv.host) and adv.reachable
+    assert adv.host == next(a for a in interface_addresses() if not is_loopback(a))
+
+
+def test_host_name_address_is_used_when_master_addr_is_unroutable(monkeypatch: Any) -> None:
+    monkeypatch.setattr(discovery, "route_source", lambda dest, port: None)
+    monkeypatch.setattr(discovery, "hostname_addresses", lambda: ["127.0.1.1", "10.20.30.40"])
+    assert advertise(None, "master.invalid", 29500, env={}).host == "10.20.30.40"
+
+
+def test_loopback_is_the_last_resort_and_says_so(monkeypatch: Any) -> None:
+    monkeypatch.setattr(discovery, "route_source", lambda dest, port: "127.0.0.1")
+    monkeypatch.setattr(discovery, "hostname_addresses", lambda: ["127.0.1.1"])
+    monkeypatch.setattr(discovery, "interface_addresses", lambda: ["127.0.0.1"])
+    adv = advertise(None, "master", 29500, env={})
+    assert (adv.host, adv.reachable) == ("127.0.0.1", False)

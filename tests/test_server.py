@@ -356,3 +356,34 @@ def test_two_rank_gloo_hang_is_diagnosed_end_to_end(tmp_path: Path) -> None:
 
 def test_public_api_is_two_functions() -> None:
     assert debug_server.__all__ == ["start_debug_server", "stop_debug_server"]
+
+
+def test_multi_host_links_carry_the_address_other_hosts_reach(
+        monkeypatch: Any, tcp_store: Any, caplog: Any) -> None:
+    from debug_server.config import is_loopback
+    from debug_server.discovery import interface_addresses
+
+    own = next((a for a in interface_addresses() if not is_loopback(a)), None)
+    if own is None:
+        pytest.skip("this host has no non-loopback IPv4 interface")
+    # Rank 0 of two hosts: the store is reached through this host's interface address.
+    for k, v in {"RANK": 0, "WORLD_SIZE": 2, "LOCAL_WORLD_SIZE": 1, "MASTER_ADDR": own,
+                 "MASTER_PORT": tcp_store.port}.items():
+        monkeypatch.setenv(k, str(v))
+    monkeypatch.delenv("DEBUG_SERVER_HOST", raising=False)
+    caplog.set_level("INFO", logger="debug_server.server")
+    handle = start_debug_server(port=0, fetch_timeout=3)
+    try:
+        assert handle.auth_token
+        assert handle.browser_url == f"http://{own}:{handle.frontend_port}/?token={handle.auth_token}"
+        assert handle.worker_url == f"http://{own}:{handle.worker_port}"
+        assert handle.wait_registered(5)
+        assert store_client(own, tcp_store.port, 5).get("rank0").decode() == handle.worker_url
+        assert (f"rank 0 worker at {handle.worker_url} (the interface toward MASTER_ADDR {own})"
+                in caplog.text)
+        req = urllib.request.Request(f"{handle.frontend_url}/?format=json",
+                                     headers={"X-Debug-Server-Token": handle.auth_token})
+        with urllib.request.urlopen(req, timeout=10) as r:
+            assert r.status == 200
+    finally:
+        handle.stop()
