@@ -31,7 +31,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 from debug_server import stackparse
-from debug_server.dumpio import DumpError, parse_ranks
+from debug_server.dumpio import DumpError, group_members
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +56,14 @@ FINDING_KINDS = (
 # Only these findings are evidence of a hang or a desync; history_lost says the record is
 # incomplete, which is normal for any job that ran longer than the ring.
 INFO_KINDS = frozenset({"history_lost"})
+_MISMATCH_KINDS = ("type_mismatch", "size_mismatch", "dtype_mismatch")
+
+CATEGORIES = ("cpu_divergence", "gpu_or_network", "misconfigured_collective", "unknown")
+"""The result's ``category`` (PyTorch's Flight Recorder root-cause classes), absent when clean:
+``cpu_divergence`` a rank never reached the collective (or issued collectives in another order);
+``gpu_or_network`` every member issued it and none completed it, and nothing else explains that;
+``misconfigured_collective`` mismatched op, size or dtype, or unmatched P2P;
+``unknown`` the evidence is too thin (ranks without data)."""
 
 _STATES = ("scheduled", "started", "completed")
 _STATE_CODE = {"scheduled": 0, "started": 1, "completed": 2}
@@ -161,8 +169,7 @@ def digest_dump(rank: int, dump: Mapping[str, Any]) -> RankDigest:
             name = str(c.get("name", key) if c.get("name", key) is not None else key)
             ranks: tuple[int, ...] | None = None
             try:
-                parsed = parse_ranks(c.get("ranks", "[]"))
-                ranks = tuple(sorted(set(parsed))) if parsed else None
+                ranks = group_members(c.get("ranks", "[]")) or None  # once per distinct text
             except DumpError as e:
                 notes.append(f"rank {rank}: pg_config[{key!r:.40}]: {e}; ranks inferred instead")
             pg.append((name, str(c.get("desc", "") or ""), ranks))
@@ -211,26 +218,21 @@ def digest_dump(rank: int, dump: Mapping[str, Any]) -> RankDigest:
         "output_dtypes",
     )
     prev_k: tuple[Any, ...] = (None,) * 6
+    recent_k: list[tuple[tuple[Any, ...], int, tuple[str, str]]] = []
     for e in entries:
         try:
             k = main_fields(e)
             if k != prev_k:
-                pgv = k[0]
-                if not isinstance(pgv, (list, tuple)) or not pgv:
-                    raise TypeError(f"process_group is {type(pgv).__name__}")
-                new_gk = (str(pgv[0]), str(pgv[1]) if len(pgv) > 1 else "")
-                pname, ins, outs, ind, outd = k[1:]
-                parsed = name_cache.get(pname)
-                if parsed is None:
-                    parsed = name_cache[pname] = _parse_name(str(pname))
-                sig = (
-                    str(pname),
-                    parsed[0],
-                    _tt(ins),
-                    _tt(outs),
-                    tuple(map(str, ind)),
-                    tuple(map(str, outd)),
-                )
+                # A loop issues a few ops in turn (gradient buckets): the op before last is
+                # usually one of the last few distinct ones, so compare before converting.
+                for rk, rsig, rgk in recent_k:
+                    if rk == k:
+                        sidx, new_gk = rsig, rgk
+                        break
+                else:
+                    sidx, new_gk = _new_sig(k, name_cache, sig_index, sigs, sig_p2p)
+                    recent_k.insert(0, (k, sidx, new_gk))
+                    del recent_k[8:]
                 # Commit only once the whole entry parsed: a bad entry must not switch groups.
                 if new_gk != gk or not colls:
                     gk = new_gk
@@ -240,13 +242,6 @@ def digest_dump(rank: int, dump: Mapping[str, Any]) -> RankDigest:
                         tl = ctimes[gk] = []
                     else:
                         tl = ctimes[gk]
-                sidx = sig_index.get(sig)
-                if sidx is None:
-                    sidx = sig_index[sig] = len(sigs)
-                    sigs.append(sig)
-                    sig_p2p.append(
-                        (parsed[1], parsed[2], parsed[3]) if parsed[1] is not None else None
-                    )
                 prev_k = k
                 prev_sig = sidx
             sidx = prev_sig
@@ -303,6 +298,9 @@ def digest_dump(rank: int, dump: Mapping[str, Any]) -> RankDigest:
         notes.append(
             f"rank {rank}: skipped {bad} malformed entr{'y' if bad == 1 else 'ies'} ({bad_example})"
         )
+    window = dump.get("fr_window")  # a live fetch cut the ring (frwindow): its own oldest op
+    if isinstance(window, Mapping) and type(window.get("ring_oldest_ns")) is int:
+        oldest = window["ring_oldest_ns"]
 
     out_colls = []
     out_times = []
@@ -334,6 +332,31 @@ def digest_dump(rank: int, dump: Mapping[str, Any]) -> RankDigest:
         n_entries=len(entries),
         notes=tuple(notes),
     )
+
+
+def _new_sig(
+    k: tuple[Any, ...],
+    name_cache: dict[str, tuple[str, str | None, int, int]],
+    sig_index: dict[tuple[Any, ...], int],
+    sigs: list[tuple[Any, ...]],
+    sig_p2p: list[tuple[str, int, int] | None],
+) -> tuple[int, tuple[str, str]]:
+    """(signature index, group key) of an entry's main fields; a new signature is added."""
+    pgv = k[0]
+    if not isinstance(pgv, (list, tuple)) or not pgv:
+        raise TypeError(f"process_group is {type(pgv).__name__}")
+    gk = (str(pgv[0]), str(pgv[1]) if len(pgv) > 1 else "")
+    pname, ins, outs, ind, outd = k[1:]
+    parsed = name_cache.get(pname)
+    if parsed is None:
+        parsed = name_cache[pname] = _parse_name(str(pname))
+    sig = (str(pname), parsed[0], _tt(ins), _tt(outs), tuple(map(str, ind)), tuple(map(str, outd)))
+    sidx = sig_index.get(sig)
+    if sidx is None:
+        sidx = sig_index[sig] = len(sigs)
+        sigs.append(sig)
+        sig_p2p.append((parsed[1], parsed[2], parsed[3]) if parsed[1] is not None else None)
+    return sidx, gk
 
 
 def _coalesce(
@@ -436,6 +459,42 @@ def _fmt_sizes(sizes: tuple[tuple[int, ...], ...]) -> str:
     return str([list(s) for s in sizes])
 
 
+_OWN_DIR = __file__.rsplit("/", 1)[0] + "/"
+
+
+def _user_line(frames: Sequence[Mapping[str, Any]]) -> str | None:
+    """``train.py:148 in step``: the innermost frame outside torch and this package."""
+    def inside(f: Mapping[str, Any]) -> bool:
+        fn = str(f.get("filename", ""))
+        return "/torch/" in fn or fn.startswith(_OWN_DIR) or fn.startswith("<frozen")
+
+    top = next((f for f in frames if not inside(f)), frames[0] if frames else None)
+    if top is None:
+        return None
+    return f"{top.get('filename')}:{top.get('line')} in {top.get('name')}"
+
+
+def _sig_text(sig: Mapping[str, Any]) -> str:
+    ins, outs = sig["input_sizes"], sig["output_sizes"]
+    sizes = f"{ins}" if ins == outs else f"in {ins} out {outs}"
+    return f"{sig['op']} {sizes} {'/'.join(sig['dtypes'])}".rstrip()
+
+
+def _mismatch_step(f: Mapping[str, Any]) -> str:
+    """Make the calls agree: each side's op, sizes and dtypes and its line, odd side first."""
+    sigs = f.get("signatures") or []
+    if len(sigs) < 2:
+        where = f" at {sigs[0]['line']}" if sigs and sigs[0].get("line") else ""
+        return f"fix the call{where}: {f['detail']}."
+    sides = sorted(sigs, key=lambda s: (len(s["ranks"]), s["ranks"]))
+    text = "; ".join(
+        f"{_ranks_phrase(s['ranks'])} issue{'s' if len(s['ranks']) == 1 else ''} {_sig_text(s)}"
+        + (f" at {s['line']}" if s.get("line") else "")
+        for s in sides[:3]
+    )
+    return f"make the calls of {f['op']} #{f['seq']} on {f['group_label']} agree: {text}."
+
+
 def _size_key(sig: tuple[Any, ...]) -> Any:
     op = sig[1]
     if op in _ALL_TO_ALL or op in _VARIABLE:
@@ -472,10 +531,11 @@ class _Group:
         self.ranks = list(ranks)
         self.rank_set = frozenset(ranks)
         self.inferred = inferred
-        # PyTorch's own groups are named "0", "1"...: "on pg 0 (default_pg)" reads better.
+        # PyTorch's own groups are named "0", "1"...: "on pg 0 (default_pg)" reads better. The
+        # gloo side of a "cpu:gloo,cuda:nccl" group is "0:gloo" (c10d_fr).
         self.label = (
             gid
-            if not name.isdigit()
+            if not name.removesuffix(":gloo").isdigit()
             else (f"pg {gid} ({desc})" if desc and desc != "undefined" else f"pg {gid}")
         )
 
@@ -520,8 +580,10 @@ def analyze(
     Returns:
         The JSON-serializable result of DESIGN.md "Analysis result (JSON)": ``world_size``,
         ``ranks_with_data``, ``ranks_without_data``, ``unavailable``, ``groups``,
-        ``collectives``, ``nccl_calls``, ``findings``, ``verdict``, ``stack_groups``, ``notes``.
-        Never raises on bad data: a malformed dump or entry becomes a note.
+        ``collectives``, ``nccl_calls``, ``findings``, ``verdict``, ``stack_groups``, ``notes``;
+        ``category`` (one of :data:`CATEGORIES`) and its one-line ``next_step`` unless the trace
+        is clean; ``finding_order``, the indices of ``findings`` in the order the verdict takes
+        them (root cause first). Never raises on bad data: a malformed dump or entry becomes a note.
     """
     digests = []
     notes: list[str] = []
@@ -842,6 +904,7 @@ class _Merge:
                         ref_sig[1],
                         culprits,
                         f"{ref_sig[1]} #{seq} on {g.label}: {mismatch}",
+                        signatures=self._signatures(items, cls_ranks),
                     )
                     mismatch_seen[kind]["_count"] = 0
                 else:
@@ -879,6 +942,26 @@ class _Merge:
                 f"collective{'s' if lost_count > 1 else ''} of {g.label} (ring wrapped, up to #{lost_last_seq}); "
                 "those were checked only on the ranks that still hold them",
             )
+
+    def _signatures(
+        self, items: list[tuple[int, int, int, int]], cls_ranks: list[list[int]]
+    ) -> list[dict[str, Any]]:
+        """What each side of a mismatch issued, and from which line (largest side first)."""
+        by_sig: dict[int, tuple[list[int], int]] = {}
+        for ci, sg, _, fr in items:
+            rs, fr0 = by_sig.get(sg, ([], fr))
+            rs.extend(cls_ranks[ci])
+            by_sig[sg] = (rs, fr0)
+        out = []
+        for sg, (rs, fr) in sorted(by_sig.items(), key=lambda kv: (-len(kv[1][0]), min(kv[1][0]))):
+            sig = self.sigs[sg]
+            out.append({
+                "ranks": sorted(rs), "op": sig[1],
+                "input_sizes": [list(x) for x in sig[2]], "output_sizes": [list(x) for x in sig[3]],
+                "dtypes": sorted(set(sig[4]) | set(sig[5])),
+                "line": _user_line(self.frames[fr]) if fr >= 0 else None,
+            })  # fmt: skip
+        return out
 
     def _compare(
         self,
@@ -1090,10 +1173,21 @@ class _Merge:
 
     def _verdict(
         self, stack_groups: list[dict[str, Any]], positions: dict[int, stackparse.Position]
-    ) -> str:
+    ) -> tuple[str, str | None, str | None, list[int]]:
+        """The verdict, its root-cause category and next step, and the order it takes findings in.
+
+        Precedence: a mismatch (op, size, dtype) explains a stuck-everywhere at its seq, and
+        ranks missing from later ops because they still wait in it; then ranks missing from a
+        collective (CPU-side divergence); then unmatched P2P; only a stuck-everywhere nothing
+        explains points at the GPU, the network or NCCL. The banner shows findings in the
+        returned order, so no renderer decides this again.
+        """
         parts: list[str] = []
         errors = [f for f in self.findings if f["severity"] == "error"]
+        mismatches = [f for f in errors if f["kind"] in _MISMATCH_KINDS]
         missing = [f for f in errors if f["kind"] == "missing_ranks"]
+        p2p = [f for f in errors if f["kind"] == "unmatched_p2p"]
+        stuck = [f for f in errors if f["kind"] == "stuck_everywhere"]
         # A rank missing from one group because it waits in another group's collective is a
         # consequence; the root is a missing rank that is not waiting in any collective.
         waiting_ranks = {r for w in self.waiting for r in w["ranks"]}
@@ -1105,34 +1199,48 @@ class _Merge:
             return not all(r in waiting_ranks for r in rs)
 
         missing.sort(key=lambda f: (not is_root(f), len(f["ranks"])))
+        roots = [f for f in missing if is_root(f)]
+        explained = {(f["group"], f["seq"]) for f in mismatches}
+        stuck_at = {(f["group"], f["seq"]) for f in stuck}
+        category, step = self._category(
+            errors, mismatches, roots or ([] if stuck else missing), p2p, stuck, positions
+        )
+        said: dict[str, list[str]] = {"mismatch": [], "missing": [], "p2p": [], "stuck": []}
+        if mismatches:
+            f = mismatches[0]
+            said["mismatch"].append(f"Mismatch in {f['detail']}.")
+            said["mismatch"].extend(self._position_sentences(f["ranks"][:3], positions))
+            if (f["group"], f["seq"]) in stuck_at:
+                said["mismatch"].append(
+                    f"The mismatch is why no rank completes {f['op']} #{f['seq']}: the GPU and "
+                    "the network are not to blame."
+                )
         for f in missing[:2]:
             rs = f["ranks"]
             subj = "Rank" if len(rs) == 1 else "Ranks"
             waiting = f.get("waiting") or []
             verb = "waits" if len(waiting) == 1 else "wait"
             tail = f" ({_ranks_phrase(waiting)} {verb} in it)" if waiting else ""
-            parts.append(
+            said["missing"].append(
                 f"{subj} {format_ranks(rs)} never joined {f['op']} #{f['seq']} on {f['group_label']}{tail}."
             )
-            parts.extend(self._position_sentences(rs, positions))
-        for f in errors:
-            if f["kind"] in ("type_mismatch", "size_mismatch", "dtype_mismatch"):
-                parts.append(f"Mismatch in {f['detail']}.")
-                parts.extend(self._position_sentences(f["ranks"][:3], positions))
-                break
-        for f in errors:
-            if f["kind"] == "unmatched_p2p":
-                parts.append(f"P2P deadlock or missing peer: {f['detail']}.")
-                break
-        for f in errors:
-            if f["kind"] == "stuck_everywhere":
-                parts.append(
-                    f"All {len(f['ranks'])} ranks of {f['group_label']} issued {f['op']} #{f['seq']} and none "
-                    "completed it: no rank is missing, so suspect the GPU, the network or the NCCL "
-                    "transport; run nccl-tests (e.g. all_reduce_perf) on these hosts and check "
-                    "NCCL_DEBUG=INFO logs."
-                )
-                break
+            said["missing"].extend(self._position_sentences(rs, positions))
+        if p2p:
+            said["p2p"].append(f"P2P deadlock or missing peer: {p2p[0]['detail']}.")
+        for f in stuck:
+            if (f["group"], f["seq"]) in explained:
+                continue
+            said["stuck"].append(
+                f"All {len(f['ranks'])} ranks of {f['group_label']} issued {f['op']} #{f['seq']} and "
+                "none completed it"
+                + ("; no rank is missing and no mismatch explains it, so suspect the GPU, the "
+                   "network or the NCCL transport." if category == "gpu_or_network" else ".")
+            )
+            break
+        kinds = (["stuck", "missing", "mismatch", "p2p"] if category == "gpu_or_network"
+                 else ["mismatch", "missing", "p2p", "stuck"])
+        for k in kinds:
+            parts.extend(said[k])
         if not errors:
             n = sum(1 for c in self.collectives if c["seq"] is not None)
             if self.data_ranks:
@@ -1150,6 +1258,8 @@ class _Merge:
                         f"{_ranks_phrase(w['ranks']).capitalize()} wait in {w['op']} #{w['seq']} on {w['label']}; "
                         f"{_ranks_phrase(no_data)} gave no data and may be the ones missing."
                     )
+        if step:
+            parts.append(f"Next step: {step}")
         if any(f["kind"] == "history_lost" for f in self.findings):
             parts.append(
                 "Some ranks' rings wrapped (history_lost); older collectives were checked only where still recorded."
@@ -1173,7 +1283,70 @@ class _Merge:
             parts.append(f"Main-thread stacks: {desc}{more}.")
         elif stack_groups:
             parts.append(f"All ranks with stacks are at {stack_groups[0]['summary']}.")
-        return " ".join(parts)
+        by_kind = {"mismatch": mismatches, "missing": missing, "p2p": p2p, "stuck": stuck}
+        ordered = [f for k in kinds for f in by_kind[k]]
+        ids = {id(f) for f in ordered}
+        ordered += [f for f in self.findings if id(f) not in ids]
+        index = {id(f): i for i, f in enumerate(self.findings)}
+        return " ".join(parts), category, step, [index[id(f)] for f in ordered]
+
+    def _category(
+        self,
+        errors: list[dict[str, Any]],
+        mismatches: list[dict[str, Any]],
+        missing: list[dict[str, Any]],
+        p2p: list[dict[str, Any]],
+        stuck: list[dict[str, Any]],
+        positions: dict[int, stackparse.Position],
+    ) -> tuple[str | None, str | None]:
+        """One of :data:`CATEGORIES` and its one-line next step; (None, None) when clean."""
+        if mismatches:
+            return "misconfigured_collective", _mismatch_step(mismatches[0])
+        if missing:
+            f = missing[0]
+            r = next((r for r in f["ranks"] if r in positions), f["ranks"][0])
+            pos = positions.get(r)
+            what = f"{f['op']} #{f['seq']} on {f['group_label']}"
+            if pos is not None:
+                loc = pos.summary if pos.in_collective else pos.position.replace(" ", " in ", 1)
+                return "cpu_divergence", (
+                    f"find out why rank {r} never reached {what}: its main thread is at {loc} "
+                    "(/stacks shows every rank)."
+                )
+            return "cpu_divergence", (
+                f"look at rank {r}'s stack (/stacks, or stacks_<ts>.txt): it never issued {what}."
+            )
+        if p2p:
+            f = p2p[0]
+            peers = sorted({
+                r for c in self.collectives
+                if c["group"] == f["group"] and c["p2p_seq"] is not None
+                for r in c["missing_ranks"]
+            })  # fmt: skip
+            away = [r for r in peers if r in positions and not positions[r].in_collective]
+            if away:
+                return "cpu_divergence", (
+                    f"find out why rank {away[0]} never posted its side of the P2P op: its main "
+                    f"thread is at {positions[away[0]].position.replace(' ', ' in ', 1)} "
+                    "(/stacks shows every rank)."
+                )
+            return "misconfigured_collective", (
+                "post the matching send/recv on the peer, in the same order on both sides "
+                f"({f['detail'].split('; ')[0]})."
+            )
+        if stuck:
+            return "gpu_or_network", (
+                "run `python -m debug_server.preflight` on these hosts (or nccl-tests' "
+                "all_reduce_perf), then read the NCCL_DEBUG=INFO logs with "
+                "`python -m debug_server.nccl_log`."
+            )
+        no_data = [r for r in range(self.world_size) if r not in self.digest_of]
+        if errors or (self.waiting and no_data):
+            return "unknown", (
+                f"find out why {_ranks_phrase(no_data) if no_data else 'some ranks'} gave no "
+                "Flight Recorder data, and compare every rank's stack on /stacks."
+            )
+        return None, None
 
     @staticmethod
     def _position_sentences(
@@ -1241,7 +1414,7 @@ class _Merge:
         for r in self.unavailable:
             if r not in no_data and r not in self.digest_of:
                 no_data.append(r)
-        verdict = self._verdict(stack_groups, positions)
+        verdict, category, next_step, order = self._verdict(stack_groups, positions)
         return {
             "world_size": self.world_size,
             "ranks_with_data": self.data_ranks,
@@ -1264,6 +1437,8 @@ class _Merge:
             "nccl_calls_elided": elided,
             "findings": self.findings,
             "verdict": verdict,
+            **({"category": category, "next_step": next_step} if category else {}),
+            "finding_order": order,
             "stack_groups": stack_groups,
             "notes": self.notes,
         }

@@ -17,7 +17,6 @@ that cannot be written is logged once (and once more when it recovers), never pe
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 import re
@@ -26,7 +25,7 @@ import time
 from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
-from debug_server import analysis, report
+from debug_server import analysis, report, snapshot
 from debug_server.config import ALL_DUMPS
 from debug_server.dumpio import write_atomic
 from debug_server.fanout import Collector, FrData, RankResult
@@ -137,19 +136,15 @@ def fr_trace_text(result: Mapping[str, Any], fr: FrData,
 
 
 def snapshot_json(fr: FrData) -> str:
-    """``{"<rank>": dump | {"error": line}}``: exactly what the analysis saw.
+    """``{"<rank>": dump | {"error": line}}``: what the analysis saw, in bounded bytes.
 
-    Whole rings are copied from the raw replies (no re-serialising); a windowed fetch
-    (``fr.window``) writes the dumps as cut to the job's window, which is what was analyzed.
+    Each rank's dump as analyzed (cut to the job's window on a live fetch), at most
+    ``snapshot.MAX_ENTRIES_PER_RANK`` entries, and long group member lists written once
+    (``snapshot``: a cycle's size does not grow with ring length x ranks; readers call
+    ``snapshot.expand``). Whole rings stay in the per-rank pickles.
     """
-    items = []
-    for r in fr.results:
-        if r.rank not in fr.dumps or r.body is None:
-            value = json.dumps({"error": r.line()})
-        else:
-            value = r.body if fr.window is None else json.dumps(fr.dumps[r.rank], default=str)
-        items.append(f"{json.dumps(str(r.rank))}: {value}")
-    return "{" + ",\n".join(items) + "}\n"
+    return snapshot.encode([(r.rank, fr.dumps.get(r.rank) if r.body is not None else None,
+                             r.line()) for r in fr.results])
 
 
 def analyze_fr(fr: FrData, stacks: Sequence[RankResult] | None, world_size: int) -> dict[str, Any]:
@@ -166,9 +161,10 @@ def analyze_fr(fr: FrData, stacks: Sequence[RankResult] | None, world_size: int)
 class DumpDir:
     """Names, writes and prunes the dated files of one dump directory."""
 
-    def __init__(self, path: str, keep: int = 50) -> None:
+    def __init__(self, path: str, keep: int = 50, keep_bytes: int | None = None) -> None:
         self.path = path
         self.keep = keep
+        self.keep_bytes = keep_bytes
         self._last: tuple[str, int] | None = None
 
     def new_stamp(self, now: float | None = None) -> str:
@@ -194,14 +190,27 @@ class DumpDir:
         return path
 
     def prune(self) -> list[str]:
-        """Delete the files of all but the newest ``keep`` cycles; returns what was deleted."""
+        """Delete the files of all but the newest ``keep`` cycles, then the oldest cycles until
+        the rest hold at most ``keep_bytes`` (the newest cycle always stays); returns what was
+        deleted. Hang reports are not cycle files and are never deleted."""
         cycles: dict[tuple[str, int], list[str]] = {}
         for name in os.listdir(self.path):
             m = _CYCLE_FILE.match(name)
             if m:
                 cycles.setdefault((m.group(1), int(m.group(2) or 0)), []).append(name)
+        order = sorted(cycles)
+        drop = order[: -self.keep]
+        if self.keep_bytes is not None:
+            kept = order[len(drop):]
+            sizes = [sum(self._size(n) for n in cycles[k]) for k in kept]
+            total = sum(sizes)
+            for key, size in zip(kept[:-1], sizes[:-1], strict=True):
+                if total <= self.keep_bytes:
+                    break
+                drop.append(key)
+                total -= size
         removed = []
-        for key in sorted(cycles)[: -self.keep]:
+        for key in drop:
             for name in cycles[key]:
                 try:
                     os.unlink(os.path.join(self.path, name))
@@ -209,6 +218,12 @@ class DumpDir:
                 except FileNotFoundError:
                     pass
         return removed
+
+    def _size(self, name: str) -> int:
+        try:
+            return os.path.getsize(os.path.join(self.path, name))
+        except OSError:  # pruned meanwhile by another writer of this dir
+            return 0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -220,9 +235,9 @@ class Dumper:
 
     def __init__(self, collector: Collector, dump_dir: str, *, interval: float,
                  enabled: Collection[str] = ALL_DUMPS, keep: int = 50,
-                 first_delay: float = 1.0) -> None:
+                 first_delay: float = 1.0, keep_bytes: int | None = None) -> None:
         self.collector = collector
-        self.dir = DumpDir(dump_dir, keep)
+        self.dir = DumpDir(dump_dir, keep, keep_bytes)
         self.interval = interval
         self.enabled = frozenset(enabled)
         self.first_delay = min(first_delay, interval)

@@ -20,6 +20,7 @@ from urllib.parse import urlencode
 
 import aiohttp
 
+from debug_server import frwindow, members, pyspy
 from debug_server.discovery import NOT_REGISTERED, WorkerAddr
 from debug_server.sigstack import SignalCapture
 
@@ -45,6 +46,8 @@ class RankResult:
     error: str | None = None
     elapsed_s: float = 0.0
     http_status: int | None = None
+    note: str | None = None
+    """How an OK body came other than from the worker itself (``stacks read by py-spy ...``)."""
 
     @property
     def ok(self) -> bool:
@@ -53,7 +56,7 @@ class RankResult:
     def line(self) -> str:
         """One line for people: ``rank 3: OK`` or ``rank 3: unreachable after 2.0 s (...)``."""
         if self.ok:
-            return f"rank {self.rank}: OK ({self.elapsed_s:.2f} s)"
+            return f"rank {self.rank}: OK ({self.elapsed_s:.2f} s{'; ' + self.note if self.note else ''})"
         return f"rank {self.rank}: {self.error or self.status}"
 
     def json(self) -> Any:
@@ -67,6 +70,7 @@ class RankResult:
         return {
             "rank": self.rank, "url": self.url, "status": self.status, "error": self.error,
             "elapsed_s": round(self.elapsed_s, 4), "http_status": self.http_status,
+            **({"note": self.note} if self.note else {}),
         }
 
 
@@ -164,6 +168,8 @@ class FrData:
 
     results: list[RankResult]
     dumps: dict[int, dict[str, Any]]
+    window: dict[str, int] | None = None
+    """Per group, the first seq fetched (``frwindow``); None for whole rings or active only."""
 
     def unavailable(self) -> dict[int, str]:
         return {r.rank: r.line() for r in self.results if r.rank not in self.dumps}
@@ -217,10 +223,20 @@ class Collector:
         self.semaphore = asyncio.Semaphore(max_concurrency)
         self.states = RankStates()
         self.signal_capture = SignalCapture()
+        self.pyspy = pyspy.PySpyCapture()
+        # Per worker URL: which FR handler answers (torch's C++ worker has only c10d's), and
+        # whether it refused ``since`` (then it gets whole rings, cut here).
+        self._fr_handler: dict[str, str] = {}
+        self._no_since: set[str] = set()
+        self._no_members: set[str] = set()  # workers that refused ``pgknown`` (older ours)
 
     @property
     def world_size(self) -> int:
         return self.registry.world_size
+
+    def data_time_ns(self) -> int:
+        """When the data was taken (in-flight ops end here on a timeline): now, for a live job."""
+        return time.time_ns()
 
     async def fetch(
         self, handler: str, params: Mapping[str, str] | None = None,
@@ -233,30 +249,147 @@ class Collector:
         self.states.update(results)
         return results
 
-    async def fr(self, *, only_active: bool, addrs: Sequence[WorkerAddr] | None = None) -> FrData:
+    async def fr(self, *, only_active: bool = False, whole: bool = False,
+                 addrs: Sequence[WorkerAddr] | None = None) -> FrData:
         """Every rank's FR dump as JSON, parsed off the event loop.
 
-        A rank that does not know ``torchcomms_fr_trace_json`` (torch's own C++ worker answers
-        404) is asked for c10d's built-in ``fr_trace_json`` instead.
+        By default each communicator's entries from its frontier on (``frwindow``): every entry
+        that can still disagree, at a cost that does not grow with the ring. ``whole=True``
+        fetches whole rings; ``only_active=True`` only entries not yet completed (not enough to
+        find a mismatch that completed on one side; kept for the timeline download).
+
+        Usually one round trip: each worker cuts at its own frontier less a slack
+        (``window=4``); a rank whose cut turns out above the job's frontier is asked again
+        (``since=``). A rank that does not know ``torchcomms_fr_trace_json`` (torch's own C++
+        worker answers 404) is asked for c10d's built-in ``fr_trace_json`` instead; one that
+        refuses these parameters (400) is sent whole rings, cut here to the same window.
         """
         if addrs is None:
             addrs = await self.registry.lookup()
-        params = {"onlyactive": "true" if only_active else "false"}
-        results = await self.fetch(FR_HANDLER, params, addrs)
-        retry = [a for a, r in zip(addrs, results, strict=True) if r.http_status == 404]
-        if retry:
-            again = {r.rank: r for r in await self.fetch(C10D_FR_HANDLER, params, retry)}
-            results = [again.get(r.rank, r) for r in results]
-        dumps = await asyncio.get_running_loop().run_in_executor(None, parse_dumps, results)
-        return FrData(results, dumps)
+        if whole or only_active:
+            params = {"onlyactive": "true" if only_active and not whole else "false"}
+            results = await self._fr_round(params, addrs)
+            dumps = await asyncio.get_running_loop().run_in_executor(None, parse_dumps, results)
+            return FrData(results, dumps)
+        # Round 1: each worker cuts at its own frontier less a slack; the replies' pg_status
+        # and active entries fix each communicator's frontier over all ranks.
+        first = await self._fr_local_round(addrs)
+        first_dumps = await asyncio.get_running_loop().run_in_executor(None, parse_dumps, first)
+        since = frwindow.frontier(first_dumps)
+        # Round 2, rarely: ranks whose own cut lies above the job's frontier (a rank that
+        # timed out once is not asked again: that would cost a second timeout on one page).
+        again = [a for a in addrs if a.rank in first_dumps
+                 and not frwindow.covers(first_dumps[a.rank], since)]
+        second = await self._fr_window_round(since, again, first_dumps) if again else []
+        by_rank = {r.rank: r for r in second}
+        results = [by_rank.get(r.rank, r) for r in first]
+        if second:
+            redone = await asyncio.get_running_loop().run_in_executor(None, parse_dumps, second)
+            first_dumps = {r: redone.get(r, d) for r, d in first_dumps.items()
+                           if r not in by_rank or r in redone}
+        dumps = await asyncio.get_running_loop().run_in_executor(
+            None, _cut_all, first_dumps, since)
+        return FrData(results, dumps, since)
 
-    async def stacks(self, addrs: Sequence[WorkerAddr] | None = None) -> list[RankResult]:
-        """Every rank's stacks; a rank on this host whose worker timed out (its main thread
-        holding the GIL) is asked by signal instead (``sigstack``), within about 1 s more."""
+    async def _fr_round(self, params: Mapping[str, str],
+                        addrs: Sequence[WorkerAddr]) -> list[RankResult]:
+        """One FR fan-out; a 404 from our handler retries c10d's, and the winner is remembered."""
+        handlers = {a.rank: self._fr_handler.get(a.url or "", FR_HANDLER) for a in addrs}
+        ours = [a for a in addrs if handlers[a.rank] == FR_HANDLER]
+        theirs = [a for a in addrs if handlers[a.rank] != FR_HANDLER]
+        results = await self._fr_ours(params, ours) if ours else []
+        retry = [a for a, r in zip(ours, results, strict=True) if r.http_status == 404]
+        for a in retry:
+            self._fr_handler[a.url or ""] = C10D_FR_HANDLER
+        retry += theirs
+        if retry:
+            done = {r.rank: r for r in await self.fetch(C10D_FR_HANDLER, params, retry)}
+            for a in theirs:  # a restarted worker on the same URL may be ours again
+                if done[a.rank].http_status == 404:
+                    self._fr_handler.pop(a.url or "", None)
+            results = [done.pop(r.rank, r) for r in results] + list(done.values())
+        return sorted(results, key=lambda r: r.rank)
+
+    async def _fr_ours(self, params: Mapping[str, str],
+                       addrs: Sequence[WorkerAddr]) -> list[RankResult]:
+        """Our handler, told which member lists this frontend holds (``members``); a worker
+        that does not know that parameter (400 naming it) is asked without it, from then on."""
+        known = members.known_param()
+        told = [a for a in addrs if known and (a.url or "") not in self._no_members]
+        if not told:
+            return await self.fetch(FR_HANDLER, params, addrs)
+        untold = [a for a in addrs if known is None or (a.url or "") in self._no_members]
+        results = await self.fetch(FR_HANDLER, {**params, members.PARAM: known}, told)
+        refused = {r.rank for r in results
+                   if r.http_status == 400 and members.PARAM in (r.error or "")}
+        again = untold + [a for a in told if a.rank in refused]
+        self._no_members.update(a.url or "" for a in told if a.rank in refused)
+        by_rank = {r.rank: r for r in results}
+        if again:
+            by_rank.update((r.rank, r) for r in await self.fetch(FR_HANDLER, params, again))
+        return [by_rank[a.rank] for a in addrs]  # in ``addrs`` order, as fetch would be
+
+    async def _fr_local_round(self, addrs: Sequence[WorkerAddr]) -> list[RankResult]:
+        knows = [a for a in addrs if (a.url or "") not in self._no_since]
+        whole = [a for a in addrs if (a.url or "") in self._no_since]
+        results = await self._fr_round({"window": str(frwindow.LOCAL_SLACK)}, knows)
+        return await self._whole_for_refusers(results, knows, whole)
+
+    async def _whole_for_refusers(self, results: list[RankResult], asked: Sequence[WorkerAddr],
+                                  whole: list[WorkerAddr]) -> list[RankResult]:
+        """Workers that refused our window parameters (400) get whole rings, now and later."""
+        refused = {r.rank for r in results if r.http_status == 400}
+        for a in asked:
+            if a.rank in refused:
+                self._no_since.add(a.url or "")
+        whole = whole + [a for a in asked if a.rank in refused]
+        if whole:
+            more = {r.rank: r for r in await self._fr_round({"onlyactive": "false"}, whole)}
+            results = [more.pop(r.rank, r) for r in results] + list(more.values())
+        return sorted(results, key=lambda r: r.rank)
+
+    async def _fr_window_round(self, since: Mapping[str, int], addrs: Sequence[WorkerAddr],
+                               first: Mapping[int, Mapping[str, Any]]) -> list[RankResult]:
+        # Each rank is sent only its own groups' cut (a URL must stay under 8 KB however many
+        # groups the job has); ranks with the same groups share one fan-out.
+        by_param: dict[str, list[WorkerAddr]] = {}
+        whole = []
+        for a in addrs:
+            text = frwindow.since_for(since, frwindow.rank_groups(first[a.rank]))
+            if text is None or (a.url or "") in self._no_since:
+                whole.append(a)
+            else:
+                by_param.setdefault(text, []).append(a)
+        rounds = await asyncio.gather(*(self._fr_round({"since": text}, group)
+                                        for text, group in by_param.items()))
+        results = [r for rs in rounds for r in rs]
+        knows = [a for group in by_param.values() for a in group]
+        return await self._whole_for_refusers(results, knows, whole)
+
+    async def stacks(self, addrs: Sequence[WorkerAddr] | None = None, *, native: bool = False,
+                     every: bool = False) -> list[RankResult]:
+        """Every rank's stacks, never disturbing a rank that did not opt in.
+
+        First each worker's own answer (faulthandler). A rank whose worker timed out (its main
+        thread holding the GIL) is read by py-spy from outside (``pyspy``: the frontend for its
+        own host, an answering worker on that rank's host otherwise), within about 1 s more.
+        Only where py-spy is unavailable or not permitted, and only for a rank that opted in
+        (``signal_stacks``), is the rank asked by signal (``sigstack``). ``native``: every rank
+        through py-spy ``--native`` (Python and native frames; pauses each rank for the read);
+        ``every``: every rank through py-spy, not only the stuck ones.
+        """
         if addrs is None:
             addrs = await self.registry.lookup()
         results = await self.fetch(STACKS_HANDLER, None, addrs)
-        await self.signal_capture.fill(results, {a.rank: a.meta for a in addrs}, TIMED_OUT)
+
+        async def ask(helper: WorkerAddr, params: Mapping[str, str], timeout: float) -> RankResult:
+            return await fetch_one(self.session, helper, pyspy.HANDLER, params, timeout)
+
+        failed = await self.pyspy.fill(results, addrs, ask=ask, native=native,
+                                       every=every or native, ok=OK, timed_out=TIMED_OUT)
+        no_pyspy = [r for r in results if r.status == TIMED_OUT and r.rank in failed
+                    and failed[r.rank].kind in (pyspy.UNAVAILABLE, pyspy.NOT_PERMITTED)]
+        await self.signal_capture.fill(no_pyspy, {a.rank: a.meta for a in addrs}, TIMED_OUT)
         return results
 
 
@@ -274,8 +407,16 @@ def parse_dumps(results: Sequence[RankResult]) -> dict[int, dict[str, Any]]:
         if not isinstance(dump, dict):
             r.status, r.error = FAILED, "reply is not a JSON object"
             continue
+        members.inline(dump)  # lists sent as references (pgknown), one shared copy
+        members.learn(dump)
         dumps[r.rank] = dump
     return dumps
+
+
+def _cut_all(dumps: Mapping[int, dict[str, Any]],
+             since: Mapping[str, int]) -> dict[int, dict[str, Any]]:
+    """Every dump cut to the job's window (the workers' own cuts may keep a little more)."""
+    return {r: frwindow.window(d, since) for r, d in dumps.items()}
 
 
 def failure_lines(results: Sequence[RankResult]) -> list[str]:

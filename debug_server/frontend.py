@@ -3,7 +3,8 @@
 Run as ``python -m debug_server.frontend --world-size N --master-addr H --master-port P`` (that is
 how ``start_debug_server`` starts it, so it never inherits the trainer's state) or build the app
 with ``make_frontend_app`` (tests). It speaks only JSON to the workers; it never imports the
-recording side.
+recording side. ``python -m debug_server.frontend --store HOST:PORT --world-size N`` attaches the
+same pages to a running job from any machine that reaches its TCPStore (``attach``).
 
 Pages: ``/`` (ranks, reachability, health, verdict), ``/fr_trace`` (= ``/torchcomms_fr_trace``)
 and ``/stacks``; ``/profile``, ``/tcpstore`` and ``/wait_counters`` (``pages_extra``). Each answers HTML to browsers, the plain-text report to curl (``Accept: */*``) and
@@ -32,9 +33,9 @@ import jinja2
 from aiohttp import web
 from aiohttp.typedefs import Handler
 
-from debug_server import export, views
+from debug_server import attach, export, snapshot, views
 from debug_server.auth import TOKEN_ENV, TOKEN_HEADER, TokenGate, auth_middleware
-from debug_server.config import ALL_DUMPS, DEFAULT_PORT, ServerConfig
+from debug_server.config import ALL_DUMPS, DEFAULT_KEEP_BYTES, DEFAULT_PORT, ServerConfig
 from debug_server.discovery import StaticRegistry, StoreRegistry
 from debug_server.dumps import Dumper, analyze_fr, fr_trace_text, stacks_report
 from debug_server.fanout import Collector, RankResult, Registry
@@ -53,6 +54,11 @@ PARENT_POLL_S = 1.0
 CONNECTIONS_PER_RANK = 8
 """Most connections the frontend holds to one worker (in use plus idle keep-alive)."""
 BIND_RETRY_S = 3.0
+TRACE_WHOLE_RANKS = 64
+"""Up to this many ranks the Perfetto download holds whole rings; above, the live window."""
+TRACE_MAX_EVENTS = 1_000_000
+"""Most FR entries in one Perfetto download (about 300 MB of trace JSON)."""
+TRACE_MIN_PER_RANK = 16
 """How long a busy port is retried (an earlier frontend of an elastic restart may hold it)."""
 
 CONFIG = web.AppKey("config", ServerConfig)
@@ -215,12 +221,31 @@ async def trace_json(request: web.Request) -> web.Response:
     """The FR entries as a Chrome trace-event timeline (Perfetto), as a download."""
     q = _query(request, {"onlyactive": _bool01})
     only_active = q.get("onlyactive", False)
-    fr = await request.app[COLLECTOR].fr(only_active=only_active, whole=not only_active)
-    now_ns = request.app[COLLECTOR].data_time_ns()
-    body = await _off_loop(lambda: json.dumps(export.chrome_trace(fr.dumps, end_ns=now_ns)))
+    collector = request.app[COLLECTOR]
+    # Whole rings of a big job are GBs (16384 ranks x 2000 entries): above TRACE_WHOLE_RANKS
+    # the download is the live window (every entry that can still disagree), and at most
+    # TRACE_MAX_EVENTS entries in all (newest and pending first, per rank).
+    whole = not only_active and collector.world_size <= TRACE_WHOLE_RANKS
+    fr = await (collector.fr(only_active=only_active, whole=whole) if only_active or whole
+                else collector.fr())
+    now_ns = collector.data_time_ns()
+    per_rank = max(TRACE_MIN_PER_RANK, TRACE_MAX_EVENTS // max(1, len(fr.dumps)))
+
+    def build() -> str:
+        dumps = {r: snapshot.cap_entries(d, per_rank) for r, d in fr.dumps.items()}
+        trace = export.chrome_trace(dumps, end_ns=now_ns)
+        if not whole and not only_active:
+            trace.setdefault("otherData", {})["scope"] = (
+                f"each communicator from its frontier on, at most {per_rank} entries per rank "
+                f"({collector.world_size} ranks > {TRACE_WHOLE_RANKS}: whole rings stay in the "
+                "per-rank dumps)")
+        return json.dumps(trace)
+
+    body = await _off_loop(build)
     stamp = time.strftime("%Y%m%d_%H%M%S")
     return web.Response(text=body, content_type="application/json", headers={
-        "Content-Disposition": f'attachment; filename="fr_trace_{stamp}.trace.json"'})
+        "Content-Disposition": f'attachment; filename="fr_trace_{stamp}.trace.json"',
+        "X-Debug-Server-Trace-Scope": "whole" if whole else "active" if only_active else "window"})
 
 
 async def _stacks_page(request: web.Request, *, path: str, every: bool,
@@ -362,7 +387,8 @@ async def _background_ctx(app: web.Application) -> AsyncIterator[None]:
     tasks = []
     if config.dump_dir:
         dumper = Dumper(app[COLLECTOR], config.dump_dir, interval=config.dump_interval,
-                        enabled=config.enabled_dumps, keep=config.keep_dumps)
+                        enabled=config.enabled_dumps, keep=config.keep_dumps,
+                        keep_bytes=config.keep_bytes)
         app[DUMPER] = dumper
         tasks.append(asyncio.create_task(dumper.run_forever(), name="debug_server.dumper"))
     # Health is polled every min(dump_interval, 2 s) whatever the dump interval, so a hang
@@ -502,11 +528,17 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--restart-count", type=int, default=None,
                    help="elastic restart whose registrations to trust "
                         "(default $TORCHELASTIC_RESTART_COUNT or 0)")
+    p.add_argument("--store", metavar="HOST:PORT",
+                   help="attach to a running job's TCPStore (its MASTER_ADDR:MASTER_PORT) from any "
+                        "machine that reaches it; the restart and token are read from the store")
+    p.add_argument("--token", help="access token (visible to ps: prefer $DEBUG_SERVER_AUTH_TOKEN; "
+                                   "with --store the job's own token is read from the store)")
     p.add_argument("--worker-urls", help="comma-separated worker URLs instead of the store")
     p.add_argument("--dump-dir")
     p.add_argument("--dump-interval", type=float, default=60.0)
     p.add_argument("--enabled-dumps", default=",".join(sorted(ALL_DUMPS)))
     p.add_argument("--keep-dumps", type=int, default=50)
+    p.add_argument("--keep-bytes", type=int, default=DEFAULT_KEEP_BYTES)
     p.add_argument("--fetch-timeout", type=float, default=5.0)
     p.add_argument("--max-concurrency", type=int, default=64)
     p.add_argument("--parent-pid", type=int)
@@ -518,20 +550,35 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the frontend process (``python -m debug_server.frontend``)."""
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    # From the environment first: the command line is visible to every user.
+    token = os.environ.pop(TOKEN_ENV, None) or args.token or None
+    attached = None
+    if args.store:
+        try:
+            attached = attach.resolve(args.store, args.world_size, args.restart_count, token,
+                                      timeout=min(5.0, args.fetch_timeout))
+        except attach.AttachError as e:
+            _report_ready(args.ready_fd, f"error: {e}")
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        token = attached.token
     try:
         config = ServerConfig(
             port=args.port, host=args.host, dump_dir=args.dump_dir,
             dump_interval=args.dump_interval, fetch_timeout=args.fetch_timeout,
             enabled_dumps=frozenset(d for d in args.enabled_dumps.split(",") if d),
-            keep_dumps=args.keep_dumps, max_concurrency=args.max_concurrency,
-            # From the environment, never argv: the command line is visible to every user.
-            auth_token=os.environ.pop(TOKEN_ENV, None) or None)
+            keep_dumps=args.keep_dumps, keep_bytes=args.keep_bytes,
+            max_concurrency=args.max_concurrency,
+            auth_token=token)
     except ValueError as e:
         _report_ready(args.ready_fd, f"error: {e}")
         print(f"error: {e}", file=sys.stderr)
         return 2
     registry: Registry
-    if args.worker_urls:
+    if attached is not None:
+        registry = StoreRegistry(attached.host, attached.port, args.world_size, attached.restart,
+                                 timeout=min(5.0, args.fetch_timeout))
+    elif args.worker_urls:
         registry = StaticRegistry([u or None for u in args.worker_urls.split(",")])
     else:
         addr = args.master_addr or os.environ.get("MASTER_ADDR")

@@ -1,7 +1,7 @@
 """The frontend's hang watch: a verdict on disk seconds after a rank stalls.
 
 ``HangWatch`` polls every rank's ``torchcomms_health_check`` every ``min(dump_interval, 2 s)``
-(cheap: no FR data moves). When the job goes from healthy to unhealthy (the first rank reports
+(cheap: no FR data moves; above 1024 ranks less often, ``MAX_POLLS_PER_S``). When the job goes from healthy to unhealthy (the first rank reports
 a stalled op; not every poll while it stays stalled) it has every rank write its pickle, fetches
 the FR data and stacks once, runs the analyzer, and writes ``hang_report_<ts>.txt`` and
 ``hang_report_<ts>.json`` into ``dump_dir``: who is missing from which collective, and the line
@@ -41,6 +41,9 @@ logger = logging.getLogger(__name__)
 HEALTH_HANDLER = "torchcomms_health_check"
 MAX_POLL_INTERVAL = 2.0
 """Seconds between health polls at most, however long ``dump_interval`` is."""
+MAX_POLLS_PER_S = 512
+"""Health requests per second at most: above 1024 ranks the poll interval grows with the job
+(32 s at 16384 ranks), so an idle frontend stays near 5 % of one core at any size."""
 UNRESPONSIVE_POLLS = 3
 REPORT_VERSION = 1
 
@@ -114,6 +117,8 @@ class HangReport:
             "trigger": [_health_json(h) for h in self.trigger],
             "health": [_health_json(h) for h in self.health],
             "verdict": self.result.get("verdict", ""),
+            **({"category": self.result["category"], "next_step": self.result.get("next_step")}
+               if self.result.get("category") else {}),
             "findings": self.result.get("findings", []),
             "culprits": self.culprits,
             "analysis": self.result,
@@ -165,7 +170,10 @@ def render_text(rep: HangReport, fr: FrData, stacks: Mapping[int, str],
              f"Written: {_iso(rep.time_unix)} (unix {rep.time_unix:.3f})",
              "Trigger: " + "; ".join(h.line() for h in rep.trigger), "",
              "=== Health ===", *(h.line() for h in rep.health), "",
-             "=== Verdict ===", rep.result.get("verdict", "") or "(no verdict)", ""]
+             "=== Verdict ===", rep.result.get("verdict", "") or "(no verdict)"]
+    if rep.result.get("category"):
+        lines.append(f"Category: {rep.result['category']}. Next step: {rep.result.get('next_step')}")
+    lines.append("")
     lines.append("=== Culprits ===")
     if not rep.culprits:
         lines.append("(the analyzer found no culprit rank; see the stacks and tables below)")
@@ -201,9 +209,13 @@ class HangWatch:
         self.last: list[RankHealth] = []
         self._timeouts: dict[int, int] = {}
 
+    def poll_interval(self) -> float:
+        """Seconds between polls: ``interval``, longer where the job is too big for it."""
+        return max(self.interval, self.collector.world_size / MAX_POLLS_PER_S)
+
     async def run_forever(self) -> None:
         while True:
-            await asyncio.sleep(self.interval)
+            await asyncio.sleep(self.poll_interval())
             try:
                 await self.poll()
             except OSError as e:
@@ -242,7 +254,7 @@ class HangWatch:
         now = time.time()
         dump_task = (c.fetch(DUMP_FILE_HANDLER, None, addrs) if self.per_rank and self.dir
                      else _none())
-        fr, stacks, dumped = await asyncio.gather(c.fr(only_active=False, addrs=addrs),
+        fr, stacks, dumped = await asyncio.gather(c.fr(addrs=addrs),
                                                   c.stacks(addrs), dump_task)
         loop = asyncio.get_running_loop()
         result = await loop.run_in_executor(None, analyze_fr, fr, stacks, c.world_size)
@@ -255,7 +267,8 @@ class HangWatch:
             self.reports.append(stamp)
             return rep
         os.makedirs(self.dir.path, exist_ok=True)
-        body = json.dumps({**rep.to_json(), "dump_files": dump_file_lines(dumped or [])},
+        body = json.dumps({**rep.to_json(), "fr_window": fr.window,
+                           "dump_files": dump_file_lines(dumped or [])},
                           default=str, indent=1)
         # JSON first: a reader that waits for the .txt then finds both.
         await loop.run_in_executor(None, self.dir.write, f"{HANG_REPORT_PREFIX}_{stamp}.json",

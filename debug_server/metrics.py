@@ -1,7 +1,7 @@
 """``/metrics``: the job's hang state for Prometheus, built at scrape time.
 
-One scrape is one fan-out (every rank's health check and active FR snapshot, at once) and one
-analyzer run over it; a custom collector turns that into metric families in a private
+One scrape is one fan-out (every rank's health check and its FR window: each communicator's
+entries from its frontier on, ``frwindow``) and one analyzer run over it; a custom collector turns that into metric families in a private
 ``CollectorRegistry`` (never the process-global one, so nothing leaks between apps or tests).
 Exposition is the Prometheus text format 0.0.4.
 
@@ -47,7 +47,7 @@ PREFIX = "debug_server"
 
 @dataclass(slots=True)
 class Scrape:
-    """What one scrape saw: health, the active FR snapshot and the analyzer's result."""
+    """What one scrape saw: health, the FR window and the analyzer's result."""
 
     world_size: int
     health: list[RankHealth]
@@ -58,11 +58,11 @@ class Scrape:
 
 
 async def scrape(collector: Collector, hang_reports: int = 0) -> Scrape:
-    """One fan-out of health and the active FR snapshot, and the analysis of it."""
+    """One fan-out of health and the FR window, and the analysis of it."""
     started = time.monotonic()
     addrs = await collector.registry.lookup()
     health_res, fr = await asyncio.gather(collector.fetch(HEALTH_HANDLER, None, addrs),
-                                          collector.fr(only_active=True, addrs=addrs))
+                                          collector.fr(addrs=addrs))
     result = await asyncio.get_running_loop().run_in_executor(
         None, analyze_fr, fr, None, collector.world_size)
     return Scrape(collector.world_size, parse_health(health_res), fr, result, hang_reports,

@@ -153,7 +153,10 @@ def _table(headers: list[str], rows: list[list[Any]]) -> str:
 
 def fr_trace_text(result: dict[str, Any]) -> str:
     """The whole plain-text report: verdict, findings, groups, collectives, NCCL calls."""
-    out: list[str] = ["=== Verdict ===", result.get("verdict", ""), ""]
+    out: list[str] = ["=== Verdict ===", result.get("verdict", "")]
+    if result.get("category"):
+        out.append(f"Category: {result['category']}. Next step: {result.get('next_step', '')}")
+    out.append("")
     out.append("--- Findings ---")
     out.extend(findings_lines(result) or ["none"])
     out.append("")

@@ -6,7 +6,7 @@ by tests, benchmarks and fake worker ranks. Pure: no torch.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from debug_server.dumpio import FR_VERSION
@@ -74,8 +74,14 @@ def make_dump(
     entries: list[dict[str, Any]],
     groups: dict[str, Sequence[int]],
     backend: str = "gloo",
+    status: Mapping[str, Mapping[str, int]] | None = None,
 ) -> dict[str, Any]:
-    """A whole per-rank dump around ``entries``; ``groups`` maps communicator name to ranks."""
+    """A whole per-rank dump around ``entries``; ``groups`` maps communicator name to ranks.
+
+    ``pg_status`` is derived from the entries as the recorder does (highest collective seq
+    issued, started, completed per group); ``status`` overrides it per group, e.g. for a group
+    whose entries the ring no longer holds although its counter went on.
+    """
     return {
         "version": FR_VERSION,
         "comm_lib_version": "synthetic",
@@ -83,12 +89,25 @@ def make_dump(
             name: {"name": name, "desc": backend, "ranks": str(list(ranks))}
             for name, ranks in groups.items()
         },
-        "pg_status": {
-            name: {"last_enqueued_collective": -1, "last_started_collective": -1, "last_completed_collective": -1}
-            for name in groups
-        },
+        "pg_status": {name: dict((status or {}).get(name) or _status(entries, name))
+                      for name in groups},
         "entries": entries,
     }
+
+
+def _status(entries: Sequence[Mapping[str, Any]], name: str) -> dict[str, int]:
+    enq = started = done = -1
+    for e in entries:
+        if e["process_group"][0] != name or e.get("is_p2p"):
+            continue
+        seq = e["collective_seq_id"]
+        enq = max(enq, seq)
+        if e["state"] in ("started", "completed"):
+            started = max(started, seq)
+        if e["state"] == "completed":
+            done = max(done, seq)
+    return {"last_enqueued_collective": enq, "last_started_collective": started,
+            "last_completed_collective": done}
 
 
 def hang_job(

@@ -126,17 +126,27 @@ class Banner:
     level: str
     headlines: list[dict[str, Any]] = field(default_factory=list)
     verdict: str = ""
+    category: str = ""
+    """The analysis' root-cause category (``analysis.CATEGORIES``), empty when clean."""
+    next_step: str = ""
 
 
 def banner(result: Mapping[str, Any], world_size: int) -> Banner:
-    """Who is missing from what and where it is stuck, from the findings joined with stacks."""
-    findings = [f for f in result.get("findings", []) if f.get("severity", "error") != "info"]
+    """Who is missing from what and where it is stuck, from the findings joined with stacks.
+
+    Findings come in the analysis' own order (``finding_order``: the root cause first), so the
+    banner and the verdict never disagree on what matters most.
+    """
+    all_findings = result.get("findings", [])
+    order = result.get("finding_order") or range(len(all_findings))
+    ordered = [all_findings[i] for i in order if 0 <= i < len(all_findings)]
+    findings = [f for f in ordered if f.get("severity", "error") != "info"]
     pos = _positions(result)
     heads: list[dict[str, Any]] = []
     missing = [f for f in findings if f["kind"] == "missing_ranks"]
-    # The rank that is not waiting in any collective is the root; list it first.
-    missing.sort(key=lambda f: (all(pos.get(r, {}).get("in_collective", True) for r in f["ranks"]),
-                                len(f["ranks"])))
+    first_missing = next((i for i, f in enumerate(findings) if f["kind"] == "missing_ranks"), 0)
+    for f in findings[:first_missing]:
+        heads.append(_head(f, pos))
     for f in missing[:3]:
         rs = f["ranks"]
         who = "Rank" if len(rs) == 1 else "Ranks"
@@ -148,25 +158,32 @@ def banner(result: Mapping[str, Any], world_size: int) -> Banner:
             "where": _where(rs, pos),
             "also": _where(waiting, pos) if waiting else "",
         })
-    for f in findings:
+    for f in findings[first_missing:]:
         if f["kind"] == "missing_ranks" or len(heads) >= 4:
             continue
-        heads.append({"who": f["kind"].replace("_", " ").capitalize() + ":", "ranks": rank_links(
-            f.get("ranks", [])[:LINKED_RANKS]), "what": f.get("detail", ""),
-            "where": _where(f.get("ranks", [])[:3], pos), "also": ""})
+        heads.append(_head(f, pos))
     no_data = result.get("ranks_without_data", [])
     level = "bad" if findings else ("warn" if no_data else "ok")
     if not heads and no_data:
         heads.append({"who": "No data from", "ranks": rank_links(no_data),
                       "what": f"({len(no_data)} of {world_size} ranks)", "where": "", "also": ""})
-    return Banner(level, heads, result.get("verdict", ""))
+    return Banner(level, heads, result.get("verdict", ""), result.get("category") or "",
+                  result.get("next_step") or "")
+
+
+def _head(f: Mapping[str, Any], pos: Mapping[int, Mapping[str, Any]]) -> dict[str, Any]:
+    return {"who": f["kind"].replace("_", " ").capitalize() + ":", "ranks": rank_links(
+        f.get("ranks", [])[:LINKED_RANKS]), "what": f.get("detail", ""),
+        "where": _where(f.get("ranks", [])[:3], pos), "also": ""}
 
 
 def nav_links() -> list[Link]:
     return [Link("overview JSON", "/?format=json"), Link("overview text", "/?format=text"),
             Link("FR JSON", "/fr_trace?format=json"), Link("FR text", "/fr_trace?format=text"),
             Link("stacks JSON", "/stacks?format=json"), Link("stacks text", "/stacks?format=text"),
-            Link("trace (Perfetto)", "/fr_trace/trace.json")]
+            Link("trace (Perfetto)", "/fr_trace/trace.json"),
+            Link("wait counters JSON", "/wait_counters?format=json"),
+            Link("store keys JSON", "/tcpstore?format=json")]
 
 
 def _stamp() -> str:
@@ -387,7 +404,7 @@ def _findings(result: Mapping[str, Any]) -> list[dict[str, Any]]:
 
 
 def render_fr_html(env: jinja2.Environment, result: Mapping[str, Any], fr: FrData,
-                   *, full: bool, page: int, only_active: bool) -> str:
+                   *, full: bool, page: int, whole: bool) -> str:
     coll, calls = fr_tables(result, full=full, page=page)
     failing = sum(1 for c in result.get("collectives", []) if not c.get("pass_check"))
     return env.get_template("fr_trace.html").render(
@@ -400,7 +417,7 @@ def render_fr_html(env: jinja2.Environment, result: Mapping[str, Any], fr: FrDat
         collectives=coll.html, collectives_note=coll.note,
         n_collectives=len(result.get("collectives", [])), n_failing=failing,
         calls=calls.html, calls_note=calls.note,
-        full=full, page=page, only_active=only_active,
+        full=full, page=page, whole=whole, window=fr.window,
         downloads=nav_links(), stamp=_stamp(),
     )
 
@@ -417,6 +434,12 @@ def _stack_key(text: str) -> tuple[Any, ...]:
     return tuple(tuple((f.filename, f.line, f.function) for f in t.frames) for t in threads)
 
 
+def _frame_text(f: stackparse.Frame) -> str:
+    if f.native:  # py-spy --native: a C/C++ function and its library (or source file)
+        return f"[native] {f.function} ({f.filename}{f':{f.line}' if f.line else ''})"
+    return f"{f.filename}:{f.line} in {f.function}"
+
+
 def _threads_view(text: str) -> list[dict[str, Any]]:
     threads = stackparse.parse_threads(text)
     main = stackparse.main_thread(threads)
@@ -426,14 +449,16 @@ def _threads_view(text: str) -> list[dict[str, Any]]:
             "name": ("main thread" if t is main else ("dumping thread" if t.current else "thread"))
                     + (f" {t.ident}" if t.ident else ""),
             "main": t is main,
-            "frames": [f"{f.filename}:{f.line} in {f.function}" for f in t.frames],
+            "frames": [_frame_text(f) for f in t.frames],
         })
     views.sort(key=lambda v: not v["main"])
     return views
 
 
-def stacks_model(results: Sequence[RankResult]) -> dict[str, Any]:
-    """Ranks with identical stacks grouped, the odd ones (smallest groups) first."""
+def stacks_model(results: Sequence[RankResult], *, path: str = "/stacks",
+                 native: bool = False) -> dict[str, Any]:
+    """Ranks with identical stacks grouped (keyed on all frames, native ones included), the
+    odd ones (smallest groups) first; ``path`` and ``native`` keep the page's links."""
     by_key: dict[tuple[Any, ...], list[RankResult]] = {}
     for r in results:
         key = _stack_key(r.body or "") if r.ok else ("failed", r.status)
@@ -453,11 +478,13 @@ def stacks_model(results: Sequence[RankResult]) -> dict[str, Any]:
                            "in_collective": bool(pos and pos.in_collective),
                            "main": [t for t in threads if t["main"]],
                            "others": [t for t in threads if not t["main"]],
-                           "raw": text, "raw_rank": first.rank, "lines": []})
+                           "raw": text, "raw_rank": first.rank, "lines": [],
+                           "note": f"rank {first.rank}: {first.note}" if first.note else ""})
         else:
             groups.append({"ranks": ranks, "ok": False, "summary": key[1], "main": [],
                            "others": [], "in_collective": True, "raw": "",
-                           "raw_rank": first.rank, "lines": [m.line() for m in members[:50]]})
+                           "raw_rank": first.rank, "lines": [m.line() for m in members[:50]],
+                           "note": ""})
     # Odd ones first; among equally small groups, ranks outside any collective (the likely
     # cause of a hang) before ranks waiting inside one.
     groups.sort(key=lambda g: (not g["ok"], len(g["ranks"]), g["in_collective"], g["ranks"][0]))
@@ -465,4 +492,5 @@ def stacks_model(results: Sequence[RankResult]) -> dict[str, Any]:
         g["label"] = (f"{len(g['ranks'])} ranks" if len(g["ranks"]) > 1
                       else f"rank {g['ranks'][0]}")
         g["set"] = report.format_rank_set(g["ranks"])
-    return {"groups": groups, "n_ranks": len(results), "stamp": _stamp()}
+    return {"groups": groups, "n_ranks": len(results), "stamp": _stamp(), "path": path,
+            "native": native}

@@ -28,7 +28,7 @@ from typing import Any, Protocol
 
 from aiohttp import web
 
-from debug_server import frwindow, pyspy, rank_capture
+from debug_server import frwindow, members, pyspy, rank_capture
 from debug_server.auth import TokenGate, auth_middleware
 from debug_server.listen import start_sites
 from debug_server.stacks import capture_stacks
@@ -219,7 +219,7 @@ def _only(params: Mapping[str, str], allowed: frozenset[str]) -> None:
         raise HandlerError(400, f"unknown parameter {extra[0]!r} (allowed: {names})")
 
 
-_FR_PARAMS = frozenset({"onlyactive", "includecollectives", "since", "window"})
+_FR_PARAMS = frozenset({"onlyactive", "includecollectives", "since", "window", members.PARAM})
 _MAX_SLACK = 1_000_000
 _NO_PARAMS: frozenset[str] = frozenset()
 
@@ -260,11 +260,22 @@ def _cut_arg(q: Mapping[str, str]) -> Callable[[Mapping[str, Any]], Mapping[str,
     return None
 
 
+def _known_members(q: Mapping[str, str]) -> frozenset[str]:
+    """``pgknown``: member lists the asking frontend holds (``members``), sent as references."""
+    raw = q.get(members.PARAM)
+    if raw is None:
+        return frozenset()
+    try:
+        return members.parse_known(raw)
+    except ValueError as e:
+        raise HandlerError(400, f"parameter {members.PARAM}: {e}") from None
+
+
 def _torchcomms_fr_trace_json(p: Provider, q: Mapping[str, str]) -> Mapping[str, Any]:
-    args, cut = _fr_args(q), _cut_arg(q)
+    args, cut, known = _fr_args(q), _cut_arg(q), _known_members(q)
     dump = p.fr_snapshot(**args)
     # The cut is applied to whatever dict the provider produced, whichever recorders fed it.
-    return dump if cut is None else cut(dump)
+    return members.share(dump if cut is None else cut(dump), known)
 
 
 def _fr_trace_json(p: Provider, q: Mapping[str, str]) -> web.Response | Mapping[str, Any]:

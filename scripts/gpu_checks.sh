@@ -1,11 +1,19 @@
 #!/usr/bin/env bash
 # GPU checks for a 2-GPU machine (device tool, kind nvidia-h100-x2), run from the source tree:
-#   PYTHONPATH=. bash scripts/gpu_checks.sh OUTDIR [all|bench|state|demo|preflight|nccllog]
-# bench:     recording cost per NCCL op (bench_record, 1 rank)
-# state:     the stuck all_reduce shows `started` on the waiting rank, then `completed`
+#   PYTHONPATH=. bash scripts/gpu_checks.sh OUTDIR [all|bench|step|state|demo|preflight|nccllog|mismatch|native|ddp|profile]
+# bench:     recording cost per NCCL op, c10d FR off/on and ours side by side (bench_record, 1 rank)
+# step:      ms per training-like step, bare / c10d FR / ours (bench_step, 2 ranks; fails over 5 %)
+# state:     stream-ordered ops, true states, flat memory over 2000 x 64 MiB, watchdog timeout
 # demo:      the reference demo on nccl/cuda: pages during the hang, dumps, both analyzers
 # preflight: busbw sweep up to 1 GiB
 # nccllog:   the demo with NCCL_DEBUG=INFO, its logs through debug_server.nccl_log
+# mismatch:  size and type mismatch at #3: live /fr_trace, hang report and CLI name it (fails if not)
+# native:    /stacks?native=1 and the verdict while a rank spins in torch.cuda._sleep (py-spy
+#            from .whl/: carry .whl; fails without CUDA frames or a category)
+# ddp:       DDP on NCCL, rank 1 skips a backward: live verdict, hang report and PyTorch's
+#            fr_trace from c10d's own FR (fails if not); per-op cost of the server, no hook
+# profile:   /profile of 2 NCCL ranks: merged trace, GPU comm/compute shares (fails if not);
+#            also /wait_counters and /tcpstore (scripts/gpu_profile_check.py)
 set -u
 OUT=${1:-/tmp/gpu_checks}
 WHAT=${2:-all}
@@ -15,14 +23,24 @@ want() { [ "$WHAT" = all ] || [[ ",$WHAT," == *",$1,"* ]]; }
 nvidia-smi -L
 python -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'nccl', torch.cuda.nccl.version())"
 
+FAILED_CHECKS=""
 if want bench; then
-echo "=== bench_record (nccl, 1 rank) ==="
-timeout 240 python benchmarks/bench_record.py --device cuda --iters 2000 --rounds 7 2>&1 | grep -v Warning | tee "$OUT/bench_record.txt"
+echo "=== bench_record (nccl, 1 rank): per-op cost, c10d FR off/on and ours side by side ==="
+timeout 300 python benchmarks/bench_record.py --device cuda --port 29610 2>&1 | grep -v Warning | tee "$OUT/bench_record.txt"
+fi
+
+if want step; then
+echo "=== bench_step (2 ranks): ms per step, bare / bare + c10d FR / ours; fails over 5 % ==="
+timeout 500 python benchmarks/bench_step.py --device cuda --port 29616 --max-ratio 1.05 --json "$OUT/bench_step.json" 2>&1 \
+  | grep -v Warning | tee "$OUT/bench_step.txt"
+[ "${PIPESTATUS[0]}" -eq 0 ] || FAILED_CHECKS="$FAILED_CHECKS step"
 fi
 
 if want state; then
-echo "=== state of a stuck all_reduce on CUDA ==="
-timeout 120 torchrun --nproc_per_node=2 --master-port=29611 scripts/gpu_state_check.py 2>&1 | grep "^\[rank"
+echo "=== CUDA semantics, states, memory (2000 x 64 MiB) and the watchdog timeout ==="
+timeout 200 torchrun --nproc_per_node=2 --master-port=29611 scripts/gpu_state_check.py > "$OUT/state_check_full.txt" 2>&1
+[ $? -eq 0 ] || FAILED_CHECKS="$FAILED_CHECKS state"
+grep -E "^\[rank|Error|error" "$OUT/state_check_full.txt" | grep -v Warning | tee "$OUT/state_check.txt"
 fi
 
 if want preflight; then
@@ -72,4 +90,42 @@ echo "--- our CLI ---"
 python -m debug_server.fr_trace "$DEMO_DIR/per_rank" -p rank_ > "$OUT/our_cli.txt" 2>&1; echo "exit $?"
 sed -n '1,12p' "$OUT/our_cli.txt"
 ls -la "$DEMO_DIR" | head -30
+fi
+
+if want mismatch; then
+echo "=== misconfigured #3 (size 1024 vs 2048; all_reduce vs broadcast): live /fr_trace 17 s into the hang, hang report, CLI ==="
+OUT="$OUT/mismatch" DEBUG_SERVER_PORT=26200 MASTER_PORT=29200 READ_AT=17 COMM_TIMEOUT=40 TEST_BACKEND=nccl \
+  timeout 400 python scripts/gpu_check_mismatch.py 2>&1 | grep -v Warning | tee "$OUT/mismatch.txt"
+[ "${PIPESTATUS[0]}" -eq 0 ] || FAILED_CHECKS="$FAILED_CHECKS mismatch"
+fi
+
+if want native; then
+echo "=== native frames (py-spy --native, from .whl/) of a rank spinning in a CUDA kernel before #3, and the verdict ==="
+DEBUG_SERVER_PORT=26500 MASTER_PORT=29500 SPIN=40 READ_AT=8 \
+  timeout 400 python scripts/gpu_check_native.py --out "$OUT/native" 2>&1 | grep -v Warning | tee "$OUT/native.txt"
+[ "${PIPESTATUS[0]}" -eq 0 ] || FAILED_CHECKS="$FAILED_CHECKS native"
+fi
+
+if want ddp; then
+echo "=== DDP on NCCL, rank 1 skips a backward: diagnosed from c10d's own Flight Recorder ==="
+timeout 400 python scripts/gpu_check_ddp.py "$OUT/ddp" --port 26310 --master-port 29310 2>&1 \
+  | grep -v Warning | tee "$OUT/ddp.txt"
+[ "${PIPESTATUS[0]}" -eq 0 ] || FAILED_CHECKS="$FAILED_CHECKS ddp"
+echo "=== per-op cost of start_debug_server with no hook (c10d FR read only), 1 rank NCCL ==="
+timeout 300 python benchmarks/bench_c10d_overhead.py --device cuda --rounds 5 --seconds 4 2>&1 \
+  | grep -v "Warning\|frontend on port" | tee "$OUT/bench_c10d_overhead.txt"
+[ "${PIPESTATUS[0]}" -eq 0 ] || FAILED_CHECKS="$FAILED_CHECKS ddp-bench"
+fi
+
+if want profile; then
+echo "=== /profile on NCCL: both ranks merged, NCCL kernels as communication, GEMMs as compute; /wait_counters, /tcpstore ==="
+timeout 300 torchrun --nproc_per_node=2 --master-port=29715 scripts/gpu_profile_check.py "$OUT/profile" 26715 \
+  > "$OUT/profile_full.txt" 2>&1
+[ $? -eq 0 ] || FAILED_CHECKS="$FAILED_CHECKS profile"
+grep -E "^(PASS|FAIL)" "$OUT/profile_full.txt" | tee "$OUT/profile.txt"
+fi
+
+if [ -n "$FAILED_CHECKS" ]; then
+  echo "FAILED checks:$FAILED_CHECKS"
+  exit 1
 fi

@@ -97,7 +97,11 @@ async def test_cycle_writes_reports_snapshot_and_per_rank_pickles(fake_job: Any,
     assert re.search(r"=== Rank 2 ===\nrank 2: unreachable after", stacks)
 
     snap = json.loads((d / names[0]).read_text())
-    assert len(snap["0"]["entries"]) == 5 and len(snap["1"]["entries"]) == 4
+    # The snapshot holds what the analysis saw: each ring from the frontier on (both ranks
+    # completed #3, so #1 onward), and what the ring held before the cut.
+    assert [e["collective_seq_id"] for e in snap["0"]["entries"]] == [1, 2, 3, 4]
+    assert [e["collective_seq_id"] for e in snap["1"]["entries"]] == [1, 2, 3]
+    assert (snap["0"]["fr_window"]["ring_entries"], snap["1"]["fr_window"]["ring_entries"]) == (5, 4)
     assert snap["2"]["error"].startswith("rank 2: unreachable after")
 
 

@@ -81,12 +81,15 @@ async def test_torchcomms_fr_trace_is_the_same_page(job_client: Any) -> None:
     assert a["findings"] == b["findings"]
 
 
-async def test_whole_rings_on_request(job_client: Any) -> None:
-    client = await job_client(extra_unreachable=False)
-    active = json.loads(await (await client.get("/fr_trace?format=json")).text())
+async def test_page_fetches_from_the_frontier_and_whole_rings_on_request(job_client: Any) -> None:
+    # Both ranks completed up to #18 (rank 1 never issued #19): the frontier is 18 - 2.
+    client = await job_client(extra_unreachable=False,
+                              dumps=synthetic.hang_job(2, n_entries=20, missing_rank=1))
+    window = json.loads(await (await client.get("/fr_trace?format=json")).text())
     whole = json.loads(await (await client.get("/fr_trace?format=json&onlyactive=false")).text())
-    assert [c["seq"] for c in active["collectives"]] == [4]
-    assert [c["seq"] for c in whole["collectives"]] == [0, 1, 2, 3, 4]
+    assert [c["seq"] for c in window["collectives"]] == [16, 17, 18, 19]
+    assert [c["seq"] for c in whole["collectives"]] == list(range(20))
+    assert window["findings"] == whole["findings"]
 
 
 @pytest.mark.parametrize("query", ["format=xml", "full=2", "page=0", "page=x", "onlyactive=maybe", "bogus=1"])

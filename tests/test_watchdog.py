@@ -323,7 +323,8 @@ class _StubCollector:
                            error=None if st == OK else "timed out after 2.0 s")
                 for r, st in enumerate(self.statuses.pop(0))]
 
-    async def fr(self, *, only_active: bool, addrs: Any = None) -> FrData:
+    async def fr(self, *, only_active: bool = False, whole: bool = False,
+                 addrs: Any = None) -> FrData:
         return FrData([], {})
 
     async def stacks(self, addrs: Any = None) -> list[RankResult]:

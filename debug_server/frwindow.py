@@ -1,0 +1,310 @@
+"""Which Flight Recorder entries the live analysis needs, and cutting a dump down to them.
+
+A live page cannot move every rank's whole ring (4096 ranks x 2000 entries), and it must not
+move only the active entries either: under NCCL a size mismatch *completes* on the rank with the
+smaller count while its peer hangs, so the op that disagrees is no longer active anywhere but on
+one side. What can still disagree is everything some member has not completed. So, per
+communicator, the frontend fetches from its **frontier** on:
+
+    frontier(g) = min over g's members of min(last completed seq, first active seq - 1) - margin
+
+Below it every member completed every collective of ``g`` in order; a member stuck at seq 3
+keeps the frontier at or below 2 however far the others ran ahead. Collectives block, so the
+members' own frontiers rarely differ by more than a seq or two, and one round trip does:
+
+1. every worker cuts its ring at its *own* frontier less :data:`LOCAL_SLACK` (``window=4``,
+   :func:`local_window`); its reply carries ``pg_status`` and every active entry, from which the
+   frontend computes the job's :func:`frontier`;
+2. only a rank whose cut lies above that frontier (:func:`covers`) is asked again, for exactly
+   ``seq >= frontier(g)`` (``since={"g": seq}``).
+
+Workers that know neither parameter (PyTorch's C++ worker: ``onlyactive``,
+``includecollectives``, ``includestacktraces``) send whole rings, which :func:`window` cuts the
+same way on arrival.
+
+P2P entries carry their own ``p2p_seq_id`` and only pending ones are ever compared, so a window
+keeps every pending P2P entry and drops completed ones (but the newest, so the group stays seen).
+Groups with no frontier (a member reports no ``last_completed``, or the frontier is <= 0) are
+kept whole. :func:`window` records what the ring held before the cut under ``"fr_window"``: the
+analyzer needs the ring's oldest time to tell an evicted op from one never issued.
+
+What a window cannot show: a mismatch that every member *completed* (NCCL let it through) below
+the frontier. That op is not why anything hangs; the post-mortem CLI and ``?onlyactive=false``
+still see it. Pure: no torch, no HTTP.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from collections.abc import Mapping
+from typing import Any
+
+__all__ = ["FRONTIER_MARGIN", "LOCAL_SLACK", "WINDOW_KEY", "covers", "format_since", "frontier",
+           "local_window", "parse_since", "rank_groups", "since_for", "window"]
+
+WINDOW_KEY = "fr_window"
+"""Dump key of what the ring held before the cut: ``since``, ``ring_entries``, ``ring_oldest_ns``."""
+FRONTIER_MARGIN = 2
+"""Sequence numbers kept below the lowest last-completed one (ops may complete out of order)."""
+LOCAL_SLACK = 4
+"""How far below its own frontier a worker cuts when asked ``window=`` (see :func:`local_window`)."""
+MAX_SINCE_CHARS = 8000
+"""``since`` travels in the query string, and aiohttp refuses request lines over 8190 bytes."""
+MAX_SINCE_GROUPS = 4096
+MAX_GROUP_NAME = 512
+MAX_SEQ = 2**62
+
+_P2P = ("send", "recv")
+
+
+def parse_since(raw: str, max_chars: int = MAX_SINCE_CHARS) -> dict[str, int]:
+    """``since`` as sent on the wire: a JSON object ``{"<group>": <first seq kept>}``.
+
+    Raises ``ValueError`` with a one-line reason on anything else (size, type, range).
+    """
+    if len(raw) > max_chars:
+        raise ValueError(f"longer than {max_chars} characters")
+    try:
+        obj = json.loads(raw)
+    except ValueError:
+        raise ValueError('must be a JSON object {"<group>": <seq>}') from None
+    if not isinstance(obj, dict):
+        raise ValueError('must be a JSON object {"<group>": <seq>}')
+    if len(obj) > MAX_SINCE_GROUPS:
+        raise ValueError(f"names more than {MAX_SINCE_GROUPS} groups")
+    out: dict[str, int] = {}
+    for k, v in obj.items():
+        if len(k) > MAX_GROUP_NAME:
+            raise ValueError(f"group name longer than {MAX_GROUP_NAME} characters")
+        if type(v) is not int or not 0 <= v <= MAX_SEQ:
+            raise ValueError(f"seq of group {k[:40]!r} must be an integer 0..2**62")
+        out[k] = v
+    return out
+
+
+def format_since(since: Mapping[str, int]) -> str:
+    """The compact JSON text of ``since`` (what :func:`parse_since` reads back)."""
+    return json.dumps(dict(since), separators=(",", ":"), sort_keys=True)
+
+
+def rank_groups(dump: Mapping[str, Any]) -> set[str]:
+    """Every group one rank's dump names (config, status, entries)."""
+    out = set(_config_members(dump))
+    cfg, status, entries = dump.get("pg_config"), dump.get("pg_status"), dump.get("entries")
+    if isinstance(cfg, Mapping):
+        out.update(str(c.get("name") if isinstance(c, Mapping) and c.get("name") is not None
+                       else k) for k, c in cfg.items())
+    if isinstance(status, Mapping):
+        out.update(map(str, status))
+    for e in entries if isinstance(entries, list) else ():
+        g = _group(e) if isinstance(e, Mapping) else None
+        if g is not None:
+            out.add(g)
+    return out
+
+
+def since_for(since: Mapping[str, int], groups: set[str],
+              max_chars: int = MAX_SINCE_CHARS - 100) -> str | None:
+    """``since`` for one rank: only its own groups, largest cuts first, within the URL bound.
+
+    None when nothing of it applies (ask for the whole ring). Groups left out come whole and
+    are cut on arrival (:func:`window`), so leaving one out costs bytes, never correctness.
+    """
+    mine = sorted(((g, s) for g, s in since.items() if g in groups), key=lambda x: (-x[1], x[0]))
+    picked: dict[str, int] = {}
+    size = 2
+    for g, s in mine:
+        add = len(json.dumps(g)) + len(str(s)) + 2
+        if size + add > max_chars:
+            break
+        picked[g] = s
+        size += add
+    return format_since(picked) if picked else None
+
+
+def _int(v: Any, default: int = -1) -> int:
+    # torch's c10d writes pg_status values as strings ("4"); ours are ints.
+    if isinstance(v, bool):
+        return default
+    try:
+        return int(v)
+    except (TypeError, ValueError):
+        return default
+
+
+def _group(e: Mapping[str, Any]) -> str | None:
+    pg = e.get("process_group")
+    if isinstance(pg, (list, tuple)) and pg:
+        return str(pg[0])
+    return None
+
+
+def _is_p2p(e: Mapping[str, Any]) -> bool:
+    # The analyzer tells P2P from collectives by the op name, so the window does the same.
+    name = str(e.get("profiling_name", ""))
+    body = name.partition(":")[2] if ":" in name else name
+    return body.partition(" ")[0] in _P2P
+
+
+def _done(e: Mapping[str, Any]) -> bool:
+    # As the analyzer reads it: PyTorch's gloo FR leaves state at "scheduled" and marks
+    # finished ops by retirement or a completion time.
+    return bool(e.get("state") == "completed" or e.get("retired")
+                or e.get("time_discovered_completed_ns"))
+
+
+@functools.lru_cache(maxsize=4096)
+def _members_text(raw: str) -> frozenset[int]:
+    # Every member of a group sends the same member list: parsed once per distinct text, a
+    # fan-out over N ranks costs O(N) here, not O(N^2) (16384 ranks x 16384-member world group).
+    try:
+        ranks = json.loads(raw)
+        return frozenset(int(r) for r in ranks) if isinstance(ranks, list) else frozenset()
+    except (ValueError, TypeError):
+        return frozenset()
+
+
+def _config_members(dump: Mapping[str, Any]) -> dict[str, frozenset[int]]:
+    out: dict[str, frozenset[int]] = {}
+    cfg = dump.get("pg_config")
+    if not isinstance(cfg, Mapping):
+        return out
+    for key, c in cfg.items():
+        if not isinstance(c, Mapping):
+            continue
+        name = c.get("name")
+        name = str(key if name is None else name)
+        raw = c.get("ranks")
+        if isinstance(raw, str):
+            members = _members_text(raw)
+        else:
+            try:
+                members = frozenset(int(r) for r in raw) if isinstance(raw, list) else frozenset()
+            except (ValueError, TypeError):
+                members = frozenset()
+        if members:
+            prev = out.get(name)
+            out[name] = members if prev is None else prev | members
+    return out
+
+
+def frontier(dumps: Mapping[int, Mapping[str, Any]],
+             margin: int = FRONTIER_MARGIN) -> dict[str, int]:
+    """Per group, the first sequence number the live analysis needs (see the module doc).
+
+    ``dumps``: rank -> that rank's dump with ``pg_status`` and at least its active entries.
+    Only groups with a frontier above 0 are returned; every other group is needed whole.
+    """
+    bound: dict[str, dict[int, int]] = {}
+    # Distinct member sets per group (frozensets hash once): one union per distinct set at the
+    # end, not one O(group size) update per rank.
+    member_sets: dict[str, set[frozenset[int]]] = {}
+    for rank, d in dumps.items():
+        for name, rs in _config_members(d).items():
+            member_sets.setdefault(name, set()).add(rs)
+        status = d.get("pg_status")
+        if isinstance(status, Mapping):
+            for g, st in status.items():
+                lc = _int(st.get("last_completed_collective")) if isinstance(st, Mapping) else -1
+                bound.setdefault(str(g), {})[rank] = lc
+        entries = d.get("entries")
+        for e in entries if isinstance(entries, list) else ():
+            # Most entries are completed: one dict lookup each, the careful checks for the rest.
+            if type(e) is dict and e.get("state") == "completed":
+                continue
+            if not isinstance(e, Mapping) or _done(e) or _is_p2p(e):
+                continue
+            g = _group(e)
+            seq = _int(e.get("collective_seq_id"))
+            if g is None or seq < 0:
+                continue
+            per = bound.setdefault(g, {})
+            per[rank] = min(per.get(rank, -1), seq - 1) if rank in per else -1
+    members = {g: frozenset().union(*sets) for g, sets in member_sets.items()}
+    out: dict[str, int] = {}
+    for g, per in bound.items():
+        # A member that answered but reports nothing for g may never have reached g's first op.
+        if any(r in dumps and r not in per for r in members.get(g, ())):
+            continue
+        first = min(per.values()) - margin
+        if first > 0:
+            out[g] = first
+    return out
+
+
+def window(dump: Mapping[str, Any], since: Mapping[str, int]) -> dict[str, Any]:
+    """``dump`` with the entries of each group in ``since`` cut to ``seq >= since[group]``.
+
+    Groups not in ``since`` keep every entry; malformed entries are kept for the analyzer to
+    report. Idempotent: cutting a cut dump again keeps the ring facts of the first cut.
+    """
+    entries = dump.get("entries")
+    if not isinstance(entries, list):
+        return dict(dump)
+    kept: list[Any] = []
+    seen: set[str] = set()
+    newest_done_p2p: dict[str, int] = {}  # group -> where its newest completed P2P op would go
+    dropped_p2p: dict[str, Any] = {}
+    p2p_names: dict[Any, bool] = {}
+    get = since.get
+    none = 1 << 80
+    oldest = none
+    # The loop runs on the rank's worker thread over up to a whole ring: plain item access in
+    # the common case, the careful path only for entries that break it.
+    for e in entries:
+        try:
+            t = e["time_created_ns"]
+            if t is not None and t < oldest and t and type(t) is int:
+                oldest = t
+            g = e["process_group"][0]
+            first = get(g)
+            if first is None:
+                kept.append(e)
+                seen.add(g)
+                continue
+            name = e["profiling_name"]
+            p2p = p2p_names.get(name)
+            if p2p is None:
+                p2p = p2p_names[name] = _is_p2p(e)
+            if p2p:
+                if not _done(e):
+                    kept.append(e)
+                    seen.add(g)
+                else:
+                    dropped_p2p[g] = e
+                    newest_done_p2p[g] = len(kept)
+            elif e["collective_seq_id"] >= first:
+                kept.append(e)
+                seen.add(g)
+        except (KeyError, TypeError, IndexError):
+            kept.append(e)  # malformed: the analyzer notes it
+    oldest = 0 if oldest == none else oldest
+    # A group seen only through completed P2P ops stays visible through its newest one.
+    for g in sorted((g for g in dropped_p2p if g not in seen),
+                    key=lambda g: newest_done_p2p[g], reverse=True):
+        kept.insert(newest_done_p2p[g], dropped_p2p[g])
+    out = dict(dump)
+    out["entries"] = kept
+    prior = dump.get(WINDOW_KEY)
+    if isinstance(prior, Mapping):
+        out[WINDOW_KEY] = {**prior, "since": {**(prior.get("since") or {}), **since}}
+    else:
+        out[WINDOW_KEY] = {"since": dict(since), "ring_entries": len(entries),
+                           "ring_oldest_ns": oldest}
+    return out
+
+
+def local_window(dump: Mapping[str, Any], slack: int = LOCAL_SLACK) -> dict[str, Any]:
+    """``dump`` cut at this rank's own frontier less ``slack`` (one round trip for the frontend:
+    other ranks' frontiers are rarely more than a seq or two lower, and the frontend checks)."""
+    return window(dump, frontier({-1: dump}, margin=slack))
+
+
+def covers(dump: Mapping[str, Any], since: Mapping[str, int]) -> bool:
+    """Whether a (possibly cut) dump holds every entry of ``since``'s window."""
+    prior = dump.get(WINDOW_KEY)
+    cut = prior.get("since") if isinstance(prior, Mapping) else None
+    if not isinstance(cut, Mapping):
+        return True  # a whole ring
+    return all(g in since and since[g] >= s for g, s in cut.items())
