@@ -1,11 +1,17 @@
-"""Cost of recording: bare torch.distributed.all_reduce vs the same op through new_comm + FR hook.
+"""Cost of recording per op, side by side in one run: bare torch, c10d's Flight Recorder, ours.
 
-Runs in one process (a 1-rank gloo group, or 1-rank NCCL with --device cuda), measures in the same
-run, and prints the median per-op time of each, the added microseconds and the ratio, for 1- and
-1024-element tensors issued from a call site 20 frames deep; then the memory of a full 2000-entry
-ring with stacks (before and after a dump symbolises them).
+Two child processes (c10d reads its recorder's size when a process group is created): one with
+c10d's recorder off (``TORCH_FR_BUFFER_SIZE=0``, ``TORCH_NCCL_TRACE_BUFFER_SIZE=0``), one with it
+on (2000, torch's default). Each runs a 1-rank group (gloo, or NCCL with ``--device cuda``) and
+times, interleaved, bare ``torch.distributed.all_reduce`` and the same op through ``new_comm`` +
+``FlightRecorderHook`` (and the communicator without the hook), issued from a call site 20 frames
+deep, with ``async_op=False`` (the default; on CUDA it returns once enqueued) and, on CUDA,
+``async_op=True``. Medians of per-op host time. "c10d FR adds" is bare(on) - bare(off); "ours
+adds" is ours - bare in the same process. Then the communicator path without the collective, and
+the memory of a full 2000-entry ring with stacks.
 
-    python benchmarks/bench_record.py [--iters 2000] [--rounds 7] [--device cpu|cuda]
+    python benchmarks/bench_record.py [--device cpu|cuda] [--iters N] [--rounds R]
+    taskset -c 0 python benchmarks/bench_record.py          # the gloo figure, pinned to one core
 """
 
 from __future__ import annotations
@@ -13,13 +19,16 @@ from __future__ import annotations
 import argparse
 import datetime
 import gc
+import json
 import os
 import statistics
+import subprocess
 import sys
 import time
 import tracemalloc
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -28,6 +37,8 @@ import torch.distributed as dist  # noqa: E402
 
 from debug_server.comms import new_comm  # noqa: E402
 from debug_server.hooks import FlightRecorderHook  # noqa: E402
+
+FR_ENV = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")
 
 
 def at_depth(depth: int, fn: Callable[[], float]) -> float:
@@ -43,8 +54,9 @@ def per_op_us(op: Callable[[], object], iters: int, sync: Callable[[], None]) ->
         t0 = time.perf_counter()
         for _ in range(iters):
             op()
+        dt = time.perf_counter() - t0
         sync()
-        return (time.perf_counter() - t0) / iters * 1e6
+        return dt / iters * 1e6
 
     return at_depth(20, run)
 
@@ -54,99 +66,73 @@ def rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument(
-        "--iters",
-        type=int,
-        default=None,
-        help="ops per timed block (default 2000 on CPU, 200 on CUDA: a block must not fill the "
-        "GPU's launch queue, or the host waits for the GPU and the figure is GPU time)",
-    )
-    ap.add_argument("--rounds", type=int, default=7)
-    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    args = ap.parse_args()
-    if args.iters is None:
-        args.iters = 200 if args.device == "cuda" else 2000
-    if args.device == "cuda":
-        args.rounds = max(args.rounds, 51)
-
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29555")
-    os.environ.setdefault("RANK", "0")
-    os.environ.setdefault("WORLD_SIZE", "1")
-    backend = "nccl" if args.device == "cuda" else "gloo"
-    dev = torch.device("cuda:0") if args.device == "cuda" else torch.device("cpu")
-    if args.device == "cuda":
+def child(args: argparse.Namespace) -> dict[str, Any]:
+    """Measure in this process (c10d's recorder as the environment set it); returns medians."""
+    cuda = args.device == "cuda"
+    backend = "nccl" if cuda else "gloo"
+    dev = torch.device("cuda:0") if cuda else torch.device("cpu")
+    if cuda:
         torch.cuda.set_device(dev)
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=60))
     comm = new_comm(backend, dev, "bench_comm")
     hook = FlightRecorderHook(max_entries=2000).register_with_comm(comm)
-    sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
-    pg = comm.process_group
-    # On CUDA both sides issue asynchronously (stream-ordered), so the figure is the host-side
-    # cost the recorder adds per op; on CPU both are gloo's synchronous all_reduce.
-    async_op = args.device == "cuda"
-
-    print(f"torch {torch.__version__}, backend {backend}, device {dev}, iters {args.iters}, rounds {args.rounds}")
     plain = new_comm(backend, dev, "bench_plain")  # the same communicator code, no hook
-    print(f"{'numel':>6} {'bare us':>9} {'hooked us':>10} {'added us':>9} {'ratio':>6} {'(comm w/o hook us)':>19}")
-    for numel in (1, 1024):
-        t = torch.ones(numel, device=dev)
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    pg = comm.process_group
+    out: dict[str, Any] = {"rows": []}
+    modes = (False, True) if cuda else (False,)
+    for async_op in modes:
+        for numel in (1, 1024):
+            t = torch.ones(numel, device=dev)
 
-        def bare(t: torch.Tensor = t) -> object:
-            return dist.all_reduce(t, group=pg, async_op=async_op)
+            def bare(t: torch.Tensor = t, a: bool = async_op) -> object:
+                return dist.all_reduce(t, group=pg, async_op=a)
 
-        def hooked(t: torch.Tensor = t) -> object:
-            return comm.all_reduce(t, async_op=async_op)
+            def hooked(t: torch.Tensor = t, a: bool = async_op) -> object:
+                return comm.all_reduce(t, async_op=a)
 
-        def unhooked(t: torch.Tensor = t) -> object:
-            return plain.all_reduce(t, async_op=async_op)
+            def unhooked(t: torch.Tensor = t, a: bool = async_op) -> object:
+                return plain.all_reduce(t, async_op=a)
 
-        for _ in range(200):  # warm-up
-            bare()
-            hooked()
-            unhooked()
-        b, h, u = [], [], []
-        for _ in range(args.rounds):  # interleaved so drift hits all equally
-            b.append(per_op_us(bare, args.iters, sync))
-            h.append(per_op_us(hooked, args.iters, sync))
-            u.append(per_op_us(unhooked, args.iters, sync))
-        mb, mh, mu = statistics.median(b), statistics.median(h), statistics.median(u)
-        print(f"{numel:>6} {mb:>9.2f} {mh:>10.2f} {mh - mb:>9.2f} {mh / mb:>6.2f} {mu:>19.2f}")
-    # The same paths with the collective replaced by a no-op work object: what recording and
-    # the communicator wrapper cost on their own, free of the collective's scheduling noise.
-    class _DoneWork:
-        def wait(self, timeout: object = None) -> bool:
-            return True
+            for _ in range(200):  # warm-up (NCCL init, event slots created)
+                bare()
+                hooked()
+                unhooked()
+            sync()
+            b, h, u = [], [], []
+            for _ in range(args.rounds):  # interleaved so drift hits all equally
+                b.append(per_op_us(bare, args.iters, sync))
+                h.append(per_op_us(hooked, args.iters, sync))
+                u.append(per_op_us(unhooked, args.iters, sync))
+            out["rows"].append({
+                "async_op": async_op, "numel": numel, "bare": statistics.median(b),
+                "ours": statistics.median(h), "ours_no_hook": statistics.median(u),
+            })
+    if args.extras:
+        out["extras"] = extras(args, comm, plain, hook, dev, sync)
+    dist.destroy_process_group()
+    return out
 
-        def is_completed(self) -> bool:
-            return True
 
-    done = _DoneWork()
+def extras(
+    args: argparse.Namespace, comm: Any, plain: Any, hook: FlightRecorderHook, dev: torch.device,
+    sync: Callable[[], None],
+) -> dict[str, Any]:
+    """The communicator path with the collective replaced by a no-op, and the ring's memory."""
+    res: dict[str, Any] = {}
     t = torch.ones(1024, device=dev)
 
-    def issue() -> object:
-        return done
+    def nothing(*a: object, **k: object) -> None:
+        return None
 
     def path_hooked() -> object:
-        return comm._run(comm._record1("all_reduce", t, async_op), issue)
+        return comm._run(comm._record1("all_reduce", t, False), nothing, (), {})
 
     def path_plain() -> object:
-        return plain._run(plain._record1("all_reduce", t, async_op), issue)
+        return plain._run(plain._record1("all_reduce", t, False), nothing, (), {})
 
-    ph = statistics.median(per_op_us(path_hooked, args.iters, sync) for _ in range(args.rounds))
-    pp = statistics.median(per_op_us(path_plain, args.iters, sync) for _ in range(args.rounds))
-    print(f"without the collective: communicator path {pp:.2f} us, with the FR hook {ph:.2f} us "
-          f"(the hook adds {ph - pp:.2f} us)")
-    if args.device == "cuda":
-        # What a start event costs on its own (pooled events are reused; this is a fresh one).
-        def event() -> object:
-            ev = torch.cuda.Event()
-            ev.record()
-            return ev
-
-        print(f"torch.cuda.Event() + record(): {statistics.median(per_op_us(event, args.iters, sync) for _ in range(args.rounds)):.2f} us")
+    res["path_hooked"] = statistics.median(per_op_us(path_hooked, args.iters, sync) for _ in range(args.rounds))
+    res["path_plain"] = statistics.median(per_op_us(path_plain, args.iters, sync) for _ in range(args.rounds))
 
     # Memory of a full ring: a fresh hook, 2000 ops from two call sites 20 frames deep.
     hook.unregister()
@@ -155,34 +141,92 @@ def main() -> None:
     rss0 = rss_bytes()
     snap0 = tracemalloc.take_snapshot()
     ring = FlightRecorderHook(max_entries=2000).register_with_comm(comm)
-    t = torch.ones(1024, device=dev)
 
     def fill() -> float:
         for i in range(2000):
             if i % 2:
-                comm.all_reduce(t, async_op=async_op)
+                comm.all_reduce(t)
             else:
-                comm.broadcast(t, root=0, async_op=async_op)
+                comm.broadcast(t, root=0)
         sync()
         return 0.0
 
     at_depth(20, fill)
+    time.sleep(0.3)  # a watchdog pass: the communicator lets go of what completed
     gc.collect()
-    raw_py = sum(s.size_diff for s in tracemalloc.take_snapshot().compare_to(snap0, "filename"))
-    rss1 = rss_bytes()
+    res["ring_py_mb_raw"] = sum(s.size_diff for s in tracemalloc.take_snapshot().compare_to(snap0, "filename")) / 1e6
+    res["ring_rss_mb"] = (rss_bytes() - rss0) / 1e6
     t0 = time.perf_counter()
     dump = ring.dump_json()
-    dump_ms = (time.perf_counter() - t0) * 1e3
+    res["dump_ms"] = (time.perf_counter() - t0) * 1e3
+    res["states"] = sorted({e["state"] for e in dump["entries"]})
     del dump
     gc.collect()
-    sym_py = sum(s.size_diff for s in tracemalloc.take_snapshot().compare_to(snap0, "filename"))
+    res["ring_py_mb_symbolised"] = sum(
+        s.size_diff for s in tracemalloc.take_snapshot().compare_to(snap0, "filename")) / 1e6
     tracemalloc.stop()
-    print(
-        f"ring of 2000 entries with stacks: python heap {raw_py / 1e6:.2f} MB before symbolising, "
-        f"{sym_py / 1e6:.2f} MB after a dump (RSS delta {(rss1 - rss0) / 1e6:.2f} MB); "
-        f"dump_json of 2000 entries {dump_ms:.1f} ms"
-    )
-    dist.destroy_process_group()
+    return res
+
+
+def run_child(args: argparse.Namespace, fr_entries: int, port: int, extras_too: bool) -> dict[str, Any]:
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1",
+               LOCAL_RANK="0")
+    for k in FR_ENV:
+        env[k] = str(fr_entries)
+    cmd = [sys.executable, __file__, "--child", "--device", args.device, "--iters", str(args.iters),
+           "--rounds", str(args.rounds)] + (["--extras"] if extras_too else [])
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.child_timeout)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    if proc.returncode != 0 or not lines:
+        sys.exit(f"child (c10d FR {fr_entries}) failed, exit {proc.returncode}:\n{proc.stderr[-3000:]}")
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--iters", type=int, default=None,
+                    help="ops per timed block (default 2000 on CPU, 200 on CUDA: a block must not fill "
+                    "the GPU's launch queue, or the host waits for the GPU and the figure is GPU time)")
+    ap.add_argument("--rounds", type=int, default=None, help="timed blocks per variant (default 7 CPU, 41 CUDA)")
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--port", type=int, default=int(os.environ.get("MASTER_PORT", "29455")))
+    ap.add_argument("--child-timeout", type=float, default=300.0)
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--extras", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.iters is None:
+        args.iters = 200 if args.device == "cuda" else 2000
+    if args.rounds is None:
+        args.rounds = 41 if args.device == "cuda" else 7
+    if args.child:
+        print("RESULT " + json.dumps(child(args)), flush=True)
+        return
+
+    off = run_child(args, 0, args.port, extras_too=False)
+    on = run_child(args, 2000, args.port + 1, extras_too=True)
+    print(f"torch {torch.__version__}, device {args.device}, iters {args.iters}, rounds {args.rounds}, "
+          f"affinity {sorted(os.sched_getaffinity(0))[:8]}")
+    print("per-op host time, medians in us; c10d FR off = TORCH_FR_BUFFER_SIZE=0, on = 2000")
+    print(f"{'async':>5} {'numel':>6} {'bare/off':>9} {'bare/on':>8} {'c10d FR adds':>12} "
+          f"{'ours/on':>8} {'ours adds':>9} {'ours/off':>9} {'ours adds (off)':>15} {'no hook/on':>10}")
+    worst = []
+    for r_off, r_on in zip(off["rows"], on["rows"], strict=True):
+        fr_adds = r_on["bare"] - r_off["bare"]
+        ours_adds = r_on["ours"] - r_on["bare"]
+        ours_adds_off = r_off["ours"] - r_off["bare"]
+        worst.append((ours_adds, fr_adds))
+        print(f"{str(r_on['async_op']):>5} {r_on['numel']:>6} {r_off['bare']:>9.2f} {r_on['bare']:>8.2f} "
+              f"{fr_adds:>12.2f} {r_on['ours']:>8.2f} {ours_adds:>9.2f} {r_off['ours']:>9.2f} "
+              f"{ours_adds_off:>15.2f} {r_on['ours_no_hook']:>10.2f}")
+    ex = on["extras"]
+    print(f"without the collective: communicator path {ex['path_plain']:.2f} us, with the FR hook "
+          f"{ex['path_hooked']:.2f} us (the hook adds {ex['path_hooked'] - ex['path_plain']:.2f} us)")
+    print(f"ring of 2000 entries with stacks: python heap {ex['ring_py_mb_raw']:.2f} MB before symbolising, "
+          f"{ex['ring_py_mb_symbolised']:.2f} MB after a dump (RSS delta {ex['ring_rss_mb']:.2f} MB); "
+          f"dump_json of 2000 entries {ex['dump_ms']:.1f} ms; states {ex['states']}")
+    max_ours = max(o for o, _ in worst)
+    max_fr = max(f for _, f in worst)
+    print(f"SUMMARY ours adds at most {max_ours:.2f} us per op; c10d FR adds at most {max_fr:.2f} us")
 
 
 if __name__ == "__main__":

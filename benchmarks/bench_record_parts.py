@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from debug_server import hooks  # noqa: E402
+from debug_server import comms, hooks  # noqa: E402
 from debug_server.comms import new_comm  # noqa: E402
 
 
@@ -73,11 +73,21 @@ def main() -> None:
         print(f"ev.record(stream)         {us(lambda: ev.record(s)):7.2f}")
         print(f"current_stream()          {us(torch.cuda.current_stream):7.2f}")
         print(f"_cuda_getCurrentRawStream {us(lambda: torch._C._cuda_getCurrentRawStream(0)):7.2f}")
+        print(f"C record(ev, stream)      {us(lambda: comms._record_event(ev, s)):7.2f}")
+        print(f"comm stream lookup        {us(lambda: comm._streams.get(comms._raw_stream(0))):7.2f}")
+
+    def nothing(*a: object, **k: object) -> None:
+        return None
+
+    print(f"comm._run, no collective  {us(lambda: comm._run(comm._record1('all_reduce', t, False), nothing, (), {})):7.2f}")
+    print(f"fn(*args, **kw) call      {us(lambda: nothing(*(t,), **{'op': 0, 'group': None, 'async_op': False})):7.2f}")
     pg = comm.process_group
     print(f"bare all_reduce async     {us(lambda: dist.all_reduce(t, group=pg, async_op=True)):7.2f}")
     print(f"comm all_reduce async     {us(lambda: comm.all_reduce(t, async_op=True)):7.2f}")
     hook = hooks.FlightRecorderHook(2000).register_with_comm(comm)
     print(f"comm+hook all_reduce async{us(lambda: comm.all_reduce(t, async_op=True)):7.2f}")
+    print(f"bare all_reduce sync      {us(lambda: dist.all_reduce(t, group=pg)):7.2f}")
+    print(f"comm+hook all_reduce sync {us(lambda: comm.all_reduce(t)):7.2f}")
     hook.unregister()
     if cuda:
         torch.cuda.synchronize()

@@ -6,21 +6,35 @@ TorchComms' API and three kinds of callbacks: pre-op, post-op and abort. Every o
 Recorder keep references to those records instead of copying them, so recording costs a few
 microseconds.
 
-Semantics worth knowing:
+Semantics worth knowing (those of ``torch.distributed`` and TorchComms):
 
 * Ranks passed to ops (``root``, ``dst``, ``src``) and to ``split`` are ranks *in the
   communicator*, as in TorchComms.
-* ``async_op=False`` waits for the op on the host, bounded by the communicator's timeout, on every
-  backend (what gloo always does and ``TORCH_NCCL_BLOCKING_WAIT=1`` does for NCCL). A timeout is
-  therefore an exception at the call site, after the abort hooks ran. Use ``async_op=True`` and
-  ``work.wait()`` later to overlap communication.
-* On a timeout or error the abort hooks run first (the recorder dumps there), then the error
-  propagates as ``RuntimeError`` naming the op, the communicator and its sequence number, or, with
-  ``abort_process_on_timeout_or_error=True``, the process aborts.
+* CUDA (NCCL): ``async_op=False`` enqueues the op and returns; the current stream is ordered after
+  the collective, the host does not wait. ``CommWork.wait()`` makes the current stream wait for
+  the op, again without blocking the host. The host blocks only when asked: ``work.wait(timeout=
+  ...)`` with an explicit timeout, or a stream/device synchronize. (``barrier`` blocks the host, as
+  c10d's does.)
+* gloo (CPU): ``async_op=False`` and ``wait()`` wait on the host, bounded by the communicator's
+  timeout, as gloo always does.
+* Timeouts: a per-process watchdog thread sees an op in flight longer than its communicator's
+  timeout, runs the abort hooks (the recorder writes this rank's pickle), aborts the NCCL
+  communicator, and the next op or ``wait()`` on that communicator raises a ``RuntimeError``
+  naming the op, the communicator and its sequence number; with
+  ``abort_process_on_timeout_or_error=True`` the process aborts after the hooks ran instead. The
+  process group gets a longer timeout, so this happens before c10d's own watchdog acts. A gloo op
+  that times out on the host raises the same error at the call site. After a timeout (or any
+  failure on NCCL) the communicator is unusable.
+* States are true, found by non-blocking queries when read: ``scheduled`` -> ``started`` (CUDA:
+  an event recorded on the issuing stream before the op fired) -> ``completed`` (an event after
+  it, c10d's work, or a later collective of the same communicator completed). No record keeps a
+  tensor; a record keeps c10d's work only until the watchdog (or a reader) sees it completed.
 """
 
 from __future__ import annotations
 
+import atexit
+import collections
 import datetime
 import itertools
 import logging
@@ -28,6 +42,7 @@ import os
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
@@ -35,7 +50,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ReduceOp
 
-__all__ = ["Comm", "CommWork", "HookHandle", "OpRecord", "ReduceOp", "new_comm"]
+__all__ = ["Comm", "CommWork", "HookHandle", "OpRecord", "ReduceOp", "add_watchdog_check", "new_comm"]
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +59,15 @@ _pg_counter = itertools.count()
 # One counter per process across all communicators, like c10d's record ids: every hook that
 # keeps a record sees the same id, so snapshots of several hooks merge without renumbering.
 _record_ids = itertools.count()
+_raw_stream: Callable[[int], int] = getattr(torch._C, "_cuda_getCurrentRawStream", None) or (lambda i: 0)
+# Per-communicator CUDA event slots (see Comm.__init__); a power of two.
+_SLOTS = 1024
+_SLOT_MASK = _SLOTS - 1
+# The C method under torch.cuda.Event.record: the Python wrapper only looks up the current
+# stream when none is given, and we always give one.
+_record_event: Callable[[Any, Any], None] = getattr(
+    torch.cuda.Event.__mro__[1], "record", torch.cuda.Event.record
+)  # CPU builds have a stub base without it (and never record events)
 
 
 class OpRecord:
@@ -74,7 +98,7 @@ class OpRecord:
         "state",
         "error",
         "work",
-        "start_event",
+        "has_end",
         "traceback",
         "thread_id",
         "thread_name",
@@ -114,7 +138,8 @@ class OpRecord:
         self.state = "scheduled"
         self.error: str | None = None
         self.work: Any = None
-        self.start_event: Any = None
+        # CUDA: the end event of this op's slot was recorded on the issuing stream after it.
+        self.has_end = False
         self.traceback: Any = None
         # The ident only; the name is looked up at dump time (threading.current_thread() costs
         # more than the rest of this constructor).
@@ -130,39 +155,66 @@ class OpRecord:
         return f"nccl:{self.op}"
 
     def refresh(self) -> None:
-        """Advance the state from non-blocking queries (work completion, CUDA start event)."""
+        """Advance the state from non-blocking queries made now (events, work), never a wait.
+
+        CUDA: ``started`` when the start event recorded before the op on the issuing stream has
+        fired; ``completed`` when the end event recorded after it has fired (sync ops and
+        waited async ops), when c10d's work reports completion (async ops nobody waited on), or
+        when a later collective of the same communicator completed (NCCL runs a communicator's
+        collectives in issue order; the watchdog keeps that watermark).
+        """
         if self.state == "completed":
             return
-        if self.state == "scheduled" and self.start_event is not None:
+        comm = self.comm
+        if comm._is_cuda:
+            if not self.is_p2p and self.op_id <= comm._done_op_id:
+                self._mark_completed(comm._done_ns)
+                return
+            if comm._broken is not None:
+                # Aborting a communicator ends its kernels and completes its works: from then
+                # on events and works no longer say what the op reached.
+                return
             try:
-                if self.start_event.query():
+                if self._done_now():
+                    self._mark_completed()
+                elif self.state == "scheduled" and comm._starts[self.op_id & _SLOT_MASK].query():
                     self.state = "started"
                     self.time_started_ns = time.time_ns()
-            except RuntimeError:  # CUDA context gone; keep what we know
+            except RuntimeError:  # CUDA context gone or the work failed; keep what we know
                 pass
+            return
         work = self.work
         if work is not None:
             try:
-                done = work.is_completed()
-            except RuntimeError:
-                done = False
-            if done:
-                self._mark_completed()
+                if not work.is_completed():
+                    return
+                work.wait()  # returns at once when done; raises if the op failed (gloo timeout)
+            except Exception as exc:
+                # Failed is not completed: keep the state the op reached, and say why.
+                if self.error is None:
+                    self.error = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+                return
+            self._mark_completed()
 
-    def _mark_completed(self) -> None:
+    def _done_now(self) -> bool:
+        """CUDA: one non-blocking query of this op's completion (may raise RuntimeError)."""
+        if self.state == "completed":
+            return True
+        if self.has_end:
+            return bool(self.comm._ends[self.op_id & _SLOT_MASK].query())
+        work = self.work
+        return work is not None and bool(work.is_completed())
+
+    def _mark_completed(self, now: int | None = None) -> None:
         if self.state != "completed":
-            now = time.time_ns()
-            if self.time_started_ns is None:
+            if now is None:
+                now = time.time_ns()
+            if self.time_started_ns is None or self.time_started_ns > now:
                 self.time_started_ns = now
             self.time_completed_ns = now
             self.state = "completed"
-        # Drop references that keep tensors alive; the start event has fired (the op is done),
-        # so it goes back to the communicator's pool for reuse.
+        # No reference to c10d's work (which holds the tensors) once the op is done.
         self.work = None
-        ev = self.start_event
-        if ev is not None:
-            self.start_event = None
-            self.comm._release_event(ev)
 
 
 class HookHandle:
@@ -196,13 +248,34 @@ class CommWork:
         return self._record
 
     def is_completed(self) -> bool:
+        """A non-blocking query: True once the op completed (or its communicator failed)."""
         self._record.refresh()
-        return self._record.state == "completed"
+        return self._record.state == "completed" or bool(self._comm._broken)
 
     def wait(self, timeout: datetime.timedelta | float | None = None) -> bool:
-        """Block until the op completes; a timeout runs the abort path (see module doc)."""
-        if self._record.state != "completed":
-            self._comm._wait(self._record, self._work, timeout)
+        """Order the caller after the op (see the module doc).
+
+        CUDA, no ``timeout``: the current stream waits for the op; the host does not. With a
+        ``timeout``: the host waits too, at most that long, then the abort path runs. gloo: the
+        host waits, bounded by ``timeout`` or the communicator's timeout. A communicator that
+        timed out or failed raises its ``RuntimeError`` here.
+        """
+        rec = self._record
+        comm = self._comm
+        if rec.state == "completed" and self._work is None:
+            return True
+        if comm._broken is not None and rec.state != "completed":
+            comm._raise_broken()
+        if not comm._is_cuda:
+            comm._wait_host(rec, self._work, timeout)
+        elif timeout is None:
+            comm._wait_stream(rec, self._work)
+        else:
+            comm._wait_cuda_host(rec, _as_timedelta(timeout))
+            comm._wait_stream(rec, self._work)
+        # The caller's reference to c10d's work (and so its tensors) ends with the wait, as
+        # c10d's own wait() releases what it stashed.
+        self._work = None
         return True
 
 
@@ -218,6 +291,14 @@ def _as_timedelta(timeout: datetime.timedelta | float | None) -> datetime.timede
     if timeout is None or isinstance(timeout, datetime.timedelta):
         return timeout
     return datetime.timedelta(seconds=float(timeout))
+
+
+def _c10d_group_name(pg: Any) -> str | None:
+    try:
+        name = dist.distributed_c10d._world.pg_names.get(pg) or getattr(pg, "group_name", None)
+    except Exception:  # a torch without either
+        return None
+    return str(name) if name else None
 
 
 class Comm:
@@ -242,6 +323,9 @@ class Comm:
         self._abort_process = abort_process_on_timeout_or_error
         self._rank = ranks.index(dist.get_rank())
         self._pg_id = next(_pg_counter)
+        # c10d's name of the group, taken now (a finalized group leaves c10d's registry): c10d's
+        # own Flight Recorder records our ops under it, and the worker drops those duplicates.
+        self._c10d_name = _c10d_group_name(pg)
         self._seq = 0
         self._p2p_seq = 0
         self._op_id = 0
@@ -253,23 +337,44 @@ class Comm:
         self._children: list[Comm] = []
         self._finalized = False
         self._is_cuda = device.type == "cuda"
-        # Reused start events: creating a CUDA event per op costs more than recording one.
-        self._event_pool: list[Any] = []
         self._streams: dict[int, Any] = {}
+        self._dev_idx = (device.index if device.index is not None else torch.cuda.current_device()) if (
+            device.type == "cuda") else -1
+        # CUDA: op ``op_id`` records its start (end) event in slot ``op_id & _SLOT_MASK``. Fixed
+        # arrays instead of an event per op: no allocation and no hand-back on the hot path. A
+        # slot reused by a later op only ever reports the later point, i.e. too late, never a
+        # state the op has not reached.
+        self._starts: list[Any] = []
+        self._ends: list[Any] = []
+        if self._is_cuda:
+            self._starts = [torch.cuda.Event() for _ in range(_SLOTS)]
+            self._ends = [torch.cuda.Event() for _ in range(_SLOTS)]
+            # torch creates a CUDA event at its first record: do that here, not on the hot path.
+            stream = self._current_stream()
+            for ev in self._starts + self._ends:
+                _record_event(ev, stream)
+        # Ops the watchdog still watches (see _watch_pass): collectives in issue order (CUDA),
+        # records queried one by one (CUDA P2P, gloo async), async CUDA collectives holding
+        # c10d's work.
+        self._inflight: list[OpRecord] = []
+        self._loose: list[OpRecord] = []
+        self._async_recs: collections.deque[OpRecord] = collections.deque()
+        # Every collective with op_id <= _done_op_id has completed (found at _done_ns).
+        self._done_op_id = -1
+        self._done_ns = 0
+        # Set once a timeout or failure aborts this communicator: "" while the abort path runs
+        # (hooks, dump), then the RuntimeError message that every later op and wait() raises.
+        self._broken: str | None = None
+        _watchdog_add(self)
 
     def _current_stream(self) -> Any:
         # torch.cuda.current_stream() builds a Stream object per call (~5 us on an H200 host);
         # the raw handle costs 0.1 us, so Stream objects are cached per raw stream.
-        idx = self._device.index if self._device.index is not None else torch.cuda.current_device()
-        raw = torch._C._cuda_getCurrentRawStream(idx)
+        raw = _raw_stream(self._dev_idx)
         stream = self._streams.get(raw)
         if stream is None:
-            stream = self._streams[raw] = torch.cuda.current_stream(idx)
+            stream = self._streams[raw] = torch.cuda.current_stream(self._dev_idx)
         return stream
-
-    def _release_event(self, ev: Any) -> None:
-        if len(self._event_pool) < 1024:
-            self._event_pool.append(ev)
 
     # -- identity ----------------------------------------------------------------------------
     def get_rank(self) -> int:
@@ -308,6 +413,12 @@ class Comm:
     def process_group(self) -> Any:
         return self._pg
 
+    @property
+    def c10d_group_name(self) -> str | None:
+        """c10d's name of this communicator's process group (``process_group[0]`` of the
+        entries c10d's own Flight Recorder writes for its ops), or None when unknown."""
+        return self._c10d_name
+
     def __repr__(self) -> str:
         return f"Comm(name={self._name!r}, backend={self._backend!r}, rank={self._rank}, size={len(self._ranks)})"
 
@@ -338,10 +449,21 @@ class Comm:
 
     # -- the op path --------------------------------------------------------------------------
     def _record1(self, op: str, tensor: torch.Tensor, async_op: bool, peer: str = "") -> OpRecord:
-        """The common single-tensor, in-place case, without building tuples generically."""
+        """The common single-tensor, in-place case: ``_new_record`` inlined (the hot path)."""
+        if self._finalized:
+            raise RuntimeError(f"communicator {self._name!r} is finalized")
         shapes = (tensor.shape,)
         dtypes = (tensor.dtype,)
-        return self._new_record(op, shapes, dtypes, shapes, dtypes, async_op, peer)
+        with self._lock:
+            seq = self._seq
+            p2p_seq = self._p2p_seq
+            if peer:
+                self._p2p_seq = p2p_seq + 1
+            else:
+                self._seq = seq + 1
+            op_id = self._op_id
+            self._op_id = op_id + 1
+        return OpRecord(self, op, seq, p2p_seq, op_id, bool(peer), peer, shapes, dtypes, shapes, dtypes, async_op)
 
     def _record(
         self,
@@ -400,60 +522,145 @@ class Comm:
             async_op,
         )
 
-    def _run(self, rec: OpRecord, issue: Callable[[], Any]) -> CommWork | None:
-        for fn in self._pre_hooks:
-            fn(rec)
+    def _run(self, rec: OpRecord, fn: Callable[..., Any], args: tuple[Any, ...], kw: dict[str, Any]) -> CommWork | None:
+        """Issue ``fn(*args, **kw)`` (a ``torch.distributed`` call) for ``rec``; the hot path."""
+        if self._broken is not None:
+            self._raise_broken()
+        for f in self._pre_hooks:
+            f(rec)
         if self._is_cuda:
-            # Recorded on the issuing stream just before the op: it fires when the stream
-            # reaches the collective, i.e. when the NCCL kernel can start ("started").
-            pool = self._event_pool
-            ev = pool.pop() if pool else torch.cuda.Event()
-            ev.record(self._current_stream())
-            rec.start_event = ev
-        else:
-            # On CPU the op is handed to gloo at once; gloo runs a group's ops in order, so a
-            # queued async op is reported "started" too (see refresh() for the CUDA case).
-            rec.state = "started"
-            rec.time_started_ns = rec.time_created_ns
+            # The start event fires when the issuing stream reaches the collective, i.e. when
+            # its kernel can start ("started"); the end event, recorded after a sync op (c10d
+            # ordered the stream after it), fires when it completed.
+            slot = rec.op_id & _SLOT_MASK
+            stream = self._streams.get(_raw_stream(self._dev_idx)) or self._current_stream()
+            _record_event(self._starts[slot], stream)
+            try:
+                work = fn(*args, **kw)
+            except Exception as exc:  # the op could not even be issued
+                self._fail(rec, exc)
+            if rec.async_op:
+                rec.work = work
+                if rec.is_p2p:
+                    self._loose.append(rec)
+                else:
+                    self._inflight.append(rec)
+                    self._async_recs.append(rec)
+                for f in self._post_hooks:
+                    f(rec)
+                return CommWork(self, rec, work)
+            _record_event(self._ends[slot], stream)
+            rec.has_end = True
+            (self._loose if rec.is_p2p else self._inflight).append(rec)
+            if self._broken is not None:  # c10d blocked the host (barrier) until we aborted
+                self._raise_broken()
+            for f in self._post_hooks:
+                f(rec)
+            return None
+        # gloo runs the op at once and in order, so a queued async op is "started" too.
+        rec.state = "started"
+        rec.time_started_ns = rec.time_created_ns
         try:
-            work = issue()
-        except Exception as exc:  # the op could not even be issued
-            self._abort(rec, exc)
+            work = fn(*args, **kw)  # async_op=False: gloo waits, bounded by the group's timeout
+        except Exception as exc:
+            self._fail(rec, exc, self._timeout)
         if rec.async_op:
             rec.work = work
-            for fn in self._post_hooks:
-                fn(rec)
+            self._loose.append(rec)
+            for f in self._post_hooks:
+                f(rec)
             return CommWork(self, rec, work)
-        self._wait(rec, work, None)
+        rec.time_completed_ns = time.time_ns()  # _mark_completed() inlined (the hot path)
+        rec.state = "completed"
+        for f in self._post_hooks:
+            f(rec)
         return None
 
-    def _wait(self, rec: OpRecord, work: Any, timeout: datetime.timedelta | float | None) -> None:
+    def _raise_broken(self, limit_s: float = 120.0, cause: BaseException | None = None) -> NoReturn:
+        """Raise this communicator's failure, once its abort path (hooks, dump) has finished."""
+        deadline = time.monotonic() + limit_s
+        while not self._broken and time.monotonic() < deadline:
+            time.sleep(0.01)
+        raise RuntimeError(self._broken or f"communicator {self._name!r} failed") from cause
+
+    def _wait_host(self, rec: OpRecord, work: Any, timeout: datetime.timedelta | float | None) -> None:
+        """gloo: wait on the host, bounded by ``timeout`` or the group's (= our) timeout."""
         td = _as_timedelta(timeout) or self._timeout
         try:
             if work is None:
                 pass
-            elif timeout is None and not self._is_cuda:
+            elif timeout is None:
                 # gloo enforces the group's timeout (== this communicator's) by itself, and its
                 # plain wait() is several microseconds cheaper per op than wait(timeout=...).
                 work.wait()
             else:
                 work.wait(timeout=td)
         except Exception as exc:
-            self._abort(rec, exc, td)
+            self._fail(rec, exc, td)
         rec._mark_completed()
-        if not rec.async_op:
-            for fn in self._post_hooks:
-                fn(rec)
 
-    def _abort(
-        self, rec: OpRecord, exc: BaseException, td: datetime.timedelta | None = None
+    def _wait_stream(self, rec: OpRecord, work: Any) -> None:
+        """CUDA: the current stream waits for the op (c10d's wait() without timeout), not the host."""
+        try:
+            if work is not None:
+                work.wait()
+        except Exception as exc:
+            self._fail(rec, exc)
+        if self._broken is not None and rec.state != "completed":
+            self._raise_broken()
+        if not rec.has_end and rec.state != "completed":
+            # From here the end event tells completion, so the record lets go of c10d's work.
+            _record_event(self._ends[rec.op_id & _SLOT_MASK], self._current_stream())
+            rec.has_end = True
+            rec.work = None
+
+    def _wait_cuda_host(self, rec: OpRecord, td: datetime.timedelta) -> None:
+        """CUDA, explicit timeout: the host polls (non-blocking queries) until done or ``td``."""
+        deadline = time.monotonic() + td.total_seconds()
+        delay = 5e-5
+        while True:
+            if self._broken is not None:
+                self._raise_broken()
+            rec.refresh()
+            if rec.state == "completed":
+                return
+            if time.monotonic() >= deadline:
+                self._fail(rec, TimeoutError(f"not completed within {td.total_seconds():g} s"), td, timed_out=True)
+            time.sleep(delay)
+            delay = min(delay * 2, 2e-3)
+
+    def _fail(
+        self,
+        rec: OpRecord,
+        exc: BaseException,
+        td: datetime.timedelta | None = None,
+        timed_out: bool | None = None,
+        wait_for_other: bool = True,
     ) -> NoReturn:
-        what = "timed out" if "timed out" in str(exc).lower() or "timeout" in str(exc).lower() else "failed"
-        after = f" after {td.total_seconds():g} s" if td is not None and what == "timed out" else ""
+        """The abort path: abort hooks (the recorder dumps), then abort or raise (module doc).
+
+        A timeout, and any failure on NCCL, leave the communicator unusable: its NCCL
+        communicator is aborted and every later op and wait() raises the same message. Called
+        from the op's thread or from the watchdog; only the first failure runs the hooks.
+        """
+        text = str(exc)
+        if timed_out is None:
+            timed_out = "timed out" in text.lower() or "timeout" in text.lower()
+        breaks = timed_out or self._is_cuda
+        with self._lock:
+            first = not (breaks and self._broken is not None)
+            if first and breaks:
+                self._broken = ""  # failing: ops and waits from now on wait for the message
+        if not first:
+            # Another thread (the watchdog, or a waiter) is running the abort path: wait for it,
+            # so that this error, too, is raised only after the dump was written.
+            self._raise_broken(120.0 if wait_for_other else 0.0, exc)
+        what = "timed out" if timed_out else "failed"
+        after = f" after {td.total_seconds():g} s" if td is not None and timed_out else ""
         seq = f"p2p #{rec.p2p_seq}" if rec.is_p2p else f"#{rec.seq}"
         msg = (
             f"{rec.op} {seq} on communicator {self._name!r} ({self._backend}, rank {self._rank} of "
-            f"{len(self._ranks)}) {what}{after}: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
+            f"{len(self._ranks)}) {what}{after}: {text.splitlines()[0] if text else type(exc).__name__}"
         )
         rec.error = msg
         err = RuntimeError(msg)
@@ -472,6 +679,8 @@ class Comm:
             # the process when the group's own (longer) timeout expires: abort the communicator
             # so the error can propagate as documented. The communicator is unusable afterwards.
             self._abort_nccl()
+        if breaks:
+            self._broken = msg
         raise err from exc
 
     def _abort_nccl(self) -> None:
@@ -483,22 +692,96 @@ class Comm:
         except Exception:
             logger.warning("aborting communicator %r failed", self._name, exc_info=True)
 
+    # -- the watchdog's side (runs in the watchdog thread) -----------------------------------
+    def _watch_pass(self, now: int) -> None:
+        """Advance the completion watermark, let go of c10d works of completed ops, and run the
+        abort path for an op in flight longer than the timeout. Non-blocking queries only."""
+        if self._broken is not None or self._finalized:
+            return
+        limit_ns = int(self._timeout.total_seconds() * 1e9)
+        lst = self._inflight
+        n = len(lst)
+        if n:
+            # Only the watchdog removes from the list (the op's thread appends at the end), so
+            # indices below n stay valid.
+            k = _first_not_done(lst, n)
+            if k:
+                self._done_ns = now  # before the id: a reader seeing the new id sees this time
+                self._done_op_id = lst[k - 1].op_id
+                del lst[:k]
+            ar = self._async_recs
+            dropped = 0
+            while ar and ar[0].op_id <= self._done_op_id:
+                ar.popleft()._mark_completed(now)  # lets go of c10d's work (and its tensors)
+                dropped += 1
+                if dropped % 64 == 0:
+                    time.sleep(0)  # hand the GIL back now and then: a long pass stalls training
+            if lst and now - lst[0].time_created_ns > limit_ns:
+                self._watch_fire(lst[0], now)
+                return
+        loose = self._loose
+        n = len(loose)
+        keep: list[OpRecord] = []
+        for i in range(n):
+            rec = loose[i]
+            if i % 64 == 63:
+                time.sleep(0)  # hand the GIL back now and then: a long pass stalls training
+            try:
+                if self._is_cuda:
+                    done = rec._done_now()
+                else:
+                    work = rec.work
+                    done = rec.state == "completed" or (work is not None and work.is_completed())
+                    if done and work is not None:
+                        work.wait()  # returns at once when done; a failed gloo work raises here
+            except Exception as exc:
+                if not self._is_cuda:
+                    self._watch_fire(rec, now, exc)
+                    return
+                done = False
+            if done:
+                rec._mark_completed(now)
+            elif now - rec.time_created_ns > limit_ns:
+                self._watch_fire(rec, now)
+                return
+            else:
+                keep.append(rec)
+        # One slice assignment (the op's thread may have appended meanwhile, past index n).
+        loose[:n] = keep
+
+    def _watch_fire(self, rec: OpRecord, now: int, exc: BaseException | None = None) -> None:
+        if exc is None:
+            age = (now - rec.time_created_ns) / 1e9
+            exc = TimeoutError(f"in flight for {age:.1f} s without completing (debug_server watchdog)")
+            timed_out: bool | None = True
+        else:
+            timed_out = None
+        try:
+            self._fail(rec, exc, self._timeout, timed_out=timed_out, wait_for_other=False)
+        except RuntimeError:
+            pass  # raised to the op's thread by its next op or wait()
+
     # -- ops ----------------------------------------------------------------------------------
+    # Each op passes torch.distributed's own function and async_op through: with
+    # async_op=False, c10d orders the current stream after the collective (NCCL) or waits on the
+    # host (gloo), exactly as a bare torch.distributed call does.
     def all_reduce(self, tensor: torch.Tensor, op: Any = ReduceOp.SUM, async_op: bool = False) -> CommWork | None:
         rec = self._record1("all_reduce", tensor, async_op)
-        return self._run(rec, lambda: dist.all_reduce(tensor, op=op, group=self._pg, async_op=True))
+        return self._run(rec, dist.all_reduce, (tensor,), {"op": op, "group": self._pg, "async_op": async_op})
 
     def broadcast(self, tensor: torch.Tensor, root: int, async_op: bool = False) -> CommWork | None:
         rec = self._record1("broadcast", tensor, async_op)
         src = self._ranks[root]
-        return self._run(rec, lambda: dist.broadcast(tensor, src=src, group=self._pg, async_op=True))
+        return self._run(rec, dist.broadcast, (tensor,), {"src": src, "group": self._pg, "async_op": async_op})
 
     def reduce(
         self, tensor: torch.Tensor, root: int, op: Any = ReduceOp.SUM, async_op: bool = False
     ) -> CommWork | None:
         rec = self._record1("reduce", tensor, async_op)
         dst = self._ranks[root]
-        return self._run(rec, lambda: dist.reduce(tensor, dst=dst, op=op, group=self._pg, async_op=True))
+        return self._run(
+            rec, dist.reduce, (tensor,), {"dst": dst, "op": op, "group": self._pg, "async_op": async_op}
+        )
 
     def all_gather(
         self, tensor_list: list[torch.Tensor], tensor: torch.Tensor, async_op: bool = False
@@ -507,16 +790,14 @@ class Comm:
         # apply the same numel rule (output = input x group size) to both APIs.
         out = (torch.Size([sum(t.shape[0] if t.dim() else 1 for t in tensor_list), *tensor.shape[1:]]),)
         rec = self._record("all_gather", (tensor,), tensor_list[:1], async_op, output_shapes=out)
-        return self._run(
-            rec, lambda: dist.all_gather(tensor_list, tensor, group=self._pg, async_op=True)
-        )
+        return self._run(rec, dist.all_gather, (tensor_list, tensor), {"group": self._pg, "async_op": async_op})
 
     def all_gather_single(
         self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False
     ) -> CommWork | None:
         rec = self._record("all_gather_single", (input,), (output,), async_op)
         return self._run(
-            rec, lambda: dist.all_gather_into_tensor(output, input, group=self._pg, async_op=True)
+            rec, dist.all_gather_into_tensor, (output, input), {"group": self._pg, "async_op": async_op}
         )
 
     def reduce_scatter(
@@ -529,7 +810,7 @@ class Comm:
         inp = (torch.Size([sum(t.shape[0] if t.dim() else 1 for t in input_list), *output.shape[1:]]),)
         rec = self._record("reduce_scatter", input_list[:1], (output,), async_op, input_shapes=inp)
         return self._run(
-            rec, lambda: dist.reduce_scatter(output, input_list, op=op, group=self._pg, async_op=True)
+            rec, dist.reduce_scatter, (output, input_list), {"op": op, "group": self._pg, "async_op": async_op}
         )
 
     def all_to_all_single(
@@ -543,24 +824,24 @@ class Comm:
         rec = self._record("all_to_all_single", (input,), (output,), async_op)
         return self._run(
             rec,
-            lambda: dist.all_to_all_single(
-                output, input, output_split_sizes, input_split_sizes, group=self._pg, async_op=True
-            ),
+            dist.all_to_all_single,
+            (output, input, output_split_sizes, input_split_sizes),
+            {"group": self._pg, "async_op": async_op},
         )
 
     def send(self, tensor: torch.Tensor, dst: int, async_op: bool = False) -> CommWork | None:
         rec = self._record1("send", tensor, async_op, peer=f"{self._rank}->{dst}")
-        gdst = self._ranks[dst]
-        return self._run(rec, lambda: dist.isend(tensor, dst=gdst, group=self._pg))
+        fn = dist.isend if async_op else dist.send
+        return self._run(rec, fn, (tensor,), {"dst": self._ranks[dst], "group": self._pg})
 
     def recv(self, tensor: torch.Tensor, src: int, async_op: bool = False) -> CommWork | None:
         rec = self._record1("recv", tensor, async_op, peer=f"{self._rank}<-{src}")
-        gsrc = self._ranks[src]
-        return self._run(rec, lambda: dist.irecv(tensor, src=gsrc, group=self._pg))
+        fn = dist.irecv if async_op else dist.recv
+        return self._run(rec, fn, (tensor,), {"src": self._ranks[src], "group": self._pg})
 
     def barrier(self, async_op: bool = False) -> CommWork | None:
         rec = self._record("barrier", (), (), async_op)
-        return self._run(rec, lambda: dist.barrier(group=self._pg, async_op=True))
+        return self._run(rec, dist.barrier, (), {"group": self._pg, "async_op": async_op})
 
     # -- lifecycle ----------------------------------------------------------------------------
     def split(self, ranks: Sequence[int], name: str) -> Comm:
@@ -589,6 +870,7 @@ class Comm:
         if self._finalized:
             return
         self._finalized = True
+        _watchdog_discard(self)
         try:
             dist.destroy_process_group(self._pg)
         except Exception:  # already torn down with the default group
@@ -599,6 +881,102 @@ class Comm:
 # communicator's own timeout (the host-side wait) must fire first, so the abort hooks can dump
 # and the error can reach the caller.
 _WATCHDOG_MARGIN = datetime.timedelta(seconds=60)
+
+
+def _first_not_done(lst: list[OpRecord], n: int) -> int:
+    """Index of the first op of ``lst[:n]`` not completed: a binary search (log n queries).
+
+    Completion is monotone along the list: a communicator's collectives run in issue order.
+    """
+    try:
+        if lst[n - 1]._done_now():
+            return n
+        lo, hi = 0, n - 1  # lst[hi] is not done
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if lst[mid]._done_now():
+                lo = mid + 1
+            else:
+                hi = mid
+        return lo
+    except RuntimeError:  # a failed work or a lost CUDA context: nothing to advance
+        return 0
+
+
+# -- the watchdog ------------------------------------------------------------------------------
+# One daemon thread per process. Every pass (every 0.1 s) each communicator makes a few
+# non-blocking queries (_watch_pass) and other modules' checks run (the recorder's stall check,
+# add_watchdog_check). The training thread only appends records to lists; timeouts, the
+# watermark and letting go of completed works all happen here.
+_WATCH_PERIOD = 0.1
+_wd_lock = threading.Lock()
+_wd_thread: threading.Thread | None = None
+_wd_stop = threading.Event()
+_wd_comms: weakref.WeakSet[Comm] = weakref.WeakSet()
+_wd_checks: list[Callable[[], float | None]] = []
+
+
+def add_watchdog_check(fn: Callable[[], float | None]) -> None:
+    """Run ``fn()`` on every watchdog pass (once per ``fn``); it returns the period it needs in
+    seconds (the pass runs at least that often), or None."""
+    with _wd_lock:
+        if fn not in _wd_checks:
+            _wd_checks.append(fn)
+    _ensure_watchdog()
+
+
+def _watchdog_add(comm: Comm) -> None:
+    with _wd_lock:
+        _wd_comms.add(comm)
+    _ensure_watchdog()
+
+
+def _watchdog_discard(comm: Comm) -> None:
+    with _wd_lock:
+        _wd_comms.discard(comm)
+
+
+def _ensure_watchdog() -> None:
+    global _wd_thread
+    with _wd_lock:
+        if _wd_thread is None or not _wd_thread.is_alive():
+            _wd_stop.clear()
+            _wd_thread = threading.Thread(target=_watch_loop, name="debug-server-watchdog", daemon=True)
+            _wd_thread.start()
+
+
+@atexit.register
+def _stop_watchdog() -> None:
+    # Stop before interpreter teardown: querying a c10d work object while the process group's
+    # C++ threads are being destroyed aborts the process ("terminate called...").
+    _wd_stop.set()
+    t = _wd_thread
+    if t is not None and t.is_alive() and t is not threading.current_thread():
+        t.join(timeout=2.0)
+
+
+def _watch_loop() -> None:
+    period = _WATCH_PERIOD
+    while not _wd_stop.wait(period):
+        with _wd_lock:
+            comms = list(_wd_comms)
+            checks = list(_wd_checks)
+        now = time.time_ns()
+        for comm in comms:
+            # One bad pass must not end the watchdog for the rest of the run.
+            try:
+                comm._watch_pass(now)
+            except Exception:
+                logger.exception("watchdog pass over %r failed; continuing", comm)
+        period = _WATCH_PERIOD
+        for fn in checks:
+            try:
+                wanted = fn()
+            except Exception:
+                logger.exception("watchdog check %r failed; continuing", fn)
+                wanted = None
+            if wanted is not None:
+                period = min(period, max(0.01, wanted))
 
 
 def _new_group(

@@ -13,8 +13,8 @@ The module also keeps the list of live hooks of this process, which the per-rank
 
 from __future__ import annotations
 
-import atexit
 import faulthandler
+import itertools
 import logging
 import os
 import sys
@@ -35,6 +35,7 @@ __all__ = [
     "default_stall_timeout",
     "dump_file",
     "health",
+    "recorded_comms",
     "registered_hooks",
     "set_default_stall_timeout",
     "snapshot",
@@ -202,7 +203,9 @@ class FlightRecorderHook:
         self.dump_on_abort = dump_on_abort
         self.stall_timeout = stall_timeout
         self._ring: list[OpRecord | None] = [None] * max_entries
-        self._count = 0
+        # next() on a C counter is atomic under the GIL: ops issued from several threads each
+        # get their own slot (a read-then-store of an int would hand two of them the same one).
+        self._counter = itertools.count()
         self._comms: dict[str, Comm] = {}
         self._handles: list[HookHandle] = []
         self._lock = threading.Lock()
@@ -247,10 +250,7 @@ class FlightRecorderHook:
     def _on_pre(self, rec: OpRecord) -> None:
         if rec.traceback is None:
             rec.traceback = _capture()
-        # A single slot store: safe without the lock under the GIL, and cheap.
-        n = self._count
-        self._count = n + 1
-        self._ring[n % self.max_entries] = rec
+        self._ring[next(self._counter) % self.max_entries] = rec
 
     def _on_abort(self, rec: OpRecord, err: BaseException) -> None:
         if not self.dump_on_abort:
@@ -266,13 +266,7 @@ class FlightRecorderHook:
     # -- reading ------------------------------------------------------------------------------
     def records(self) -> list[OpRecord]:
         """The retained records, oldest first, states refreshed (non-blocking)."""
-        n = self._count
-        size = self.max_entries
-        if n <= size:
-            recs = [r for r in self._ring[:n] if r is not None]
-        else:
-            start = n % size
-            recs = [r for r in self._ring[start:] + self._ring[:start] if r is not None]
+        recs = [r for r in self._ring if r is not None]
         recs.sort(key=lambda r: r.record_id)
         for r in recs:
             r.refresh()
@@ -403,17 +397,17 @@ def _health(hooks: list[FlightRecorderHook]) -> dict[str, Any]:
     }
 
 
-# -- stall watchdog ------------------------------------------------------------------------------
-# One daemon thread per process, started by the first hook with a stall_timeout. It only reads
-# the rings (non-blocking state queries) and writes evidence once per stalled op, so it costs the
-# training loop nothing; it needs the GIL, so a rank wedged in C code holding the GIL is caught
-# from outside instead (the frontend's health polling).
-_watchdog_lock = threading.Lock()
-_watchdog: threading.Thread | None = None
-_watchdog_stop = threading.Event()
+# -- stall check --------------------------------------------------------------------------------
+# A check run by the communicators' per-process watchdog thread (debug_server.comms), registered
+# by the first hook with a stall_timeout. It only reads the rings (non-blocking state queries) and
+# writes evidence once per stalled op, so it costs the training loop nothing; it needs the GIL, so
+# a rank wedged in C code holding the GIL is caught from outside instead (the frontend's health
+# polling).
 # The stall timeout of hooks created with stall_timeout=None. start_debug_server sets it (60 s
 # by default) so the watchdog works with no extra wiring, and resets it to None on stop.
 _default_stall_timeout: float | None = None
+_stall_reported: set[int] = set()  # record ids already dumped (only stalled ops land here)
+_stall_next = 0.0  # time.monotonic() of the next stall pass
 
 
 def default_stall_timeout() -> float | None:
@@ -435,48 +429,37 @@ def set_default_stall_timeout(seconds: float | None) -> None:
 
 
 def _ensure_watchdog() -> None:
-    global _watchdog
-    with _watchdog_lock:
-        if _watchdog is None or not _watchdog.is_alive():
-            _watchdog_stop.clear()
-            _watchdog = threading.Thread(target=_watch, name="fr-stall-watchdog", daemon=True)
-            _watchdog.start()
+    from debug_server.comms import add_watchdog_check  # comms does not import hooks
+
+    add_watchdog_check(_stall_check)
 
 
-@atexit.register
-def _stop_watchdog() -> None:
-    # Stop before interpreter teardown: querying a c10d work object while the process group's
-    # C++ threads are being destroyed aborts the process ("terminate called...").
-    _watchdog_stop.set()
-    t = _watchdog
-    if t is not None and t.is_alive():
-        t.join(timeout=2.0)
-
-
-def _watch() -> None:
-    reported: set[int] = set()  # record ids already dumped (only stalled ops land here)
-    while not _watchdog_stop.is_set():
-        hooks = [h for h in registered_hooks() if h.effective_stall_timeout is not None]
-        if not hooks:
-            return
-        period = max(0.05, min(1.0, min(h.effective_stall_timeout or 1.0 for h in hooks) / 4))
-        if _watchdog_stop.wait(period):
-            return
-        now = time.time_ns()
-        for h in hooks:
-            limit = h.effective_stall_timeout
-            # One bad pass (a dump that cannot be written, a record read while the training
-            # thread mutates it) must not end the watchdog for the rest of the run.
-            try:
-                for rec in h.in_flight():
-                    age = (now - rec.time_created_ns) / 1e9
-                    if limit is not None and age > limit and rec.record_id not in reported:
-                        reported.add(rec.record_id)
-                        h.stall_dump(rec, age)
-            except OSError as exc:
-                logger.error("stall dump failed: %s", exc)
-            except Exception:
-                logger.exception("stall watchdog pass failed; continuing")
+def _stall_check() -> float | None:
+    """One stall pass when due; returns the period it needs (None: no hook has a timeout)."""
+    global _stall_next
+    hooks = [h for h in registered_hooks() if h.effective_stall_timeout is not None]
+    if not hooks:
+        return None
+    period = max(0.05, min(1.0, min(h.effective_stall_timeout or 1.0 for h in hooks) / 4))
+    if time.monotonic() < _stall_next:
+        return period
+    _stall_next = time.monotonic() + period
+    now = time.time_ns()
+    for h in hooks:
+        limit = h.effective_stall_timeout
+        # One bad pass (a dump that cannot be written, a record read while the training
+        # thread mutates it) must not end the checks for the rest of the run.
+        try:
+            for rec in h.in_flight():
+                age = (now - rec.time_created_ns) / 1e9
+                if limit is not None and age > limit and rec.record_id not in _stall_reported:
+                    _stall_reported.add(rec.record_id)
+                    h.stall_dump(rec, age)
+        except OSError as exc:
+            logger.error("stall dump failed: %s", exc)
+        except Exception:
+            logger.exception("stall check failed; continuing")
+    return period
 
 
 # -- this process's live hooks (read by the per-rank worker) ------------------------------------
@@ -499,6 +482,12 @@ def registered_hooks() -> list[FlightRecorderHook]:
     """The live, registered hooks of this process, oldest first."""
     with _live_lock:
         return [h for h in (ref() for ref in _live) if h is not None]
+
+
+def recorded_comms() -> list[Comm]:
+    """Every communicator a live hook of this process records (the worker uses their c10d
+    groups to drop c10d's own Flight Recorder entries of the same ops)."""
+    return [c for h in registered_hooks() for c in list(h._comms.values())]
 
 
 def snapshot(

@@ -1,0 +1,207 @@
+"""Training-like steps, 2 ranks: bare torch vs bare torch with c10d's Flight Recorder vs ours.
+
+Each step is 4 matmuls, then collectives in one of four shapes:
+
+* ``big``:   one 64 MiB gradient all_reduce;
+* ``mixed``: one 4 MiB all_reduce and 50 x 4 KiB all_reduces;
+* ``small``: 200 x 4 KiB all_reduces;
+* ``ddp``:   4 gradient buckets of 16 MiB, each all_reduced with ``async_op=True`` right after
+  its matmul (overlapping the next ones), then ``wait()`` on all four.
+
+All with ``async_op=False`` unless said, as in the TorchComms example. A step ends with
+``torch.cuda.synchronize()`` (on CPU the ops are synchronous anyway); its wall time is the figure.
+c10d reads its recorder's size when a process group is created, so the launcher runs two
+jobs: c10d's recorder off (``TORCH_FR_BUFFER_SIZE=0`` / ``TORCH_NCCL_TRACE_BUFFER_SIZE=0``) and
+on (2000, torch's default). In each job bare ``torch.distributed`` on its own group and ours
+(``new_comm`` + ``FlightRecorderHook(2000)``) run interleaved, round by round, on the same
+GPUs. Printed: medians of ms per step and the ratios; "ours / bare" compares ours with bare
+torch in the same job, so torch's default configuration (c10d FR on) is the headline.
+
+    python benchmarks/bench_step.py --device cuda                 # 2 GPUs
+    python benchmarks/bench_step.py --device cpu --rounds 5       # gloo, small shapes
+    python benchmarks/bench_step.py --device cuda --max-ratio 1.05  # exit 1 when a shape is over
+
+Exit status: 0, or 1 when ours / bare (c10d FR on) exceeds ``--max-ratio`` on some shape.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from debug_server.comms import new_comm  # noqa: E402
+from debug_server.hooks import FlightRecorderHook  # noqa: E402
+
+FR_ENV = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")
+SHAPES = ("big", "mixed", "small", "ddp")
+KIB = 1024 // 4  # float32 elements in 1 KiB
+MIB = 1024 * KIB
+
+
+def sizes(cuda: bool) -> dict[str, Any]:
+    """Element counts of each shape: the real ones on CUDA, small ones for gloo on a laptop."""
+    if cuda:
+        return {"mm": 2048, "big": 64 * MIB, "mixed_big": 4 * MIB, "tiny": 4 * KIB, "bucket": 16 * MIB}
+    return {"mm": 256, "big": 1 * MIB, "mixed_big": 64 * KIB, "tiny": 4 * KIB, "bucket": 256 * KIB}
+
+
+class Step:
+    """The four step shapes over one issuing API (bare torch or ours)."""
+
+    def __init__(self, all_reduce: Callable[..., Any], dev: torch.device, cuda: bool) -> None:
+        n = sizes(cuda)
+        self.ar = all_reduce
+        self.sync = torch.cuda.synchronize if cuda else (lambda: None)
+        self.a = torch.randn(n["mm"], n["mm"], device=dev)
+        self.b = torch.randn(n["mm"], n["mm"], device=dev)
+        self.big = torch.ones(n["big"], device=dev)
+        self.mixed_big = torch.ones(n["mixed_big"], device=dev)
+        self.tiny = [torch.ones(n["tiny"], device=dev) for _ in range(200)]
+        self.buckets = [torch.ones(n["bucket"], device=dev) for _ in range(4)]
+
+    def matmuls(self) -> None:
+        x = self.a
+        for _ in range(4):
+            x = x @ self.b
+
+    def run(self, shape: str) -> float:
+        """One step; returns its wall time in ms."""
+        t0 = time.perf_counter()
+        if shape == "ddp":
+            x = self.a
+            works = []
+            for bucket in self.buckets:
+                x = x @ self.b  # the next layer's backward overlaps the previous bucket's all_reduce
+                works.append(self.ar(bucket, async_op=True))
+            for w in works:
+                w.wait()
+        else:
+            self.matmuls()
+            if shape == "big":
+                self.ar(self.big)
+            elif shape == "mixed":
+                self.ar(self.mixed_big)
+                for t in self.tiny[:50]:
+                    self.ar(t)
+            else:
+                for t in self.tiny:
+                    self.ar(t)
+        self.sync()
+        return (time.perf_counter() - t0) * 1e3
+
+
+def worker(args: argparse.Namespace) -> None:
+    rank = int(os.environ["RANK"])
+    cuda = args.device == "cuda"
+    backend = "nccl" if cuda else "gloo"
+    if cuda:
+        dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
+        torch.cuda.set_device(dev)
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=120), device_id=dev)
+    else:
+        dev = torch.device("cpu")
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=120))
+    bare_pg = dist.new_group(list(range(dist.get_world_size())), backend=backend)
+    comm = new_comm(backend, dev, "bench_step")
+    FlightRecorderHook(max_entries=2000).register_with_comm(comm)
+
+    def bare_ar(t: torch.Tensor, async_op: bool = False) -> Any:
+        return dist.all_reduce(t, group=bare_pg, async_op=async_op)
+
+    steps = {"bare": Step(bare_ar, dev, cuda), "ours": Step(comm.all_reduce, dev, cuda)}
+    for shape in SHAPES:  # warm-up: NCCL channels, cuBLAS, event slots
+        for s in steps.values():
+            for _ in range(args.warmup):
+                s.run(shape)
+    times: dict[str, dict[str, list[float]]] = {v: {sh: [] for sh in SHAPES} for v in steps}
+    for rnd in range(args.rounds):
+        for shape in SHAPES:
+            # Alternate which variant goes first, so neither always follows the other.
+            order = ("bare", "ours") if rnd % 2 == 0 else ("ours", "bare")
+            for v in order:
+                per = [steps[v].run(shape) for _ in range(args.steps)]
+                times[v][shape].append(statistics.median(per))
+    dist.barrier()
+    if rank == 0:
+        out = {v: {sh: statistics.median(ts) for sh, ts in d.items()} for v, d in times.items()}
+        print("RESULT " + json.dumps(out), flush=True)
+    dist.destroy_process_group()
+
+
+def launch(args: argparse.Namespace, fr_entries: int, port: int) -> dict[str, dict[str, float]]:
+    env = dict(os.environ)
+    for k in FR_ENV:
+        env[k] = str(fr_entries)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={args.nproc}",
+        f"--master-port={port}", __file__, "--worker", "--device", args.device,
+        "--rounds", str(args.rounds), "--steps", str(args.steps), "--warmup", str(args.warmup),
+    ]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.job_timeout)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    if proc.returncode != 0 or not lines:
+        sys.exit(f"bench job (c10d FR {fr_entries}) failed, exit {proc.returncode}:\n"
+                 f"{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--nproc", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=15, help="rounds per shape and variant (median)")
+    ap.add_argument("--steps", type=int, default=10, help="steps per round (median)")
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--port", type=int, default=int(os.environ.get("MASTER_PORT", "29460")))
+    ap.add_argument("--max-ratio", type=float, default=None,
+                    help="exit 1 when ours / bare (c10d FR on) exceeds this on some shape")
+    ap.add_argument("--job-timeout", type=float, default=400.0)
+    ap.add_argument("--json", default=None, help="also write the medians here")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        worker(args)
+        return 0
+
+    off = launch(args, 0, args.port)
+    on = launch(args, 2000, args.port + 1)
+    print(f"torch {torch.__version__}, device {args.device}, {args.nproc} ranks, "
+          f"{args.rounds} rounds x {args.steps} steps, medians in ms per step")
+    print(f"{'shape':>6} {'bare':>8} {'bare+FR':>8} {'ours+FR':>8} {'ours/bare+FR':>12} "
+          f"{'FR cost':>8} {'ours (FR off)':>13} {'ours/bare (FR off)':>18}")
+    over = []
+    for sh in SHAPES:
+        bare_off, ours_off = off["bare"][sh], off["ours"][sh]
+        bare_on, ours_on = on["bare"][sh], on["ours"][sh]
+        ratio = ours_on / bare_on
+        if args.max_ratio is not None and ratio > args.max_ratio:
+            over.append(f"{sh} {ratio:.3f}")
+        print(f"{sh:>6} {bare_off:>8.3f} {bare_on:>8.3f} {ours_on:>8.3f} {ratio:>12.3f} "
+              f"{bare_on / bare_off:>8.3f} {ours_off:>13.3f} {ours_off / bare_off:>18.3f}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"fr_off": off, "fr_on": on}, indent=1))
+    if over:
+        print(f"OVER the {args.max_ratio} budget: {', '.join(over)}")
+        return 1
+    if args.max_ratio is not None:
+        print(f"all shapes within ours / bare <= {args.max_ratio}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
