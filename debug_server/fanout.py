@@ -314,7 +314,8 @@ class Collector:
                        addrs: Sequence[WorkerAddr]) -> list[RankResult]:
         """Our handler, told which member lists this frontend holds (``members``); a worker
         that does not know that parameter (400 naming it) is asked without it, from then on."""
-        known = members.known_param()
+        # aiohttp refuses request lines over 8190 bytes, and ``since`` may take most of them.
+        known = members.known_param(min(members.MAX_PARAM_CHARS, 7000 - len(urlencode(params))))
         told = [a for a in addrs if known and (a.url or "") not in self._no_members]
         if not told:
             return await self.fetch(FR_HANDLER, params, addrs)

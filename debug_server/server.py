@@ -24,7 +24,14 @@ from debug_server.auth import (
     read_token,
     token_required,
 )
-from debug_server.config import ALL_DUMPS, DEFAULT_PORT, JobEnv, ServerConfig, default_bind_host
+from debug_server.config import (
+    ALL_DUMPS,
+    DEFAULT_KEEP_BYTES,
+    DEFAULT_PORT,
+    JobEnv,
+    ServerConfig,
+    default_bind_host,
+)
 from debug_server.discovery import (
     HOST_ENV,
     Advertised,
@@ -181,6 +188,7 @@ def start_debug_server(
     host: str | None = None,
     *,
     keep_dumps: int = 50,
+    keep_bytes: int = DEFAULT_KEEP_BYTES,
     max_concurrency: int = 64,
     stall_timeout: float | None = DEFAULT_STALL_TIMEOUT,
     auth: str = "auto",
@@ -215,6 +223,8 @@ def start_debug_server(
             ``host``, else the local address of the interface that reaches ``MASTER_ADDR``
             (never a loopback address while another one exists).
         keep_dumps: Dump cycles kept in ``dump_dir`` (default 50); older files are deleted.
+        keep_bytes: Most bytes the dump cycles in ``dump_dir`` may hold (default 2 GiB); the
+            oldest cycles are deleted first, the newest is always kept.
         max_concurrency: Most worker requests the frontend has in flight at once (default 64).
         stall_timeout: Seconds an op may stay in flight before it counts as stalled (default
             60): the process default of every ``FlightRecorderHook`` created with
@@ -260,7 +270,8 @@ def start_debug_server(
     config = ServerConfig(
         port=port, worker_port=worker_port, dump_dir=dump_dir, dump_interval=dump_interval,
         enabled_dumps=ALL_DUMPS if enabled_dumps is None else frozenset(enabled_dumps),
-        fetch_timeout=fetch_timeout, keep_dumps=keep_dumps, max_concurrency=max_concurrency,
+        fetch_timeout=fetch_timeout, keep_dumps=keep_dumps, keep_bytes=keep_bytes,
+        max_concurrency=max_concurrency,
         stall_timeout=stall_timeout, auth_token=auth_token,
         host=bind_host,
     )
@@ -375,6 +386,7 @@ def _spawn_frontend(config: ServerConfig, job: JobEnv) -> tuple[subprocess.Popen
         "--dump-interval", str(config.dump_interval),
         "--enabled-dumps", ",".join(sorted(config.enabled_dumps)),
         "--keep-dumps", str(config.keep_dumps),
+        "--keep-bytes", str(config.keep_bytes),
         "--fetch-timeout", str(config.fetch_timeout),
         "--max-concurrency", str(config.max_concurrency),
         "--parent-pid", str(os.getpid()),

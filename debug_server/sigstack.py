@@ -13,9 +13,12 @@ that process (``/proc/<pid>/fd/<fd>`` is the published file: guards against a re
 empties the file, sends the signal, and reads the file back with a bounded wait. The section
 is marked ``(captured by signal; worker not answering)``.
 
-Like any signal, it interrupts a ``sleep()`` or ``poll()`` that C code is blocked in (EINTR);
-restartable calls (``read`` on a pipe, a futex) resume, since faulthandler sets SA_RESTART.
-Set ``DEBUG_SERVER_SIGNAL_STACKS=0`` in a rank's environment to not register the signal.
+Like any signal, it interrupts a ``sleep()`` or ``poll()`` that C code is blocked in (EINTR;
+``nanosleep``, ``poll``, ``epoll_wait`` and ``select`` are never restarted, whatever SA_RESTART
+says): the rank then runs on early and the page shows the line after the one it was stuck on.
+So this path is off unless a rank opts in (``start_debug_server(signal_stacks=True)`` or
+``DEBUG_SERVER_SIGNAL_STACKS=1``), and even then the frontend uses it only for a rank that
+py-spy could not read (``pyspy``: absent, or ptrace not permitted).
 """
 
 from __future__ import annotations
@@ -38,7 +41,8 @@ logger = logging.getLogger(__name__)
 
 META_KEY = "sigstack"
 """Key of ``{"signal", "file", "fd"}`` in the discovery sidecar."""
-DISABLE_ENV = "DEBUG_SERVER_SIGNAL_STACKS"
+OPT_IN_ENV = "DEBUG_SERVER_SIGNAL_STACKS"
+"""``1``: opt in to stacks by signal (the default is off); ``start_debug_server(signal_stacks=)`` wins."""
 FILE_PREFIX = "debug_server_sigstack_"
 MARKER = "(captured by signal; worker not answering)"
 CAPTURE_TIMEOUT_S = 1.0
@@ -74,9 +78,15 @@ class SigStack:
             os.unlink(self.path)
 
 
-def install() -> SigStack | None:
-    """Register faulthandler for a free real-time signal; None where that is not possible."""
-    if os.environ.get(DISABLE_ENV, "1") == "0":
+def opted_in(enabled: bool | None = None) -> bool:
+    """``enabled`` if given, else ``$DEBUG_SERVER_SIGNAL_STACKS == "1"`` (off by default)."""
+    return enabled if enabled is not None else os.environ.get(OPT_IN_ENV, "0") == "1"
+
+
+def install(enabled: bool | None = None) -> SigStack | None:
+    """Register faulthandler for a free real-time signal where the rank opted in (``enabled``,
+    else ``$DEBUG_SERVER_SIGNAL_STACKS``); None when it did not or that is not possible."""
+    if not opted_in(enabled):
         return None
     if not hasattr(faulthandler, "register") or threading.current_thread() is not threading.main_thread():
         return None  # signal dispositions are only checked reliably from the main thread
@@ -184,5 +194,8 @@ class SignalCapture:
         for r, text in zip(todo, texts, strict=True):
             if text:
                 r.body = f"{MARKER}\n{text}"
-                r.error = f"worker timed out after {r.elapsed_s:.1f} s; stacks captured by signal"
+                why = r.error.split("; ", 1)[1] if r.error and "; " in r.error else None
+                r.note = (f"worker timed out after {r.elapsed_s:.1f} s; stacks captured by signal"
+                          + (f" ({why})" if why else ""))
+                r.error = None
                 r.status = "ok"

@@ -29,6 +29,8 @@ _THREAD_RE = re.compile(
     r"^(?P<current>Current thread|Thread|Stack)\s*(?P<tid>0x[0-9a-fA-F]+)?[^(]*\(most recent call first\):\s*$"
 )
 _FRAME_RE = re.compile(r'^\s+File "(?P<file>.*)", line (?P<line>\d+) in (?P<func>.+?)\s*$')
+# A native frame, as ``pyspy`` writes py-spy's ``--native`` frames into this layout.
+_NATIVE_RE = re.compile(r'^\s+Native "(?P<file>.*)"(?:, line (?P<line>\d+))? in (?P<func>.+?)\s*$')
 
 # Function names that mean "this thread is inside a collective or waiting for one".
 COLLECTIVE_NAMES = frozenset(
@@ -55,6 +57,8 @@ class Frame:
     filename: str
     line: int
     function: str
+    native: bool = False
+    """A C/C++ frame (py-spy ``--native``): ``filename`` is the library or source file."""
 
 
 @dataclass(slots=True)
@@ -78,6 +82,8 @@ class Position:
     """True when any frame is a collective/wait call or lives in torch.distributed or comms.py."""
     call: str | None
     """The call on the source line when the source is readable (``time.sleep``), else None."""
+    native: str | None = None
+    """The innermost named native frame (``clock_nanosleep``) when the stack has native frames."""
 
 
 def parse_threads(text: str) -> list[Thread]:
@@ -91,18 +97,29 @@ def parse_threads(text: str) -> list[Thread]:
             threads.append(cur)
             continue
         fm = _FRAME_RE.match(raw)
-        if fm:
+        nm = None if fm else _NATIVE_RE.match(raw)
+        if fm or nm:
             if cur is None:
                 # Frames without a header (a single-thread dump that lost its first line).
                 cur = Thread(ident="", current=False)
                 threads.append(cur)
-            cur.frames.append(Frame(fm.group("file"), int(fm.group("line")), fm.group("func")))
+            if fm:
+                cur.frames.append(Frame(fm.group("file"), int(fm.group("line")), fm.group("func")))
+            elif nm:
+                cur.frames.append(Frame(nm.group("file"), int(nm.group("line") or 0),
+                                        nm.group("func"), native=True))
     return threads
 
 
+def python_frames(frames: list[Frame]) -> list[Frame]:
+    """The Python frames of a stack (native ones, from py-spy ``--native``, left out)."""
+    return [f for f in frames if not f.native]
+
+
 def main_thread(threads: list[Thread]) -> Thread | None:
-    """The training thread: outermost frame is ``<module>``; prefer one that did not dump."""
-    with_module = [t for t in threads if t.frames and t.frames[-1].function == "<module>"]
+    """The training thread: outermost Python frame is ``<module>``; prefer one that did not dump."""
+    with_module = [t for t in threads
+                   if (py := python_frames(t.frames)) and py[-1].function == "<module>"]
     for pool in (
         [t for t in with_module if not t.current],
         with_module,
@@ -144,7 +161,20 @@ def _source_call(frame: Frame) -> str | None:
 
 
 def summarize(frames: list[Frame]) -> Position:
-    """Summarize a thread's frames (innermost first) as a :class:`Position`."""
+    """Summarize a thread's frames (innermost first) as a :class:`Position`.
+
+    The position is that of the Python frames; native frames (py-spy ``--native``) add the
+    innermost named C function: ``usleep at hold.py:6 in clock_nanosleep (libc.so.6)``.
+    """
+    native = next((f for f in frames if f.native and f.function != "??"), None)
+    pos = _summarize_python(python_frames(frames))
+    if native is None:
+        return pos
+    return Position(f"{pos.summary} in {native.function} ({native.filename})", pos.position,
+                    pos.in_collective, pos.call, native.function)
+
+
+def _summarize_python(frames: list[Frame]) -> Position:
     if not frames:
         return Position("no Python frame", "?", False, None)
     in_coll = any(is_collective_frame(f) for f in frames)

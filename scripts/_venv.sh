@@ -10,7 +10,12 @@ if ! python -c "import torch" >/dev/null 2>&1; then
   # because torch warns at every start without it ("Failed to initialize NumPy").
   python -m pip install --quiet "torch==2.13.0" numpy
 fi
-if ! python -c "import debug_server, pytest_aiohttp, pytest_timeout, hypothesis, prometheus_client, selenium" >/dev/null 2>&1; then
+# py-spy (a dependency on Linux x86_64/aarch64) is a binary, not a module: check it on its own.
+NEED_PYSPY=0
+case "$(uname -s)-$(uname -m)" in
+  Linux-x86_64|Linux-aarch64) [ -x .venv/bin/py-spy ] || NEED_PYSPY=1 ;;
+esac
+if [ "$NEED_PYSPY" = 1 ] || ! python -c "import debug_server, pytest_aiohttp, pytest_timeout, hypothesis, prometheus_client, selenium" >/dev/null 2>&1; then
   python -m pip install --quiet -e ".[test]"
 fi
 # The browser test drives Debian's Chromium (never a browser download; clusters are offline).

@@ -166,8 +166,10 @@ def _get(url: str, timeout: float = 20) -> tuple[int, str, float]:
 
 
 @pytest.mark.timeout(90)
-def test_gil_holding_rank_stacks_come_by_signal_and_the_frontend_keeps_serving(
+def test_gil_holding_rank_that_opted_in_comes_by_signal_without_pyspy_and_the_frontend_keeps_serving(
         tcp_store: Any, tmp_path: Path) -> None:
+    # The signal path is opt-in and only stands in where py-spy cannot read the rank (here:
+    # absent); py-spy itself is covered in test_pyspy.py.
     script = tmp_path / "rank_script.py"
     script.write_text(textwrap.dedent(HOLDER))
     hold_line = 1 + script.read_text().splitlines().index(
@@ -176,7 +178,8 @@ def test_gil_holding_rank_stacks_come_by_signal_and_the_frontend_keeps_serving(
     hold_r, hold_w = os.pipe()
     env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(tcp_store.port),
-           "PYTHONPATH": str(REPO), "HOLD_FD": str(hold_r)}
+           "PYTHONPATH": str(REPO), "HOLD_FD": str(hold_r),
+           "DEBUG_SERVER_SIGNAL_STACKS": "1", "DEBUG_SERVER_PYSPY": str(tmp_path / "no-py-spy")}
     with log.open("wb") as out:
         proc = subprocess.Popen([sys.executable, str(script)], env=env, cwd=tmp_path, stdout=out,
                                 stderr=subprocess.STDOUT, start_new_session=True,
@@ -188,6 +191,9 @@ def test_gil_holding_rank_stacks_come_by_signal_and_the_frontend_keeps_serving(
             assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
             time.sleep(0.05)
         base = m.group(1)
+        # The first page also waits for the frontend's store connection (seconds on a busy
+        # machine); the bound below is about the stacks path.
+        assert _get(f"{base}/?format=json")[0] == 200
         status, text, took = _get(f"{base}/stacks")
         assert status == 200 and took < 3.0, (took, text)
         assert MARKER in text
@@ -205,8 +211,15 @@ def test_gil_holding_rank_stacks_come_by_signal_and_the_frontend_keeps_serving(
         _kill(proc)
 
 
+def test_signal_stacks_are_off_unless_the_rank_opts_in(monkeypatch: Any) -> None:
+    monkeypatch.delenv("DEBUG_SERVER_SIGNAL_STACKS", raising=False)
+    assert install() is None
+    monkeypatch.setenv("DEBUG_SERVER_SIGNAL_STACKS", "1")
+    assert install(False) is None  # start_debug_server(signal_stacks=False) wins over the env
+
+
 def test_signal_capture_refuses_a_pid_that_does_not_hold_the_file() -> None:
-    sig = install()
+    sig = install(True)
     assert sig is not None
     try:
         text = capture(os.getpid(), sig.meta())

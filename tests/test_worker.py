@@ -24,7 +24,8 @@ from debug_server.worker import (
 )
 
 HANDLER_NAMES = {"ping", "dump_traceback", "torchcomms_fr_trace_json", "fr_trace_json",
-                 "torchcomms_fr_dump_file", "torchcomms_health_check"}
+                 "torchcomms_fr_dump_file", "torchcomms_health_check", "pyspy_dump",
+                 "torch_profile", "wait_counter_values"}
 
 
 def _dump() -> dict[str, Any]:

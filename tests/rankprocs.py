@@ -1,0 +1,59 @@
+"""Real rank processes that a test watches while they run.
+
+Each rank runs the same script with its own environment; its output goes to a log file the test
+polls for marker lines (a pipe would fill up and block the rank). Every rank runs in its own
+session, so ``close()`` ends it and anything it started (rank 0's frontend) by process group.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+
+class RankProcs:
+    """``world_size`` processes running ``script`` (dedented) in ``tmp``; ``env(rank)`` each."""
+
+    def __init__(self, tmp: Path, script: str, world_size: int,
+                 env: Callable[[int], dict[str, str]]) -> None:
+        self.tmp = tmp
+        self.script = tmp / "rank_script.py"
+        self.script.write_text(textwrap.dedent(script))
+        self.lines = self.script.read_text().splitlines()
+        self.logs = [tmp / f"rank{r}.log" for r in range(world_size)]
+        self.procs: list[subprocess.Popen[bytes]] = []
+        for r in range(world_size):
+            with self.logs[r].open("wb") as out:
+                self.procs.append(subprocess.Popen(
+                    [sys.executable, str(self.script)], env=env(r), cwd=tmp, stdout=out,
+                    stderr=subprocess.STDOUT, start_new_session=True))
+
+    def wait_for(self, rank: int, pattern: str, timeout: float = 60) -> re.Match[str]:
+        """The first line of ``rank``'s output matching ``pattern``; fails if the rank dies."""
+        deadline = time.monotonic() + timeout
+        while not (m := re.search(pattern, self.logs[rank].read_text(), re.M)):
+            assert self.procs[rank].poll() is None and time.monotonic() < deadline, self.log(rank)
+            time.sleep(0.02)
+        return m
+
+    def line_of(self, marker: str) -> int:
+        """The 1-based line of the script that ends with ``# marker``."""
+        return 1 + next(i for i, ln in enumerate(self.lines) if ln.endswith(f"# {marker}"))
+
+    def log(self, rank: int) -> str:
+        return self.logs[rank].read_text()[-3000:]
+
+    def close(self) -> None:
+        for p in self.procs:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)  # works on a stopped process too
+            except ProcessLookupError:
+                pass
+            p.wait(10)
