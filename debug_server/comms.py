@@ -34,17 +34,19 @@ Semantics worth knowing (those of ``torch.distributed`` and TorchComms):
 from __future__ import annotations
 
 import atexit
+import bisect
 import collections
 import datetime
 import itertools
 import logging
+import operator
 import os
 import sys
 import threading
 import time
 import weakref
 from collections.abc import Callable, Sequence
-from typing import Any, NoReturn
+from typing import Any, NamedTuple, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -301,6 +303,145 @@ def _c10d_group_name(pg: Any) -> str | None:
     return str(name) if name else None
 
 
+_first = operator.itemgetter(0)
+
+# -- which recorder runs (see the module doc) ---------------------------------------------------
+RECORDER_ENV = "DEBUG_SERVER_RECORDER"
+"""``auto`` (default): c10d's recorder on NCCL when it is on, ours elsewhere; ``c10d``: c10d's
+wherever it records (gloo too: the tests use it); ``python``: ours everywhere."""
+_FR_BUFFER_ENV = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")
+# c10d's pickle dump of each recorder (pg_config, pg_status and, when asked, entries).
+_C10D_DUMP = {"nccl": "_dump_nccl_trace", "gloo": "_dump_fr_trace"}
+
+
+def _c10d_fr_on() -> bool:
+    """Whether c10d's Flight Recorder records: c10d reads the first of ``TORCH_FR_BUFFER_SIZE``
+    and ``TORCH_NCCL_TRACE_BUFFER_SIZE`` that is set (torch 2.11 and 2.13), and records by
+    default (2000 entries) when neither is."""
+    for k in _FR_BUFFER_ENV:
+        v = os.environ.get(k)
+        if v:
+            try:
+                return int(v) > 0
+            except ValueError:
+                return False
+    return True
+
+
+def _c10d_dump_fn(backend: str) -> Callable[..., Any] | None:
+    try:
+        from torch._C import _distributed_c10d as c10d
+    except ImportError:
+        return None
+    name = _C10D_DUMP.get(backend)
+    return getattr(c10d, name, None) if name else None
+
+
+def _c10d_backed(backend: str) -> bool:
+    """Whether a new communicator on ``backend`` lets c10d's recorder record its ops."""
+    mode = os.environ.get(RECORDER_ENV, "auto").strip().lower() or "auto"
+    if mode not in ("auto", "c10d", "python"):
+        raise ValueError(f"{RECORDER_ENV}={mode!r}: expected auto, c10d or python")
+    if mode == "python" or not _c10d_fr_on() or _c10d_dump_fn(backend) is None:
+        return False
+    return mode == "c10d" or backend == "nccl"
+
+
+# c10d's pg_status of its NCCL groups, read once per watchdog pass (see Comm._watch_backed).
+_status_at = -1
+_status: dict[str, Any] | None = None
+
+
+def _c10d_nccl_status(now: int) -> dict[str, Any] | None:
+    """``{group: {"last_completed_collective": ..}}`` from c10d's NCCL recorder, or None when it
+    cannot be read. No entries are copied (that would hold c10d's recorder lock for ms)."""
+    global _status_at, _status
+    if _status_at == now:
+        return _status
+    _status_at = now
+    fn = _c10d_dump_fn("nccl")
+    try:
+        import pickle
+
+        # c10d's own bytes made in this process (plain dicts and ints), not network data.
+        dump = pickle.loads(fn(False, False, False)) if fn is not None else None
+        _status = dump.get("pg_status") if isinstance(dump, dict) else None
+    except Exception:
+        logger.debug("reading c10d's NCCL pg_status failed", exc_info=True)
+        _status = None
+    return _status
+
+
+class InFlight(NamedTuple):
+    """An op of a c10d-backed communicator not yet seen completed (``Comm.in_flight()``): what
+    the stall check and health need; the full entry is in c10d's recorder."""
+
+    comm: Comm
+    op: str
+    seq: int
+    p2p_seq: int
+    is_p2p: bool
+    time_created_ns: int
+
+    @property
+    def record_id(self) -> tuple[Any, ...]:
+        return ("c10d", self.comm.pg_id, self.is_p2p, self.p2p_seq if self.is_p2p else self.seq)
+
+
+class BackedWork:
+    """The work object of an ``async_op=True`` call on a c10d-backed communicator (same
+    ``wait``/``is_completed`` semantics as :class:`CommWork`)."""
+
+    __slots__ = ("_comm", "_op", "_seq", "_is_p2p", "_work")
+
+    def __init__(self, comm: Comm, op: str, seq: int, is_p2p: bool, work: Any) -> None:
+        self._comm = comm
+        self._op = op
+        self._seq = seq
+        self._is_p2p = is_p2p
+        self._work = work
+
+    def is_completed(self) -> bool:
+        work = self._work
+        try:
+            return work is None or bool(work.is_completed()) or bool(self._comm._broken)
+        except RuntimeError:  # the op failed: it will not complete
+            return bool(self._comm._broken)
+
+    def wait(self, timeout: datetime.timedelta | float | None = None) -> bool:
+        comm = self._comm
+        work = self._work
+        if work is None:
+            return True
+        if comm._broken is not None and not self.is_completed():
+            comm._raise_broken()
+        td = _as_timedelta(timeout)
+        try:
+            if not comm._is_cuda:
+                work.wait() if td is None else work.wait(timeout=td)
+            else:
+                if td is not None:
+                    deadline = time.monotonic() + td.total_seconds()
+                    delay = 5e-5
+                    while not work.is_completed():
+                        if comm._broken is not None:
+                            comm._raise_broken()
+                        if time.monotonic() >= deadline:
+                            comm._fail_op(self._op, self._seq, self._is_p2p, TimeoutError(
+                                f"not completed within {td.total_seconds():g} s"), td, timed_out=True)
+                        time.sleep(delay)
+                        delay = min(delay * 2, 2e-3)
+                work.wait()  # the current stream waits for the op
+        except RuntimeError as exc:
+            if comm._broken is not None:
+                comm._raise_broken(cause=exc)
+            comm._fail_op(self._op, self._seq, self._is_p2p, exc, td or comm._timeout)
+        if comm._broken is not None and not comm._is_cuda:
+            comm._raise_broken()
+        self._work = None
+        return True
+
+
 class Comm:
     """A communicator: one process group, its own sequence numbers, and hooks."""
 
@@ -313,6 +454,7 @@ class Comm:
         ranks: list[int],
         timeout: datetime.timedelta,
         abort_process_on_timeout_or_error: bool,
+        c10d_backed: bool = False,
     ) -> None:
         self._pg = pg
         self._name = name
@@ -346,13 +488,20 @@ class Comm:
         # state the op has not reached.
         self._starts: list[Any] = []
         self._ends: list[Any] = []
-        if self._is_cuda:
-            self._starts = [torch.cuda.Event() for _ in range(_SLOTS)]
-            self._ends = [torch.cuda.Event() for _ in range(_SLOTS)]
-            # torch creates a CUDA event at its first record: do that here, not on the hot path.
-            stream = self._current_stream()
-            for ev in self._starts + self._ends:
-                _record_event(ev, stream)
+        # c10d-backed (see the module doc): c10d's own recorder has every op; the op path only
+        # counts and remembers what is in flight for the watchdog. The events are made only if
+        # a pre/post hook asks for our records (_ensure_slots).
+        self._backed = bool(c10d_backed) and self._c10d_name is not None
+        if self._is_cuda and not self._backed:
+            self._ensure_slots()
+        # c10d-backed in-flight ops, appended by the op's thread, trimmed by the watchdog:
+        # (seq, op, time_ns) of NCCL collectives (completion from c10d's pg_status), and
+        # (seq, op, time_ns, is_p2p, work) of ops whose c10d work tells completion (gloo async
+        # ops, NCCL P2P, and NCCL collectives once P2P ran: c10d's status then mixes counters).
+        self._pend: list[tuple[int, str, int]] = []
+        self._pend_w: list[tuple[int, str, int, bool, Any]] = []
+        self._had_p2p = False
+        self._status_warned = False
         # Ops the watchdog still watches (see _watch_pass): collectives in issue order (CUDA),
         # records queried one by one (CUDA P2P, gloo async), async CUDA collectives holding
         # c10d's work.
@@ -366,6 +515,19 @@ class Comm:
         # (hooks, dump), then the RuntimeError message that every later op and wait() raises.
         self._broken: str | None = None
         _watchdog_add(self)
+
+    def _ensure_slots(self) -> None:
+        """CUDA: create the start/end event slots (once) that our own records' states use."""
+        if not self._is_cuda or self._starts:
+            return
+        starts = [torch.cuda.Event() for _ in range(_SLOTS)]
+        ends = [torch.cuda.Event() for _ in range(_SLOTS)]
+        # torch creates a CUDA event at its first record: do that here, not on the hot path.
+        stream = self._current_stream()
+        for ev in starts + ends:
+            _record_event(ev, stream)
+        self._ends = ends
+        self._starts = starts
 
     def _current_stream(self) -> Any:
         # torch.cuda.current_stream() builds a Stream object per call (~5 us on an H200 host);
@@ -419,17 +581,37 @@ class Comm:
         entries c10d's own Flight Recorder writes for its ops), or None when unknown."""
         return self._c10d_name
 
+    @property
+    def c10d_backed(self) -> bool:
+        """True when c10d's own Flight Recorder records this communicator's ops (the op path
+        builds no record; the Flight Recorder hook reads c10d's entries at dump time)."""
+        return self._backed
+
+    def in_flight(self) -> list[InFlight]:
+        """c10d-backed: the ops not yet seen completed (as of the watchdog's last pass)."""
+        if not self._backed:
+            return []
+        out = [InFlight(self, op, seq, 0, False, t) for seq, op, t in list(self._pend)]
+        for seq, op, t, p2p, _ in list(self._pend_w):
+            out.append(InFlight(self, op, -1 if p2p else seq, seq if p2p else 0, p2p, t))
+        out.sort(key=lambda x: x.time_created_ns)
+        return out
+
     def __repr__(self) -> str:
         return f"Comm(name={self._name!r}, backend={self._backend!r}, rank={self._rank}, size={len(self._ranks)})"
 
     # -- hooks --------------------------------------------------------------------------------
     def register_pre_hook(self, fn: Callable[[OpRecord], None]) -> HookHandle:
-        """``fn(record)`` runs before each op is issued."""
+        """``fn(record)`` runs before each op is issued (on a c10d-backed communicator this
+        turns on building an ``OpRecord`` per op: a few microseconds each)."""
+        self._ensure_slots()
         self._pre_hooks.append(fn)
         return HookHandle(self._pre_hooks, fn)
 
     def register_post_hook(self, fn: Callable[[OpRecord], None]) -> HookHandle:
-        """``fn(record)`` runs after each op call returns (completed if sync, issued if async)."""
+        """``fn(record)`` runs after each op call returns (completed if sync, issued if async);
+        like a pre-hook, it turns on building records on a c10d-backed communicator."""
+        self._ensure_slots()
         self._post_hooks.append(fn)
         return HookHandle(self._post_hooks, fn)
 
@@ -576,6 +758,63 @@ class Comm:
             f(rec)
         return None
 
+    def _issue(self, op: str, fn: Callable[..., Any], args: tuple[Any, ...], kw: dict[str, Any],
+               async_op: bool, p2p: bool = False) -> BackedWork | None:
+        """The c10d-backed op path: count, call torch (c10d records the op), remember it for the
+        watchdog. No stack capture, no events, no record: c10d's recorder has all of that.
+
+        The call is always async_op=True so that we hold c10d's work; for a sync op ``wait()``
+        follows at once, which is what ``torch.distributed`` itself does for async_op=False
+        (NCCL: the current stream waits; gloo: the host waits).
+        """
+        if self._broken is not None:
+            self._raise_broken()
+        if self._finalized:
+            raise RuntimeError(f"communicator {self._name!r} is finalized")
+        with self._lock:
+            if p2p:
+                seq = self._p2p_seq
+                self._p2p_seq = seq + 1
+            else:
+                seq = self._seq
+                self._seq = seq + 1
+        try:
+            work = fn(*args, **kw) if p2p else fn(*args, async_op=True, **kw)
+            if not async_op and work is not None:
+                work.wait()  # gloo: the host waits, bounded by the group's (= our) timeout
+        except Exception as exc:
+            self._fail_op(op, seq, p2p, exc, None if self._is_cuda else self._timeout)
+        if not self._is_cuda:
+            if not async_op:
+                return None
+            # gloo async: the work tells completion (and holds what gloo holds anyway).
+            self._pend_w.append((seq, op, time.time_ns(), p2p, work))
+            return BackedWork(self, op, seq, p2p, work)
+        if p2p or self._had_p2p:
+            if p2p:
+                self._had_p2p = True
+            self._pend_w.append((seq, op, time.time_ns(), p2p, work))
+        else:
+            # No work kept: it holds the tensors, and a loop of sync ops on fresh tensors would
+            # pile them up until the watchdog's next pass. c10d's pg_status says completion.
+            self._pend.append((seq, op, time.time_ns()))
+        if async_op:
+            return BackedWork(self, op, seq, p2p, work)
+        if self._broken is not None:  # c10d blocked the host (barrier) until we aborted
+            self._raise_broken()
+        return None
+
+    def _fail_op(self, op: str, seq: int, is_p2p: bool, exc: BaseException,
+                 td: datetime.timedelta | None = None, timed_out: bool | None = None,
+                 created_ns: int | None = None, wait_for_other: bool = True) -> NoReturn:
+        """The abort path (``_fail``) for an op of the c10d-backed path, which has no record:
+        one is made now, for the abort hooks and the message."""
+        rec = OpRecord(self, op, seq if not is_p2p else self._seq, seq if is_p2p else self._p2p_seq,
+                       -1, is_p2p, "?" if is_p2p else "", (), (), (), (), True)
+        if created_ns is not None:
+            rec.time_created_ns = created_ns
+        self._fail(rec, exc, td, timed_out=timed_out, wait_for_other=wait_for_other)
+
     def _raise_broken(self, limit_s: float = 120.0, cause: BaseException | None = None) -> NoReturn:
         """Raise this communicator's failure, once its abort path (hooks, dump) has finished."""
         deadline = time.monotonic() + limit_s
@@ -699,6 +938,8 @@ class Comm:
         if self._broken is not None or self._finalized:
             return
         limit_ns = int(self._timeout.total_seconds() * 1e9)
+        if self._backed and self._watch_backed(now, limit_ns):
+            return
         lst = self._inflight
         n = len(lst)
         if n:
@@ -749,6 +990,78 @@ class Comm:
         # One slice assignment (the op's thread may have appended meanwhile, past index n).
         loose[:n] = keep
 
+    def _watch_backed(self, now: int, limit_ns: int) -> bool:
+        """The c10d-backed in-flight ops: drop the completed ones, fire on one older than the
+        timeout. Returns True when it fired."""
+        pend = self._pend
+        n = len(pend)
+        if n:
+            status = _c10d_nccl_status(now)
+            st = status.get(self._c10d_name) if isinstance(status, dict) else None
+            if st is None:
+                # c10d's status cannot be read (c10d notes a group's status when it records the
+                # group's first op, before our append): nothing can be known complete, so no
+                # timeout either (c10d's own watchdog stays the backstop), and nothing is kept.
+                if not self._status_warned:
+                    self._status_warned = True
+                    logger.warning("communicator %r: c10d's pg_status is unreadable; the debug_server "
+                                   "watchdog cannot time its ops out", self._name)
+                del pend[:n]
+                return False
+            try:
+                # c10d counts collectives from 1, we from 0: our seq s is done when c10d's last
+                # completed >= s + 1. Only the watchdog removes from the front, and seqs rise
+                # along the list, so the first k (of the n seen) are done.
+                last = int(st.get("last_completed_collective", -1))
+            except (TypeError, ValueError):
+                return False
+            k = bisect.bisect_left(pend, last, 0, n, key=_first)
+            if k:
+                del pend[:k]
+            if pend and now - pend[0][2] > limit_ns:
+                seq, op, t = pend[0]
+                self._watch_fire_op(op, seq, False, t, now)
+                return True
+        pw = self._pend_w
+        n = len(pw)
+        if not n:
+            return False
+        keep: list[tuple[int, str, int, bool, Any]] = []
+        for i in range(n):
+            item = pw[i]
+            seq, op, t, p2p, work = item
+            if i % 64 == 63:
+                time.sleep(0)  # hand the GIL back now and then: a long pass stalls training
+            try:
+                done = work is None or work.is_completed()
+                if done and work is not None and not self._is_cuda:
+                    work.wait()  # returns at once when done; a failed gloo work raises here
+            except Exception as exc:
+                self._watch_fire_op(op, seq, p2p, t, now, exc)
+                return True
+            if done:
+                continue
+            if now - t > limit_ns:
+                self._watch_fire_op(op, seq, p2p, t, now)
+                return True
+            keep.append(item)
+        # One slice assignment (the op's thread may have appended meanwhile, past index n).
+        pw[:n] = keep
+        return False
+
+    def _watch_fire_op(self, op: str, seq: int, is_p2p: bool, created_ns: int, now: int,
+                       exc: BaseException | None = None) -> None:
+        timed_out: bool | None = None
+        if exc is None:
+            exc = TimeoutError(f"in flight for {(now - created_ns) / 1e9:.1f} s without completing "
+                               "(debug_server watchdog)")
+            timed_out = True
+        try:
+            self._fail_op(op, seq, is_p2p, exc, self._timeout, timed_out=timed_out, created_ns=created_ns,
+                          wait_for_other=False)
+        except RuntimeError:
+            pass  # raised to the op's thread by its next op or wait()
+
     def _watch_fire(self, rec: OpRecord, now: int, exc: BaseException | None = None) -> None:
         if exc is None:
             age = (now - rec.time_created_ns) / 1e9
@@ -765,18 +1078,26 @@ class Comm:
     # Each op passes torch.distributed's own function and async_op through: with
     # async_op=False, c10d orders the current stream after the collective (NCCL) or waits on the
     # host (gloo), exactly as a bare torch.distributed call does.
-    def all_reduce(self, tensor: torch.Tensor, op: Any = ReduceOp.SUM, async_op: bool = False) -> CommWork | None:
+    def all_reduce(self, tensor: torch.Tensor, op: Any = ReduceOp.SUM, async_op: bool = False) -> CommWork | BackedWork | None:
+        if self._backed and not self._pre_hooks and not self._post_hooks:
+            return self._issue("all_reduce", dist.all_reduce, (tensor,), {"op": op, "group": self._pg}, async_op)
         rec = self._record1("all_reduce", tensor, async_op)
         return self._run(rec, dist.all_reduce, (tensor,), {"op": op, "group": self._pg, "async_op": async_op})
 
-    def broadcast(self, tensor: torch.Tensor, root: int, async_op: bool = False) -> CommWork | None:
+    def broadcast(self, tensor: torch.Tensor, root: int, async_op: bool = False) -> CommWork | BackedWork | None:
+        if self._backed and not self._pre_hooks and not self._post_hooks:
+            return self._issue("broadcast", dist.broadcast, (tensor,), {"src": self._ranks[root], "group": self._pg},
+                               async_op)
         rec = self._record1("broadcast", tensor, async_op)
         src = self._ranks[root]
         return self._run(rec, dist.broadcast, (tensor,), {"src": src, "group": self._pg, "async_op": async_op})
 
     def reduce(
         self, tensor: torch.Tensor, root: int, op: Any = ReduceOp.SUM, async_op: bool = False
-    ) -> CommWork | None:
+    ) -> CommWork | BackedWork | None:
+        if self._backed and not self._pre_hooks and not self._post_hooks:
+            return self._issue("reduce", dist.reduce, (tensor,),
+                               {"dst": self._ranks[root], "op": op, "group": self._pg}, async_op)
         rec = self._record1("reduce", tensor, async_op)
         dst = self._ranks[root]
         return self._run(
@@ -785,7 +1106,9 @@ class Comm:
 
     def all_gather(
         self, tensor_list: list[torch.Tensor], tensor: torch.Tensor, async_op: bool = False
-    ) -> CommWork | None:
+    ) -> CommWork | BackedWork | None:
+        if self._backed and not self._pre_hooks and not self._post_hooks:
+            return self._issue("all_gather", dist.all_gather, (tensor_list, tensor), {"group": self._pg}, async_op)
         # Sizes as c10d's recorder writes them: the outputs as one flattened tensor, so analyzers
         # apply the same numel rule (output = input x group size) to both APIs.
         out = (torch.Size([sum(t.shape[0] if t.dim() else 1 for t in tensor_list), *tensor.shape[1:]]),)
@@ -794,7 +1117,10 @@ class Comm:
 
     def all_gather_single(
         self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False
-    ) -> CommWork | None:
+    ) -> CommWork | BackedWork | None:
+        if self._backed and not self._pre_hooks and not self._post_hooks:
+            return self._issue("all_gather_single", dist.all_gather_into_tensor, (output, input),
+                               {"group": self._pg}, async_op)
         rec = self._record("all_gather_single", (input,), (output,), async_op)
         return self._run(
             rec, dist.all_gather_into_tensor, (output, input), {"group": self._pg, "async_op": async_op}
@@ -806,7 +1132,10 @@ class Comm:
         input_list: list[torch.Tensor],
         op: Any = ReduceOp.SUM,
         async_op: bool = False,
-    ) -> CommWork | None:
+    ) -> CommWork | BackedWork | None:
+        if self._backed and not self._pre_hooks and not self._post_hooks:
+            return self._issue("reduce_scatter", dist.reduce_scatter, (output, input_list),
+                               {"op": op, "group": self._pg}, async_op)
         inp = (torch.Size([sum(t.shape[0] if t.dim() else 1 for t in input_list), *output.shape[1:]]),)
         rec = self._record("reduce_scatter", input_list[:1], (output,), async_op, input_shapes=inp)
         return self._run(
@@ -820,7 +1149,10 @@ class Comm:
         output_split_sizes: list[int] | None = None,
         input_split_sizes: list[int] | None = None,
         async_op: bool = False,
-    ) -> CommWork | None:
+    ) -> CommWork | BackedWork | None:
+        if self._backed and not self._pre_hooks and not self._post_hooks:
+            return self._issue("all_to_all_single", dist.all_to_all_single,
+                               (output, input, output_split_sizes, input_split_sizes), {"group": self._pg}, async_op)
         rec = self._record("all_to_all_single", (input,), (output,), async_op)
         return self._run(
             rec,
@@ -829,17 +1161,25 @@ class Comm:
             {"group": self._pg, "async_op": async_op},
         )
 
-    def send(self, tensor: torch.Tensor, dst: int, async_op: bool = False) -> CommWork | None:
+    def send(self, tensor: torch.Tensor, dst: int, async_op: bool = False) -> CommWork | BackedWork | None:
+        if self._backed and not self._pre_hooks and not self._post_hooks:
+            return self._issue("send", dist.isend, (tensor,), {"dst": self._ranks[dst], "group": self._pg},
+                               async_op, p2p=True)
         rec = self._record1("send", tensor, async_op, peer=f"{self._rank}->{dst}")
         fn = dist.isend if async_op else dist.send
         return self._run(rec, fn, (tensor,), {"dst": self._ranks[dst], "group": self._pg})
 
-    def recv(self, tensor: torch.Tensor, src: int, async_op: bool = False) -> CommWork | None:
+    def recv(self, tensor: torch.Tensor, src: int, async_op: bool = False) -> CommWork | BackedWork | None:
+        if self._backed and not self._pre_hooks and not self._post_hooks:
+            return self._issue("recv", dist.irecv, (tensor,), {"src": self._ranks[src], "group": self._pg},
+                               async_op, p2p=True)
         rec = self._record1("recv", tensor, async_op, peer=f"{self._rank}<-{src}")
         fn = dist.irecv if async_op else dist.recv
         return self._run(rec, fn, (tensor,), {"src": self._ranks[src], "group": self._pg})
 
-    def barrier(self, async_op: bool = False) -> CommWork | None:
+    def barrier(self, async_op: bool = False) -> CommWork | BackedWork | None:
+        if self._backed and not self._pre_hooks and not self._post_hooks:
+            return self._issue("barrier", dist.barrier, (), {"group": self._pg}, async_op)
         rec = self._record("barrier", (), (), async_op)
         return self._run(rec, dist.barrier, (), {"group": self._pg, "async_op": async_op})
 
@@ -858,8 +1198,11 @@ class Comm:
         if any(r < 0 or r >= len(self._ranks) for r in local):
             raise ValueError(f"split ranks {local} out of range for a communicator of size {len(self._ranks)}")
         global_ranks = [self._ranks[r] for r in local]
-        pg = _new_group(global_ranks, self._backend, self._timeout, name, local_sync=True)
-        child = Comm(pg, name, self._backend, self._device, global_ranks, self._timeout, self._abort_process)
+        backed = self._backed and _c10d_backed(self._backend)
+        pg = _new_group(global_ranks, self._backend, self._timeout, name, local_sync=True,
+                        timing=backed and self._backend == "nccl")
+        child = Comm(pg, name, self._backend, self._device, global_ranks, self._timeout, self._abort_process,
+                     c10d_backed=backed)
         self._children.append(child)
         for fn in list(self._split_listeners):
             fn(child)
@@ -979,17 +1322,54 @@ def _watch_loop() -> None:
                 period = min(period, max(0.01, wanted))
 
 
+_TIMING_ENV = "TORCH_NCCL_ENABLE_TIMING"
+
+
+def _load_symbolizer() -> None:
+    """Import what c10d symbolises its recorded stacks with (``torch._inductor``, ~1-2 s once)
+    now, in the thread that creates the communicator. Dumps run in other threads (the worker,
+    the watchdog); importing it from there races the trainer's own imports, so without this
+    the dumps of a c10d-backed communicator would have to leave the stacks out."""
+    if "torch._inductor" in sys.modules:
+        return
+    try:
+        import torch._inductor  # noqa: F401
+    except Exception:  # a torch without it: c10d_fr then dumps without stacks
+        logger.debug("importing torch._inductor failed", exc_info=True)
+
+
 def _new_group(
-    global_ranks: list[int], backend: str, timeout: datetime.timedelta, name: str, local_sync: bool
+    global_ranks: list[int], backend: str, timeout: datetime.timedelta, name: str, local_sync: bool,
+    timing: bool = False,
 ) -> Any:
     pg_timeout = timeout + _WATCHDOG_MARGIN if backend == "nccl" else timeout
     kwargs: dict[str, Any] = {"ranks": global_ranks, "backend": backend, "timeout": pg_timeout}
     if local_sync:
         kwargs["use_local_synchronization"] = True
+    # c10d's recorder says "started" for an NCCL op only when its group records start events,
+    # which ProcessGroupNCCL decides from TORCH_NCCL_ENABLE_TIMING when it is constructed. Set it
+    # only around the creation of this communicator's own group, and put it back at once: the
+    # user's other groups (DDP, FSDP) must not pay for events they did not ask for.
+    saved = os.environ.get(_TIMING_ENV)
+    if timing:
+        os.environ[_TIMING_ENV] = "1"
     try:
-        return dist.new_group(group_desc=name, **kwargs)
-    except TypeError:  # torch without group_desc
-        return dist.new_group(**kwargs)
+        try:
+            pg = dist.new_group(group_desc=name, **kwargs)
+        except TypeError:  # torch without group_desc
+            pg = dist.new_group(**kwargs)
+    finally:
+        if timing:
+            if saved is None:
+                os.environ.pop(_TIMING_ENV, None)
+            else:
+                os.environ[_TIMING_ENV] = saved
+    if timing and pg is not None and hasattr(pg, "_enable_collectives_timing"):
+        try:
+            pg._enable_collectives_timing()  # the same switch, for a group made lazily
+        except Exception:
+            logger.debug("enabling collective timing on %r failed", name, exc_info=True)
+    return pg
 
 
 def new_comm(
@@ -1025,5 +1405,8 @@ def new_comm(
         dist.init_process_group(**kwargs)
     world = dist.get_world_size()
     ranks = list(range(world))
-    pg = _new_group(ranks, backend, td, name, local_sync=False)
-    return Comm(pg, name, backend, dev, ranks, td, bool(abort_process_on_timeout_or_error))
+    backed = _c10d_backed(backend)
+    if backed:
+        _load_symbolizer()
+    pg = _new_group(ranks, backend, td, name, local_sync=False, timing=backed and backend == "nccl")
+    return Comm(pg, name, backend, dev, ranks, td, bool(abort_process_on_timeout_or_error), c10d_backed=backed)

@@ -28,7 +28,7 @@ import torch
 from debug_server.dumpio import FR_VERSION, write_dump_atomic
 
 if TYPE_CHECKING:
-    from debug_server.comms import Comm, HookHandle, OpRecord
+    from debug_server.comms import Comm, HookHandle, InFlight, OpRecord
 
 __all__ = [
     "FlightRecorderHook",
@@ -222,7 +222,10 @@ class FlightRecorderHook:
                     comm.get_name(),
                 )
             self._comms[comm.get_name()] = comm
-            self._handles.append(comm.register_pre_hook(self._on_pre))
+            if not comm.c10d_backed:
+                # A c10d-backed communicator's ops are in c10d's own recorder (read at dump
+                # time): no pre-hook, so its op path stays free of records and stacks.
+                self._handles.append(comm.register_pre_hook(self._on_pre))
             self._handles.append(comm.register_abort_hook(self._on_abort))
             self._handles.append(comm.register_split_listener(self.register_with_comm))
         for child in comm.children:
@@ -277,24 +280,34 @@ class FlightRecorderHook:
         include_completed: bool = True,
         only_active: bool = False,
         include_collectives: bool = True,
+        c10d: bool = True,
     ) -> dict[str, Any]:
         """This hook's FR dump as a dict in the torch FR schema (version "2.10").
 
         ``only_active`` or ``include_completed=False`` keep only ops not yet completed;
         ``include_collectives=False`` leaves ``entries`` empty (config and status only).
+        The entries of c10d-backed communicators are read from c10d's recorder now, unless
+        ``c10d`` is False (``c10d_fr.snapshot`` maps them from its own read).
         """
         everything = self.records()  # one pass: refreshed states feed both status and entries
         recs = everything if include_collectives else []
         if only_active or not include_completed:
             recs = [r for r in recs if r.state != "completed"]
         _symbolize_records(recs)
-        return {
+        out = {
             "version": FR_VERSION,
             "comm_lib_version": f"debug_server/torch-{torch.__version__}",
             "pg_config": self._pg_config(),
             "pg_status": self._pg_status(everything),
             "entries": [_entry(r) for r in recs],
         }
+        comms = list(self._comms.values())
+        if c10d and any(c.c10d_backed for c in comms):
+            from debug_server import c10d_fr  # read only when a backed communicator is recorded
+
+            out = c10d_fr.merge_backed(out, comms, only_active=only_active or not include_completed,
+                                       include_collectives=include_collectives)
+        return out
 
     def _pg_config(self) -> dict[str, dict[str, str]]:
         return {
@@ -330,7 +343,7 @@ class FlightRecorderHook:
         """
         return write_dump_atomic(_dump_path(rank), self.dump_json())
 
-    def stall_dump(self, rec: OpRecord, age_s: float) -> list[str]:
+    def stall_dump(self, rec: OpRecord | InFlight, age_s: float) -> list[str]:
         """Evidence for a stalled op, written at once so it survives a later kill.
 
         Writes this rank's pickle and the Python stacks of all threads next to it
@@ -352,8 +365,12 @@ class FlightRecorderHook:
         paths.append(stacks_path)
         return paths
 
-    def in_flight(self) -> list[OpRecord]:
-        return [r for r in self.records() if r.state != "completed"]
+    def in_flight(self) -> list[OpRecord | InFlight]:
+        """Ops not completed: our records, and the c10d-backed communicators' in-flight ops."""
+        out: list[OpRecord | InFlight] = [r for r in self.records() if r.state != "completed"]
+        for c in list(self._comms.values()):
+            out.extend(c.in_flight())
+        return out
 
     def health(self) -> dict[str, Any]:
         """``{"healthy", "stalled_op", "in_flight", "oldest_in_flight_s"}``.
@@ -372,7 +389,7 @@ def _dump_path(rank: int | None) -> str:
 
 def _health(hooks: list[FlightRecorderHook]) -> dict[str, Any]:
     now = time.time_ns()
-    oldest: OpRecord | None = None
+    oldest: OpRecord | InFlight | None = None
     n = 0
     stalled: dict[str, Any] | None = None
     for h in hooks:
@@ -406,7 +423,7 @@ def _health(hooks: list[FlightRecorderHook]) -> dict[str, Any]:
 # The stall timeout of hooks created with stall_timeout=None. start_debug_server sets it (60 s
 # by default) so the watchdog works with no extra wiring, and resets it to None on stop.
 _default_stall_timeout: float | None = None
-_stall_reported: set[int] = set()  # record ids already dumped (only stalled ops land here)
+_stall_reported: set[Any] = set()  # record ids already dumped (only stalled ops land here)
 _stall_next = 0.0  # time.monotonic() of the next stall pass
 
 
@@ -491,9 +508,14 @@ def recorded_comms() -> list[Comm]:
 
 
 def snapshot(
-    include_completed: bool = True, only_active: bool = False, include_collectives: bool = True
+    include_completed: bool = True, only_active: bool = False, include_collectives: bool = True,
+    c10d: bool = True, stacks: bool = False,
 ) -> dict[str, Any]:
-    """One FR dump merging every live hook of this process (an empty valid dump when none)."""
+    """One FR dump merging every live hook of this process (an empty valid dump when none).
+
+    ``c10d``: also the entries c10d recorded for c10d-backed communicators (False: the caller
+    maps them, as ``c10d_fr.snapshot`` does), with their stacks when ``stacks``.
+    """
     hooks = registered_hooks()
     merged: dict[str, Any] = {
         "version": FR_VERSION,
@@ -504,7 +526,7 @@ def snapshot(
     }
     seen: set[int] = set()
     for h in hooks:
-        d = h.dump_json(include_completed, only_active, include_collectives)
+        d = h.dump_json(include_completed, only_active, include_collectives, c10d=False)
         merged["pg_config"].update(d["pg_config"])
         merged["pg_status"].update(d["pg_status"])
         for e in d["entries"]:
@@ -513,12 +535,18 @@ def snapshot(
                 merged["entries"].append(e)
     if len(hooks) > 1:
         merged["entries"].sort(key=lambda e: e["record_id"])
+    comms = recorded_comms()
+    if c10d and any(c.c10d_backed for c in comms):
+        from debug_server import c10d_fr
+
+        merged = c10d_fr.merge_backed(merged, comms, only_active=only_active or not include_completed,
+                                      include_collectives=include_collectives, stacks=stacks)
     return merged
 
 
 def dump_file(rank: int | None = None) -> str:
     """Write this process's merged dump (``snapshot()``) to ``$TORCHCOMM_FR_DUMP_TEMP_FILE<rank>``."""
-    return write_dump_atomic(_dump_path(rank), snapshot())
+    return write_dump_atomic(_dump_path(rank), snapshot(stacks=True))
 
 
 def health() -> dict[str, Any]:

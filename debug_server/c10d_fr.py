@@ -1,0 +1,636 @@
+"""c10d's own Flight Recorder merged into ours: one FR dump per rank, keyed by process group.
+
+Most training code never calls our communicators: DDP, FSDP, torchtitan and plain
+``dist.all_reduce`` issue their collectives on c10d process groups, and c10d records those in its
+own Flight Recorder (on by default in recent torch; ``TORCH_FR_BUFFER_SIZE``). This module reads
+that recorder inside the rank and merges it with our hooks' snapshot, so everything that serves
+or writes a rank's FR (the worker's ``torchcomms_fr_trace_json``, ``torchcomms_fr_dump_file``,
+the dumper's pickles) carries both, in torch FR schema "2.10":
+
+* **Groups.** Our communicators appear once, under their names (``main_comm``). c10d also
+  records every op a communicator issues, on the communicator's own process group: those c10d
+  entries are dropped, so an op appears once. Every other c10d group appears under c10d's name
+  and description (``0`` / ``default_pg``, the groups of DDP, FSDP, DeviceMesh). ``pg_config``
+  is rebuilt from the process's own groups (torch's gloo recorder writes one entry with an empty
+  name and often no ranks) and says the backend (``"backend": "gloo"``). A group with a gloo
+  and an NCCL backend (``cpu:gloo,cuda:nccl``) counts each backend's collectives apart; its gloo
+  side is the group ``<name>:gloo``.
+* **State.** c10d's CPU recorder (gloo) never moves ``state`` past ``scheduled``: for these
+  groups it means "state unknown", never "not started". gloo retires an op when it ends, so
+  ``retired`` is the evidence an op is over (readers, ``only_active`` here and the analyzer,
+  use it), but an op that timed out or failed is retired too, so ``state`` is left as c10d
+  wrote it rather than claimed ``completed``. Health uses progress in ``pg_status`` instead
+  (see :class:`StallWatch`).
+* **Sequence numbers** stay as c10d counts them (from 1; ours count from 0), so they match
+  torch's own dumps and its watchdog's messages (``SeqNum=5``).
+* **Names.** ``gloo:all_reduce`` becomes ``nccl:all_reduce``, as our own entries are written:
+  older torch ``fr_trace`` accepts only nccl/xccl names; the backend is in ``pg_config``.
+* **record_id** is renumbered along the merged timeline (``time_created_ns``) when c10d
+  entries are present: PyTorch's ``fr_trace`` aligns ranks on the first ``record_id``.
+
+:func:`merge_c10d` is pure (unit-tested on captured c10d dumps); :func:`snapshot` and
+:func:`dump_file` read this process's recorders and hooks.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import pickle
+import sys
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, NamedTuple
+
+from debug_server.dumpio import FR_VERSION, write_dump_atomic
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "BUFFER_ENV",
+    "Backed",
+    "DEFAULT_BUFFER_SIZE",
+    "GroupInfo",
+    "StallWatch",
+    "dump_file",
+    "group_exists",
+    "backed_of",
+    "merge_backed",
+    "merge_c10d",
+    "off_reason",
+    "process_groups",
+    "read_recorders",
+    "snapshot",
+    "stalled_op",
+    "turn_on_env",
+]
+
+BUFFER_ENV = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")
+"""c10d reads the first one set when it creates its recorder (the second on older torch)."""
+DEFAULT_BUFFER_SIZE = 2000
+
+# (recorder, JSON dump, pickle dump): the CPU recorder holds gloo's ops, the NCCL one (CUDA
+# builds only) NCCL's. They are separate rings; torch's own frontend shows them as two views.
+_RECORDERS = (
+    ("cpu", "_dump_fr_trace_json", "_dump_fr_trace"),
+    ("nccl", "_dump_nccl_trace_json", "_dump_nccl_trace"),
+)
+_ENTRY_DEFAULTS: dict[str, Any] = {
+    "duration_ms": None,
+    "time_discovered_started_ns": None,
+    "time_discovered_completed_ns": None,
+    "frames": [],
+    "is_p2p": False,
+    "p2p_seq_id": 0,
+}
+_STATUS_KEYS = ("last_enqueued_collective", "last_started_collective", "last_completed_collective")
+
+
+class GroupInfo(NamedTuple):
+    """One c10d process group as this process knows it."""
+
+    name: str
+    """c10d's group name (``process_group[0]`` of its FR entries): ``"0"``, ``"1"``, a hash."""
+    desc: str
+    """The group's description (``default_pg``, ``undefined``, a DeviceMesh dim name)."""
+    ranks: tuple[int, ...]
+    """Global ranks of the members."""
+    backend: str
+    """As the group was made: ``gloo``, ``nccl``, ``cpu:gloo,cuda:nccl``..."""
+
+
+class Backed(NamedTuple):
+    """A communicator of ours whose ops only c10d's recorder records (``Comm.c10d_backed``):
+    c10d's entries of its process group are this communicator's entries."""
+
+    name: str
+    """The communicator's name (``main_comm``), the group name its entries get."""
+    backend: str
+    ranks: tuple[int, ...]
+    """Global ranks of the members."""
+    pg_id: int
+    timeout_ms: int
+    """The communicator's timeout (its process group's is longer on NCCL, see comms)."""
+
+
+# Frames of the op path itself, above the user's call site in c10d's stacks: dropped, as our own
+# recorder drops comms.py and hooks.py.
+_OP_PATH_FILES = tuple(
+    os.path.join(os.path.dirname(os.path.abspath(__file__)), n) for n in ("comms.py", "hooks.py"))
+_TORCH_DIST = os.sep + os.path.join("torch", "distributed") + os.sep
+
+
+def _backed_entry(e: Mapping[str, Any], b: Backed) -> dict[str, Any]:
+    """c10d's entry of a backed communicator's op, as our recorder writes it: the group is the
+    communicator, sequence numbers count from 0 (c10d's from 1), the communicator's timeout,
+    and the stack starts at the user's call site."""
+    ent = {**_ENTRY_DEFAULTS, **e}
+    ent["process_group"] = (b.name, b.backend)
+    ent["pg_id"] = b.pg_id
+    if ent.get("is_p2p"):
+        ent["p2p_seq_id"] = _int(ent.get("p2p_seq_id"), 1) - 1
+    else:
+        ent["collective_seq_id"] = _int(ent.get("collective_seq_id"), 1) - 1
+    for k in ("time_discovered_started_ns", "time_discovered_completed_ns"):
+        if not ent[k]:  # the JSON dump writes 0 for "not known"
+            ent[k] = None
+    name = str(ent.get("profiling_name", ""))
+    backend, sep, op = name.partition(":")
+    if sep and backend not in ("nccl", "xccl"):
+        ent["profiling_name"] = f"nccl:{op}"
+    ent["timeout_ms"] = b.timeout_ms
+    frames = ent.get("frames") or []
+    i = 0
+    while i < len(frames) and isinstance(frames[i], Mapping) and (
+            str(frames[i].get("filename", "")) in _OP_PATH_FILES
+            or _TORCH_DIST in str(frames[i].get("filename", ""))):
+        i += 1
+    ent["frames"] = list(frames[i:]) if i < len(frames) else list(frames)
+    return ent
+
+
+def _backed_status(st: Mapping[str, Any]) -> dict[str, int]:
+    # c10d's -1 ("none yet") stays -1; its seq n (from 1) is our n - 1.
+    return {k: max(_int(st.get(k), -1) - 1, -1) if _int(st.get(k), -1) > 0 else -1 for k in _STATUS_KEYS}
+
+
+# ---------------------------------------------------------------------------------------------
+# The merge (pure)
+
+
+def merge_c10d(
+    ours: Mapping[str, Any],
+    recorders: Sequence[tuple[str, Mapping[str, Any]]],
+    *,
+    owned: Iterable[str] = (),
+    groups: Mapping[str, GroupInfo] | None = None,
+    only_active: bool = False,
+    include_collectives: bool = True,
+    backed: Mapping[str, Backed] | None = None,
+    others: bool = True,
+) -> dict[str, Any]:
+    """Our hooks' FR dump with c10d's own entries merged in (see the module doc).
+
+    Args:
+        ours: our hooks' snapshot (``hooks.snapshot()``), already filtered as asked.
+        recorders: c10d's dumps as ``(recorder, dump)`` pairs, ``recorder`` ``"cpu"`` (gloo)
+            or ``"nccl"``, each read in full (c10d's own ``onlyActive`` keeps every gloo entry).
+        owned: c10d group names of process groups our recorded communicators own; their c10d
+            entries are dropped (our hook has the same ops).
+        groups: this process's c10d groups by name, the source of ``pg_config``; a group
+            missing here (destroyed) keeps c10d's config when that has ranks.
+        only_active: keep only c10d entries neither completed nor retired.
+        include_collectives: False leaves c10d's entries out (config and status only).
+        backed: c10d group names of our c10d-backed communicators (only c10d recorded their
+            ops): their c10d entries become the communicator's (``_backed_entry``).
+        others: False keeps only the backed communicators' entries (a hook's own dump).
+    """
+    owned_set = set(owned)
+    backed = backed or {}
+    groups = groups or {}
+    our_cfg = dict(ours.get("pg_config") or {})
+    our_status = dict(ours.get("pg_status") or {})
+    # A c10d group whose name is also one of our communicators' names is renamed, never merged.
+    taken = set(our_cfg) | set(our_status)
+
+    def key_of(recorder: str, pg_name: str) -> str:
+        side = _side(recorder, pg_name, groups.get(pg_name))
+        return f"c10d_{side}" if side in taken else side
+
+    cfg: dict[str, dict[str, Any]] = {}
+    status: dict[str, dict[str, int]] = {}
+    added: list[dict[str, Any]] = []
+    seen: set[tuple[Any, ...]] = set()
+    for recorder, dump in recorders:
+        raw_cfg = dump.get("pg_config") or {}
+        raw_status = dump.get("pg_status") or {}
+        used: set[str] = set()
+        descs: dict[str, str] = {}
+        for e in dump.get("entries") or ():
+            pg = e.get("process_group") if isinstance(e, Mapping) else None
+            if not isinstance(pg, (list, tuple)) or not pg:
+                continue  # not an entry c10d writes; the analyzer would only skip it too
+            pg_name = str(pg[0])
+            b = backed.get(pg_name)
+            if b is not None:
+                ent = _backed_entry(e, b)
+                if only_active and (ent.get("state") == "completed" or ent.get("retired")):
+                    continue
+                ident = (ent["process_group"], ent.get("collective_seq_id"), ent.get("p2p_seq_id"),
+                         ent.get("op_id"), ent.get("time_created_ns"))
+                if ident not in seen:
+                    seen.add(ident)
+                    added.append(ent)
+                    cfg[b.name] = {"name": b.name, "desc": b.backend, "ranks": str(list(b.ranks))}
+                continue
+            if pg_name in owned_set or not others:
+                continue
+            used.add(pg_name)
+            descs.setdefault(pg_name, str(pg[1]) if len(pg) > 1 else "")
+            ent = _repair_entry(e, key_of(recorder, pg_name))
+            if only_active and (ent.get("state") == "completed" or ent.get("retired")):
+                continue
+            ident = (ent["process_group"], ent.get("collective_seq_id"), ent.get("p2p_seq_id"),
+                     ent.get("op_id"), ent.get("time_created_ns"))
+            if ident in seen:  # an older torch whose two dump calls read one recorder
+                continue
+            seen.add(ident)
+            added.append(ent)
+        if isinstance(raw_status, Mapping):
+            for pg_name, st in raw_status.items():
+                b = backed.get(str(pg_name))
+                if b is not None and isinstance(st, Mapping):
+                    status[b.name] = _backed_status(st)
+                    cfg[b.name] = {"name": b.name, "desc": b.backend, "ranks": str(list(b.ranks))}
+                    continue
+                if str(pg_name) in owned_set or not isinstance(st, Mapping) or not others:
+                    continue
+                used.add(str(pg_name))
+                key = key_of(recorder, str(pg_name))
+                status[key] = {k: _int(st.get(k), -1) for k in _STATUS_KEYS}
+        for pg_name in used:
+            key = key_of(recorder, pg_name)
+            cfg[key] = _group_config(key, pg_name, groups.get(pg_name), raw_cfg,
+                                     descs.get(pg_name, ""), recorder)
+    if not include_collectives:
+        added = []
+    if not cfg and not added:
+        return dict(ours)
+    merged = dict(ours)
+    merged["pg_config"] = {**our_cfg, **cfg}
+    merged["pg_status"] = {**our_status, **status}
+    entries = list(ours.get("entries") or ())
+    if added:
+        # Ours are copied (the caller's dicts stay as they were); c10d's are new already.
+        entries = [{**x} for x in entries] + added
+        entries.sort(key=lambda x: x.get("time_created_ns") or 0)
+        for i, x in enumerate(entries):
+            x["record_id"] = i
+    merged["entries"] = entries
+    merged.setdefault("version", FR_VERSION)
+    return merged
+
+
+def _side(recorder: str, pg_name: str, info: GroupInfo | None) -> str:
+    if recorder == "cpu" and info is not None and info.backend not in ("gloo", ""):
+        # A group with a gloo and an NCCL backend ("cpu:gloo,cuda:nccl", the default when CUDA
+        # is there) counts each backend's collectives apart: two groups here.
+        return f"{pg_name}:gloo"
+    return pg_name
+
+
+def _int(v: Any, default: int) -> int:
+    try:
+        return int(v)
+    except (TypeError, ValueError):
+        return default
+
+
+def _repair_entry(e: Mapping[str, Any], key: str) -> dict[str, Any]:
+    ent = {**_ENTRY_DEFAULTS, **e}
+    pg = e["process_group"]
+    ent["process_group"] = (key, str(pg[1]) if len(pg) > 1 else "")
+    for k in ("time_discovered_started_ns", "time_discovered_completed_ns"):
+        if not ent[k]:  # the JSON dump writes 0 for "not known"
+            ent[k] = None
+    name = str(ent.get("profiling_name", ""))
+    backend, sep, op = name.partition(":")
+    if sep and backend not in ("nccl", "xccl"):
+        ent["profiling_name"] = f"nccl:{op}"
+    return ent
+
+
+def _group_config(key: str, pg_name: str, info: GroupInfo | None, raw_cfg: Any, desc: str,
+                  recorder: str) -> dict[str, Any]:
+    backend = "gloo" if recorder == "cpu" else recorder
+    if info is not None:
+        return {"name": key, "desc": info.desc or desc, "ranks": str(list(info.ranks)),
+                "backend": info.backend if info.backend in ("gloo", "nccl") else backend}
+    c = raw_cfg.get(pg_name) if isinstance(raw_cfg, Mapping) else None
+    c = c if isinstance(c, Mapping) else {}
+    return {"name": key, "desc": desc or str(c.get("desc", "")),
+            "ranks": str(c.get("ranks", "[]")), "backend": backend}
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading this process's recorders and groups
+
+_read_once = False
+
+
+def _c10d() -> Any | None:
+    try:
+        import torch.distributed as dist
+        from torch._C import _distributed_c10d as c10d
+    except ImportError:
+        return None
+    # c10d sizes its recorder from the environment the first time anything touches it: a read
+    # before the first process group would freeze the size before the user's settings apply.
+    global _read_once
+    if not (_read_once or (dist.is_available() and dist.is_initialized())):
+        return None
+    _read_once = True
+    return c10d
+
+
+def read_recorders(*, stacks: bool = False, include_collectives: bool = True
+                   ) -> list[tuple[str, dict[str, Any]]]:
+    """c10d's recorders in this process as ``(recorder, dump)``; empty before the first group.
+
+    Reads c10d's pickle dumps (half the time of its JSON ones, and ints where the JSON has
+    strings), with each op's Python stack when ``stacks`` and that is safe (see
+    :func:`_stacks_safe`), else without ``frames``. A torch with only the JSON dumps is read
+    through those.
+    """
+    c10d = _c10d()
+    if c10d is None:
+        return []
+    stacks = stacks and _stacks_safe()
+    out = []
+    for recorder, json_fn, pickle_fn in _RECORDERS:
+        try:
+            fn = getattr(c10d, pickle_fn, None)
+            if fn is not None:
+                # c10d's own bytes, made in this process from its ring (plain dicts, lists and
+                # strings): no network data, so plain pickle (3x faster than the restricted one).
+                dump = pickle.loads(fn(include_collectives, stacks, False))
+            elif (fn := getattr(c10d, json_fn, None)) is not None:
+                raw = fn(include_collectives, False)
+                dump = json.loads(raw.decode() if isinstance(raw, bytes) else raw)
+            else:
+                continue
+        except Exception as e:  # a recorder that cannot be read must not cost the other one
+            _warn_once(recorder, f"reading c10d's {recorder} flight recorder failed: "
+                       f"{str(e).splitlines()[0] if str(e) else type(e).__name__}")
+            continue
+        if isinstance(dump, dict):
+            out.append((recorder, dump))
+    return out
+
+
+def group_exists() -> bool:
+    """Whether this process has created its default process group (c10d sized its recorder)."""
+    try:
+        import torch.distributed as dist
+    except ImportError:
+        return False
+    return bool(dist.is_available() and dist.is_initialized())
+
+
+def _stacks_safe() -> bool:
+    """Whether c10d may symbolise its stacks from this (the worker's) thread.
+
+    c10d symbolises through ``torch._inductor``: the first time, that imports some 800 modules.
+    From the worker's thread this races the trainer's own imports (seen: DDP's constructor,
+    which imports ``torch._dynamo``, failing with an ImportError while a dump ran). Once the
+    trainer has imported it (DDP does), symbolising imports nothing more.
+    """
+    mod = sys.modules.get("torch._inductor")
+    return mod is not None and not getattr(getattr(mod, "__spec__", None), "_initializing", False)
+
+
+_warned: set[str] = set()
+
+
+def _warn_once(what: str, msg: str, exc_info: bool = False) -> None:
+    # Health reads c10d every few seconds: one warning per kind of failure, then debug lines.
+    level = logging.DEBUG if what in _warned else logging.WARNING
+    _warned.add(what)
+    logger.log(level, "debug_server: %s", msg, exc_info=exc_info)
+
+
+def process_groups() -> dict[str, GroupInfo]:
+    """This process's live c10d groups by c10d name (empty without torch.distributed)."""
+    try:
+        import torch.distributed as dist
+    except ImportError:
+        return {}
+    if not dist.is_available() or not dist.is_initialized():
+        return {}
+    world = dist.distributed_c10d._world
+    out: dict[str, GroupInfo] = {}
+    for pg, name in list(world.pg_names.items()):
+        entry = world.pg_map.get(pg)
+        # The backend string the group was made with: "gloo", "nccl" or "cpu:gloo,cuda:nccl".
+        backend = str(entry[0]) if entry else ""
+        out[str(name)] = GroupInfo(str(name), str(getattr(pg, "group_desc", "") or ""),
+                                   tuple(sorted(world.pg_group_ranks.get(pg, {}))), backend)
+    return out
+
+
+def _owned() -> set[str]:
+    from debug_server import hooks
+
+    return {n for c in hooks.recorded_comms() if (n := c.c10d_group_name)}
+
+
+def backed_of(comms: Iterable[Any]) -> dict[str, Backed]:
+    """c10d group name -> :class:`Backed` for the c10d-backed communicators among ``comms``."""
+    out: dict[str, Backed] = {}
+    for c in comms:
+        name = c.c10d_group_name
+        if name and getattr(c, "c10d_backed", False):
+            out[name] = Backed(c.get_name(), c.get_backend(), tuple(c.global_ranks), c.pg_id,
+                               int(c.timeout.total_seconds() * 1000))
+    return out
+
+
+def merge_backed(ours: Mapping[str, Any], comms: Iterable[Any], *, only_active: bool = False,
+                 include_collectives: bool = True, stacks: bool = True) -> dict[str, Any]:
+    """A hook's dump (``ours``) with the entries c10d recorded for the hook's c10d-backed
+    communicators among ``comms``, and nothing of c10d's other groups."""
+    backed = backed_of(comms)
+    if not backed:
+        return dict(ours)
+    recorders = read_recorders(stacks=stacks, include_collectives=include_collectives)
+    if not recorders:
+        return dict(ours)
+    return merge_c10d(ours, recorders, backed=backed, others=False, only_active=only_active,
+                      include_collectives=include_collectives)
+
+
+def snapshot(*, only_active: bool = False, include_collectives: bool = True,
+             stacks: bool = False) -> dict[str, Any]:
+    """This process's FR dump: every live hook's snapshot with c10d's own entries merged in."""
+    from debug_server import hooks
+
+    # The hooks' own entries only: their c10d-backed communicators' entries are mapped here,
+    # from the same read of c10d's recorders as everything else.
+    ours = hooks.snapshot(only_active=only_active, include_collectives=include_collectives, c10d=False)
+    recorders = read_recorders(stacks=stacks, include_collectives=include_collectives)
+    if not recorders:
+        return ours
+    try:
+        return merge_c10d(ours, recorders, owned=_owned(), groups=process_groups(),
+                          only_active=only_active, include_collectives=include_collectives,
+                          backed=backed_of(hooks.recorded_comms()))
+    except Exception:  # c10d's record must never cost us our own
+        _warn_once("merge", "merging c10d's flight recorder failed", exc_info=True)
+        return ours
+
+
+def dump_file(rank: int | None = None) -> str:
+    """Write this process's merged dump to ``$TORCHCOMM_FR_DUMP_TEMP_FILE<rank>``, with the
+    stacks of c10d's entries where they can be read safely; returns the path."""
+    from debug_server import hooks
+
+    return write_dump_atomic(hooks._dump_path(rank), snapshot(stacks=True))
+
+
+# ---------------------------------------------------------------------------------------------
+# Turning c10d's recorder on, and saying when it is off
+
+
+def turn_on_env(environ: dict[str, str] | None = None) -> dict[str, str]:
+    """Set ``TORCH_FR_BUFFER_SIZE`` and ``TORCH_NCCL_TRACE_BUFFER_SIZE`` to 2000 unless either
+    is set; returns what it set (empty when the user's setting stands)."""
+    env = os.environ if environ is None else environ
+    if any(env.get(k) for k in BUFFER_ENV):
+        return {}
+    # Both names: torch >= 2.8 reads TORCH_FR_BUFFER_SIZE first, older torch only the NCCL one.
+    added = {k: str(DEFAULT_BUFFER_SIZE) for k in BUFFER_ENV}
+    env.update(added)
+    return added
+
+
+def off_reason() -> str | None:
+    """Why c10d's recorder records nothing in this process, or None when it is on (or unknown).
+
+    Call after the default group exists. An explicit 0 in the environment turns it off; so does
+    torch's own default on builds where that is 0, which shows as a CPU recorder that did not
+    note the default gloo group (it notes each group at creation when on).
+    """
+    for k in BUFFER_ENV:
+        v = os.environ.get(k)
+        if v:
+            return f"{k}={v}" if _int(v, 1) <= 0 else None
+    c10d = _c10d()
+    if c10d is None or getattr(c10d, "_dump_fr_trace_json", None) is None:
+        return None
+    groups = process_groups()
+    if not any(g.backend == "gloo" for g in groups.values()):
+        return None  # NCCL notes its groups only at their first collective: cannot tell yet
+    try:
+        dump = json.loads(c10d._dump_fr_trace_json(False, False))
+    except Exception:
+        return None
+    if not dump.get("pg_config"):
+        return f"{BUFFER_ENV[0]} is not set and this torch's default is 0"
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# Health: a c10d group that makes no progress
+
+
+class _Pending(NamedTuple):
+    status: tuple[int, int]
+    """The group's (last enqueued, last completed) when first seen pending; any change is
+    progress, or a new op, and starts the watch over."""
+    seen_ns: int
+    """When the watch first saw this status."""
+    read: bool
+    """Whether the group's entries were read for this status."""
+    seq: int
+    """The pending op: the group's oldest unretired collective (-1: none, nothing pending)."""
+    op: str
+    desc: str
+    created_ns: int
+
+
+class StallWatch:
+    """Notices c10d groups with an op in flight that make no progress.
+
+    Every check reads only ``pg_status`` (about a millisecond, no entries): a group may have an
+    op in flight while its last enqueued collective is above its last completed one. gloo's
+    ``last_completed_collective`` lags and can stay one behind for good, so that alone is never
+    evidence: a group whose status is unchanged at the next check has its entries read, once
+    per status, and its pending op is its oldest entry not retired (c10d retires an op when it
+    ends; on gloo that is the only sign). The op stalls when it is older than the timeout. A
+    healthy job, whose status moves between checks, never pays for reading entries.
+    """
+
+    def __init__(self) -> None:
+        self._pending: dict[str, _Pending] = {}
+
+    def update(self, status: Mapping[str, Mapping[str, Any]], now_ns: int) -> list[str]:
+        """Feed one ``pg_status``; returns the groups whose entries must be read now (their
+        status did not move since the previous check), for :meth:`resolve`."""
+        still: dict[str, _Pending] = {}
+        unread = []
+        for name, st in status.items():
+            key = (_int(st.get("last_enqueued_collective"), -1),
+                   _int(st.get("last_completed_collective"), -1))
+            if key[0] <= key[1]:
+                continue
+            prev = self._pending.get(name)
+            if prev is not None and prev.status == key:
+                still[name] = prev
+                if not prev.read:
+                    unread.append(name)
+            else:
+                still[name] = _Pending(key, now_ns, False, -1, "", "", 0)
+        self._pending = still
+        return sorted(unread)
+
+    def resolve(self, group: str, entries: Iterable[Mapping[str, Any]]) -> None:
+        """Find ``group``'s pending op among its entries (c10d's, process_group[0] == group)."""
+        p = self._pending.get(group)
+        if p is None:
+            return
+        pending = [e for e in entries if not e.get("retired") and not e.get("is_p2p")
+                   and e.get("state") != "completed"]
+        if not pending:  # the status lagged: nothing is in flight
+            self._pending[group] = p._replace(read=True)
+            return
+        e = min(pending, key=lambda e: _int(e.get("collective_seq_id"), 0))
+        pg = e.get("process_group") or ("", "")
+        self._pending[group] = p._replace(
+            read=True, seq=_int(e.get("collective_seq_id"), -1),
+            op=str(e.get("profiling_name", "")).partition(":")[2].split(" ")[0],
+            desc=str(pg[1]) if len(pg) > 1 else "",
+            created_ns=_int(e.get("time_created_ns"), 0) or p.seen_ns)
+
+    def stalled(self, stall_timeout: float, now_ns: int) -> list[tuple[str, float, _Pending]]:
+        """``(group, age_s, pending)`` of every pending op older than ``stall_timeout``."""
+        out = []
+        for g, p in sorted(self._pending.items()):
+            age = (now_ns - p.created_ns) / 1e9
+            if p.seq >= 0 and age > stall_timeout:
+                out.append((g, age, p))
+        return out
+
+
+def stalled_op(watch: StallWatch, stall_timeout: float, now_ns: int | None = None
+               ) -> dict[str, Any] | None:
+    """The first c10d op (not on one of our communicators) stalled beyond ``stall_timeout``."""
+    recorders = read_recorders(include_collectives=False)
+    if not recorders:
+        return None
+    owned = _owned()
+    groups = process_groups()
+    now = time.time_ns() if now_ns is None else now_ns
+    status: dict[str, Mapping[str, Any]] = {}
+    for recorder, dump in recorders:
+        for name, st in (dump.get("pg_status") or {}).items():
+            if str(name) not in owned and isinstance(st, Mapping):
+                status[_side(recorder, str(name), groups.get(str(name)))] = st
+    unread = watch.update(status, now)
+    if unread:
+        by_group: dict[str, list[Mapping[str, Any]]] = {g: [] for g in unread}
+        for recorder, dump in read_recorders():
+            for e in dump.get("entries") or ():
+                pg = e.get("process_group") if isinstance(e, Mapping) else None
+                if isinstance(pg, (list, tuple)) and pg:
+                    side = _side(recorder, str(pg[0]), groups.get(str(pg[0])))
+                    if side in by_group:
+                        by_group[side].append(e)
+        for g, entries in by_group.items():
+            watch.resolve(g, entries)
+    stalled = watch.stalled(stall_timeout, now)
+    if not stalled:
+        return None
+    group, age, p = stalled[0]
+    return {"group": group, "group_desc": p.desc, "seq": p.seq, "op": p.op,
+            "age_s": round(age, 3), "source": "c10d"}
