@@ -17,6 +17,7 @@ import argparse
 import asyncio
 import contextlib
 import errno
+import gc
 import importlib.resources
 import json
 import logging
@@ -54,6 +55,8 @@ PARENT_POLL_S = 1.0
 CONNECTIONS_PER_RANK = 8
 """Most connections the frontend holds to one worker (in use plus idle keep-alive)."""
 BIND_RETRY_S = 3.0
+GC_THRESHOLDS = (50_000, 20, 20)
+"""The frontend process's garbage-collector thresholds (see ``main``)."""
 TRACE_WHOLE_RANKS = 64
 """Up to this many ranks the Perfetto download holds whole rings; above, the live window."""
 TRACE_MAX_EVENTS = 1_000_000
@@ -368,12 +371,42 @@ async def _one_line_errors(request: web.Request, handler: Handler) -> web.Stream
                                              f"{str(e).splitlines()[0][:300] if str(e) else ''}\n")
 
 
+def connections_per_rank(world_size: int) -> int:
+    """Connections held per worker: CONNECTIONS_PER_RANK while every rank's fit in this
+    process's file limit (1024 kept back), fewer for big jobs (16384 ranks x 8 would not)."""
+    soft = _nofile_limit()
+    return max(1, min(CONNECTIONS_PER_RANK, (soft - 1024) // max(1, world_size)))
+
+
+def _nofile_limit() -> int:
+    try:
+        import resource
+
+        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    except (ImportError, OSError, ValueError):
+        return 1 << 20
+    return soft if soft != resource.RLIM_INFINITY else 1 << 20
+
+
+def _raise_nofile_limit() -> None:
+    # One socket per rank: a 16384-rank job needs more than the usual soft limit of 1024. The
+    # hard limit is ours to use in this process (the frontend's own).
+    try:
+        import resource
+
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if soft != resource.RLIM_INFINITY and hard != resource.RLIM_INFINITY and soft < hard:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    except (ImportError, OSError, ValueError) as e:
+        logger.info("debug_server frontend: file limit left as it is (%s)", e)
+
+
 async def _client_ctx(app: web.Application) -> AsyncIterator[None]:
     config = app[CONFIG]
     # aiohttp caps connections in use, not idle ones: without a per-host cap, keep-alive
     # sockets pile up to the peak concurrency of every rank (ranks x max_concurrency fds).
     connector = aiohttp.TCPConnector(limit=config.max_concurrency,
-                                     limit_per_host=CONNECTIONS_PER_RANK)
+                                     limit_per_host=connections_per_rank(app[REGISTRY].world_size))
     headers = {TOKEN_HEADER: config.auth_token} if config.auth_token else None
     async with aiohttp.ClientSession(connector=connector, headers=headers) as session:
         app[COLLECTOR] = Collector(session, app[REGISTRY], timeout=config.fetch_timeout,
@@ -550,6 +583,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the frontend process (``python -m debug_server.frontend``)."""
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    # A fan-out allocates a few dozen short-lived objects per request, and with thousands of
+    # ranks the default thresholds (700, 10, 10) run a full collection over the whole heap every
+    # few hundred requests: fr + stacks over 4096 ranks took 1.7x as long
+    # (benchmarks/bench_frontend_gc.py). This process is the frontend's own.
+    gc.set_threshold(*GC_THRESHOLDS)
+    _raise_nofile_limit()
     # From the environment first: the command line is visible to every user.
     token = os.environ.pop(TOKEN_ENV, None) or args.token or None
     attached = None

@@ -86,6 +86,16 @@ grep -nE "=== Rank|hang_phase|in all_reduce" "$OUT/during_hang_stacks.txt" | hea
 echo "--- PyTorch fr_trace on per_rank ---"
 python -m torch.distributed.flight_recorder.fr_trace "$DEMO_DIR/per_rank" -p rank_ 2>&1 | grep -E "sequence number|missing ranks|group info|collective:" | head -8
 python -m torch.distributed.flight_recorder.fr_trace "$DEMO_DIR/per_rank" -p rank_ -j 2>&1 | grep -E "Rank|all_reduce|broadcast" | head -8
+echo "--- per-rank pickles: main_comm entries (seq, op, state, first frame), c10d-backed on NCCL ---"
+python - "$DEMO_DIR/per_rank" <<'PY'
+import sys, glob
+from debug_server.dumpio import load_dump
+for p in sorted(glob.glob(sys.argv[1] + "/rank_*")):
+    es = [e for e in load_dump(p)["entries"] if e["process_group"][0] == "main_comm"]
+    f = (es[-1]["frames"] or [{}])[0] if es else {}
+    print(p.rsplit("/", 1)[1], [(e["collective_seq_id"], e["profiling_name"], e["state"]) for e in es][-2:],
+          f"{f.get('filename', '?').rsplit('/', 1)[-1]}:{f.get('line')} {f.get('name')}")
+PY
 echo "--- our CLI ---"
 python -m debug_server.fr_trace "$DEMO_DIR/per_rank" -p rank_ > "$OUT/our_cli.txt" 2>&1; echo "exit $?"
 sed -n '1,12p' "$OUT/our_cli.txt"

@@ -129,3 +129,55 @@ async def test_hostile_ranks_from_a_worker_never_run_and_never_break_a_page(
         body = await resp.text()
         assert resp.status == 200 and "Traceback" not in body, path
     assert not marker.exists()
+
+
+def _canned_worker(profile: str, counters: str) -> Any:
+    from aiohttp import web
+
+    async def torch_profile(request: web.Request) -> web.Response:
+        return web.Response(text=profile, content_type="application/json")
+
+    async def wait_counter_values(request: web.Request) -> web.Response:
+        return web.Response(text=counters, content_type="application/json")
+
+    app = web.Application()
+    app.router.add_post("/handler/torch_profile", torch_profile)
+    app.router.add_post("/handler/wait_counter_values", wait_counter_values)
+    return app
+
+
+_HOSTILE_EVENTS = [
+    {"ph": "X", "cat": "kernel", "name": "<script>alert(1)</script>", "pid": {"a": [1]},
+     "tid": [1, 2], "ts": 1e308, "dur": -5},
+    {"ph": "s", "id": {"x": 1}, "pid": None, "tid": True, "ts": 0},
+    {"ph": "M", "name": "thread_name", "pid": 1, "tid": 1, "args": "<b>not a dict</b>"},
+    {"ph": "X", "ts": "0", "dur": "1"}, 7, None, "x",
+]
+
+
+@pytest.mark.parametrize(("profile", "counters"), [
+    ("[" * 100_000, "[" * 100_000),  # deeper than the JSON parser's recursion limit
+    ('{"traceEvents": [{"ph": "X", "ts": NaN, "dur": Infinity}]}', '{"c": {"total_calls": NaN}}'),
+    (json.dumps({"traceEvents": _HOSTILE_EVENTS, "baseTimeNanoseconds": -1}),
+     json.dumps({"<script>alert(2)</script>": {"total_calls": 2, "max_time_us": 1e308},
+                 "x" * 100_000: {"total_calls": "<b>"}})),
+    (json.dumps({"traceEvents": "nope"}), json.dumps([{"c": 1}])),
+])
+async def test_hostile_profiles_and_counters_from_workers_never_break_a_page(
+        aiohttp_client: Any, aiohttp_server: Any, profile: str, counters: str) -> None:
+    server = await aiohttp_server(_canned_worker(profile, counters))
+    urls = [str(server.make_url("")).rstrip("/")]
+    client = await aiohttp_client(make_frontend_app(ServerConfig(port=0, fetch_timeout=2),
+                                                    StaticRegistry(urls)))
+    for path in ("/profile?duration=0.1", "/profile/trace.json", "/wait_counters",
+                 "/wait_counters?format=json", "/profile?format=json"):
+        for accept in ("*/*", "text/html"):
+            resp = await client.get(path, headers={"Accept": accept})
+            body = await resp.text()
+            assert resp.status == 200, (path, body[:300])
+            assert "Traceback" not in body, path
+            if resp.content_type == "text/html":
+                assert "<script>alert" not in body, path
+            if path == "/profile/trace.json":  # data, not a page: valid JSON, names as sent
+                assert resp.content_type == "application/json"
+                json.loads(body)
