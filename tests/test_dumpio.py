@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import re
 
 import _scenarios as S
 import pytest
@@ -43,12 +44,13 @@ def test_json_dump_loads_like_a_pickle(tmp_path):
     assert load_dump(str(p)) == dump
 
 
-def test_hostile_pickle_is_refused_and_never_runs(tmp_path):
+@pytest.mark.parametrize("name", ["rank_0", "rank_3.json"])
+def test_hostile_pickle_is_refused_and_never_runs(tmp_path, name):
     target = tmp_path / "pwned"
-    p = tmp_path / "rank_0"
+    p = tmp_path / name
     p.write_bytes(pickle.dumps({"version": "2.10", "entries": [_Evil(str(target))]}))
     with pytest.raises(
-        DumpError, match=r"^rank_0: refused global posix.system \(not a plain FR dump\)$"
+        DumpError, match=rf"^{re.escape(name)}: refused global posix.system \(not a plain FR dump\)$"
     ):
         load_dump(str(p))
     assert not target.exists()
@@ -108,12 +110,13 @@ def test_parse_ranks_refuses_anything_else(value):
         parse_ranks(value)
 
 
-def test_rank_files_skips_names_without_rank(tmp_path):
-    for n in ("rank_0", "rank_1", "README", ".tmp_fr_x.part"):
+@pytest.mark.parametrize("sfx", ["", ".json"])
+def test_rank_files_skips_names_without_rank(tmp_path, sfx):
+    for n in (f"rank_0{sfx}", f"rank_1{sfx}", "README", ".tmp_fr_x.part"):
         (tmp_path / n).write_text("x")
     files, notes = rank_files(str(tmp_path), "rank_")
-    assert files == {0: str(tmp_path / "rank_0"), 1: str(tmp_path / "rank_1")}
-    assert notes == ["skipped README: not named rank_<rank>"]
+    assert files == {0: str(tmp_path / f"rank_0{sfx}"), 1: str(tmp_path / f"rank_1{sfx}")}
+    assert notes == ["skipped README: not named rank_<rank>[.json]"]
 
 
 def test_prefix_is_inferred_when_unique():
@@ -132,3 +135,49 @@ def test_ambiguous_prefix_is_an_error(tmp_path):
         (tmp_path / n).write_text("x")
     with pytest.raises(DumpError, match="cannot infer a common file prefix"):
         rank_files(str(tmp_path))
+
+
+def test_prefix_is_inferred_from_json_suffixed_and_plain_names_alike():
+    assert infer_prefix(["rank_0.json", "rank_1", "rank_2.json"]) == "rank_"
+    assert infer_prefix(["torch_0.json", "rank_1"]) is None
+
+
+def test_rank_with_both_forms_uses_the_plain_name_and_notes_the_other(tmp_path):
+    for n in ("rank_0", "rank_0.json", "rank_1.json"):
+        (tmp_path / n).write_text("{}")
+    files, notes = rank_files(str(tmp_path))
+    assert files == {0: str(tmp_path / "rank_0"), 1: str(tmp_path / "rank_1.json")}
+    assert notes == ["skipped rank_0.json: rank 0 already has rank_0"]
+
+
+def test_rank_numbers_are_ascii_digits_only(tmp_path):
+    # "\u00b2" (superscript two) passes str.isdigit() but is no rank number.
+    for n in ("rank_0", "rank_\u00b2", "rank_\u0661"):
+        (tmp_path / n).write_text("{}")
+    files, notes = rank_files(str(tmp_path), "rank_")
+    assert files == {0: str(tmp_path / "rank_0")}
+    assert len(notes) == 2 and all("not named rank_<rank>[.json]" in n for n in notes)
+
+
+def test_absurd_rank_number_in_a_name_is_skipped(tmp_path):
+    for n in ("rank_0", "rank_99999999999"):
+        (tmp_path / n).write_text("{}")
+    files, notes = rank_files(str(tmp_path), "rank_")
+    assert files == {0: str(tmp_path / "rank_0")}
+    assert notes == ["skipped rank_99999999999: rank 99999999999 is above 1048576"]
+
+
+def test_json_named_file_holding_a_pickle_is_loaded_by_content(tmp_path):
+    dump = S.clean()[0]
+    p = tmp_path / "rank_0.json"
+    p.write_bytes(pickle.dumps(dump, protocol=2))
+    assert load_dump(str(p)) == dump
+
+
+def test_pytorch_c10d_json_dump_loads_with_tuple_free_process_group(tmp_path):
+    dump = S.load_fixture("c10d_gloo_hang.json")[1]
+    p = tmp_path / "nccl_trace_rank_1.json"
+    p.write_text(json.dumps(dump))
+    loaded = load_dump(str(p))
+    assert loaded["entries"][0]["process_group"] == ["0", "default_pg"]
+    assert loaded["pg_config"][""]["ranks"] == "[0, 1]"

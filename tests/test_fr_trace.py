@@ -260,3 +260,120 @@ def test_pytorch_fr_trace_reads_our_pickles(tmp_path):
     assert p.returncode == 0, out[-2000:]
     assert "missing ranks: {1}" in out
     assert "Not all ranks joining collective, sequence number: 4" in out
+
+
+def write_json(dir_, dumps, prefix="rank_"):
+    dir_.mkdir(exist_ok=True)
+    for r, d in dumps.items():
+        (dir_ / f"{prefix}{r}.json").write_text(json.dumps(d))
+    return str(dir_)
+
+
+def test_json_suffixed_dumps_are_found_with_the_given_prefix(tmp_path, capsys):
+    d = write_json(tmp_path / "d", S.missing_rank())
+    assert fr_trace.main([d, "-p", "rank_", "--json"]) == 2
+    r = json.loads(capsys.readouterr().out)
+    assert [(f["kind"], f["seq"], f["ranks"]) for f in r["findings"]] == [
+        ("missing_ranks", 4, [1])
+    ]
+
+
+def test_json_suffixed_dumps_are_found_with_the_prefix_inferred(tmp_path, capsys):
+    d = write_json(tmp_path / "d", S.missing_rank())
+    assert fr_trace.main([d, "--json"]) == 2
+    assert json.loads(capsys.readouterr().out)["ranks_with_data"] == [0, 1]
+
+
+def test_pickle_and_json_ranks_mix_in_one_dir(tmp_path, capsys):
+    dumps = S.missing_rank()
+    d = write(tmp_path / "d", {0: dumps[0]})
+    write_json(tmp_path / "d", {1: dumps[1]})
+    assert fr_trace.main([d, "--json"]) == 2
+    r = json.loads(capsys.readouterr().out)
+    assert r["findings"][0]["ranks"] == [1] and r["ranks_with_data"] == [0, 1]
+
+
+def test_pytorch_c10d_json_dumps_report_the_missing_rank(tmp_path, capsys):
+    d = write_json(tmp_path / "d", S.load_fixture("c10d_gloo_hang.json"), prefix="nccl_trace_rank_")
+    assert fr_trace.main([d, "--json"]) == 2
+    f = json.loads(capsys.readouterr().out)["findings"][0]
+    assert (f["kind"], f["seq"], f["op"], f["ranks"]) == ("missing_ranks", 5, "all_reduce", [1])
+
+
+def test_just_print_entries_reads_json_suffixed_dumps(tmp_path, capsys):
+    d = write_json(tmp_path / "d", S.missing_rank())
+    assert fr_trace.main([d, "-j"]) == 0
+    out = capsys.readouterr().out
+    row4 = next(line for line in out.splitlines() if line.split()[:2] == ["main_comm", "4"])
+    assert "all_reduce" in row4 and row4.count("all_reduce") == 1
+
+
+def test_hostile_pickle_under_json_name_is_refused_in_one_line(tmp_path, capsys):
+    target = tmp_path / "pwned"
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, (f"touch {target}",))
+
+    d = write_json(tmp_path / "d", S.clean())
+    (tmp_path / "d" / "rank_1.json").write_bytes(pickle.dumps({"version": "2.10", "entries": [Evil()]}))
+    assert fr_trace.main([d]) == 1
+    assert err_lines(capsys)[0] == "error: rank_1.json: refused global posix.system (not a plain FR dump)"
+    assert not target.exists()
+
+
+_TORCH_DUMPS = """
+import os, sys, torch, torch.distributed as dist
+dist.init_process_group("gloo", init_method="tcp://127.0.0.1:%d", rank=0, world_size=1)
+t = torch.ones(8)
+for _ in range(3):
+    dist.all_reduce(t)
+dist.broadcast(t, 0)
+c10d = torch._C._distributed_c10d
+open(os.path.join(sys.argv[1], "trace_0"), "wb").write(c10d._dump_fr_trace())
+open(os.path.join(sys.argv[2], "trace_0.json"), "wb").write(c10d._dump_fr_trace_json())
+dist.destroy_process_group()
+"""
+
+
+def test_pytorch_own_pickle_and_json_dumps_give_the_same_analysis(tmp_path):
+    """Torch's C++ pickler and its JSON writer, from a real one-rank gloo job."""
+    from conftest import free_port
+
+    pk, js = tmp_path / "pk", tmp_path / "js"
+    pk.mkdir()
+    js.mkdir()
+    env = dict(os.environ, TORCH_FR_BUFFER_SIZE="100")
+    p = subprocess.run([sys.executable, "-c", _TORCH_DUMPS % free_port(), str(pk), str(js)],
+                       capture_output=True, text=True, timeout=120, env=env)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert (pk / "trace_0").read_bytes()[:1] == b"\x80"
+    one = run_sub(["-m", "debug_server.fr_trace", str(pk), "--json"])
+    two = run_sub(["-m", "debug_server.fr_trace", str(js), "--json"])
+    assert (one.returncode, two.returncode) == (0, 0), one.stderr + two.stderr
+    a, b = json.loads(one.stdout), json.loads(two.stdout)
+    # Torch's JSON form carries no stack frames; the two dumps are taken one after the other
+    # (c10d may retire the last op in between), so states and times are not compared.
+    assert a["collectives"][3]["frames"][-1]["line"] == 7  # the broadcast line of the script
+    assert all(c["frames"] == [] for c in b["collectives"])
+    for r in (a, b):
+        assert [(c["seq"], c["op"], c["pass_check"]) for c in r["collectives"]] == [
+            (1, "all_reduce", True), (2, "all_reduce", True), (3, "all_reduce", True),
+            (4, "broadcast", True)]
+    assert a["findings"] == b["findings"] == [] and a["groups"] == b["groups"]
+
+
+def test_cycling_bucket_sizes_keep_their_own_signatures(tmp_path, capsys):
+    """A loop over 4 gradient buckets: one odd size on rank 1 is found at its own seq."""
+    from debug_server.synthetic import make_dump, make_entry
+
+    sizes = [1024, 4096, 256, 65536]
+    dumps = {}
+    for r in range(2):
+        ents = [make_entry(record_id=s, seq=s, input_sizes=((sizes[s % 4],),)) for s in range(40)]
+        if r == 1:
+            ents[21] = make_entry(record_id=21, seq=21, input_sizes=((sizes[2],),))
+        dumps[r] = make_dump(ents, {"main_comm": [0, 1]})
+    assert fr_trace.main([write(tmp_path / "d", dumps), "--json"]) == 2
+    r = json.loads(capsys.readouterr().out)
+    assert [(f["kind"], f["seq"]) for f in r["findings"]] == [("size_mismatch", 21)]

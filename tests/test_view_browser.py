@@ -1,0 +1,102 @@
+"""The post-mortem viewer in a real headless Chromium, on the dumps a real demo run left behind.
+
+The reference demo runs to its end (rank 1 sleeps instead of joining all_reduce #4; rank 0
+times out); then ``python -m debug_server.view`` serves its dump dir with no job left.
+Chromium comes from Debian as in ``test_browser.py`` (whose ``browser`` fixture is reused).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from mpjob import REPO, free_port, run_demo
+from test_browser import _shot, browser  # noqa: F401 - the fixture, reused
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def _get_json(url: str) -> Any:
+    with urllib.request.urlopen(url, timeout=10) as r:
+        return json.loads(r.read())
+
+
+@pytest.fixture(scope="module")
+def viewer(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """The demo's dump dir after the demo ended, served by the viewer; yields its base URL."""
+    dump_dir = tmp_path_factory.mktemp("view_browser") / "dumps"
+    run_demo(dump_dir, FR_DUMP_INTERVAL="1", COMM_TIMEOUT="6", HANG_SECONDS="10",
+             FR_STALL_TIMEOUT="3")
+    port = free_port()
+    log = open(tmp_path_factory.mktemp("view_log") / "view.log", "w")  # noqa: SIM115
+    proc = subprocess.Popen([sys.executable, "-m", "debug_server.view", str(dump_dir),
+                             "--port", str(port)], env=dict(os.environ, PYTHONPATH=str(REPO)),
+                            stdout=subprocess.PIPE, stderr=log, text=True)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == f"ready {port}"
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        proc.kill()
+        proc.communicate(timeout=10)
+        log.close()
+
+
+def _hang_cycle(base: str) -> str:
+    """A dated cycle taken during the hang: rank 1's stacks are in hang_phase and the FR data
+    has it missing from all_reduce #4 (the first cycles of the hang may predate the verdict)."""
+    cycles = _get_json(f"{base}/stacks?format=json")["postmortem"]["cycles"]
+    for c in cycles:
+        if c["cycle"] == "per_rank":
+            continue
+        body = _get_json(f"{base}/stacks?format=json&cycle={c['cycle']}")
+        fr = _get_json(f"{base}/fr_trace?format=json&cycle={c['cycle']}")
+        if "hang_phase" in (body["ranks"][1]["stacks"] or "") and any(
+                f["kind"] == "missing_ranks" and f["seq"] == 4 for f in fr["findings"]):
+            return str(c["cycle"])
+    raise AssertionError(f"no cycle during the hang among {[c['cycle'] for c in cycles]}")
+
+
+def test_overview_says_post_mortem_and_names_rank_1(viewer: str, browser: Any,  # noqa: F811
+                                                    tmp_path: Path) -> None:
+    from selenium.webdriver.common.by import By
+
+    browser.get(f"{viewer}/")
+    pm = browser.find_element(By.ID, "postmortem")
+    assert pm.text.startswith("Post-mortem: job ended; data from ")
+    options = browser.find_elements(By.CSS_SELECTOR, "#cycle-picker option")
+    assert len(options) >= 3 and options[-1].get_attribute("selected")
+    banner = browser.find_element(By.CSS_SELECTOR, ".banner.bad")
+    assert "Rank 1 is missing from all_reduce #4 on main_comm" in banner.text
+    _shot(browser, "view_overview.png", tmp_path)
+
+
+def test_picking_a_cycle_in_the_hang_shows_it_on_every_page(viewer: str, browser: Any,  # noqa: F811
+                                                           tmp_path: Path) -> None:
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import Select, WebDriverWait
+
+    stamp = _hang_cycle(viewer)
+    browser.get(f"{viewer}/")
+    Select(browser.find_element(By.ID, "cycle-picker")).select_by_value(stamp)
+    WebDriverWait(browser, 10).until(lambda d: f"cycle={stamp}" in d.current_url)
+    # Follow the nav link: the choice stays (cookie), the FR table highlights seq 4.
+    browser.find_element(By.CSS_SELECTOR, 'nav a[href="/fr_trace"]').click()
+    WebDriverWait(browser, 10).until(lambda d: d.current_url.endswith("/fr_trace"))
+    picked = Select(browser.find_element(By.ID, "cycle-picker")).first_selected_option
+    assert picked.get_attribute("value") == stamp
+    rows = browser.find_elements(By.CSS_SELECTOR, "tr.fail")
+    hit = [r for r in rows if "nccl:all_reduce" in r.text
+           and [td.text for td in r.find_elements(By.TAG_NAME, "td")][3:4] == ["4"]]
+    assert hit, [r.text for r in rows]
+    _shot(browser, "view_fr_trace.png", tmp_path)
+    hit[0].find_element(By.CSS_SELECTOR, 'a[href="/stacks#rank-1"]').click()
+    section = browser.find_element(By.ID, "rank-1").find_element(By.XPATH, "ancestor::section")
+    assert "hang_phase" in section.text
+    _shot(browser, "view_stacks.png", tmp_path)
