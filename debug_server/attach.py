@@ -1,0 +1,98 @@
+"""Attaching a frontend to a running job from any machine that reaches its TCPStore.
+
+``python -m debug_server.frontend --store HOST:PORT --world-size N [--port 25999]`` serves the
+same pages as rank 0's frontend (a login node, or a healthy host when rank 0's is the sick one).
+Workers are found through the store exactly as rank 0's frontend finds them
+(``discovery.lookup_workers``: ours, with their ``_meta`` sidecar, and torch's own C++ workers,
+without one). This module settles what the command line leaves open:
+
+- which elastic restart to trust: the newest one named by the workers' sidecars, so a store
+  that still holds an earlier generation's keys shows the live ranks, not the dead ones;
+- the access token, the way rank 0's frontend gets it: ``$DEBUG_SERVER_AUTH_TOKEN`` or
+  ``--token`` when given, else the job's own key in the store (``auth.store_key``), read
+  without waiting (a job without a token has none, and then pages need none either).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING, NamedTuple
+
+from debug_server import auth, discovery
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
+
+__all__ = ["AttachError", "Attached", "current_restart", "job_token", "parse_store", "resolve"]
+
+
+class AttachError(ValueError):
+    """A store address or token the attached frontend cannot use; the text is one line."""
+
+
+def parse_store(text: str) -> tuple[str, int]:
+    """``HOST:PORT`` (``[v6addr]:PORT`` for IPv6) -> (host, port); raises :class:`AttachError`."""
+    host, sep, port = text.strip().rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise AttachError(f"--store {text[:80]!r}: expected HOST:PORT (the job's "
+                          "MASTER_ADDR:MASTER_PORT), e.g. node001:29500")
+    return host, int(port)
+
+
+def current_restart(store: dist.Store, world_size: int) -> int:
+    """The newest elastic restart named by any rank's registration sidecar (0 when none has
+    one, e.g. a job of torch's own C++ workers)."""
+    keys = [discovery.meta_key(r) for r in range(world_size)]
+    present = keys if store.check(keys) else [k for k in keys if store.check([k])]
+    newest = 0
+    for raw in store.multi_get(present) if present else ():
+        try:
+            newest = max(newest, int(json.loads(raw)["restart"]))
+        except (ValueError, KeyError, TypeError):
+            continue  # discovery reports an unreadable sidecar for its rank
+    return newest
+
+
+def job_token(store: dist.Store, restart_count: int, explicit: str | None) -> str | None:
+    """The token pages and fan-out use: ``explicit`` when given, else the job's store key, else
+    None (a job without a token). Raises :class:`AttachError` on a malformed token."""
+    token = explicit
+    if token is None:
+        key = auth.store_key(restart_count)
+        if store.check([key]):
+            token = store.get(key).decode(errors="replace")
+    if token is None:
+        return None
+    try:
+        return auth.check_token_text(token)
+    except ValueError as e:
+        raise AttachError(str(e)) from None
+
+
+class Attached(NamedTuple):
+    """Where the job's store is, which restart to trust, and the token (None: none needed)."""
+
+    host: str
+    port: int
+    restart: int
+    token: str | None
+
+
+def resolve(store_text: str, world_size: int, restart: int | None, token: str | None,
+            *, timeout: float = 5.0) -> Attached:
+    """Connect to the job's store once and settle the restart and the token (module doc).
+
+    Raises :class:`AttachError` with one line when the store cannot be reached in ``timeout``.
+    """
+    host, port = parse_store(store_text)
+    try:
+        store = discovery.store_client(host, port, timeout)
+    except Exception as e:  # torch raises DistNetworkError/RuntimeError/TimeoutError here
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        raise AttachError(f"cannot reach the job's TCPStore at {host}:{port} within "
+                          f"{timeout:.0f} s ({first})") from None
+    if restart is None:
+        restart = current_restart(store, world_size)
+    return Attached(host, port, restart, job_token(store, restart, token))

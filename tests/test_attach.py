@@ -1,0 +1,201 @@
+"""Attaching a frontend to a running job through its TCPStore (``--store HOST:PORT``)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import textwrap
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+from mpjob import REPO, free_port, kill_all
+
+from debug_server import attach
+from debug_server.auth import TOKEN_ENV, TOKEN_HEADER, store_key
+from debug_server.discovery import meta_key, store_client, url_key
+
+
+def _http(url: str, headers: dict[str, str] | None = None) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, headers=headers or {}),
+                                    timeout=30) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        with e:
+            return e.code, e.read().decode()
+
+
+def _start_attached(store_port: int, world_size: int, *extra: str,
+                    env: dict[str, str] | None = None) -> tuple[subprocess.Popen[bytes], str]:
+    """``python -m debug_server.frontend --store ...`` as its own process; (process, 'ready <port>'
+    or 'error: ...')."""
+    r, w = os.pipe()
+    child_env = {k: v for k, v in os.environ.items() if k != TOKEN_ENV}
+    child_env.update(PYTHONPATH=str(REPO), **(env or {}))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "debug_server.frontend", "--store", f"127.0.0.1:{store_port}",
+         "--world-size", str(world_size), "--port", "0", "--host", "127.0.0.1",
+         "--fetch-timeout", "3", "--ready-fd", str(w), *extra],
+        pass_fds=(w,), env=child_env, cwd=REPO, stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL, start_new_session=True)
+    os.close(w)
+    with os.fdopen(r) as f:
+        line = f.readline().strip()
+    return proc, line
+
+
+def _end(proc: subprocess.Popen[Any]) -> None:
+    kill_all([proc])
+
+
+# ---------------------------------------------------------------------------------------------
+# The address and the store's answers
+
+
+def test_store_address_parses_host_port_and_bracketed_ipv6() -> None:
+    assert attach.parse_store("node001:29500") == ("node001", 29500)
+    assert attach.parse_store("[fd00::1]:29500") == ("fd00::1", 29500)
+
+
+@pytest.mark.parametrize("bad", ["node001", "node001:", ":29500", "node001:http", "node001:70000"])
+def test_store_address_without_a_port_is_refused_in_one_line(bad: str) -> None:
+    with pytest.raises(attach.AttachError, match=r"expected HOST:PORT \(the job's MASTER_ADDR"):
+        attach.parse_store(bad)
+
+
+def test_restart_to_trust_is_the_newest_named_by_a_sidecar(tcp_store: Any) -> None:
+    store = store_client("127.0.0.1", tcp_store.port, 5)
+    store.set(meta_key(0), json.dumps({"restart": 2, "pid": 1}))
+    store.set(meta_key(1), json.dumps({"restart": 1, "pid": 2}))  # a rank not re-registered yet
+    assert attach.current_restart(store, 3) == 2  # rank 2 has no sidecar at all
+
+
+def test_token_comes_from_the_jobs_store_key_of_that_restart(tcp_store: Any) -> None:
+    store = store_client("127.0.0.1", tcp_store.port, 5)
+    store.set(store_key(1), "t" * 32)
+    assert attach.job_token(store, 1, None) == "t" * 32
+    assert attach.job_token(store, 0, None) is None  # restart 0 published none: no token
+    assert attach.job_token(store, 1, "e" * 20) == "e" * 20  # an explicit one wins
+
+
+def test_unreachable_store_is_one_line_error_and_exit_2(tmp_path: Path) -> None:
+    proc, line = _start_attached(free_port(), 2)
+    try:
+        assert proc.wait(60) == 2
+        assert re.fullmatch(r"error: cannot reach the job's TCPStore at 127\.0\.0\.1:\d+ within "
+                            r"3 s \(.*\)", line), line
+    finally:
+        _end(proc)
+
+
+# ---------------------------------------------------------------------------------------------
+# torch's own C++ worker, registered without our sidecar
+
+
+def test_attached_frontend_finds_torchs_cpp_worker_without_sidecar(tcp_store: Any) -> None:
+    c10d = pytest.importorskip("torch._C._distributed_c10d")
+    if not hasattr(c10d, "_WorkerServer"):
+        pytest.skip("this torch has no C++ WorkerServer")
+    cpp = c10d._WorkerServer("127.0.0.1", 0)
+    proc = None
+    try:
+        store = store_client("127.0.0.1", tcp_store.port, 5)
+        store.set(url_key(0), f"http://127.0.0.1:{cpp.port}")  # what torch's server writes
+        store.set(meta_key(1), json.dumps({"restart": 0}))  # rank 1 never wrote its URL
+        proc, line = _start_attached(tcp_store.port, 2)
+        assert line.startswith("ready "), line
+        base = f"http://127.0.0.1:{line.split()[1]}"
+        status, body = _http(f"{base}/stacks?format=json")
+        assert status == 200
+        ranks = json.loads(body)["ranks"]
+        assert ranks[0]["status"] == "ok" and ranks[0]["url"] == f"http://127.0.0.1:{cpp.port}"
+        assert "most recent call first" in ranks[0]["stacks"]
+        assert ranks[1]["status"] == "not registered"
+    finally:
+        if proc is not None:
+            _end(proc)
+        cpp.shutdown()
+
+
+# ---------------------------------------------------------------------------------------------
+# A real 2-rank gloo job that hangs, with a token, attached from a separate process
+
+
+JOB = """
+import os, time
+from datetime import timedelta
+import torch
+from debug_server import comms, hooks, start_debug_server
+
+rank = int(os.environ["RANK"])
+h = start_debug_server(port=0, fetch_timeout=3, auth="token", dump_interval=3600)
+comm = comms.new_comm("gloo", torch.device("cpu"), "main_comm", timeout=timedelta(seconds=80))
+hooks.FlightRecorderHook(max_entries=100).register_with_comm(comm)
+assert h.wait_registered(60)
+t = torch.ones(1024)
+for _ in range(3):
+    comm.all_reduce(t)
+comm.broadcast(t, 0)
+print("PHASE2", h.auth_token, flush=True)
+if rank == 1:
+    time.sleep(80)  # never joins all_reduce #4
+else:
+    comm.all_reduce(t)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_frontend_attached_by_store_names_the_missing_rank_of_a_real_job(tmp_path: Path) -> None:
+    master_port = free_port()  # rank 0's init_process_group hosts the job's TCPStore
+    script = tmp_path / "rank.py"
+    script.write_text(textwrap.dedent(JOB))
+    logs = [tmp_path / f"rank{r}.log" for r in range(2)]
+    procs: list[subprocess.Popen[bytes]] = []
+    attached = None
+    try:
+        for r in range(2):
+            env = {**os.environ, "RANK": str(r), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
+                   "LOCAL_RANK": str(r), "MASTER_ADDR": "127.0.0.1",
+                   "MASTER_PORT": str(master_port), "PYTHONPATH": str(REPO),
+                   "OMP_NUM_THREADS": "1"}
+            with logs[r].open("wb") as out:
+                procs.append(subprocess.Popen([sys.executable, str(script)], env=env, stdout=out,
+                                              stderr=subprocess.STDOUT, start_new_session=True))
+        tokens: dict[int, str] = {}
+        deadline = time.monotonic() + 60
+        while len(tokens) < 2 and time.monotonic() < deadline:
+            for r in range(2):
+                m = re.search(r"^PHASE2 (\S+)$", logs[r].read_text(), re.M)
+                if m:
+                    tokens[r] = m.group(1)
+                assert procs[r].poll() is None, logs[r].read_text()[-3000:]
+            time.sleep(0.2)
+        assert len(tokens) == 2, [p.read_text()[-2000:] for p in logs]
+        token = tokens[0]
+        # No token given: the attached frontend reads the job's own from the store.
+        attached, line = _start_attached(master_port, 2)
+        assert line.startswith("ready "), line
+        base = f"http://127.0.0.1:{line.split()[1]}"
+        assert _http(f"{base}/fr_trace?format=json")[0] == 401  # the job's token guards it too
+        deadline = time.monotonic() + 30
+        while True:  # rank 0 enters all_reduce #4 a moment after it printed PHASE2
+            status, body = _http(f"{base}/fr_trace?format=json", {TOKEN_HEADER: token})
+            assert status == 200, body
+            result = json.loads(body)
+            missing = [f for f in result["findings"] if f["kind"] == "missing_ranks"]
+            if missing or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+        assert [(f["group"], f["seq"], f["op"], f["ranks"]) for f in missing] == \
+            [("main_comm", 4, "all_reduce", [1])]
+        assert [r["status"] for r in result["ranks"]] == ["ok", "ok"]
+    finally:
+        # Each rank's process group: the rank and rank 0's frontend child.
+        kill_all([*procs, *([attached] if attached is not None else [])])
