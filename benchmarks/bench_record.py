@@ -7,8 +7,11 @@ times, interleaved, bare ``torch.distributed.all_reduce`` and the same op throug
 ``FlightRecorderHook`` (and the communicator without the hook), issued from a call site 20 frames
 deep, with ``async_op=False`` (the default; on CUDA it returns once enqueued) and, on CUDA,
 ``async_op=True``. Medians of per-op host time. "c10d FR adds" is bare(on) - bare(off); "ours
-adds" is ours - bare in the same process. Then the communicator path without the collective, and
-the memory of a full 2000-entry ring with stacks.
+adds" is ours - bare in the same process (bare on a group of its own). With c10d's recorder on,
+an NCCL communicator is c10d-backed (comms module doc): "ours" is then the lean op path plus the
+start events its group records ("timing adds": bare torch on the communicator's own group minus
+bare torch on a plain group). Then the communicator path without the collective, and the memory
+of a full 2000-entry ring with stacks (c10d's ring when backed: our side holds none).
 
     python benchmarks/bench_record.py [--device cpu|cuda] [--iters N] [--rounds R]
     taskset -c 0 python benchmarks/bench_record.py          # the gloo figure, pinned to one core
@@ -35,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from debug_server.comms import new_comm  # noqa: E402
+from debug_server.comms import _new_group, new_comm  # noqa: E402
 from debug_server.hooks import FlightRecorderHook  # noqa: E402
 
 FR_ENV = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")
@@ -74,12 +77,17 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
     if cuda:
         torch.cuda.set_device(dev)
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=60))
+    # bare torch on a group of its own, made as a user makes one (no timing events).
+    pg = dist.new_group([0], backend=backend)
     comm = new_comm(backend, dev, "bench_comm")
     hook = FlightRecorderHook(max_entries=2000).register_with_comm(comm)
     plain = new_comm(backend, dev, "bench_plain")  # the same communicator code, no hook
     sync = torch.cuda.synchronize if cuda else (lambda: None)
-    pg = comm.process_group
-    out: dict[str, Any] = {"rows": []}
+    # bare torch on a group made as a c10d-backed communicator makes its own (on NCCL it records
+    # start events, TORCH_NCCL_ENABLE_TIMING): this isolates what timing costs.
+    timed_pg = _new_group([0], backend, datetime.timedelta(seconds=60), "bench_timed", local_sync=False,
+                          timing=comm.c10d_backed and cuda)
+    out: dict[str, Any] = {"rows": [], "c10d_backed": comm.c10d_backed}
     modes = (False, True) if cuda else (False,)
     for async_op in modes:
         for numel in (1, 1024):
@@ -87,6 +95,9 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
 
             def bare(t: torch.Tensor = t, a: bool = async_op) -> object:
                 return dist.all_reduce(t, group=pg, async_op=a)
+
+            def bare_timed(t: torch.Tensor = t, a: bool = async_op) -> object:
+                return dist.all_reduce(t, group=timed_pg, async_op=a)
 
             def hooked(t: torch.Tensor = t, a: bool = async_op) -> object:
                 return comm.all_reduce(t, async_op=a)
@@ -96,16 +107,19 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
 
             for _ in range(200):  # warm-up (NCCL init, event slots created)
                 bare()
+                bare_timed()
                 hooked()
                 unhooked()
             sync()
-            b, h, u = [], [], []
+            b, bt, h, u = [], [], [], []
             for _ in range(args.rounds):  # interleaved so drift hits all equally
                 b.append(per_op_us(bare, args.iters, sync))
+                bt.append(per_op_us(bare_timed, args.iters, sync))
                 h.append(per_op_us(hooked, args.iters, sync))
                 u.append(per_op_us(unhooked, args.iters, sync))
             out["rows"].append({
                 "async_op": async_op, "numel": numel, "bare": statistics.median(b),
+                "bare_timed": statistics.median(bt),
                 "ours": statistics.median(h), "ours_no_hook": statistics.median(u),
             })
     if args.extras:
@@ -125,14 +139,29 @@ def extras(
     def nothing(*a: object, **k: object) -> None:
         return None
 
-    def path_hooked() -> object:
-        return comm._run(comm._record1("all_reduce", t, False), nothing, (), {})
+    if comm.c10d_backed:
+        # The c10d-backed op path (the hook adds nothing per op there). Fresh communicators:
+        # these fake ops take sequence numbers c10d never sees.
+        pc, pp = new_comm(comm.get_backend(), dev, "bench_path_a"), new_comm(comm.get_backend(), dev, "bench_path_b")
+        FlightRecorderHook(max_entries=2000).register_with_comm(pc)
 
-    def path_plain() -> object:
-        return plain._run(plain._record1("all_reduce", t, False), nothing, (), {})
+        def path_hooked() -> object:
+            return pc._issue("all_reduce", nothing, (t,), {}, False)
+
+        def path_plain() -> object:
+            return pp._issue("all_reduce", nothing, (t,), {}, False)
+    else:
+        def path_hooked() -> object:
+            return comm._run(comm._record1("all_reduce", t, False), nothing, (), {})
+
+        def path_plain() -> object:
+            return plain._run(plain._record1("all_reduce", t, False), nothing, (), {})
 
     res["path_hooked"] = statistics.median(per_op_us(path_hooked, args.iters, sync) for _ in range(args.rounds))
     res["path_plain"] = statistics.median(per_op_us(path_plain, args.iters, sync) for _ in range(args.rounds))
+    if comm.c10d_backed:
+        pc.finalize()
+        pp.finalize()
 
     # Memory of a full ring: a fresh hook, 2000 ops from two call sites 20 frames deep.
     hook.unregister()
@@ -207,17 +236,21 @@ def main() -> None:
     print(f"torch {torch.__version__}, device {args.device}, iters {args.iters}, rounds {args.rounds}, "
           f"affinity {sorted(os.sched_getaffinity(0))[:8]}")
     print("per-op host time, medians in us; c10d FR off = TORCH_FR_BUFFER_SIZE=0, on = 2000")
+    print(f"recorder with c10d FR on: {'c10d-backed (c10d records, ours reads at dump time)' if on['c10d_backed'] else 'ours (Python)'}"
+          f"; with it off: {'c10d-backed' if off['c10d_backed'] else 'ours (Python)'}")
     print(f"{'async':>5} {'numel':>6} {'bare/off':>9} {'bare/on':>8} {'c10d FR adds':>12} "
-          f"{'ours/on':>8} {'ours adds':>9} {'ours/off':>9} {'ours adds (off)':>15} {'no hook/on':>10}")
+          f"{'ours/on':>8} {'ours adds':>9} {'timing adds':>11} {'ours/off':>9} "
+          f"{'ours adds (off)':>15} {'no hook/on':>10}")
     worst = []
     for r_off, r_on in zip(off["rows"], on["rows"], strict=True):
         fr_adds = r_on["bare"] - r_off["bare"]
-        ours_adds = r_on["ours"] - r_on["bare"]
+        ours_adds = r_on["ours"] - r_on["bare"]  # over bare torch with c10d FR on (its default)
+        timing_adds = r_on["bare_timed"] - r_on["bare"]
         ours_adds_off = r_off["ours"] - r_off["bare"]
         worst.append((ours_adds, fr_adds))
         print(f"{str(r_on['async_op']):>5} {r_on['numel']:>6} {r_off['bare']:>9.2f} {r_on['bare']:>8.2f} "
-              f"{fr_adds:>12.2f} {r_on['ours']:>8.2f} {ours_adds:>9.2f} {r_off['ours']:>9.2f} "
-              f"{ours_adds_off:>15.2f} {r_on['ours_no_hook']:>10.2f}")
+              f"{fr_adds:>12.2f} {r_on['ours']:>8.2f} {ours_adds:>9.2f} {timing_adds:>11.2f} "
+              f"{r_off['ours']:>9.2f} {ours_adds_off:>15.2f} {r_on['ours_no_hook']:>10.2f}")
     ex = on["extras"]
     print(f"without the collective: communicator path {ex['path_plain']:.2f} us, with the FR hook "
           f"{ex['path_hooked']:.2f} us (the hook adds {ex['path_hooked'] - ex['path_plain']:.2f} us)")

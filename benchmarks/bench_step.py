@@ -15,7 +15,10 @@ jobs: c10d's recorder off (``TORCH_FR_BUFFER_SIZE=0`` / ``TORCH_NCCL_TRACE_BUFFE
 on (2000, torch's default). In each job bare ``torch.distributed`` on its own group and ours
 (``new_comm`` + ``FlightRecorderHook(2000)``) run interleaved, round by round, on the same
 GPUs. Printed: medians of ms per step and the ratios; "ours / bare" compares ours with bare
-torch in the same job, so torch's default configuration (c10d FR on) is the headline.
+torch in the same job, so torch's default configuration (c10d FR on) is the headline. With
+c10d's recorder on, an NCCL communicator is c10d-backed (see debug_server.comms), and its group
+records start events; "bare+timing" is bare torch on such a group, so the cost of those events
+shows apart from our op path.
 
     python benchmarks/bench_step.py --device cuda                 # 2 GPUs
     python benchmarks/bench_step.py --device cpu --rounds 5       # gloo, small shapes
@@ -43,7 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from debug_server.comms import new_comm  # noqa: E402
+from debug_server.comms import _new_group, new_comm  # noqa: E402
 from debug_server.hooks import FlightRecorderHook  # noqa: E402
 
 FR_ENV = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")
@@ -115,14 +118,23 @@ def worker(args: argparse.Namespace) -> None:
     else:
         dev = torch.device("cpu")
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=120))
-    bare_pg = dist.new_group(list(range(dist.get_world_size())), backend=backend)
+    ranks = list(range(dist.get_world_size()))
+    bare_pg = dist.new_group(ranks, backend=backend)
     comm = new_comm(backend, dev, "bench_step")
     FlightRecorderHook(max_entries=2000).register_with_comm(comm)
+    # bare torch on a group with start events, as a c10d-backed communicator's group records
+    # them (TORCH_NCCL_ENABLE_TIMING): what timing alone costs a step.
+    timed_pg = _new_group(ranks, backend, datetime.timedelta(seconds=120), "bench_timed", local_sync=False,
+                          timing=comm.c10d_backed and cuda)
 
     def bare_ar(t: torch.Tensor, async_op: bool = False) -> Any:
         return dist.all_reduce(t, group=bare_pg, async_op=async_op)
 
-    steps = {"bare": Step(bare_ar, dev, cuda), "ours": Step(comm.all_reduce, dev, cuda)}
+    def timed_ar(t: torch.Tensor, async_op: bool = False) -> Any:
+        return dist.all_reduce(t, group=timed_pg, async_op=async_op)
+
+    steps = {"bare": Step(bare_ar, dev, cuda), "timed": Step(timed_ar, dev, cuda),
+             "ours": Step(comm.all_reduce, dev, cuda)}
     for shape in SHAPES:  # warm-up: NCCL channels, cuBLAS, event slots
         for s in steps.values():
             for _ in range(args.warmup):
@@ -130,14 +142,16 @@ def worker(args: argparse.Namespace) -> None:
     times: dict[str, dict[str, list[float]]] = {v: {sh: [] for sh in SHAPES} for v in steps}
     for rnd in range(args.rounds):
         for shape in SHAPES:
-            # Alternate which variant goes first, so neither always follows the other.
-            order = ("bare", "ours") if rnd % 2 == 0 else ("ours", "bare")
+            # Rotate which variant goes first, so none always follows another.
+            names = ("bare", "timed", "ours")
+            order = names[rnd % 3:] + names[:rnd % 3]
             for v in order:
                 per = [steps[v].run(shape) for _ in range(args.steps)]
                 times[v][shape].append(statistics.median(per))
     dist.barrier()
     if rank == 0:
-        out = {v: {sh: statistics.median(ts) for sh, ts in d.items()} for v, d in times.items()}
+        out: dict[str, Any] = {v: {sh: statistics.median(ts) for sh, ts in d.items()} for v, d in times.items()}
+        out["c10d_backed"] = comm.c10d_backed
         print("RESULT " + json.dumps(out), flush=True)
     dist.destroy_process_group()
 
@@ -182,17 +196,22 @@ def main() -> int:
     on = launch(args, 2000, args.port + 1)
     print(f"torch {torch.__version__}, device {args.device}, {args.nproc} ranks, "
           f"{args.rounds} rounds x {args.steps} steps, medians in ms per step")
+    print(f"ours with c10d FR on: {'c10d-backed' if on.get('c10d_backed') else 'Python recorder'}; "
+          f"with it off: {'c10d-backed' if off.get('c10d_backed') else 'Python recorder'}; "
+          "bare+timing: bare torch on a group with start events (c10d FR on)")
     print(f"{'shape':>6} {'bare':>8} {'bare+FR':>8} {'ours+FR':>8} {'ours/bare+FR':>12} "
-          f"{'FR cost':>8} {'ours (FR off)':>13} {'ours/bare (FR off)':>18}")
+          f"{'FR cost':>8} {'bare+timing':>11} {'timing cost':>11} {'ours (FR off)':>13} {'ours/bare (FR off)':>18}")
     over = []
     for sh in SHAPES:
         bare_off, ours_off = off["bare"][sh], off["ours"][sh]
         bare_on, ours_on = on["bare"][sh], on["ours"][sh]
+        timed_on = on["timed"][sh]
         ratio = ours_on / bare_on
         if args.max_ratio is not None and ratio > args.max_ratio:
             over.append(f"{sh} {ratio:.3f}")
         print(f"{sh:>6} {bare_off:>8.3f} {bare_on:>8.3f} {ours_on:>8.3f} {ratio:>12.3f} "
-              f"{bare_on / bare_off:>8.3f} {ours_off:>13.3f} {ours_off / bare_off:>18.3f}")
+              f"{bare_on / bare_off:>8.3f} {timed_on:>11.3f} {timed_on / bare_on:>11.3f} "
+              f"{ours_off:>13.3f} {ours_off / bare_off:>18.3f}")
     if args.json:
         Path(args.json).write_text(json.dumps({"fr_off": off, "fr_on": on}, indent=1))
     if over:

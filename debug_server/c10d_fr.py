@@ -112,6 +112,10 @@ class Backed(NamedTuple):
     pg_id: int
     timeout_ms: int
     """The communicator's timeout (its process group's is longer on NCCL, see comms)."""
+    frozen: Mapping[int, str] | None = None
+    """After the communicator failed: the states c10d gave its collectives just before it was
+    aborted (by seq). Aborting ends the kernels, so c10d's later reads say "completed" for an
+    op that never completed; these states are kept instead."""
 
 
 # Frames of the op path itself, above the user's call site in c10d's stacks: dropped, as our own
@@ -132,6 +136,12 @@ def _backed_entry(e: Mapping[str, Any], b: Backed) -> dict[str, Any]:
         ent["p2p_seq_id"] = _int(ent.get("p2p_seq_id"), 1) - 1
     else:
         ent["collective_seq_id"] = _int(ent.get("collective_seq_id"), 1) - 1
+        was = b.frozen.get(ent["collective_seq_id"]) if b.frozen is not None else None
+        if was is not None and was != ent.get("state"):
+            ent["state"] = was
+            if was != "completed":
+                ent["time_discovered_completed_ns"] = None
+                ent["retired"] = False
     for k in ("time_discovered_started_ns", "time_discovered_completed_ns"):
         if not ent[k]:  # the JSON dump writes 0 for "not known"
             ent[k] = None
@@ -432,7 +442,8 @@ def backed_of(comms: Iterable[Any]) -> dict[str, Backed]:
         name = c.c10d_group_name
         if name and getattr(c, "c10d_backed", False):
             out[name] = Backed(c.get_name(), c.get_backend(), tuple(c.global_ranks), c.pg_id,
-                               int(c.timeout.total_seconds() * 1000))
+                               int(c.timeout.total_seconds() * 1000),
+                               getattr(c, "_c10d_frozen", None) if getattr(c, "_broken", None) else None)
     return out
 
 
@@ -446,8 +457,15 @@ def merge_backed(ours: Mapping[str, Any], comms: Iterable[Any], *, only_active: 
     recorders = read_recorders(stacks=stacks, include_collectives=include_collectives)
     if not recorders:
         return dict(ours)
-    return merge_c10d(ours, recorders, backed=backed, others=False, only_active=only_active,
-                      include_collectives=include_collectives)
+    out = merge_c10d(ours, recorders, backed=backed, others=False, only_active=only_active,
+                     include_collectives=include_collectives)
+    for c in comms:
+        if getattr(c, "c10d_backed", False) and getattr(c, "_broken", None) == "" and include_collectives:
+            # Failing, not yet aborted (the abort hooks run now): keep c10d's states as they are.
+            name = c.get_name()
+            c._c10d_frozen = {e["collective_seq_id"]: e["state"] for e in out["entries"]
+                              if e["process_group"][0] == name and not e.get("is_p2p")}
+    return out
 
 
 def snapshot(*, only_active: bool = False, include_collectives: bool = True,

@@ -1,10 +1,32 @@
 """A communicator with hooks over ``torch.distributed``.
 
 ``new_comm(backend, device, name)`` gives one process group per communicator, with the ops of
-TorchComms' API and three kinds of callbacks: pre-op, post-op and abort. Every op builds one
-``OpRecord`` (what, which sequence number, shapes, dtypes, true state); hooks such as the Flight
-Recorder keep references to those records instead of copying them, so recording costs a few
-microseconds.
+TorchComms' API and three kinds of callbacks: pre-op, post-op and abort.
+
+Which recorder runs where:
+
+* **NCCL, c10d's Flight Recorder on** (``TORCH_FR_BUFFER_SIZE``, else
+  ``TORCH_NCCL_TRACE_BUFFER_SIZE``, > 0; unset means on, 2000 entries, in torch 2.11 and 2.13;
+  ``start_debug_server`` sets 2000 when neither is set): the communicator is *c10d-backed*.
+  c10d already records every op of the communicator's own process group, with its Python stack,
+  in C++; the op path here only counts, calls torch and appends ``(seq, op, time)`` to an
+  in-flight list for the watchdog: no stack capture, no CUDA events, no record object. The
+  Flight Recorder hook records nothing per op; at dump time ``c10d_fr`` maps c10d's entries of
+  that group to the communicator (its name, sequence numbers from 0, stacks from the user's
+  call site, c10d's states). The group is made with ``TORCH_NCCL_ENABLE_TIMING`` so c10d's
+  entries can say ``started``. A user's own pre/post hook turns on building an ``OpRecord``
+  per op again (a few microseconds each).
+* **gloo, or c10d's recorder off, or a torch without its dump API**: our own recorder. Every op
+  builds one ``OpRecord`` (what, which sequence number, shapes, dtypes, true state); hooks such
+  as the Flight Recorder keep references to those records instead of copying them.
+* ``DEBUG_SERVER_RECORDER=python`` forces ours everywhere; ``=c10d`` forces c10d's wherever it
+  records (on gloo too, where c10d never moves an op past ``scheduled``; the tests use it).
+
+Measured on 2x H200, torch 2.11 (``benchmarks/bench_record.py``, ``bench_step.py``; the README
+has the table): c10d's recorder adds 2.4-5.2 us per op; the c10d-backed path adds 8.3-9.2 us,
+of which the start events of its group 3.0-5.3 us, our Python path 0.75 us, and (sync ops, in
+that run) ~4.6 us of c10d's async-call path, which sync collectives no longer take (not yet
+re-measured). ``DEBUG_SERVER_NCCL_TIMING=0`` leaves the start events out (no ``started``).
 
 Semantics worth knowing (those of ``torch.distributed`` and TorchComms):
 
@@ -29,6 +51,11 @@ Semantics worth knowing (those of ``torch.distributed`` and TorchComms):
   an event recorded on the issuing stream before the op fired) -> ``completed`` (an event after
   it, c10d's work, or a later collective of the same communicator completed). No record keeps a
   tensor; a record keeps c10d's work only until the watchdog (or a reader) sees it completed.
+  c10d-backed: c10d computes the states from its own events when its recorder is read; the
+  watchdog learns completion from c10d's ``pg_status`` (one small read per pass, no entries) and
+  keeps no work of a collective, so no tensor either. P2P ops keep their work until the watchdog
+  sees it completed (c10d's status counts P2P and collectives with one number), and so do a
+  communicator's collectives once it has issued P2P.
 """
 
 from __future__ import annotations
@@ -502,6 +529,7 @@ class Comm:
         self._pend_w: list[tuple[int, str, int, bool, Any]] = []
         self._had_p2p = False
         self._status_warned = False
+        self._host: dict[tuple[bool, int], tuple[int, str, int, bool]] = {}  # gloo sync ops running
         # Ops the watchdog still watches (see _watch_pass): collectives in issue order (CUDA),
         # records queried one by one (CUDA P2P, gloo async), async CUDA collectives holding
         # c10d's work.
@@ -592,7 +620,7 @@ class Comm:
         if not self._backed:
             return []
         out = [InFlight(self, op, seq, 0, False, t) for seq, op, t in list(self._pend)]
-        for seq, op, t, p2p, _ in list(self._pend_w):
+        for seq, op, t, p2p, *_ in list(self._pend_w) + list(self._host.values()):
             out.append(InFlight(self, op, -1 if p2p else seq, seq if p2p else 0, p2p, t))
         out.sort(key=lambda x: x.time_created_ns)
         return out
@@ -763,9 +791,12 @@ class Comm:
         """The c10d-backed op path: count, call torch (c10d records the op), remember it for the
         watchdog. No stack capture, no events, no record: c10d's recorder has all of that.
 
-        The call is always async_op=True so that we hold c10d's work; for a sync op ``wait()``
-        follows at once, which is what ``torch.distributed`` itself does for async_op=False
-        (NCCL: the current stream waits; gloo: the host waits).
+        A sync collective is the very call bare torch makes (``async_op=False``): no work is
+        needed, c10d's pg_status says when it completed. Measured on H200 (torch 2.11), c10d
+        makes an ``async_op=True`` call 4.6 us dearer on the host (its own stream, events and a
+        stash) than a sync one, which it runs on the current stream. Async ops, P2P ops (as
+        isend/irecv, then ``wait()`` when sync) and, once a communicator issued P2P, its
+        collectives too, are issued async so that we hold c10d's work for the watchdog.
         """
         if self._broken is not None:
             self._raise_broken()
@@ -778,12 +809,28 @@ class Comm:
             else:
                 seq = self._seq
                 self._seq = seq + 1
+        host = not self._is_cuda and not async_op
+        if host:
+            # gloo, sync: the op runs while this thread waits; in flight for health and the
+            # stall check until it returns (gloo itself enforces the timeout, at this call).
+            self._host[(p2p, seq)] = (seq, op, time.time_ns(), p2p)
         try:
-            work = fn(*args, **kw) if p2p else fn(*args, async_op=True, **kw)
+            if p2p:
+                work = fn(*args, **kw)
+            elif async_op or (self._had_p2p and self._is_cuda):
+                work = fn(*args, async_op=True, **kw)
+            else:
+                # Exactly bare torch's call: NCCL orders the current stream after the op; gloo
+                # waits on the host, bounded by the group's (= our) timeout.
+                fn(*args, **kw)
+                work = None
             if not async_op and work is not None:
-                work.wait()  # gloo: the host waits, bounded by the group's (= our) timeout
+                work.wait()
         except Exception as exc:
             self._fail_op(op, seq, p2p, exc, None if self._is_cuda else self._timeout)
+        finally:
+            if host:
+                self._host.pop((p2p, seq), None)
         if not self._is_cuda:
             if not async_op:
                 return None
@@ -1200,7 +1247,7 @@ class Comm:
         global_ranks = [self._ranks[r] for r in local]
         backed = self._backed and _c10d_backed(self._backend)
         pg = _new_group(global_ranks, self._backend, self._timeout, name, local_sync=True,
-                        timing=backed and self._backend == "nccl")
+                        timing=backed and _timing_wanted(self._backend))
         child = Comm(pg, name, self._backend, self._device, global_ranks, self._timeout, self._abort_process,
                      c10d_backed=backed)
         self._children.append(child)
@@ -1323,6 +1370,13 @@ def _watch_loop() -> None:
 
 
 _TIMING_ENV = "TORCH_NCCL_ENABLE_TIMING"
+TIMING_OPT_ENV = "DEBUG_SERVER_NCCL_TIMING"
+"""``0``: c10d-backed NCCL communicators' groups record no start events (cheaper per op; c10d's
+entries then go from ``scheduled`` to ``completed`` without ``started``)."""
+
+
+def _timing_wanted(backend: str) -> bool:
+    return backend == "nccl" and os.environ.get(TIMING_OPT_ENV, "1").strip() != "0"
 
 
 def _load_symbolizer() -> None:
@@ -1408,5 +1462,5 @@ def new_comm(
     backed = _c10d_backed(backend)
     if backed:
         _load_symbolizer()
-    pg = _new_group(ranks, backend, td, name, local_sync=False, timing=backed and backend == "nccl")
+    pg = _new_group(ranks, backend, td, name, local_sync=False, timing=backed and _timing_wanted(backend))
     return Comm(pg, name, backend, dev, ranks, td, bool(abort_process_on_timeout_or_error), c10d_backed=backed)

@@ -289,6 +289,9 @@ class FlightRecorderHook:
         The entries of c10d-backed communicators are read from c10d's recorder now, unless
         ``c10d`` is False (``c10d_fr.snapshot`` maps them from its own read).
         """
+        # Read before the ring: every op issued before this instant is in the dump, which is
+        # what lets the analyzer tell a rank read a moment early from one that never issued an op.
+        taken_ns = time.time_ns()
         everything = self.records()  # one pass: refreshed states feed both status and entries
         recs = everything if include_collectives else []
         if only_active or not include_completed:
@@ -297,6 +300,7 @@ class FlightRecorderHook:
         out = {
             "version": FR_VERSION,
             "comm_lib_version": f"debug_server/torch-{torch.__version__}",
+            "dump_time_ns": taken_ns,
             "pg_config": self._pg_config(),
             "pg_status": self._pg_status(everything),
             "entries": [_entry(r) for r in recs],
@@ -520,6 +524,7 @@ def snapshot(
     merged: dict[str, Any] = {
         "version": FR_VERSION,
         "comm_lib_version": f"debug_server/torch-{torch.__version__}",
+        "dump_time_ns": time.time_ns(),  # before any ring is read (see dump_json)
         "pg_config": {},
         "pg_status": {},
         "entries": [],

@@ -67,7 +67,9 @@ TEST_BACKEND=nccl TEST_DEVICE=cuda COMM_TIMEOUT=12 HANG_SECONDS=18 FR_DUMP_INTER
   FR_DUMP_DIR="$DEMO_DIR" DEBUG_SERVER_PORT=$PORT \
   timeout 200 torchrun --nproc_per_node=2 --master-port=29612 scripts/verify_flight_recorder.py > "$OUT/demo.log" 2>&1 &
 DEMO=$!
-sleep 9
+# Read the pages once the hang began (startup time varies: CUDA, NCCL, torch._inductor imports).
+for _ in $(seq 60); do grep -q "phase 2: all_reduce" "$OUT/demo.log" 2>/dev/null && break; sleep 0.5; done
+sleep 3
 for page in fr_trace stacks; do
   s=$(date +%s.%N); curl -s -m 20 "localhost:$PORT/$page" > "$OUT/during_hang_$page.txt"; e=$(date +%s.%N)
   echo "GET /$page took $(python -c "print(round($e-$s,3))") s"

@@ -57,6 +57,10 @@ def main() -> int:
     comm = new_comm("nccl", dev, "main_comm", timeout=datetime.timedelta(seconds=60))
     hook = FlightRecorderHook(max_entries=100).register_with_comm(comm)
     ok: dict[str, bool] = {}
+    # With c10d's recorder on (torch's default), the states below are c10d's, read at dump time.
+    say(rank, f"0 recorder: {'c10d-backed' if comm.c10d_backed else 'ours (Python)'}; pre-hooks on the "
+        f"communicator: {len(comm._pre_hooks)}")
+    ok["c10d-backed on NCCL, no per-op hook"] = comm.c10d_backed and not comm._pre_hooks
     t = torch.ones(1024, device=dev)
     comm.all_reduce(t)  # warm-up: communicator init
     torch.cuda.synchronize()
@@ -120,14 +124,24 @@ def main() -> int:
             fn(x)
         del x
         torch.cuda.synchronize()
-        time.sleep(0.5)  # a watchdog pass (ours) and c10d's watchdog (bare) let go of what completed
-        gc.collect()
-        # The caching allocator frees blocks used on another stream (record_stream) at its next
-        # allocation: make one, so "after" counts only what is really still referenced.
-        torch.empty(1, device=dev)
+        # Our watchdog and c10d's (which lets go of an unwaited async op's tensors when it sees
+        # the op completed, at its own pace) release what completed: wait until memory settles
+        # (up to 5 s), for every variant alike. The caching allocator frees blocks used on
+        # another stream (record_stream) at its next allocation: make one before each reading,
+        # so "after" counts only what is really still referenced.
+        prev = -1
+        for _ in range(20):
+            time.sleep(0.25)
+            gc.collect()
+            torch.empty(1, device=dev)
+            now_alloc = torch.cuda.memory_allocated()
+            if now_alloc == prev:
+                break
+            prev = now_alloc
         after = afters[label] = torch.cuda.memory_allocated() - base
         peak = peaks[label] = torch.cuda.max_memory_allocated() - base
-        held = f"; still watched: {len(comm._inflight)} ops, {len(comm._async_recs)} async" if "ours" in label else ""
+        held = (f"; still watched: {len(comm._inflight)} ops, {len(comm._async_recs)} async, "
+                f"{len(comm._pend)} + {len(comm._pend_w)} c10d-backed" if "ours" in label else "")
         say(rank, f"3 memory {label} x{n_ops}: after {after / mib:.0f} MiB, peak {peak / mib:.0f} MiB above the start{held}")
     ok["memory ours sync back to the start"] = afters["ours sync"] <= 64 * mib
     # c10d itself may keep an unwaited async op's tensors: ours must hold no more than bare does.
