@@ -12,6 +12,10 @@ How it differs from PyTorch's ``fr_trace`` (each is a bug there):
   collective; a bad entry is skipped with a note, never an exception.
 * PyTorch's own gloo dumps (empty ``pg_config`` names, ``state`` stuck at ``scheduled``) are
   repaired instead of raising ``KeyError``.
+* Ranks are never read at one instant. A dump that says when it was taken (``dump_time_ns``)
+  lets a collective issued less than :data:`IN_FLIGHT_GRACE_NS` before a rank's read be "in
+  flight" for that rank (``in_flight_ranks``), not missing, unmatched or stuck; and a wrapped
+  ring read after the others is not ``history_lost`` for the ops it pushed out since.
 
 Speed: each rank is first reduced to a compact, hashable :class:`RankDigest` (one pass over its
 entries, comparing each entry's sizes/dtypes with the previous entry's so the common case is a
@@ -23,6 +27,7 @@ all dumps in memory.
 
 from __future__ import annotations
 
+import bisect
 import gc
 import logging
 import math
@@ -96,6 +101,19 @@ _VARIABLE = frozenset({"all_gather_v", "reduce_scatter_v"})
 _ALL_REDUCE = frozenset({"all_reduce", "allreduce", "allreduce_coalesced", "all_reduce_coalesced"})
 _P2P = frozenset({"send", "recv"})
 
+IN_FLIGHT_GRACE_NS = 1_000_000_000
+"""A collective issued less than this before a rank's snapshot (``dump_time_ns``) is in flight:
+ranks that do not hold it yet are not called missing, and nobody is called stuck in it. Why: the
+frontend reads the ranks' rings one after another (an HTTP fan-out, sometimes a second round),
+never at one instant, so on a job issuing collectives back to back the rank read first has not
+yet issued the newest ones. 1 s is far above that skew at small scale and the clock offset of
+NTP-synced hosts, and short against a hang: a page read a second into it names it, and the hang
+report waits ``stall_timeout`` anyway. Dumps without ``dump_time_ns`` (PyTorch's own, older
+pickles) get no grace."""
+SNAPSHOT_TIME_KEY = "dump_time_ns"
+"""Top-level dump key: the wall clock (ns) of the rank when its ring was read; every op that rank
+issued before it is in the dump (unless evicted)."""
+
 # Above this many (rank, op) pairs the JSON keeps per-rank NCCL call rows only for failing
 # collectives and the newest ones per group: 4096 ranks x 2000 entries would be 8M rows.
 NCCL_CALLS_FULL_LIMIT = 100_000
@@ -128,6 +146,10 @@ class RankDigest(NamedTuple):
     oldest_ns: int
     n_entries: int
     notes: tuple[str, ...]
+    snap_ns: int = 0
+    """``dump_time_ns`` of the dump (0: unknown); not part of the class key."""
+    p2p_times: tuple[tuple[str, str, tuple[int, ...]], ...] = ()
+    """time_created_ns per pending P2P entry, parallel to ``p2p`` (not part of the class key)."""
 
     def key(self) -> tuple[Any, ...]:
         """What identical ranks share (no rank number, no timestamps)."""
@@ -195,6 +217,7 @@ def digest_dump(rank: int, dump: Mapping[str, Any]) -> RankDigest:
     colls: dict[tuple[str, str], list[tuple[int, int, int, int]]] = {}
     ctimes: dict[tuple[str, str], list[int]] = {}
     p2p: dict[tuple[str, str], list[Any]] = {}
+    p2p_t: dict[tuple[str, str], list[int]] = {}
     p2p_done: dict[tuple[str, str], int] = {}
     prev_sig = -1
     oldest = 0
@@ -280,6 +303,7 @@ def digest_dump(rank: int, dump: Mapping[str, Any]) -> RankDigest:
                     p2p_done[gk] = p2p_done.get(gk, 0) + 1
                 else:
                     p2p.setdefault(gk, []).append((int(e["p2p_seq_id"]), sidx, st, fidx, *pp))
+                    p2p_t.setdefault(gk, []).append(int(t))
                 continue
             seq = e["collective_seq_id"]
             if type(seq) is not int:
@@ -331,7 +355,14 @@ def digest_dump(rank: int, dump: Mapping[str, Any]) -> RankDigest:
         oldest_ns=oldest,
         n_entries=len(entries),
         notes=tuple(notes),
+        snap_ns=_snap_ns(dump.get(SNAPSHOT_TIME_KEY)),
+        p2p_times=tuple((gk[0], gk[1], tuple(ts)) for gk, ts in sorted(p2p_t.items())),
     )
+
+
+def _snap_ns(v: Any) -> int:
+    """A usable ``dump_time_ns`` or 0 (absent, not an int, or not positive)."""
+    return v if type(v) is int and v > 0 else 0
 
 
 def _new_sig(
@@ -646,20 +677,23 @@ class _Merge:
         self.pg_filters = set(pg_filters) if pg_filters else None
         self.classes: dict[tuple[Any, ...], _Class] = {}
         self.class_list: list[_Class] = []
-        # rank -> (pg_status as dict, oldest retained entry ns); full digests are kept only once
+        # rank -> (pg_status as dict, oldest retained entry ns, snapshot ns); full digests are kept once
         # per class, so memory stays O(distinct behaviours), not O(ranks x entries).
-        self.digest_of: dict[int, tuple[dict[str, int], int]] = {}
+        self.digest_of: dict[int, tuple[dict[str, int], int, int]] = {}
         self.class_of: dict[int, _Class] = {}
         self.sigs: list[tuple[Any, ...]] = []
         self.sig_ids: dict[tuple[Any, ...], int] = {}
         self.frames: list[list[dict[str, Any]]] = []
         self.fr_ids: dict[tuple[Any, ...], int] = {}
         max_rank = -1
+        self.any_snap = False  # some dump says when it was taken: the skew rules can apply
+        self.newer_memo: dict[tuple[int, int], int] = {}
         for d in digests:
             if d.rank in self.digest_of:
                 self.notes.append(f"rank {d.rank}: more than one dump; kept the first")
                 continue
-            self.digest_of[d.rank] = (dict(d.status), d.oldest_ns)
+            self.digest_of[d.rank] = (dict(d.status), d.oldest_ns, d.snap_ns)
+            self.any_snap = self.any_snap or d.snap_ns > 0
             self.total_entries += d.n_entries
             self.notes.extend(d.notes)
             max_rank = max(max_rank, d.rank)
@@ -800,6 +834,8 @@ class _Merge:
             items = cells[seq]
             missing: list[int] = []
             lost: list[int] = []
+            in_flight: list[int] = []
+            lost_real = False  # some rank's ring lost it before the others were read
             if len(items) == n_cls and not no_entries:
                 present = all_present_list
             else:
@@ -809,18 +845,29 @@ class _Merge:
                     if ci in issuing:
                         continue
                     lo, _hi = cover[ci]
-                    (lost if lo > seq else missing).extend(cls_ranks[ci])
+                    if lo <= seq:
+                        missing.extend(cls_ranks[ci])
+                        continue
+                    lost.extend(cls_ranks[ci])
+                    if not (self.any_snap and self._evicted_after_read(cls, ci, items, seq, lo)):
+                        lost_real = True
                 t_seq = rep_time.get(seq, 0)
                 for r in no_entries:
                     if status[r] >= seq:
                         lost.append(r)
+                        lost_real = True
                     elif t_seq and self.digest_of[r][1] > t_seq:
                         # Its whole ring is newer than this op: the group's entries were evicted.
                         lost.append(r)
+                        lost_real = True
                     else:
                         missing.append(r)
                 missing.sort()
                 lost.sort()
+                if missing and self.any_snap:
+                    in_flight = self._read_before_issued(cls, items, seq, missing)
+                    if in_flight:
+                        missing = [r for r in missing if r not in in_flight]
             # Signature comparison: one dict lookup in the common case.
             sig_ids = {it[1] for it in items}
             first = min(items, key=lambda it: it[0])
@@ -857,6 +904,7 @@ class _Merge:
                 "present_ranks": present,
                 "expected_ranks": g.ranks,
                 "history_lost_ranks": lost,
+                "in_flight_ranks": in_flight,
                 "input_sizes": [list(s) for s in ref_sig[2]],
                 "output_sizes": [list(s) for s in ref_sig[3]],
                 "input_dtypes": list(ref_sig[4]),
@@ -872,7 +920,7 @@ class _Merge:
             ):
                 per_rank = sorted((r, it[2]) for it in items for r in cls_ranks[it[0]])
                 self.calls_src.append((row, per_rank))
-            if lost:
+            if lost_real:
                 lost_union.update(lost)
                 lost_last_seq = seq
                 lost_count += 1
@@ -912,7 +960,9 @@ class _Merge:
             if not any_done and not missing and not stuck_reported and len(present) == gsize:
                 # Nobody finished it, and a rank that issued a later op in this group is taken to
                 # have finished it (on gloo that is the only evidence).
-                if all(cover[it[0]][1] == seq for it in items):
+                if all(cover[it[0]][1] == seq for it in items) and not (
+                    self.any_snap and self._just_issued(cls, items, seq)
+                ):
                     stuck_reported = True
                     self._finding(
                         "stuck_everywhere",
@@ -942,6 +992,83 @@ class _Merge:
                 f"collective{'s' if lost_count > 1 else ''} of {g.label} (ring wrapped, up to #{lost_last_seq}); "
                 "those were checked only on the ranks that still hold them",
             )
+
+    # -- snapshot skew (see IN_FLIGHT_GRACE_NS) -------------------------------------------------
+    # A class's times are its first rank's; ranks merged into one class did the same ops, so
+    # their issue and snapshot times differ by the skew these rules tolerate anyway.
+
+    @staticmethod
+    def _issue_time(entry: tuple[_Class, tuple[tuple[int, int, int, int], ...], tuple[int, ...]],
+                    seq: int) -> int:
+        """When the class's first rank issued ``seq`` (its wall clock, ns); 0 when unknown."""
+        _, ents, times = entry
+        j = bisect.bisect_left(ents, seq, key=operator.itemgetter(0))
+        return times[j] if j < len(times) and ents[j][0] == seq else 0
+
+    def _read_before_issued(
+        self,
+        cls: list[tuple[_Class, tuple[tuple[int, int, int, int], ...], tuple[int, ...]]],
+        items: list[tuple[int, int, int, int]],
+        seq: int,
+        missing: list[int],
+    ) -> list[int]:
+        """The ``missing`` ranks whose dump is no evidence that they skipped ``seq``: it was
+        taken less than the grace after the first issuer issued it (compares wall clocks of
+        different hosts, which NTP keeps far closer than the grace). Not "every issuer was read
+        just after issuing": an issuer frozen then, whose last dump is that moment, would hide
+        a rank missing for good. A rank whose dump has no time gets no grace."""
+        times = [t for ci in {it[0] for it in items} if (t := self._issue_time(cls[ci], seq))]
+        if not times:
+            return []
+        first = min(times)
+        return [r for r in missing
+                if (snap := self.digest_of[r][2]) and snap - first < IN_FLIGHT_GRACE_NS]
+
+    def _just_issued(
+        self,
+        cls: list[tuple[_Class, tuple[tuple[int, int, int, int], ...], tuple[int, ...]]],
+        items: list[tuple[int, int, int, int]],
+        seq: int,
+    ) -> bool:
+        """The newest read of an issuer of ``seq`` came less than the grace after its last
+        member issued it: an op that nobody has completed yet is in flight, not stuck. (Not
+        "some issuer was read just after issuing": a rank frozen right after issuing, whose
+        last dump is that moment, would keep the op young forever.)"""
+        newest_read = last_issue = 0
+        for ci in {it[0] for it in items}:
+            snap, t = cls[ci][0].d.snap_ns, self._issue_time(cls[ci], seq)
+            if not (snap and t):
+                return False
+            newest_read, last_issue = max(newest_read, snap), max(last_issue, t)
+        return newest_read - last_issue < IN_FLIGHT_GRACE_NS
+
+    def _evicted_after_read(
+        self,
+        cls: list[tuple[_Class, tuple[tuple[int, int, int, int], ...], tuple[int, ...]]],
+        ci: int,
+        items: list[tuple[int, int, int, int]],
+        seq: int,
+        lo: int,
+    ) -> bool:
+        """Class ``ci``'s ring (oldest seq ``lo`` > ``seq`` here) was read after every holder of
+        ``seq`` and has recorded at least ``lo - seq`` ops since the latest of those reads: each
+        pushed one old entry out, so at the holders' instant it may still have held ``seq``.
+        That is the read skew at the old end of a wrapped ring, not history lost."""
+        snap_r = cls[ci][0].d.snap_ns
+        held = [cls[j][0].d.snap_ns for j in {it[0] for it in items}]
+        if not snap_r or not all(held):
+            return False
+        latest = max(held)
+        if snap_r <= latest:
+            return False
+        key = (cls[ci][0].idx, latest)
+        newer = self.newer_memo.get(key)
+        if newer is None:
+            # Per-group times run in seq order, which is issue order; P2P entries are not
+            # counted, which can only make this say "lost" more often.
+            newer = sum(len(t) - bisect.bisect_right(t, latest) for _, t in cls[ci][0].d.times)
+            self.newer_memo[key] = newer
+        return lo - seq <= newer
 
     def _signatures(
         self, items: list[tuple[int, int, int, int]], cls_ranks: list[list[int]]
@@ -1054,25 +1181,29 @@ class _Merge:
 
     def _analyze_group_p2p(self, g: _Group, gkey: tuple[str, tuple[int, ...]]) -> None:
         order = sorted(g.ranks)
-        sends: dict[tuple[int, int], list[tuple[int, int, int, int, int]]] = {}
-        recvs: dict[tuple[int, int], list[tuple[int, int, int, int, int]]] = {}
+        # (p2p_seq, sig, state, frames, rank, time created: the class's first rank's)
+        sends: dict[tuple[int, int], list[tuple[int, int, int, int, int, int]]] = {}
+        recvs: dict[tuple[int, int], list[tuple[int, int, int, int, int, int]]] = {}
         bad = 0
         for c in self.class_list:
+            ptimes = {(n, dsc): ts for n, dsc, ts in c.d.p2p_times}
             for name, desc, _ndone, pending in c.d.p2p:
                 if c.gkeys.get((name, desc)) != gkey:
                     continue
-                for p2p_seq, sidx, st, fidx, op, src, dst in pending:
+                ts = ptimes.get((name, desc), ())
+                for j, (p2p_seq, sidx, st, fidx, op, src, dst) in enumerate(pending):
                     try:
                         gs, gd = order[src], order[dst]
                     except IndexError:
                         bad += 1
                         continue
                     rec = (p2p_seq, c.sig_g[sidx], st, c.fr_g[fidx] if fidx >= 0 else -1)
+                    t = ts[j] if j < len(ts) else 0
                     for r in c.ranks:
                         if op == "send" and r == gs:
-                            sends.setdefault((gs, gd), []).append((*rec, r))
+                            sends.setdefault((gs, gd), []).append((*rec, r, t))
                         elif op == "recv" and r == gd:
-                            recvs.setdefault((gs, gd), []).append((*rec, r))
+                            recvs.setdefault((gs, gd), []).append((*rec, r, t))
                         else:
                             bad += 1
         if bad:
@@ -1096,14 +1227,20 @@ class _Merge:
                 assert ref is not None
                 sig = self.sigs[ref[1]]
                 missing: list[int] = []
+                in_flight: list[int] = []
                 mismatch = None
                 if s is None or r is None:
                     holder = src if r is None else dst
                     peer = dst if r is None else src
+                    peer_read = self.digest_of[peer][2] if peer in self.digest_of else 0
                     if peer not in self.digest_of:
                         self.notes.append(
                             f"{g.id}: rank {holder} waits in {sig[1]} with rank {peer}, which gave no data"
                         )
+                    elif peer_read and ref[5] and peer_read - ref[5] < IN_FLIGHT_GRACE_NS:
+                        # The peer was read before (or just after) this op was posted: it may
+                        # post its side a moment later, or have matched and finished it already.
+                        in_flight = [peer]
                     else:
                         missing = [peer]
                         verb = "send to" if r is None else "recv from"
@@ -1145,6 +1282,7 @@ class _Merge:
                     "present_ranks": present,
                     "expected_ranks": sorted({src, dst}),
                     "history_lost_ranks": [],
+                    "in_flight_ranks": in_flight,
                     "input_sizes": [list(x) for x in sig[2]],
                     "output_sizes": [list(x) for x in sig[3]],
                     "input_dtypes": list(sig[4]),
