@@ -70,6 +70,25 @@ CATEGORIES = ("cpu_divergence", "gpu_or_network", "misconfigured_collective", "u
 ``misconfigured_collective`` mismatched op, size or dtype, or unmatched P2P;
 ``unknown`` the evidence is too thin (ranks without data)."""
 
+CATEGORY_MEANING = {
+    "cpu_divergence": "a rank never reached the collective",
+    "gpu_or_network": "every member is inside the collective and it does not progress",
+    "misconfigured_collective": "the ranks issued different ops, sizes or dtypes",
+    "unknown": "too little evidence to tell",
+}
+"""One short phrase per :data:`CATEGORIES` entry, for the renderers' "Category:" line."""
+
+
+def category_line(result: Mapping[str, Any]) -> str:
+    """``Category: <name> (<meaning>).`` for a result with a category, else ``""``.
+
+    The next step is already the verdict's last sentence, so this line does not repeat it.
+    """
+    cat = result.get("category")
+    if not cat:
+        return ""
+    return f"Category: {cat} ({CATEGORY_MEANING.get(cat, '')})."
+
 _STATES = ("scheduled", "started", "completed")
 _STATE_CODE = {"scheduled": 0, "started": 1, "completed": 2}
 _DONE = 2

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from debug_server import stackparse
+from debug_server.analysis import category_line
 from debug_server.dumps import (
     DUMP_FILE_HANDLER,
     HANG_REPORT_PREFIX,
@@ -172,7 +173,7 @@ def render_text(rep: HangReport, fr: FrData, stacks: Mapping[int, str],
              "=== Health ===", *(h.line() for h in rep.health), "",
              "=== Verdict ===", rep.result.get("verdict", "") or "(no verdict)"]
     if rep.result.get("category"):
-        lines.append(f"Category: {rep.result['category']}. Next step: {rep.result.get('next_step')}")
+        lines.append(category_line(rep.result))
     lines.append("")
     lines.append("=== Culprits ===")
     if not rep.culprits:

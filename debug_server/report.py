@@ -18,7 +18,7 @@ from typing import Any
 
 from tabulate import tabulate
 
-from debug_server.analysis import format_ranks
+from debug_server.analysis import category_line, format_ranks
 
 logger = logging.getLogger(__name__)
 
@@ -155,7 +155,7 @@ def fr_trace_text(result: dict[str, Any]) -> str:
     """The whole plain-text report: verdict, findings, groups, collectives, NCCL calls."""
     out: list[str] = ["=== Verdict ===", result.get("verdict", "")]
     if result.get("category"):
-        out.append(f"Category: {result['category']}. Next step: {result.get('next_step', '')}")
+        out.append(category_line(result))
     out.append("")
     out.append("--- Findings ---")
     out.extend(findings_lines(result) or ["none"])

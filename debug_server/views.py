@@ -22,6 +22,7 @@ import jinja2
 from markupsafe import Markup, escape
 
 from debug_server import report, stackparse
+from debug_server.analysis import CATEGORY_MEANING
 from debug_server.discovery import NOT_REGISTERED
 from debug_server.fanout import FrData, RankResult
 
@@ -129,6 +130,8 @@ class Banner:
     category: str = ""
     """The analysis' root-cause category (``analysis.CATEGORIES``), empty when clean."""
     next_step: str = ""
+    category_meaning: str = ""
+    """What the category means, in a few words (``analysis.CATEGORY_MEANING``)."""
 
 
 def banner(result: Mapping[str, Any], world_size: int) -> Banner:
@@ -167,8 +170,9 @@ def banner(result: Mapping[str, Any], world_size: int) -> Banner:
     if not heads and no_data:
         heads.append({"who": "No data from", "ranks": rank_links(no_data),
                       "what": f"({len(no_data)} of {world_size} ranks)", "where": "", "also": ""})
-    return Banner(level, heads, result.get("verdict", ""), result.get("category") or "",
-                  result.get("next_step") or "")
+    category = result.get("category") or ""
+    return Banner(level, heads, result.get("verdict", ""), category,
+                  result.get("next_step") or "", CATEGORY_MEANING.get(category, ""))
 
 
 def _head(f: Mapping[str, Any], pos: Mapping[int, Mapping[str, Any]]) -> dict[str, Any]:

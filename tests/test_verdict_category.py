@@ -139,7 +139,9 @@ def test_text_report_shows_category_and_next_step_under_the_verdict() -> None:
     r = analysis.analyze(_issue_case("type"))
     lines = report.fr_trace_text(r).splitlines()
     assert lines[0] == "=== Verdict ==="
-    assert lines[2] == f"Category: misconfigured_collective. Next step: {r['next_step']}"
+    assert lines[2] == ("Category: misconfigured_collective (the ranks issued different ops, "
+                        "sizes or dtypes).")
+    assert lines[1].endswith("Next step: " + r["next_step"])
 
 
 async def test_fr_trace_page_shows_the_category_in_html_and_json(aiohttp_client: Any,
@@ -151,9 +153,11 @@ async def test_fr_trace_page_shows_the_category_in_html_and_json(aiohttp_client:
     assert (body["category"], body["findings"][0]["kind"]) == ("misconfigured_collective",
                                                                "size_mismatch")
     html = await (await client.get("/fr_trace", headers={"Accept": "text/html"})).text()
-    assert 'id="category">Category: <strong>misconfigured_collective</strong>. Next step: make' in html
+    assert 'id="category">Category: <strong>misconfigured_collective</strong> (the ranks' in html
+    assert "Next step: make" in html
     text = await (await client.get("/fr_trace", headers={"Accept": "*/*"})).text()
-    assert "\nCategory: misconfigured_collective. Next step: make the calls" in text
+    assert "\nCategory: misconfigured_collective (the ranks issued" in text
+    assert "Next step: make the calls" in text
 
 
 async def test_hang_report_json_and_text_carry_the_category(fake_job: Any, tmp_path: Path) -> None:
@@ -169,4 +173,5 @@ async def test_hang_report_json_and_text_carry_the_category(fake_job: Any, tmp_p
     assert saved["category"] == "misconfigured_collective"
     assert saved["next_step"] == rep.result["next_step"]
     assert saved["fr_window"] == {}
-    assert f"Category: misconfigured_collective. Next step: {rep.result['next_step']}" in rep.text
+    assert "Category: misconfigured_collective (the ranks issued" in rep.text
+    assert f"Next step: {rep.result['next_step']}" in rep.text
