@@ -11,6 +11,12 @@ its ``/torchcomms_fr_trace`` page, called in-process on the very JSON bodies the
 
     python benchmarks/bench_frontend.py              # N = 8, 64, 512
     python benchmarks/bench_frontend.py --ranks 8 64 --reps 5
+    python benchmarks/bench_frontend.py --per-rank --ranks 512 2048 4096 16384 --helpers 4 --reps 1
+
+``--per-rank`` prints, per row, each page's seconds, its cost per rank and that cost against the
+first row's (1.00x: linear in ranks; above: superlinear), the frontend's peak RSS and the CPU it
+uses while idle (health polls only). Fake ranks share this machine's cores, so at large N the
+page times include the fakes' own serving work, which a real job spreads over its hosts.
 """
 
 from __future__ import annotations
@@ -55,14 +61,38 @@ def _rank_dumps(world: int) -> tuple[dict[str, Any], dict[str, Any]]:
             synthetic.make_dump(two[1]["entries"], groups))
 
 
-async def _serve(first: int, last: int, world: int) -> None:
+def _memo_middleware(cache: dict[tuple[int, str], tuple[int, bytes, str]], key: int) -> Any:
+    """Each distinct question answered once per helper and data: a real rank cuts its own ring
+    on its own CPU, in parallel with every other rank; N fakes on this box's 2 cores cannot."""
+    from aiohttp import web
+
+    @web.middleware
+    async def memo(request: web.Request, handler: Any) -> web.StreamResponse:
+        k = (key, request.path_qs)
+        hit = cache.get(k)
+        if hit is None:
+            resp = await handler(request)
+            if not isinstance(resp, web.Response) or resp.body is None:
+                return resp
+            body = resp.body if isinstance(resp.body, bytes) else bytes(resp.body)  # type: ignore[arg-type]
+            hit = cache[k] = (resp.status, body, resp.content_type)
+        return web.Response(status=hit[0], body=hit[1], content_type=hit[2])
+
+    return memo
+
+
+async def _serve(first: int, last: int, world: int, memo: bool = False) -> None:
     from aiohttp import web
 
     full, missing = _rank_dumps(world)
     runners = []
     ports = []
+    cache: dict[tuple[int, str], tuple[int, bytes, str]] = {}
     for rank in range(first, last):
-        app = make_worker_app(StaticProvider(missing if rank == world - 1 else full, stacks=STACK))
+        data = missing if rank == world - 1 else full
+        app = make_worker_app(StaticProvider(data, stacks=STACK))
+        if memo:
+            app.middlewares.append(_memo_middleware(cache, id(data)))
         runner = web.AppRunner(app, handle_signals=False, access_log=None)
         await runner.setup()
         site = web.TCPSite(runner, "127.0.0.1", 0, backlog=1024)
@@ -94,19 +124,33 @@ def _median(fn: Any, reps: int) -> tuple[float, Any]:
     return statistics.median(times), last
 
 
-def _start_fleet(world: int, helpers: int) -> tuple[list[subprocess.Popen[str]], list[str]]:
+def _start_fleet(world: int, helpers: int,
+                 memo: bool = False) -> tuple[list[subprocess.Popen[str]], list[str]]:
     procs, urls = [], []
     bounds = [world * i // helpers for i in range(helpers + 1)]
     for lo, hi in zip(bounds, bounds[1:], strict=False):
         if lo == hi:
             continue
         procs.append(subprocess.Popen(
-            [sys.executable, __file__, "--serve", str(lo), str(hi), str(world)],
+            [sys.executable, __file__, "--serve", str(lo), str(hi), str(world),
+             *(["--memo"] if memo else [])],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True))
     for p in procs:
         assert p.stdout is not None
         urls += [f"http://127.0.0.1:{port}" for port in json.loads(p.stdout.readline())]
     return procs, urls
+
+
+def _stop_fleet(fleet: list[subprocess.Popen[str]]) -> None:
+    for p in fleet:
+        assert p.stdin is not None
+        p.stdin.close()
+    for p in fleet:
+        try:
+            p.wait(30)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
 
 
 def _start_frontend(urls: list[str], fetch_timeout: float) -> tuple[subprocess.Popen[bytes], int]:
@@ -166,8 +210,33 @@ def _fetch_bodies(urls: list[str], only_active: bool) -> list[str]:
     return out
 
 
-def bench(world: int, reps: int, helpers: int, whole_ring_max: int) -> dict[str, Any]:
-    fleet, urls = _start_fleet(world, helpers)
+def _rss_peak_mb(pid: int) -> float:
+    """The process's peak resident set (VmHWM), MB."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def _cpu_s(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _idle_cpu(pid: int, seconds: float) -> float | None:
+    """Fraction of one core the frontend uses with no page open (its health poll and timers)."""
+    if seconds <= 0:
+        return None
+    c0, t0 = _cpu_s(pid), time.monotonic()
+    time.sleep(seconds)
+    return (_cpu_s(pid) - c0) / (time.monotonic() - t0)
+
+
+def bench(world: int, reps: int, helpers: int, whole_ring_max: int, *, idle_s: float = 0.0,
+          skip_torch: bool = False, memo: bool = False) -> dict[str, Any]:
+    fleet, urls = _start_fleet(world, helpers, memo)
     frontend = None
     try:
         frontend, port = _start_frontend(urls, fetch_timeout=120)
@@ -180,6 +249,13 @@ def bench(world: int, reps: int, helpers: int, whole_ring_max: int) -> dict[str,
         row["html_bytes"] = len(html)
         row["fr_text_s"], _ = _median(lambda: _get(f"{base}/fr_trace"), reps)
         row["stacks_s"], _ = _median(lambda: _get(f"{base}/stacks"), reps)
+        row["overview_s"], _ = _median(lambda: _get(f"{base}/", "text/html"), reps)
+        row["rss_mb"] = _rss_peak_mb(frontend.pid)
+        row["idle_cpu"] = _idle_cpu(frontend.pid, idle_s)
+        if skip_torch:
+            row["torch_active_s"] = None
+            row["verdict"] = verdict
+            return row
         row["torch_active_s"] = _torch_baseline(urls, _fetch_bodies(urls, only_active=True))
         if world <= whole_ring_max:
             row["fr_whole_json_s"], _ = _median(
@@ -191,15 +267,7 @@ def bench(world: int, reps: int, helpers: int, whole_ring_max: int) -> dict[str,
         if frontend is not None:
             frontend.terminate()
             frontend.wait(10)
-        for p in fleet:
-            assert p.stdin is not None
-            p.stdin.close()
-        for p in fleet:
-            try:
-                p.wait(30)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+        _stop_fleet(fleet)
 
 
 def _fmt(x: float | None) -> str:
@@ -210,6 +278,26 @@ def _ratio(a: float | None, b: float | None) -> str:
     return "n/a" if a is None or b is None or a == 0 else f"{b / a:.2f}x"
 
 
+PER_RANK_PAGES = (("fr_html_s", "/fr_trace html"), ("fr_json_s", "/fr_trace json"),
+                  ("overview_s", "overview"), ("stacks_s", "/stacks"))
+
+
+def _print_per_rank(rows: list[dict[str, Any]]) -> None:
+    """Seconds per page, microseconds per rank, and that against the first row (1.00x = linear)."""
+    base = rows[0]
+    print(f"  {'ranks':>6}  " + "  ".join(f"{name:>28}" for _, name in PER_RANK_PAGES)
+          + "  rss_peak_MB  idle_cpu")
+    for r in rows:
+        cells = []
+        for key, _ in PER_RANK_PAGES:
+            per = r[key] / r["ranks"] * 1e6
+            ratio = per / (base[key] / base["ranks"] * 1e6)
+            cells.append(f"{r[key]:6.2f} s {per:6.0f} us/rank {ratio:4.2f}x")
+        idle = r.get("idle_cpu")
+        print(f"  {r['ranks']:>6}  " + "  ".join(f"{c:>28}" for c in cells)
+              + f"  {r['rss_mb']:>11.0f}  {'n/a' if idle is None else f'{idle:.1%}':>8}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ranks", type=int, nargs="+", default=[8, 64, 512])
@@ -217,19 +305,33 @@ def main() -> None:
     p.add_argument("--helpers", type=int, default=2, help="fake-rank helper processes")
     p.add_argument("--whole-ring-max", type=int, default=8,
                    help="also time whole-ring fetches (onlyactive=false) up to this many ranks")
+    p.add_argument("--per-rank", action="store_true",
+                   help="scaling rows: cost per rank of each page against the first row (no torch "
+                        "baseline), the frontend's peak RSS and its CPU while idle")
+    p.add_argument("--idle-s", type=float, default=10.0,
+                   help="with --per-rank: seconds of idle frontend CPU measured per row")
+    p.add_argument("--memo", action="store_true",
+                   help="fake ranks answer each distinct question once (their own serving cost "
+                        "out of the page time: a real job spreads it over its hosts)")
     p.add_argument("--serve", nargs=3, type=int, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.serve:
-        asyncio.run(_serve(*args.serve))
+        asyncio.run(_serve(*args.serve, memo=args.memo))
         return
     print(f"fake ranks: {RING}-entry rings from synthetic.hang_job; last rank missing from the "
-          f"newest all_reduce; {args.helpers} helper processes; medians of {args.reps}")
+          f"newest all_reduce; {args.helpers} helper processes; medians of {args.reps}"
+          + ("; replies memoised per helper (--memo)" if args.memo else ""))
     rows = []
     for n in args.ranks:
-        reps = args.reps if n <= 64 else max(3, args.reps // 2)
-        row = bench(n, reps, args.helpers, args.whole_ring_max)
+        reps = args.reps if n <= 64 or args.per_rank else max(3, args.reps // 2)
+        row = bench(n, reps, args.helpers, 0 if args.per_rank else args.whole_ring_max,
+                    idle_s=args.idle_s if args.per_rank else 0.0, skip_torch=args.per_rank,
+                    memo=args.memo)
         rows.append(row)
         print(f"\nN={n}: verdict: {row['verdict']}")
+        if args.per_rank:
+            _print_per_rank(rows)
+            continue
         print(f"  /fr_trace JSON {_fmt(row['fr_json_s'])}  HTML {_fmt(row['fr_html_s'])} "
               f"({row['html_bytes'] / 1e6:.2f} MB)  text {_fmt(row['fr_text_s'])}  "
               f"/stacks {_fmt(row['stacks_s'])}")
@@ -240,6 +342,8 @@ def main() -> None:
             print(f"  whole rings: ours /fr_trace?onlyactive=false JSON {_fmt(row['fr_whole_json_s'])}"
                   f"; torch _build_db + html {_fmt(row['torch_whole_s'])} -> "
                   f"{_ratio(row['fr_whole_json_s'], row['torch_whole_s'])}")
+    if args.per_rank:
+        return
     print("\nranks  fr_json   fr_html   html_MB  stacks   torch(active)  torch/ours(html)")
     for r in rows:
         print(f"{r['ranks']:>5}  {_fmt(r['fr_json_s']):>8}  {_fmt(r['fr_html_s']):>8}  "

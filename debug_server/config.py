@@ -16,6 +16,8 @@ ALL_DUMPS: frozenset[str] = frozenset({"fr_trace", "stacks", "per_rank", "snapsh
 """Dump kinds the periodic dumper can write (``enabled_dumps`` is a subset)."""
 
 DEFAULT_PORT = 25999
+DEFAULT_KEEP_BYTES = 2 << 30
+"""Default bound on a dump dir's cycle files (2 GiB): 50 cycles of a 16384-rank job fit."""
 LOOPBACK = "127.0.0.1"
 
 
@@ -124,6 +126,8 @@ class ServerConfig:
     """Most worker requests the frontend has in flight at once."""
     keep_dumps: int = 50
     """Dump cycles kept in ``dump_dir``; older ones are deleted."""
+    keep_bytes: int = DEFAULT_KEEP_BYTES
+    """Most bytes the dump cycles in ``dump_dir`` may hold; the oldest go first (newest kept)."""
     stall_timeout: float | None = None
     """Seconds an op may stay in flight before a rank's health check says unhealthy."""
     auth_token: str | None = field(default=None, repr=False)
@@ -149,6 +153,8 @@ class ServerConfig:
             raise ConfigError(f"max_concurrency={self.max_concurrency} must be >= 1")
         if self.keep_dumps < 1:
             raise ConfigError(f"keep_dumps={self.keep_dumps} must be >= 1")
+        if self.keep_bytes < 1:
+            raise ConfigError(f"keep_bytes={self.keep_bytes} must be >= 1")
         if self.auth_token is not None:
             from debug_server.auth import check_token_text  # auth imports this module
 

@@ -175,6 +175,9 @@ class FrData:
         return {r.rank: r.line() for r in self.results if r.rank not in self.dumps}
 
 
+PRIME_RANKS = 64
+"""From this many ranks on, a frontend's first FR fan-out asks one rank first (``members``)."""
+PRIME_TIMEOUT_S = 1.0
 FR_HANDLER = "torchcomms_fr_trace_json"
 C10D_FR_HANDLER = "fr_trace_json"
 STACKS_HANDLER = "dump_traceback"
@@ -313,19 +316,39 @@ class Collector:
     async def _fr_ours(self, params: Mapping[str, str],
                        addrs: Sequence[WorkerAddr]) -> list[RankResult]:
         """Our handler, told which member lists this frontend holds (``members``); a worker
-        that does not know that parameter (400 naming it) is asked without it, from then on."""
+        that does not know that parameter (400 naming it) is asked without it, from then on.
+
+        While this frontend holds no list yet (its first page), one rank is asked first and
+        its lists learnt, so the other ranks' replies do not each carry the world's members.
+        """
         # aiohttp refuses request lines over 8190 bytes, and ``since`` may take most of them.
-        known = members.known_param(min(members.MAX_PARAM_CHARS, 7000 - len(urlencode(params))))
-        told = [a for a in addrs if known and (a.url or "") not in self._no_members]
-        if not told:
+        budget = min(members.MAX_PARAM_CHARS, 7000 - len(urlencode(params)))
+        known = members.known_param(budget)
+        by_rank: dict[int, RankResult] = {}
+        if known is None and budget > 0 and len(addrs) >= PRIME_RANKS:
+            for a in [a for a in addrs if a.url][:1]:
+                # Briefly: a stuck first rank must not delay the page by a whole timeout.
+                async with self.semaphore:
+                    r = await fetch_one(self.session, a, FR_HANDLER, params,
+                                        min(self.timeout, PRIME_TIMEOUT_S))
+                if r.ok:  # else it is asked again with the others
+                    self.states.update([r])
+                    by_rank[r.rank] = r
+                    parse_dumps([RankResult(r.rank, r.url, r.status, r.body)])  # learns its lists
+            known = members.known_param(budget)
+        told = [a for a in addrs if known and a.rank not in by_rank
+                and (a.url or "") not in self._no_members]
+        if not told and not by_rank:
             return await self.fetch(FR_HANDLER, params, addrs)
-        untold = [a for a in addrs if known is None or (a.url or "") in self._no_members]
-        results = await self.fetch(FR_HANDLER, {**params, members.PARAM: known}, told)
+        told_ranks = {a.rank for a in told}
+        untold = [a for a in addrs if a.rank not in by_rank and a.rank not in told_ranks]
+        results = await self.fetch(FR_HANDLER, {**params, members.PARAM: known or ""}, told) \
+            if told else []
         refused = {r.rank for r in results
                    if r.http_status == 400 and members.PARAM in (r.error or "")}
         again = untold + [a for a in told if a.rank in refused]
         self._no_members.update(a.url or "" for a in told if a.rank in refused)
-        by_rank = {r.rank: r for r in results}
+        by_rank.update((r.rank, r) for r in results)
         if again:
             by_rank.update((r.rank, r) for r in await self.fetch(FR_HANDLER, params, again))
         return [by_rank[a.rank] for a in addrs]  # in ``addrs`` order, as fetch would be

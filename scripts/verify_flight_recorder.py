@@ -296,6 +296,7 @@ def report(dump_dir: str, timeout_at: float, world: int) -> None:
     print(f"  python -m torch.distributed.flight_recorder.fr_trace {per_rank} -p rank_{incomplete}")
     print(f"  python -m torch.distributed.flight_recorder.fr_trace {per_rank} -p rank_ -j --print_stack_trace"
           f"{incomplete}")
+    print(f"  python -m debug_server.view {dump_dir}   # the same pages, after the job, in a browser")
     print("=" * 78, flush=True)
 
 
