@@ -170,6 +170,9 @@ class FrData:
     dumps: dict[int, dict[str, Any]]
     window: dict[str, int] | None = None
     """Per group, the first seq fetched (``frwindow``); None for whole rings or active only."""
+    scope: str | None = None
+    """What the data is, where it is not a live fetch (the post-mortem viewer: "as the dumper
+    wrote it"); the page shows it instead of the fetch window."""
 
     def unavailable(self) -> dict[int, str]:
         return {r.rank: r.line() for r in self.results if r.rank not in self.dumps}

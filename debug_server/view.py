@@ -457,7 +457,7 @@ class DiskCollector:
                                                     and e.get("state") == "completed")]}
             dumps[r] = dump
             results.append(RankResult(r, src or None, OK))
-        return FrData(results, dumps)
+        return FrData(results, dumps, scope=f"as the dumper wrote them to {src or 'this cycle'}")
 
     async def stacks(self, addrs: Sequence[WorkerAddr] | None = None,
                      **_: Any) -> list[RankResult]:

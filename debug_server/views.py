@@ -421,7 +421,7 @@ def render_fr_html(env: jinja2.Environment, result: Mapping[str, Any], fr: FrDat
         collectives=coll.html, collectives_note=coll.note,
         n_collectives=len(result.get("collectives", [])), n_failing=failing,
         calls=calls.html, calls_note=calls.note,
-        full=full, page=page, whole=whole, window=fr.window,
+        full=full, page=page, whole=whole, window=fr.window, scope=fr.scope,
         downloads=nav_links(), stamp=_stamp(),
     )
 

@@ -128,6 +128,14 @@ async def test_fr_trace_html_highlights_seq_4(aiohttp_client: Any, dump_dir: Pat
     assert row.startswith(' class="fail"') and 'href="/stacks#rank-1"' in row
 
 
+async def test_fr_trace_html_says_the_data_is_as_dumped_not_a_live_window(aiohttp_client: Any,
+                                                                          dump_dir: Path) -> None:
+    client = await _client(aiohttp_client, dump_dir)
+    html = await (await client.get("/fr_trace", headers={"Accept": BROWSER})).text()
+    assert "as the dumper wrote them to fr_snapshot_" in html
+    assert "frontier" not in html and "show whole rings" not in html
+
+
 async def test_stacks_text_is_the_recorded_sections(aiohttp_client: Any, dump_dir: Path) -> None:
     client = await _client(aiohttp_client, dump_dir)
     text = await (await client.get("/stacks", params={"format": "text"})).text()
