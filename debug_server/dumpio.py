@@ -229,6 +229,10 @@ def infer_prefix(names: list[str]) -> str | None:
     return next(iter(prefixes)) if len(prefixes) == 1 else None
 
 
+STALLED_STACKS_PREFIX = "stalled_stacks_r"
+"""Name prefix of the stall watchdog's stacks file in the per-rank dump directory."""
+
+
 def rank_files(directory: str, prefix: str | None = None) -> tuple[dict[int, str], list[str]]:
     """Map rank -> path for the dump files in ``directory`` named ``<prefix><rank>[.json]``.
 
@@ -258,7 +262,9 @@ def rank_files(directory: str, prefix: str | None = None) -> tuple[dict[int, str
     for n in names:
         m = _RANK_REST_RE.match(n[len(prefix) :]) if n.startswith(prefix) else None
         if m is None:
-            notes.append(f"skipped {n}: not named {prefix}<rank>[.json]")
+            # The stall watchdog writes its stacks beside the pickles: ours, never a dump.
+            if not n.startswith(STALLED_STACKS_PREFIX):
+                notes.append(f"skipped {n}: not named {prefix}<rank>[.json]")
             continue
         rank, js = int(m.group(1)), m.group(2) is not None
         if rank > MAX_RANK:

@@ -181,3 +181,12 @@ def test_pytorch_c10d_json_dump_loads_with_tuple_free_process_group(tmp_path):
     loaded = load_dump(str(p))
     assert loaded["entries"][0]["process_group"] == ["0", "default_pg"]
     assert loaded["pg_config"][""]["ranks"] == "[0, 1]"
+
+
+def test_stall_watchdogs_stacks_file_is_skipped_without_a_note(tmp_path):
+    for n in ("rank_0", "rank_1", "stalled_stacks_r0.txt"):
+        (tmp_path / n).write_bytes(b"x")
+    (tmp_path / "notes.txt").write_bytes(b"x")
+    files, notes = rank_files(str(tmp_path), "rank_")
+    assert sorted(files) == [0, 1]
+    assert notes == ["skipped notes.txt: not named rank_<rank>[.json]"]
