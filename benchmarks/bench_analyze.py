@@ -4,6 +4,7 @@
     python benchmarks/bench_analyze.py --ranks 4096 --only-ours
     python benchmarks/bench_analyze.py --synthetic        # the older synthetic entries
     python benchmarks/bench_analyze.py --baseline-src /tmp/base   # + another checkout (before/after)
+    python benchmarks/bench_analyze.py --record-src /tmp/base     # dumps from that checkout's recorder
 
 The dumps are real: a 2-rank gloo job records ``--entries`` ops (a training loop's bucketed
 all_reduces and a periodic broadcast, each called through a 5-frame Python stack) with
@@ -48,7 +49,7 @@ print(p.returncode, wall, ru.ru_maxrss, ru.ru_utime + ru.ru_stime)
 # The job that records the dumps: 5 Python frames per op (reduce_bucket, sync_grads, train_step,
 # train, <module>), four gradient buckets per step and a broadcast every tenth step.
 _JOB = r"""
-import datetime, os, sys
+import datetime, os, sys, time
 import torch, torch.distributed as dist
 from debug_server.comms import new_comm
 from debug_server.hooks import FlightRecorderHook
@@ -78,14 +79,18 @@ def train(steps):
 train(entries // 4 + 20)  # enough to wrap the ring
 if rank == 0:
     work = comm.all_reduce(buckets[0], async_op=True)  # rank 1 never joins this one
+# Dump well after that issue, as a post-mortem at the timeout does: an op issued less than
+# IN_FLIGHT_GRACE_NS before a rank's dump_time_ns counts as in flight, not as a hang.
+dist.barrier()
+time.sleep(1.5)
 hook.dump_file(rank)
 dist.barrier()
 os._exit(0)  # rank 0's all_reduce never completes: leave without tearing the group down
 """
 
 
-def record_real(directory: str, entries: int) -> tuple[dict, dict]:
-    """Run the 2-rank gloo job; returns rank 0's and rank 1's dumps (read back safely)."""
+def record_real(directory: str, entries: int, src: str = REPO) -> tuple[dict, dict]:
+    """Run the 2-rank gloo job with the recorder in ``src``; returns both ranks' dumps."""
     from debug_server.dumpio import load_dump
 
     job = os.path.join(directory, "job.py")
@@ -97,7 +102,7 @@ def record_real(directory: str, entries: int) -> tuple[dict, dict]:
         env = dict(os.environ, RANK=str(r), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
                    MASTER_PORT=str(port), OMP_NUM_THREADS="1",
                    TORCHCOMM_FR_DUMP_TEMP_FILE=os.path.join(directory, "rec_"),
-                   PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+                   PYTHONPATH=src + os.pathsep + os.environ.get("PYTHONPATH", ""))
         procs.append(subprocess.Popen([sys.executable, job, str(entries)], env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     try:
@@ -125,14 +130,15 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def generate(directory: str, ranks: int, entries: int, synthetic: bool) -> str:
+def generate(directory: str, ranks: int, entries: int, synthetic: bool,
+             record_src: str = REPO) -> str:
     """Write ``rank_0`` ... ``rank_<ranks-1>``; returns a one-line description of the data."""
     if synthetic:
         base = hang_job(2, entries, missing_rank=1)
         full, short = base[0], base[1]
         what = "synthetic entries (2-frame stacks)"
     else:
-        full, short = record_real(directory, entries)
+        full, short = record_real(directory, entries, record_src)
         n_frames = {len(e["frames"]) for e in full["entries"]}
         what = (f"real gloo recording ({len(full['entries'])}/{len(short['entries'])} entries, "
                 f"{'/'.join(map(str, sorted(n_frames)))} frames per entry)")
@@ -169,11 +175,12 @@ def measure(cmd: list[str], timeout: float, src: str = REPO) -> tuple[int, float
 
 
 def bench(ranks: int, entries: int, repeats: int, only_ours: bool, timeout: float,
-          synthetic: bool, jobs: int | None, baseline: str | None) -> None:
+          synthetic: bool, jobs: int | None, baseline: str | None,
+          record_src: str = REPO) -> None:
     tmp = tempfile.mkdtemp(prefix=f"bench_fr_{ranks}_")
     try:
         t = time.perf_counter()
-        what = generate(tmp, ranks, entries, synthetic)
+        what = generate(tmp, ranks, entries, synthetic, record_src)
         gen_s = time.perf_counter() - t
         size_mb = sum(os.path.getsize(os.path.join(tmp, f)) for f in os.listdir(tmp)) / 1e6
         print(
@@ -234,11 +241,14 @@ def main() -> int:
     p.add_argument("--jobs", type=int, default=None, help="pass --jobs N to ours")
     p.add_argument("--baseline-src", default=None, metavar="DIR",
                    help="also time the debug_server package found in DIR (before/after)")
+    p.add_argument("--record-src", default=REPO, metavar="DIR",
+                   help="record the dumps with the debug_server package in DIR (the pickles' "
+                        "layout is the recorder's: compare recorders with the same analyzers)")
     args = p.parse_args()
     print(f"python {sys.version.split()[0]}, {os.cpu_count()} CPUs")
     for n in args.ranks:
         bench(n, args.entries, args.repeats, args.only_ours, args.timeout, args.synthetic,
-              args.jobs, args.baseline_src)
+              args.jobs, args.baseline_src, args.record_src)
     return 0
 
 

@@ -151,9 +151,10 @@ def _shared(shared: dict[Any, Any], key: Any, make: Callable[[], Any]) -> Any:
     """The value made for an equal ``key`` earlier in this dump, else ``make()`` remembered.
 
     Entries of one dump share their equal size, dtype and group values (as they share frame
-    lists), so the pickle writes each once and refers back to it: a 2000-entry ring loads 2.5x
-    faster (fewer objects to build and free) in our analyzer and in PyTorch's. Readers never
-    mutate entries. An unhashable key (an odd shape type) just gets its own value.
+    lists), so the pickle writes each once and refers back to it: unpickling and freeing a
+    2000-entry ring takes 0.6x the time (fewer objects), and the analyzer's digest compares
+    them by identity. Readers never mutate entries. An unhashable key (an odd shape type) just
+    gets its own value.
     """
     try:
         hit = shared.get(key)
