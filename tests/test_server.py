@@ -274,8 +274,6 @@ def _wait_for(what: str, check: Any, deadline: float, interval: float = 0.5) -> 
 
 @pytest.mark.timeout(150)
 def test_two_rank_gloo_hang_is_diagnosed_end_to_end(tmp_path: Path) -> None:
-    pytest.importorskip("debug_server.comms")
-    pytest.importorskip("debug_server.hooks")
     script = tmp_path / "rank_script.py"
     script.write_text(textwrap.dedent(JOB))
     lines = script.read_text().splitlines()
