@@ -142,13 +142,7 @@ def _backed_entry(e: Mapping[str, Any], b: Backed) -> dict[str, Any]:
             if was != "completed":
                 ent["time_discovered_completed_ns"] = None
                 ent["retired"] = False
-    for k in ("time_discovered_started_ns", "time_discovered_completed_ns"):
-        if not ent[k]:  # the JSON dump writes 0 for "not known"
-            ent[k] = None
-    name = str(ent.get("profiling_name", ""))
-    backend, sep, op = name.partition(":")
-    if sep and backend not in ("nccl", "xccl"):
-        ent["profiling_name"] = f"nccl:{op}"
+    _normalize_times_and_name(ent)
     ent["timeout_ms"] = b.timeout_ms
     frames = ent.get("frames") or []
     i = 0
@@ -301,14 +295,20 @@ def _repair_entry(e: Mapping[str, Any], key: str) -> dict[str, Any]:
     ent = {**_ENTRY_DEFAULTS, **e}
     pg = e["process_group"]
     ent["process_group"] = (key, str(pg[1]) if len(pg) > 1 else "")
+    _normalize_times_and_name(ent)
+    return ent
+
+
+def _normalize_times_and_name(ent: dict[str, Any]) -> None:
+    """In place: unknown discovery times become None (the JSON dump writes 0 for "not known"),
+    and a non-NCCL backend's profiling name is spelled ``nccl:<op>`` as our recorder writes it."""
     for k in ("time_discovered_started_ns", "time_discovered_completed_ns"):
-        if not ent[k]:  # the JSON dump writes 0 for "not known"
+        if not ent[k]:
             ent[k] = None
     name = str(ent.get("profiling_name", ""))
     backend, sep, op = name.partition(":")
     if sep and backend not in ("nccl", "xccl"):
         ent["profiling_name"] = f"nccl:{op}"
-    return ent
 
 
 def _group_config(key: str, pg_name: str, info: GroupInfo | None, raw_cfg: Any, desc: str,

@@ -34,9 +34,10 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
+
+from _gpu_common import get, wait_for_mark
 
 REPO = Path(__file__).resolve().parent.parent
 EXPECT = {"size": "size_mismatch", "type": "type_mismatch"}
@@ -102,14 +103,6 @@ def rank_main(case: str, dump_dir: str, marker: str, release: str) -> int:
 # The driver
 
 
-def _get(url: str) -> tuple[int, str]:
-    try:
-        with urllib.request.urlopen(url, timeout=30) as r:
-            return r.status, r.read().decode()
-    except OSError as e:
-        return 0, str(e)
-
-
 def _check_result(where: str, result: dict[str, Any], case: str) -> list[str]:
     """What is wrong with one verdict (empty when it names the mismatch at #3)."""
     problems = []
@@ -155,15 +148,11 @@ def run_case(case: str, out: Path) -> list[str]:
         env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     problems: list[str] = []
     try:
-        started = time.monotonic()
-        while not marker.exists():
-            if job.poll() is not None or time.monotonic() - started > 120:
-                return [f"{case}: the job never reached #3 (see {work / 'job.log'})"]
-            time.sleep(0.2)
-        hang_t0 = float(marker.read_text())
-        time.sleep(max(0.0, hang_t0 + read_at - time.time()))
+        hang_t0 = wait_for_mark(job, marker, 120, read_at)
+        if hang_t0 is None:
+            return [f"{case}: the job never reached #3 (see {work / 'job.log'})"]
         into = time.time() - hang_t0
-        code, body = _get(f"http://127.0.0.1:{port}/fr_trace?format=json")
+        code, body = get(f"http://127.0.0.1:{port}/fr_trace?format=json", timeout=30)
         (work / "live_fr_trace.json").write_text(body)
         if code != 200:
             problems.append(f"{case}: live /fr_trace answered {code}: {body[:200]}")

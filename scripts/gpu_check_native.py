@@ -41,10 +41,11 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 import zipfile
 from pathlib import Path
 from typing import Any
+
+from _gpu_common import get, wait_for_mark
 
 REPO = Path(__file__).resolve().parent.parent
 SITE = Path("/tmp/site")
@@ -152,15 +153,6 @@ def ensure_pyspy() -> str:
 # The driver
 
 
-def _get(url: str, accept: str = "*/*") -> tuple[int, str]:
-    try:
-        req = urllib.request.Request(url, headers={"Accept": accept})
-        with urllib.request.urlopen(req, timeout=60) as r:
-            return r.status, r.read().decode()
-    except OSError as e:
-        return 0, str(e)
-
-
 def _section(text: str, rank: int) -> str:
     parts = text.split(f"=== Rank {rank} ===", 1)
     return parts[1].split("\n=== Rank ", 1)[0] if len(parts) == 2 else ""
@@ -222,19 +214,15 @@ def run_case(case: str, out: Path, cpu: bool, index: int) -> list[str]:
                            stderr=subprocess.STDOUT, start_new_session=True)
     problems: list[str] = []
     try:
-        started = time.monotonic()
-        while not marker.exists():
-            if job.poll() is not None or time.monotonic() - started > 180:
-                return [f"{case}: the job never started spinning (see {work / 'job.log'})"]
-            time.sleep(0.2)
-        t0 = float(marker.read_text())
-        time.sleep(max(0.0, t0 + read_at - time.time()))
+        t0 = wait_for_mark(job, marker, 180, read_at)
+        if t0 is None:
+            return [f"{case}: the job never started spinning (see {work / 'job.log'})"]
         base = f"http://127.0.0.1:{port}"
         s = time.monotonic()
-        code, stacks = _get(f"{base}/stacks?native=1&format=text")
+        code, stacks = get(f"{base}/stacks?native=1&format=text")
         took = time.monotonic() - s
         (work / "stacks_native.txt").write_text(stacks)
-        code2, raw = _get(f"{base}/fr_trace?format=json")
+        code2, raw = get(f"{base}/fr_trace?format=json")
         (work / "fr_trace.json").write_text(raw)
         into = time.time() - t0
         print(f"=== {case}: {into:.1f} s into the spin; /stacks?native=1 took {took:.2f} s ===")

@@ -6,6 +6,7 @@ would. Every process is bounded by ``timeout`` and killed by pid in a ``finally`
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -122,6 +123,13 @@ def run_job(
 def assert_ok(results: list[RankResult]) -> None:
     for r in results:
         assert r.returncode == 0, f"rank {r.rank} exited {r.returncode}\nstdout:\n{r.stdout}\nstderr:\n{r.stderr[-4000:]}"
+
+
+def rank0_result(results: list[RankResult]) -> Any:
+    """The JSON rank 0 printed after ``RESULT ``, once every rank has exited 0."""
+    assert_ok(results)
+    line = next(ln for ln in results[0].stdout.splitlines() if ln.startswith("RESULT "))
+    return json.loads(line[len("RESULT "):])
 
 
 # -- the reference demo (scripts/verify_flight_recorder.py) under torchrun ---------------------

@@ -16,6 +16,9 @@ import textwrap
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
+
+_R = TypeVar("_R", bound="RankProcs")
 
 
 class RankProcs:
@@ -49,6 +52,12 @@ class RankProcs:
 
     def log(self, rank: int) -> str:
         return self.logs[rank].read_text()[-3000:]
+
+    def __enter__(self: _R) -> _R:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def close(self) -> None:
         for p in self.procs:

@@ -15,13 +15,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from mpjob import assert_ok, run_job
+from mpjob import assert_ok, rank0_result, run_job
 from test_c10d_fr import captured
-from test_comms_watchdog import TIMEOUT_JOB
 
 from debug_server import comms
 from debug_server.c10d_fr import Backed, GroupInfo, merge_c10d
-from debug_server.dumpio import load_dump
 
 MAIN = Backed("main_comm", "gloo", (0, 1), 7, 30000)
 
@@ -113,7 +111,8 @@ def test_recorder_mode_follows_the_environment(monkeypatch: pytest.MonkeyPatch):
 
 
 # A real 2-rank gloo job with the c10d-backed mode forced: the demo's phase 1 and its dump, then
-# an async op that rank 1 joins late (in flight, then gone), then test_comms_watchdog's timeout job.
+# an async op that rank 1 joins late (in flight, then gone). test_comms_watchdog runs its timeout
+# job in this mode too.
 BACKED_JOB = r"""
 import datetime, json, os, time
 import torch
@@ -162,17 +161,6 @@ def backed_job(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
     return results[0].stdout, results[1].stdout
 
 
-@pytest.fixture(scope="module")
-def timeout_job(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
-    work = tmp_path_factory.mktemp("backed_timeout")
-    prefix = work / "per_rank" / "rank_"
-    results = run_job(TIMEOUT_JOB, 2, work, timeout=90, extra_env={
-        "TORCHCOMM_FR_DUMP_TEMP_FILE": str(prefix), "DEBUG_SERVER_RECORDER": "c10d",
-        "TORCH_FR_BUFFER_SIZE": "2000"})
-    assert_ok(results)
-    return prefix, results[0].stdout
-
-
 def call_site_line() -> int:
     lines = BACKED_JOB.splitlines()
     return 1 + next(i for i, ln in enumerate(lines) if ln.endswith("# CALL SITE"))
@@ -218,30 +206,6 @@ def test_users_own_pre_hook_gets_records_and_the_numbering_stays_one(backed_job)
     # The hook's op goes through the recording path, the next one through the lean path again;
     # c10d has all three, once each, numbered as one sequence.
     assert 'USER_HOOK [[["all_reduce", 6]], [5, 6, 7]]' in out0
-
-
-@pytest.mark.timeout(120)
-def test_watchdog_times_out_a_backed_op_and_dumps_first(timeout_job):
-    _, out = timeout_job
-    assert "ABORTS [('all_reduce', 2, 'debug-server-watchdog', True)] AFTER_S 2" in out
-
-
-@pytest.mark.timeout(120)
-def test_next_op_and_wait_raise_the_timeout_naming_op_communicator_and_seq(timeout_job):
-    _, out = timeout_job
-    msg = "all_reduce #2 on communicator 'main_comm' (gloo, rank 0 of 2) timed out after 2 s"
-    assert f"NEXT_OP raised {msg}" in out
-    assert f"WAIT raised {msg}" in out
-
-
-@pytest.mark.timeout(120)
-def test_pickle_written_on_timeout_ends_with_the_stuck_op_from_c10d(timeout_job):
-    prefix, out = timeout_job
-    # c10d's gloo recorder never moves an op past "scheduled".
-    assert 'STATE "scheduled"' in out
-    entries = load_dump(f"{prefix}0")["entries"]
-    assert [(e["collective_seq_id"], e["profiling_name"]) for e in entries] == [
-        (0, "nccl:all_reduce"), (1, "nccl:all_reduce"), (2, "nccl:all_reduce")]
 
 
 def test_after_an_abort_the_states_c10d_gave_before_it_stand():
@@ -311,12 +275,9 @@ os._exit(0)
 @pytest.fixture(scope="module")
 def status_job(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     work = tmp_path_factory.mktemp("backed_status")
-    results = run_job(STATUS_JOB, 1, work, timeout=60, extra_env={
+    return rank0_result(run_job(STATUS_JOB, 1, work, timeout=60, extra_env={
         "TORCHCOMM_FR_DUMP_TEMP_FILE": str(Path(work) / "rank_"), "DEBUG_SERVER_RECORDER": "c10d",
-        "TORCH_FR_BUFFER_SIZE": "2000"})
-    assert_ok(results)
-    line = next(ln for ln in results[0].stdout.splitlines() if ln.startswith("RESULT "))
-    return json.loads(line[len("RESULT "):])
+        "TORCH_FR_BUFFER_SIZE": "2000"}))
 
 
 @pytest.mark.timeout(90)

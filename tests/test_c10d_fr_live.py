@@ -12,12 +12,12 @@ import json
 import subprocess
 import sys
 import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from httpget import get_json
 from mpjob import finish, start_ranks
 
 pytestmark = pytest.mark.timeout(240)
@@ -77,12 +77,6 @@ def _wait_file(path: Path, limit_s: float) -> str:
     return path.read_text()
 
 
-def _get_json(url: str, method: str = "GET") -> Any:
-    req = urllib.request.Request(url, method=method, headers={"Accept": "application/json"})
-    with urllib.request.urlopen(req, timeout=30) as r:
-        return json.loads(r.read().decode())
-
-
 @pytest.fixture(scope="module")
 def ddp_job(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     work = tmp_path_factory.mktemp("ddp")
@@ -105,7 +99,7 @@ def _live_verdict(job: dict[str, Any], limit_s: float = 60) -> dict[str, Any]:
     """The frontend's JSON once it names a missing rank (the hang takes a moment to show)."""
     deadline = time.monotonic() + limit_s
     while True:
-        result = _get_json(f"{job['frontend']}/fr_trace?format=json")
+        result = get_json(f"{job['frontend']}/fr_trace?format=json")
         if any(f["kind"] == "missing_ranks" for f in result["findings"]):
             return result
         assert time.monotonic() < deadline, f"no missing rank within {limit_s} s: {result['verdict']}"
@@ -124,8 +118,8 @@ def test_live_verdict_names_the_rank_that_skipped_backward_and_the_stuck_all_red
 
 def test_op_through_new_comm_appears_once_though_c10d_recorded_it_too(ddp_job):
     url = ddp_job["workers"][0]
-    merged = _get_json(f"{url}/handler/torchcomms_fr_trace_json", "POST")
-    raw = _get_json(f"{url}/handler/fr_trace_json", "POST")
+    merged = get_json(f"{url}/handler/torchcomms_fr_trace_json", "POST")
+    raw = get_json(f"{url}/handler/fr_trace_json", "POST")
     # c10d did record the communicator's ops, on the communicator's own c10d group...
     c10d_copies = [e for e in raw["entries"] if e["process_group"][1] == "main_comm"]
     assert [e["collective_seq_id"] for e in c10d_copies] == [1, 2, 3]

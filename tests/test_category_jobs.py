@@ -19,11 +19,11 @@ import os
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
 import pytest
+from httpget import get_json
 from mpjob import REPO, free_port, rank_env
 from rankprocs import RankProcs
 
@@ -83,50 +83,37 @@ class GlooJob(RankProcs):
         return self.wait_for(0, r"^READY (\S+)", timeout=90).group(1)
 
 
-def _json(url: str, method: str = "GET") -> Any:
-    req = urllib.request.Request(url, method=method, headers={"Accept": "application/json"})
-    with urllib.request.urlopen(req, timeout=30) as r:
-        return json.loads(r.read())
-
-
-def _live_until(base: str, want: str, timeout: float = 30) -> dict[str, Any]:
-    """``/fr_trace?format=json`` once it names a category (the job needs a moment to get there)."""
+def _live_category(job: GlooJob, want: str, timeout: float = 30) -> dict[str, Any]:
+    """The frontend's ``/fr_trace?format=json`` once it names ``want`` (the job needs a moment
+    to get there); fails with the verdict if it never does."""
+    base = job.frontend()
     deadline = time.monotonic() + timeout
     while True:
-        result = _json(f"{base}/fr_trace?format=json")
+        result = get_json(f"{base}/fr_trace?format=json")
         if result.get("category") == want or time.monotonic() > deadline:
+            assert result.get("category") == want, result.get("verdict")
             return result
         time.sleep(0.5)
 
 
 @pytest.mark.timeout(150)
 def test_rank_sleeping_outside_the_collective_is_cpu_divergence(tmp_path: Path) -> None:
-    job = GlooJob(tmp_path, "cpu_divergence")
-    try:
-        base = job.frontend()
-        result = _live_until(base, "cpu_divergence")
-        assert result.get("category") == "cpu_divergence", result.get("verdict")
+    with GlooJob(tmp_path, "cpu_divergence") as job:
+        result = _live_category(job, "cpu_divergence")
         missing = [f for f in result["findings"] if f["kind"] == "missing_ranks"]
         assert [(f["seq"], f["ranks"]) for f in missing] == [(3, [1])]
         assert f"rank_script.py:{job.line_of('SLEEP_LINE')}" in result["next_step"]
-    finally:
-        job.close()
 
 
 @pytest.mark.timeout(150)
 def test_mismatched_sizes_and_dtypes_are_a_misconfigured_collective(tmp_path: Path) -> None:
-    job = GlooJob(tmp_path, "misconfigured_collective")
-    try:
-        base = job.frontend()
+    with GlooJob(tmp_path, "misconfigured_collective") as job:
         job.wait_for(0, r"^DONE")
         job.wait_for(1, r"^DONE")
-        result = _live_until(base, "misconfigured_collective")
-        assert result.get("category") == "misconfigured_collective", result.get("verdict")
+        result = _live_category(job, "misconfigured_collective")
         kinds = {(f["kind"], f["seq"]) for f in result["findings"] if f["severity"] == "error"}
         assert ("size_mismatch", 3) in kinds or ("dtype_mismatch", 3) in kinds, kinds
         assert f"rank_script.py:{job.line_of('MISMATCH_LINE')}" in result["next_step"]
-    finally:
-        job.close()
 
 
 def _stopped(pid: int) -> bool:
@@ -136,8 +123,7 @@ def _stopped(pid: int) -> bool:
 
 @pytest.mark.timeout(150)
 def test_collective_whose_peer_froze_after_issuing_it_is_gpu_or_network(tmp_path: Path) -> None:
-    job = GlooJob(tmp_path, "gpu_or_network")
-    try:
+    with GlooJob(tmp_path, "gpu_or_network") as job:
         base = job.frontend()
         job.wait_for(1, r"^PICKLE ")
         deadline = time.monotonic() + 30
@@ -147,10 +133,10 @@ def test_collective_whose_peer_froze_after_issuing_it_is_gpu_or_network(tmp_path
         (tmp_path / "go").touch()  # rank 0 issues #3 only now: rank 1 cannot move data
         # Rank 0's worker still answers (gloo's wait releases the GIL): have it write its
         # pickle once it waits in #3, as the periodic dumper or the hang watch would.
-        url = _json(f"{base}/?format=json")["ranks"][0]["url"]
+        url = get_json(f"{base}/?format=json")["ranks"][0]["url"]
         deadline = time.monotonic() + 30
         while True:
-            path = _json(f"{url}/handler/torchcomms_fr_dump_file", "POST")["path"]
+            path = get_json(f"{url}/handler/torchcomms_fr_dump_file", "POST")["path"]
             out = subprocess.run([sys.executable, "-m", "debug_server.fr_trace",
                                   str(Path(path).parent), "-p", "rank_", "--json"],
                                  capture_output=True, text=True, timeout=60,
@@ -164,5 +150,3 @@ def test_collective_whose_peer_froze_after_issuing_it_is_gpu_or_network(tmp_path
         stuck = [f for f in result["findings"] if f["kind"] == "stuck_everywhere"]
         assert [(f["seq"], sorted(f["ranks"])) for f in stuck] == [(3, [0, 1])]
         assert "preflight" in result["next_step"] or "nccl" in result["next_step"].lower()
-    finally:
-        job.close()

@@ -8,11 +8,10 @@ which the next op raises. ``scripts/gpu_state_check.py`` checks the same on real
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
-from mpjob import assert_ok, run_job
+from mpjob import rank0_result, run_job
 
 CUDA_PATH_JOB = r'''
 import datetime, json, os, threading, time
@@ -75,11 +74,8 @@ os._exit(0)
 @pytest.fixture(scope="module")
 def cuda_path(tmp_path_factory: pytest.TempPathFactory) -> dict:
     work = tmp_path_factory.mktemp("cuda_path")
-    results = run_job(CUDA_PATH_JOB, 1, work, timeout=60,
-                      extra_env={"TORCHCOMM_FR_DUMP_TEMP_FILE": str(Path(work) / "rank_")})
-    assert_ok(results)
-    line = next(ln for ln in results[0].stdout.splitlines() if ln.startswith("RESULT "))
-    return json.loads(line[len("RESULT "):])
+    return rank0_result(run_job(CUDA_PATH_JOB, 1, work, timeout=60,
+                                extra_env={"TORCHCOMM_FR_DUMP_TEMP_FILE": str(Path(work) / "rank_")}))
 
 
 @pytest.mark.timeout(90)

@@ -2,19 +2,19 @@
 
 An async all_reduce that nobody waits on and a peer never joins: the per-process watchdog thread
 runs the abort hooks (the recorder's pickle is on disk first), and the next op and ``wait()``
-raise the error naming the op, the communicator and the sequence number; with
+raise the error naming the op, the communicator and the sequence number, under our recorder and
+under c10d's (the c10d-backed mode, forced on gloo); with
 ``abort_process_on_timeout_or_error=True`` the process aborts after the dump. And ops issued from
 two threads at once each get their own ring entry.
 """
 
 from __future__ import annotations
 
-import json
 import signal
 from pathlib import Path
 
 import pytest
-from mpjob import assert_ok, run_job
+from mpjob import assert_ok, rank0_result, run_job
 from test_watchdog import ABORT_JOB as SYNC_ABORT_JOB
 
 from debug_server.dumpio import load_dump
@@ -55,41 +55,51 @@ os._exit(0)  # the gloo pair is broken after the timeout: no orderly teardown
 '''
 
 
-@pytest.fixture(scope="module")
-def timeout_job(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
-    work = tmp_path_factory.mktemp("wd_timeout")
+# The timeout job under both recorders: ours (the default on gloo) and c10d's own Flight Recorder
+# (the c10d-backed mode, forced), with the state each leaves the stuck op in: c10d's gloo recorder
+# never moves an op past "scheduled".
+RECORDERS = {
+    "python": ({}, "started"),
+    "c10d": ({"DEBUG_SERVER_RECORDER": "c10d", "TORCH_FR_BUFFER_SIZE": "2000"}, "scheduled"),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(RECORDERS))
+def timeout_job(request: pytest.FixtureRequest,
+                tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str, str]:
+    """(pickle prefix, rank 0's output, the stuck op's expected state) for one recorder."""
+    env, state = RECORDERS[request.param]
+    work = tmp_path_factory.mktemp(f"wd_timeout_{request.param}")
     prefix = work / "per_rank" / "rank_"
-    results = run_job(TIMEOUT_JOB, 2, work, timeout=60, extra_env={"TORCHCOMM_FR_DUMP_TEMP_FILE": str(prefix)})
+    results = run_job(TIMEOUT_JOB, 2, work, timeout=90,
+                      extra_env={"TORCHCOMM_FR_DUMP_TEMP_FILE": str(prefix), **env})
     assert_ok(results)
-    return prefix, results[0].stdout
+    return prefix, results[0].stdout, state
 
 
-@pytest.mark.timeout(90)
+@pytest.mark.timeout(120)
 def test_watchdog_thread_runs_the_abort_hooks_after_the_pickle_for_an_unwaited_op(timeout_job):
-    _, out = timeout_job
+    _, out, _ = timeout_job
     # (op, seq, thread, pickle already on disk): the recorder's abort hook ran first, in the
     # watchdog thread, about the communicator's 2 s after the op was issued.
     assert "ABORTS [('all_reduce', 2, 'debug-server-watchdog', True)] AFTER_S 2" in out
 
 
-@pytest.mark.timeout(90)
-def test_next_op_raises_the_timeout_naming_op_communicator_and_seq(timeout_job):
-    _, out = timeout_job
-    assert "NEXT_OP raised all_reduce #2 on communicator 'main_comm' (gloo, rank 0 of 2) timed out after 2 s" in out
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("call", ["NEXT_OP", "WAIT"])
+def test_next_op_and_wait_on_the_timed_out_op_raise_the_timeout_naming_op_communicator_and_seq(
+        timeout_job, call: str):
+    _, out, _ = timeout_job
+    assert f"{call} raised all_reduce #2 on communicator 'main_comm' (gloo, rank 0 of 2) timed out after 2 s" in out
 
 
-@pytest.mark.timeout(90)
-def test_wait_on_the_timed_out_op_raises_the_same_error(timeout_job):
-    _, out = timeout_job
-    assert "WAIT raised all_reduce #2 on communicator 'main_comm' (gloo, rank 0 of 2) timed out after 2 s" in out
-
-
-@pytest.mark.timeout(90)
-def test_pickle_written_by_the_watchdog_shows_the_op_started_not_completed(timeout_job):
-    prefix, out = timeout_job
-    assert 'STATE "started"' in out
-    last = load_dump(f"{prefix}0")["entries"][-1]
-    assert (last["collective_seq_id"], last["profiling_name"]) == (2, "nccl:all_reduce")
+@pytest.mark.timeout(120)
+def test_pickle_written_by_the_watchdog_ends_with_the_stuck_op_not_completed(timeout_job):
+    prefix, out, state = timeout_job
+    assert f'STATE "{state}"' in out
+    entries = load_dump(f"{prefix}0")["entries"]
+    assert [(e["collective_seq_id"], e["profiling_name"]) for e in entries] == [
+        (0, "nccl:all_reduce"), (1, "nccl:all_reduce"), (2, "nccl:all_reduce")]
 
 
 # test_watchdog's job (a sync op times out on the host), with the op made async and never waited
@@ -147,6 +157,4 @@ torch.distributed.destroy_process_group()
 @pytest.mark.timeout(120)
 def test_ops_from_two_threads_each_get_a_ring_entry(tmp_path: Path) -> None:
     results = run_job(THREADS_JOB, 1, tmp_path, timeout=100)
-    assert_ok(results)
-    line = next(ln for ln in results[0].stdout.splitlines() if ln.startswith("RESULT "))
-    assert json.loads(line[len("RESULT "):]) == {"n": 3000, "seqs": 3000, "next_seq": 3000}
+    assert rank0_result(results) == {"n": 3000, "seqs": 3000, "next_seq": 3000}

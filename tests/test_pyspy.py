@@ -14,13 +14,12 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from httpget import timed_get
 from rankprocs import RankProcs
 
 from debug_server import pyspy, stackparse, views
@@ -76,7 +75,7 @@ class Job(RankProcs):
     def hold(self, base: str, rank: int = 0) -> None:
         """Start ``rank``'s hold once the frontend has answered a page: the first page also
         waits for the frontend's store connection, seconds on a busy machine."""
-        status, text, _ = _get(f"{base}/?format=json")
+        status, text, _ = timed_get(f"{base}/?format=json")
         assert status == 200, text
         (self.tmp / "go").touch()
         self.wait_for(rank, r"^HOLDING", timeout=20)
@@ -105,17 +104,6 @@ def held(tmp: Path, store_port: int, env: dict[str, str]) -> Iterator[tuple[Job,
         job.close()
 
 
-def _get(url: str, accept: str = "*/*", timeout: float = 20) -> tuple[int, str, float]:
-    t0 = time.monotonic()
-    try:
-        with urllib.request.urlopen(urllib.request.Request(url, headers={"Accept": accept}),
-                                    timeout=timeout) as r:
-            return r.status, r.read().decode(), time.monotonic() - t0
-    except urllib.error.HTTPError as e:
-        with e:
-            return e.code, e.read().decode(), time.monotonic() - t0
-
-
 def _section(text: str, rank: int) -> str:
     return text.split(f"=== Rank {rank} ===", 1)[1].split("\n=== Rank ", 1)[0]
 
@@ -134,7 +122,7 @@ def _main_frames(text: str) -> list[stackparse.Frame]:
 def test_stuck_rank_is_read_by_pyspy_within_the_timeout_and_its_usleep_runs_full_length(
         tcp_store: Any, tmp_path: Path) -> None:
     with held(tmp_path, tcp_store.port, {}) as (job, base):
-        status, text, took = _get(f"{base}/stacks")
+        status, text, took = timed_get(f"{base}/stacks")
         print(f"/stacks answered in {took:.3f} s (fetch_timeout {FETCH_TIMEOUT} s)")
         assert status == 200 and took < FETCH_TIMEOUT + 1.5, (took, text)
         section = _section(text, 0)
@@ -181,7 +169,7 @@ def test_without_pyspy_the_page_says_why_in_one_line_and_the_rank_is_not_disturb
     # Neither on PATH nor where the variable points; the rank did not opt in to signals.
     env = {"PATH": "/usr/bin:/bin", pyspy.PYSPY_ENV: str(missing)}
     with held(tmp_path, tcp_store.port, env) as (job, base):
-        status, text, took = _get(f"{base}/stacks")
+        status, text, took = timed_get(f"{base}/stacks")
         print(f"/stacks answered in {took:.3f} s (fetch_timeout {FETCH_TIMEOUT} s)")
         assert status == 200 and took < FETCH_TIMEOUT + 1.5, (took, text)
         line = _section(text, 0).strip()
@@ -196,7 +184,7 @@ def test_without_pyspy_the_page_says_why_in_one_line_and_the_rank_is_not_disturb
 def test_rank_that_opted_in_to_signals_is_still_read_by_pyspy_first(
         tcp_store: Any, tmp_path: Path) -> None:
     with held(tmp_path, tcp_store.port, {"DEBUG_SERVER_SIGNAL_STACKS": "1"}) as (job, base):
-        status, text, _ = _get(f"{base}/stacks")
+        status, text, _ = timed_get(f"{base}/stacks")
         assert status == 200
         assert "(py-spy: read from outside the process by the frontend" in text
         assert "captured by signal" not in text
@@ -207,7 +195,7 @@ def test_rank_that_opted_in_to_signals_is_still_read_by_pyspy_first(
 def test_native_frames_of_a_rank_blocked_in_usleep_show_the_c_function(
         tcp_store: Any, tmp_path: Path) -> None:
     with held(tmp_path, tcp_store.port, {}) as (job, base):
-        status, text, _ = _get(f"{base}/stacks?native=1")
+        status, text, _ = timed_get(f"{base}/stacks?native=1")
         assert status == 200, text
         frames = _main_frames(_section(text, 0))
         native = [f.function for f in frames if f.native]
@@ -240,9 +228,9 @@ def test_pyspy_dump_page_gives_json_and_text_the_same_native_frames(
     idle_line = job.line_of("IDLE_LINE")
     try:
         _, base = job.ready(0)
-        status, text, _ = _get(f"{base}/pyspy_dump?format=text")
+        status, text, _ = timed_get(f"{base}/pyspy_dump?format=text")
         assert status == 200, text
-        status, raw, _ = _get(f"{base}/pyspy_dump?format=json")
+        status, raw, _ = timed_get(f"{base}/pyspy_dump?format=json")
         assert status == 200, raw
         body = json.loads(raw)
         assert body["native"] is True

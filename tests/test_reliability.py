@@ -14,14 +14,13 @@ import subprocess
 import sys
 import textwrap
 import time
-import urllib.error
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import pytest
 from conftest import make_job
+from httpget import timed_get
 
 from debug_server import dumps as dumps_mod
 from debug_server import synthetic
@@ -154,17 +153,6 @@ time.sleep(60)
 # (SA_RESTART), so the hold lasts as long as the test wants: here up to 20 s.
 
 
-def _get(url: str, timeout: float = 20) -> tuple[int, str, float]:
-    t0 = time.monotonic()
-    try:
-        with urllib.request.urlopen(urllib.request.Request(url, headers={"Accept": CURL}),
-                                    timeout=timeout) as r:
-            return r.status, r.read().decode(), time.monotonic() - t0
-    except urllib.error.HTTPError as e:
-        with e:
-            return e.code, e.read().decode(), time.monotonic() - t0
-
-
 @pytest.mark.timeout(90)
 def test_gil_holding_rank_that_opted_in_comes_by_signal_without_pyspy_and_the_frontend_keeps_serving(
         tcp_store: Any, tmp_path: Path) -> None:
@@ -193,18 +181,18 @@ def test_gil_holding_rank_that_opted_in_comes_by_signal_without_pyspy_and_the_fr
         base = m.group(1)
         # The first page also waits for the frontend's store connection (seconds on a busy
         # machine); the bound below is about the stacks path.
-        assert _get(f"{base}/?format=json")[0] == 200
-        status, text, took = _get(f"{base}/stacks")
+        assert timed_get(f"{base}/?format=json")[0] == 200
+        status, text, took = timed_get(f"{base}/stacks")
         assert status == 200 and took < 3.0, (took, text)
         assert MARKER in text
         assert f'rank_script.py", line {hold_line} in <module>' in text
         # Rank 0's trainer is stuck; its frontend process still answers every page.
         with ThreadPoolExecutor(2) as pool:
-            overview, fr = pool.map(_get, [f"{base}/?format=json", f"{base}/fr_trace?format=json"])
+            overview, fr = pool.map(timed_get, [f"{base}/?format=json", f"{base}/fr_trace?format=json"])
         assert overview[0] == 200 and overview[2] < 3.5
         assert fr[0] == 200 and fr[2] < 3.5
         assert json.loads(fr[1])["ranks"][0]["status"] == "timed out"
-        status, text, _ = _get(f"{base}/stacks")
+        status, text, _ = timed_get(f"{base}/stacks")
         assert status == 200 and MARKER in text  # still held: the hold outlived every page
     finally:
         os.close(hold_w)  # ends the hold

@@ -1,0 +1,37 @@
+"""Helpers shared by the GPU check drivers (``scripts/gpu_check_*.py``).
+
+They run from the source tree on the GPU machine (``python scripts/gpu_check_x.py``, so this
+folder is on ``sys.path``), with the standard library only: no pytest, no test helpers.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+
+def get(url: str, accept: str = "*/*", timeout: float = 60) -> tuple[int, str]:
+    """(status, body) of a GET; status 0 and the reason when the server could not be read."""
+    try:
+        req = urllib.request.Request(url, headers={"Accept": accept})
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, r.read().decode()
+    except OSError as e:
+        return 0, str(e)
+
+
+def wait_for_mark(job: subprocess.Popen[Any], marker: Path, limit_s: float,
+                  read_at: float) -> float | None:
+    """The wall time a rank wrote into ``marker`` (when the hang began), after sleeping until
+    ``read_at`` seconds past it; None when the job exits or ``limit_s`` pass before the mark."""
+    started = time.monotonic()
+    while not marker.exists():
+        if job.poll() is not None or time.monotonic() - started > limit_s:
+            return None
+        time.sleep(0.2)
+    t0 = float(marker.read_text())
+    time.sleep(max(0.0, t0 + read_at - time.time()))
+    return t0
