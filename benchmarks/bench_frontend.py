@@ -30,6 +30,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from pathlib import Path
@@ -155,15 +156,18 @@ def _stop_fleet(fleet: list[subprocess.Popen[str]]) -> None:
 
 def _start_frontend(urls: list[str], fetch_timeout: float) -> tuple[subprocess.Popen[bytes], int]:
     r, w = os.pipe()
+    with tempfile.NamedTemporaryFile("w", suffix=".urls", delete=False) as f:
+        f.write(",".join(urls))  # 16384 URLs exceed one argument's limit
     proc = subprocess.Popen(
         [sys.executable, "-m", "debug_server.frontend", "--port", "0", "--host", "127.0.0.1",
-         "--world-size", str(len(urls)), "--worker-urls", ",".join(urls),
+         "--world-size", str(len(urls)), "--worker-urls", f"@{f.name}",
          "--fetch-timeout", str(fetch_timeout), "--ready-fd", str(w)],
         pass_fds=(w,), cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
         stderr=subprocess.DEVNULL)
     os.close(w)
-    with os.fdopen(r) as f:
-        line = f.readline().strip()
+    with os.fdopen(r) as ready:
+        line = ready.readline().strip()
+    os.unlink(f.name)
     if not line.startswith("ready "):
         proc.kill()
         raise RuntimeError(f"frontend did not start: {line!r}")

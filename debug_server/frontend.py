@@ -566,7 +566,8 @@ def _parser() -> argparse.ArgumentParser:
                         "machine that reaches it; the restart and token are read from the store")
     p.add_argument("--token", help="access token (visible to ps: prefer $DEBUG_SERVER_AUTH_TOKEN; "
                                    "with --store the job's own token is read from the store)")
-    p.add_argument("--worker-urls", help="comma-separated worker URLs instead of the store")
+    p.add_argument("--worker-urls", help="comma-separated worker URLs instead of the store "
+                                         "(@FILE: read them from FILE)")
     p.add_argument("--dump-dir")
     p.add_argument("--dump-interval", type=float, default=60.0)
     p.add_argument("--enabled-dumps", default=",".join(sorted(ALL_DUMPS)))
@@ -618,7 +619,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         registry = StoreRegistry(attached.host, attached.port, args.world_size, attached.restart,
                                  timeout=min(5.0, args.fetch_timeout))
     elif args.worker_urls:
-        registry = StaticRegistry([u or None for u in args.worker_urls.split(",")])
+        urls = args.worker_urls
+        if urls.startswith("@"):  # 16384 URLs exceed one argument's limit (128 KiB)
+            urls = Path(urls[1:]).read_text().strip()
+        registry = StaticRegistry([u or None for u in urls.split(",")])
     else:
         addr = args.master_addr or os.environ.get("MASTER_ADDR")
         port = args.master_port or int(os.environ.get("MASTER_PORT", "0"))

@@ -1,0 +1,66 @@
+"""The frontend's garbage-collector thresholds: fr + stacks fan-outs over N fake ranks, default
+thresholds and ``frontend.GC_THRESHOLDS`` interleaved in one process (same fakes, same load).
+
+    python benchmarks/bench_frontend_gc.py --ranks 4096 --rounds 6
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import statistics
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+import aiohttp  # noqa: E402
+import bench_frontend  # noqa: E402
+
+from debug_server.discovery import StaticRegistry  # noqa: E402
+from debug_server.fanout import Collector  # noqa: E402
+from debug_server.frontend import CONNECTIONS_PER_RANK, GC_THRESHOLDS  # noqa: E402
+
+DEFAULT = (700, 10, 10)
+
+
+async def run(ranks: int, rounds: int, helpers: int) -> dict[tuple[int, int, int], list[float]]:
+    fleet, urls = bench_frontend._start_fleet(ranks, helpers, memo=True)
+    times: dict[tuple[int, int, int], list[float]] = {DEFAULT: [], GC_THRESHOLDS: []}
+    try:
+        connector = aiohttp.TCPConnector(limit=64, limit_per_host=CONNECTIONS_PER_RANK)
+        async with aiohttp.ClientSession(connector=connector) as session:
+            c = Collector(session, StaticRegistry(urls), timeout=120)
+            await c.fr()  # warm: connections, member lists learnt
+            for i in range(2 * rounds):
+                th = DEFAULT if i % 2 == 0 else GC_THRESHOLDS
+                gc.set_threshold(*th)
+                t0 = time.perf_counter()
+                await asyncio.gather(c.fr(), c.stacks())
+                times[th].append(time.perf_counter() - t0)
+    finally:
+        gc.set_threshold(*DEFAULT)
+        bench_frontend._stop_fleet(fleet)
+    return times
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--ranks", type=int, default=4096)
+    p.add_argument("--rounds", type=int, default=6)
+    p.add_argument("--helpers", type=int, default=4)
+    args = p.parse_args()
+    times = asyncio.run(run(args.ranks, args.rounds, args.helpers))
+    base = statistics.median(times[DEFAULT])
+    for th, ts in times.items():
+        med = statistics.median(ts)
+        print(f"{args.ranks} ranks, gc thresholds {th}: fr + stacks median {med:.2f} s "
+              f"({base / med:.2f}x the default's speed) " + " ".join(f"{t:.2f}" for t in ts))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,122 @@
+"""cProfile of the frontend's pages against N fake ranks, every frontend cost in one profile.
+
+The frontend runs in this process with its executor replaced by an inline one, so the work it
+normally hands to threads (parsing replies, analysis, rendering) shows in the same profile as
+the fetch; the HTTP client runs on another thread and is not profiled. Fake ranks are the same
+helper processes as ``bench_frontend.py`` (real worker apps serving 2000-entry rings).
+
+    python benchmarks/profile_frontend.py --ranks 2048 --page /fr_trace --accept text/html
+    python benchmarks/profile_frontend.py --ranks 4096 --page / --top 25
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import concurrent.futures
+import cProfile
+import gc
+import pstats
+import sys
+import threading
+import time
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+import bench_frontend  # noqa: E402
+
+from debug_server.config import ServerConfig  # noqa: E402
+from debug_server.discovery import StaticRegistry  # noqa: E402
+from debug_server.frontend import GC_THRESHOLDS, make_frontend_app  # noqa: E402
+
+
+class InlineExecutor(concurrent.futures.ThreadPoolExecutor):
+    """Runs each submitted call at once on the calling (profiled) thread."""
+
+    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> concurrent.futures.Future[Any]:
+        fut: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        try:
+            fut.set_result(fn(*args, **kwargs))
+        except BaseException as e:  # handed to the awaiting coroutine, as a pool would
+            fut.set_exception(e)
+        return fut
+
+
+def _client(url: str, accept: str, reps: int, out: list[float], ready: threading.Event) -> None:
+    ready.wait()
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        with urllib.request.urlopen(urllib.request.Request(url, headers={"Accept": accept}),
+                                    timeout=900) as r:
+            r.read()
+        out.append(time.perf_counter() - t0)
+
+
+async def _run(urls: list[str], page: str, accept: str, reps: int, prof: cProfile.Profile) -> list[float]:
+    from aiohttp import web
+
+    asyncio.get_running_loop().set_default_executor(InlineExecutor())
+    gc.set_threshold(*GC_THRESHOLDS)  # as the frontend process sets them
+    config = ServerConfig(port=0, host="127.0.0.1", fetch_timeout=120.0)
+    app = make_frontend_app(config, StaticRegistry(list(urls)))
+    runner = web.AppRunner(app, handle_signals=False, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    times: list[float] = []
+    warm: list[float] = []
+    ready = threading.Event()
+    ready.set()
+    # One unprofiled warm-up (connections, template compilation), then the profiled reps.
+    t = threading.Thread(target=_client, args=(f"http://127.0.0.1:{port}/stacks", "*/*", 1, warm, ready))
+    t.start()
+    while t.is_alive():
+        await asyncio.sleep(0.05)
+    go = threading.Event()
+    t = threading.Thread(target=_client, args=(f"http://127.0.0.1:{port}{page}", accept, reps, times, go))
+    t.start()
+    prof.enable()
+    go.set()
+    while t.is_alive():
+        await asyncio.sleep(0.01)
+    prof.disable()
+    await runner.cleanup()
+    return times
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--ranks", type=int, default=512)
+    p.add_argument("--page", default="/fr_trace")
+    p.add_argument("--accept", default="text/html")
+    p.add_argument("--reps", type=int, default=1)
+    p.add_argument("--helpers", type=int, default=2)
+    p.add_argument("--top", type=int, default=30)
+    p.add_argument("--sort", default="cumulative")
+    p.add_argument("--out", help="write the raw pstats here")
+    p.add_argument("--memo", action="store_true", help="fake ranks memoise replies (bench_frontend)")
+    args = p.parse_args()
+    fleet, urls = bench_frontend._start_fleet(args.ranks, args.helpers, args.memo)
+    prof = cProfile.Profile()
+    try:
+        times = asyncio.run(_run(urls, args.page, args.accept, args.reps, prof))
+    finally:
+        bench_frontend._stop_fleet(fleet)
+    print(f"{args.page} ({args.accept}) at {args.ranks} ranks: "
+          + ", ".join(f"{t:.2f} s" for t in times) + " (profiled, so slower than bench_frontend)")
+    if args.out:
+        prof.dump_stats(args.out)
+    stats = pstats.Stats(prof)
+    stats.sort_stats(args.sort).print_stats(args.top)
+    stats.sort_stats("tottime").print_stats(args.top)
+
+
+if __name__ == "__main__":
+    main()
