@@ -144,6 +144,46 @@ def demo_hang_line() -> int:
     raise AssertionError("demo has no HANG LINE marker")
 
 
+def descendants(pid: int) -> list[int]:
+    """Every live descendant of ``pid`` (from /proc), children before their own children.
+
+    torchrun starts each rank in a session of its own, so killing torchrun's process group
+    leaves the ranks (and rank 0's frontend) running: end the whole tree by pid instead.
+    """
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(ppid, []).append(int(entry))
+    out: list[int] = []
+    todo = list(children.get(pid, []))
+    while todo:
+        p = todo.pop(0)
+        out.append(p)
+        todo.extend(children.get(p, []))
+    return out
+
+
+def kill_tree(proc: subprocess.Popen[Any]) -> None:
+    """SIGKILL ``proc``'s process group and every descendant (ranks in their own sessions too)."""
+    pids = descendants(proc.pid) if proc.poll() is None else []
+    for target in (proc.pid, *pids):
+        try:
+            os.killpg(target, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        try:
+            os.kill(target, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+    proc.wait(timeout=10)
+
+
 def start_demo(dump_dir: Path, port: int, stdout: Any, **env: str) -> subprocess.Popen[str]:
     """Start the 2-rank demo in its own session (end it with ``os.killpg``); ``env`` overrides."""
     full = dict(
@@ -165,7 +205,6 @@ def run_demo(dump_dir: Path, timeout: float = 150, **env: str) -> str:
         out, _ = proc.communicate(timeout=timeout)
     finally:
         if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=10)
+            kill_tree(proc)
     assert proc.returncode == 0, out[-6000:]
     return out

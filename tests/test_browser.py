@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import tempfile
 import time
 import urllib.error
@@ -20,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from mpjob import free_port, start_demo
+from mpjob import free_port, kill_tree, start_demo
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMEDRIVER = shutil.which("chromedriver") or "/usr/bin/chromedriver"
@@ -69,7 +68,7 @@ def hung_demo(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         yield base
     finally:
         if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)  # the group: torchrun, both ranks, the frontend
+            kill_tree(proc)  # torchrun, both ranks (own sessions), the frontend
         proc.wait(timeout=10)
 
 
