@@ -71,6 +71,7 @@ from debug_server.fanout import (
     RankStates,
 )
 from debug_server.frontend import make_frontend_app
+from debug_server.listen import start_sites
 
 logger = logging.getLogger(__name__)
 
@@ -663,13 +664,13 @@ async def _serve(app: web.Application, host: str, port: int, token: str | None) 
     runner = web.AppRunner(app, handle_signals=False, shutdown_timeout=2.0, access_log=None)
     await runner.setup()
     try:
-        site = web.TCPSite(runner, host, port)
         try:
-            await site.start()
+            # One port for every address family of host (a TCPSite on "" or "::" would give
+            # IPv4 and IPv6 different ephemeral ports).
+            bound = await start_sites(runner, host, port)
         except OSError as e:
             print(f"error: cannot bind {host}:{port}: {e.strerror or e}", file=sys.stderr)
             return 3
-        bound = next(a[1] for a in runner.addresses if isinstance(a, tuple))
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
