@@ -32,7 +32,7 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from debug_server.synthetic import hang_job  # noqa: E402
+from debug_server.tools.synthetic import hang_job  # noqa: E402
 
 # Runs one command and reports its wall time and peak RSS; a fresh process per measurement so
 # RUSAGE_CHILDREN holds exactly one child.
@@ -51,8 +51,8 @@ print(p.returncode, wall, ru.ru_maxrss, ru.ru_utime + ru.ru_stime)
 _JOB = r"""
 import datetime, os, sys, time
 import torch, torch.distributed as dist
-from debug_server.comms import new_comm
-from debug_server.hooks import FlightRecorderHook
+from debug_server.recording.comms import new_comm
+from debug_server.recording.hooks import FlightRecorderHook
 
 rank, entries = int(os.environ["RANK"]), int(sys.argv[1])
 dist.init_process_group("gloo")
@@ -187,7 +187,7 @@ def bench(ranks: int, entries: int, repeats: int, only_ours: bool, timeout: floa
             f"\n== {ranks} ranks x {entries} entries: {what}; {size_mb:.0f} MB of pickles, "
             f"generated in {gen_s:.1f} s"
         )
-        ours = [sys.executable, "-m", "debug_server.fr_trace", tmp, "-p", "rank_", "--json"]
+        ours = [sys.executable, "-m", "debug_server.tools.fr_trace", tmp, "-p", "rank_", "--json"]
         tools = {"ours": ours + (["--jobs", str(jobs)] if jobs else [])}
         if baseline:  # another checkout of the package (e.g. `git archive HEAD debug_server`)
             tools["baseline"] = tools["ours"]

@@ -32,8 +32,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from debug_server import c10d_fr, start_debug_server, stop_debug_server  # noqa: E402
-from debug_server.c10d_fr import StallWatch, stalled_op  # noqa: E402
+from debug_server import start_debug_server, stop_debug_server  # noqa: E402
+from debug_server.recording import c10d_fr  # noqa: E402
+from debug_server.recording.c10d_fr import StallWatch, stalled_op  # noqa: E402
 
 BLOCK = 200
 

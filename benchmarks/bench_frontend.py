@@ -1,6 +1,6 @@
 """Frontend latency against N fake ranks, next to PyTorch's build-and-render path on the same data.
 
-Fake ranks are real worker apps (``debug_server.worker``) serving a 2000-entry ring from
+Fake ranks are real worker apps (``debug_server.rank.worker``) serving a 2000-entry ring from
 ``synthetic.hang_job`` (the last rank never issued the newest all_reduce), spread over a few
 helper processes. The frontend runs as its own process (``python -m debug_server.frontend``),
 exactly as ``start_debug_server`` starts it; this script times HTTP GETs end to end.
@@ -39,8 +39,8 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from debug_server import synthetic  # noqa: E402
-from debug_server.worker import StaticProvider, make_worker_app  # noqa: E402
+from debug_server.rank.worker import StaticProvider, make_worker_app  # noqa: E402
+from debug_server.tools import synthetic  # noqa: E402
 
 RING = 2000
 STACK = (
@@ -159,7 +159,7 @@ def _start_frontend(urls: list[str], fetch_timeout: float) -> tuple[subprocess.P
     with tempfile.NamedTemporaryFile("w", suffix=".urls", delete=False) as f:
         f.write(",".join(urls))  # 16384 URLs exceed one argument's limit
     proc = subprocess.Popen(
-        [sys.executable, "-m", "debug_server.frontend", "--port", "0", "--host", "127.0.0.1",
+        [sys.executable, "-m", "debug_server.frontend.app", "--port", "0", "--host", "127.0.0.1",
          "--world-size", str(len(urls)), "--worker-urls", f"@{f.name}",
          "--fetch-timeout", str(fetch_timeout), "--ready-fd", str(w)],
         pass_fds=(w,), cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},

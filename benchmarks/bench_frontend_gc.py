@@ -21,9 +21,9 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 import aiohttp  # noqa: E402
 import bench_frontend  # noqa: E402
 
-from debug_server.discovery import StaticRegistry  # noqa: E402
-from debug_server.fanout import Collector  # noqa: E402
-from debug_server.frontend import CONNECTIONS_PER_RANK, GC_THRESHOLDS  # noqa: E402
+from debug_server.frontend.app import CONNECTIONS_PER_RANK, GC_THRESHOLDS  # noqa: E402
+from debug_server.frontend.fanout import Collector  # noqa: E402
+from debug_server.rank.discovery import StaticRegistry  # noqa: E402
 
 DEFAULT = (700, 10, 10)
 

@@ -35,8 +35,8 @@ from typing import Any
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from debug_server import profile_merge  # noqa: E402
-from debug_server.rank_capture import capture_profile  # noqa: E402
+from debug_server.analysis import profile_merge  # noqa: E402
+from debug_server.rank.rank_capture import capture_profile  # noqa: E402
 
 
 def real_cpu_trace(seconds: float) -> dict[str, Any]:

@@ -38,8 +38,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from debug_server.comms import _new_group, new_comm  # noqa: E402
-from debug_server.hooks import FlightRecorderHook  # noqa: E402
+from debug_server.recording.comms import _new_group, new_comm  # noqa: E402
+from debug_server.recording.hooks import FlightRecorderHook  # noqa: E402
 
 FR_ENV = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")
 

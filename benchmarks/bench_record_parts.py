@@ -19,8 +19,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from debug_server import comms, hooks  # noqa: E402
-from debug_server.comms import new_comm  # noqa: E402
+from debug_server.recording import comms, hooks  # noqa: E402
+from debug_server.recording.comms import new_comm  # noqa: E402
 
 
 def at_depth(depth: int, fn: Callable[[], float]) -> float:

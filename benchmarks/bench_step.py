@@ -16,7 +16,7 @@ on (2000, torch's default). In each job bare ``torch.distributed`` on its own gr
 (``new_comm`` + ``FlightRecorderHook(2000)``) run interleaved, round by round, on the same
 GPUs. Printed: medians of ms per step and the ratios; "ours / bare" compares ours with bare
 torch in the same job, so torch's default configuration (c10d FR on) is the headline. With
-c10d's recorder on, an NCCL communicator is c10d-backed (see debug_server.comms), and its group
+c10d's recorder on, an NCCL communicator is c10d-backed (see debug_server.recording.comms), and its group
 records start events; "bare+timing" is bare torch on such a group, so the cost of those events
 shows apart from our op path.
 
@@ -46,8 +46,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from debug_server.comms import _new_group, new_comm  # noqa: E402
-from debug_server.hooks import FlightRecorderHook  # noqa: E402
+from debug_server.recording.comms import _new_group, new_comm  # noqa: E402
+from debug_server.recording.hooks import FlightRecorderHook  # noqa: E402
 
 FR_ENV = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")
 SHAPES = ("big", "mixed", "small", "ddp")

@@ -5,7 +5,7 @@ Two measurements on the same synthetic hang (the last rank never issued the newe
 - ``in-process``: analysis + view-model + template over N ranks' records, no HTTP (what the
   page's own code costs);
 - ``end-to-end``: a GET of ``/`` from the real frontend process (``python -m
-  debug_server.frontend``) that fans out to N fake ranks (real worker apps serving a
+  debug_server.frontend.app``) that fans out to N fake ranks (real worker apps serving a
   2000-entry ring, in a few helper processes; see bench_frontend.py), as a browser would.
 
 The baseline in the same run is the ``/fr_trace`` HTML page, the heaviest existing page.
@@ -27,11 +27,11 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from debug_server import synthetic  # noqa: E402
-from debug_server.dumps import analyze_fr  # noqa: E402
-from debug_server.fanout import FrData, RankResult  # noqa: E402
-from debug_server.frontend import load_templates  # noqa: E402
-from debug_server.views import overview_model, render_fr_html  # noqa: E402
+from debug_server.frontend.app import load_templates  # noqa: E402
+from debug_server.frontend.dumps import analyze_fr  # noqa: E402
+from debug_server.frontend.fanout import FrData, RankResult  # noqa: E402
+from debug_server.frontend.views import overview_model, render_fr_html  # noqa: E402
+from debug_server.tools import synthetic  # noqa: E402
 
 BUDGET_S = 2.0
 BUDGET_BYTES = 2 * 1024 * 1024

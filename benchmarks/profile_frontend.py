@@ -32,8 +32,8 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 import bench_frontend  # noqa: E402
 
 from debug_server.config import ServerConfig  # noqa: E402
-from debug_server.discovery import StaticRegistry  # noqa: E402
-from debug_server.frontend import GC_THRESHOLDS, make_frontend_app  # noqa: E402
+from debug_server.frontend.app import GC_THRESHOLDS, make_frontend_app  # noqa: E402
+from debug_server.rank.discovery import StaticRegistry  # noqa: E402
 
 
 class InlineExecutor(concurrent.futures.ThreadPoolExecutor):

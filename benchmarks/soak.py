@@ -29,8 +29,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from debug_server import synthetic  # noqa: E402
-from debug_server.worker import StaticProvider, WorkerThread, start_worker_thread  # noqa: E402
+from debug_server.rank.worker import StaticProvider, WorkerThread, start_worker_thread  # noqa: E402
+from debug_server.tools import synthetic  # noqa: E402
 
 STACK = (
     "Thread 0x00007f0000000001 (most recent call first):\n"
@@ -65,7 +65,7 @@ def _dir_usage(path: Path) -> tuple[int, int]:
 def _start_frontend(urls: list[str], dump_dir: Path, interval: float,
                     keep: int) -> tuple[subprocess.Popen[bytes], int]:
     read_fd, write_fd = os.pipe()
-    args = [sys.executable, "-m", "debug_server.frontend", "--port", "0", "--host", "127.0.0.1",
+    args = [sys.executable, "-m", "debug_server.frontend.app", "--port", "0", "--host", "127.0.0.1",
             "--world-size", str(len(urls)), "--worker-urls", ",".join(urls),
             "--dump-dir", str(dump_dir), "--dump-interval", str(interval),
             "--keep-dumps", str(keep), "--fetch-timeout", "5", "--ready-fd", str(write_fd)]

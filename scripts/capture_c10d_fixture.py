@@ -30,8 +30,8 @@ import torch.multiprocessing as mp  # noqa: E402
 def _rank(rank: int, port: int, out_dir: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE="2")
-    from debug_server import c10d_fr, hooks
-    from debug_server.comms import new_comm
+    from debug_server.recording import c10d_fr, hooks
+    from debug_server.recording.comms import new_comm
 
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=30))
     comm = new_comm("gloo", "cpu", "main_comm", timeout=30)

@@ -47,8 +47,8 @@ def rank_main(out: Path, port: int, cpu: bool) -> None:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from debug_server import start_debug_server
-    from debug_server.comms import new_comm
-    from debug_server.hooks import FlightRecorderHook
+    from debug_server.recording.comms import new_comm
+    from debug_server.recording.hooks import FlightRecorderHook
 
     rank = int(os.environ["RANK"])
     local = int(os.environ["LOCAL_RANK"])

@@ -52,8 +52,8 @@ def rank_main(case: str, dump_dir: str, marker: str, release: str) -> int:
 
     sys.path.insert(0, str(REPO))
     from debug_server import start_debug_server, stop_debug_server
-    from debug_server.comms import new_comm
-    from debug_server.hooks import FlightRecorderHook
+    from debug_server.recording.comms import new_comm
+    from debug_server.recording.hooks import FlightRecorderHook
 
     rank = int(os.environ["RANK"])
     backend = os.environ.get("TEST_BACKEND", "nccl")
@@ -188,7 +188,7 @@ def run_case(case: str, out: Path) -> list[str]:
             job.wait(10)
         log.close()
     cli = subprocess.run(
-        [sys.executable, "-m", "debug_server.fr_trace", str(dump_dir / "per_rank"), "-p", "rank_",
+        [sys.executable, "-m", "debug_server.tools.fr_trace", str(dump_dir / "per_rank"), "-p", "rank_",
          "--json"], capture_output=True, text=True, cwd=REPO, timeout=120,
         env=dict(os.environ, PYTHONPATH=str(REPO)))
     (work / "cli.json").write_text(cli.stdout)

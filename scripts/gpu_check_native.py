@@ -64,8 +64,8 @@ def rank_main(case: str, marker: str, cpu: bool) -> int:
 
     sys.path.insert(0, str(REPO))
     from debug_server import start_debug_server
-    from debug_server.comms import new_comm
-    from debug_server.hooks import FlightRecorderHook
+    from debug_server.recording.comms import new_comm
+    from debug_server.recording.hooks import FlightRecorderHook
 
     rank = int(os.environ["RANK"])
     spin = float(os.environ.get("SPIN", "40"))
@@ -125,7 +125,7 @@ def rank_main(case: str, marker: str, cpu: bool) -> int:
 def ensure_pyspy() -> str:
     """py-spy's path: found as the debug server finds it, else installed from ``.whl/``."""
     sys.path.insert(0, str(REPO))
-    from debug_server import pyspy
+    from debug_server.rank import pyspy
 
     try:
         return pyspy.locate()
@@ -161,7 +161,7 @@ def _section(text: str, rank: int) -> str:
 def check_stacks(text: str, cpu: bool) -> list[str]:
     """What is wrong with the native stacks page (empty when it shows what it should)."""
     sys.path.insert(0, str(REPO))
-    from debug_server import stackparse
+    from debug_server.analysis import stackparse
 
     problems = []
     for rank in (0, 1):

@@ -6,7 +6,7 @@
 # state:     stream-ordered ops, true states, flat memory over 2000 x 64 MiB, watchdog timeout
 # demo:      the reference demo on nccl/cuda: pages during the hang, dumps, both analyzers
 # preflight: busbw sweep up to 1 GiB
-# nccllog:   the demo with NCCL_DEBUG=INFO, its logs through debug_server.nccl_log
+# nccllog:   the demo with NCCL_DEBUG=INFO, its logs through debug_server.tools.nccl_log
 # mismatch:  size and type mismatch at #3: live /fr_trace, hang report and CLI name it (fails if not)
 # native:    /stacks?native=1 and the verdict while a rank spins in torch.cuda._sleep (py-spy
 #            from .whl/: carry .whl; fails without CUDA frames or a category)

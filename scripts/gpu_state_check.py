@@ -32,8 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from debug_server.comms import new_comm  # noqa: E402
-from debug_server.hooks import FlightRecorderHook  # noqa: E402
+from debug_server.recording.comms import new_comm  # noqa: E402
+from debug_server.recording.hooks import FlightRecorderHook  # noqa: E402
 
 MIB64 = 16 * 1024 * 1024  # float32 elements in 64 MiB
 

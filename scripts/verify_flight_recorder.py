@@ -51,9 +51,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from debug_server import c10d_fr, start_debug_server, stop_debug_server  # noqa: E402
-from debug_server.comms import new_comm  # noqa: E402
-from debug_server.hooks import FlightRecorderHook  # noqa: E402
+from debug_server import start_debug_server, stop_debug_server  # noqa: E402
+from debug_server.recording import c10d_fr  # noqa: E402
+from debug_server.recording.comms import new_comm  # noqa: E402
+from debug_server.recording.hooks import FlightRecorderHook  # noqa: E402
 
 
 def env_float(name: str, default: float) -> float:
@@ -254,7 +255,7 @@ def report(dump_dir: str, timeout_at: float, world: int) -> None:
     all_stacks = sorted(Path(dump_dir).glob("stacks_*.txt"))
     during = [p for p in all_stacks if p.stat().st_mtime < timeout_at]
     stacks = during or all_stacks
-    cmd = [sys.executable, "-m", "debug_server.fr_trace", per_rank, "-p", "rank_", "--json",
+    cmd = [sys.executable, "-m", "debug_server.tools.fr_trace", per_rank, "-p", "rank_", "--json",
            *incomplete.split()]
     if stacks:
         cmd += ["--stacks", str(stacks[-1])]

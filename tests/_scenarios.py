@@ -9,7 +9,7 @@ import json
 import os
 from typing import Any
 
-from debug_server.synthetic import hang_job, make_dump, make_entry
+from debug_server.tools.synthetic import hang_job, make_dump, make_entry
 
 DATA = os.path.join(os.path.dirname(__file__), "data")
 
@@ -206,7 +206,7 @@ def faulthandler_text(frames: list[tuple[str, int, str]], *, server_thread: bool
         lines += [
             "",
             "Current thread 0x00007f0000000002 (most recent call first):",
-            '  File "/site-packages/debug_server/stacks.py", line 20 in dump_all',
+            '  File "/site-packages/debug_server/rank/stacks.py", line 20 in dump_all',
             '  File "/usr/lib/python3.11/threading.py", line 975 in run',
             '  File "/usr/lib/python3.11/threading.py", line 1038 in _bootstrap_inner',
             '  File "/usr/lib/python3.11/threading.py", line 995 in _bootstrap',

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from debug_server.config import JobEnv
-from debug_server.worker import StaticProvider, make_worker_app
+from debug_server.rank.worker import StaticProvider, make_worker_app
 
 MAIN_STACK = """Thread 0x00007f0000000001 (most recent call first):
   File "/job/train.py", line 88 in hang_phase

@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from debug_server.analysis import analyze, digest_dump, format_ranks
-from debug_server.synthetic import hang_job, make_dump, make_entry
+from debug_server.analysis.core import analyze, digest_dump, format_ranks
+from debug_server.tools.synthetic import hang_job, make_dump, make_entry
 
 
 def kinds(result: dict) -> list[tuple]:

@@ -17,9 +17,9 @@ from typing import Any
 import pytest
 from mpjob import REPO, free_port, kill_all
 
-from debug_server import attach
 from debug_server.auth import TOKEN_ENV, TOKEN_HEADER, store_key
-from debug_server.discovery import meta_key, store_client, url_key
+from debug_server.frontend import attach
+from debug_server.rank.discovery import meta_key, store_client, url_key
 
 
 def _http(url: str, headers: dict[str, str] | None = None) -> tuple[int, str]:
@@ -40,7 +40,7 @@ def _start_attached(store_port: int, world_size: int, *extra: str,
     child_env = {k: v for k, v in os.environ.items() if k != TOKEN_ENV}
     child_env.update(PYTHONPATH=str(REPO), **(env or {}))
     proc = subprocess.Popen(
-        [sys.executable, "-m", "debug_server.frontend", "--store", f"127.0.0.1:{store_port}",
+        [sys.executable, "-m", "debug_server.frontend.app", "--store", f"127.0.0.1:{store_port}",
          "--world-size", str(world_size), "--port", "0", "--host", "127.0.0.1",
          "--fetch-timeout", "3", "--ready-fd", str(w), *extra],
         pass_fds=(w,), env=child_env, cwd=REPO, stdout=subprocess.DEVNULL,
@@ -132,7 +132,8 @@ JOB = """
 import os, time
 from datetime import timedelta
 import torch
-from debug_server import comms, hooks, start_debug_server
+from debug_server.recording import comms, hooks
+from debug_server import start_debug_server
 
 rank = int(os.environ["RANK"])
 h = start_debug_server(port=0, fetch_timeout=3, auth="token", dump_interval=3600)

@@ -18,8 +18,8 @@ import pytest
 from mpjob import assert_ok, rank0_result, run_job
 from test_c10d_fr import captured
 
-from debug_server import comms
-from debug_server.c10d_fr import Backed, GroupInfo, merge_c10d
+from debug_server.recording import comms
+from debug_server.recording.c10d_fr import Backed, GroupInfo, merge_c10d
 
 MAIN = Backed("main_comm", "gloo", (0, 1), 7, 30000)
 
@@ -116,8 +116,8 @@ def test_recorder_mode_follows_the_environment(monkeypatch: pytest.MonkeyPatch):
 BACKED_JOB = r"""
 import datetime, json, os, time
 import torch
-from debug_server.comms import new_comm
-from debug_server.hooks import FlightRecorderHook
+from debug_server.recording.comms import new_comm
+from debug_server.recording.hooks import FlightRecorderHook
 
 comm = new_comm("gloo", torch.device("cpu"), "main_comm", timeout=datetime.timedelta(seconds=20))
 hook = FlightRecorderHook(max_entries=100).register_with_comm(comm)
@@ -226,8 +226,8 @@ def test_after_an_abort_the_states_c10d_gave_before_it_stand():
 STATUS_JOB = r"""
 import datetime, json, os, threading, time
 import torch
-from debug_server import comms
-from debug_server.hooks import FlightRecorderHook
+from debug_server.recording import comms
+from debug_server.recording.hooks import FlightRecorderHook
 
 comm = comms.new_comm("gloo", torch.device("cpu"), "main_comm", timeout=datetime.timedelta(seconds=2))
 FlightRecorderHook(max_entries=100).register_with_comm(comm)

@@ -18,15 +18,15 @@ from typing import Any
 
 import pytest
 
-from debug_server.analysis import analyze
-from debug_server.c10d_fr import (
+from debug_server.analysis.core import analyze
+from debug_server.dumpio import write_dump_atomic
+from debug_server.recording.c10d_fr import (
     BUFFER_ENV,
     GroupInfo,
     StallWatch,
     merge_c10d,
     turn_on_env,
 )
-from debug_server.dumpio import write_dump_atomic
 
 DATA = Path(__file__).parent / "data" / "c10d_merge_gloo.json"
 

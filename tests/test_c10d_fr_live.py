@@ -28,8 +28,8 @@ from pathlib import Path
 import torch, torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 from debug_server import start_debug_server
-from debug_server.comms import new_comm
-from debug_server.hooks import FlightRecorderHook
+from debug_server.recording.comms import new_comm
+from debug_server.recording.hooks import FlightRecorderHook
 
 rank = int(os.environ["RANK"])
 out = Path(os.environ["JOB_OUT"])

@@ -31,8 +31,8 @@ RANK = """
 import datetime, os, signal, time
 import torch
 from debug_server import start_debug_server
-from debug_server.comms import new_comm
-from debug_server.hooks import FlightRecorderHook
+from debug_server.recording.comms import new_comm
+from debug_server.recording.hooks import FlightRecorderHook
 
 rank, case = int(os.environ["RANK"]), os.environ["CASE"]
 h = start_debug_server(port=0, fetch_timeout=2, dump_dir=os.environ["DUMP_DIR"],
@@ -137,7 +137,7 @@ def test_collective_whose_peer_froze_after_issuing_it_is_gpu_or_network(tmp_path
         deadline = time.monotonic() + 30
         while True:
             path = get_json(f"{url}/handler/torchcomms_fr_dump_file", "POST")["path"]
-            out = subprocess.run([sys.executable, "-m", "debug_server.fr_trace",
+            out = subprocess.run([sys.executable, "-m", "debug_server.tools.fr_trace",
                                   str(Path(path).parent), "-p", "rank_", "--json"],
                                  capture_output=True, text=True, timeout=60,
                                  env={**os.environ, "PYTHONPATH": str(REPO)})

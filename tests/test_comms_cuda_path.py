@@ -16,8 +16,8 @@ from mpjob import rank0_result, run_job
 CUDA_PATH_JOB = r'''
 import datetime, json, os, threading, time
 import torch
-from debug_server import comms
-from debug_server.hooks import FlightRecorderHook
+from debug_server.recording import comms
+from debug_server.recording.hooks import FlightRecorderHook
 
 unfired = set()  # (kind, slot) of events that have not fired
 

@@ -22,9 +22,9 @@ from debug_server.dumpio import load_dump
 TIMEOUT_JOB = r'''
 import datetime, json, os, threading, time
 import torch
-from debug_server.comms import new_comm
+from debug_server.recording.comms import new_comm
 from debug_server.dumpio import load_dump
-from debug_server.hooks import FlightRecorderHook
+from debug_server.recording.hooks import FlightRecorderHook
 
 pickle = os.environ["TORCHCOMM_FR_DUMP_TEMP_FILE"] + "0"
 comm = new_comm("gloo", torch.device("cpu"), "main_comm", timeout=datetime.timedelta(seconds=2))
@@ -130,8 +130,8 @@ def test_abort_process_from_the_watchdog_comes_after_the_pickle(tmp_path: Path) 
 THREADS_JOB = r'''
 import json, sys, threading
 import torch
-from debug_server.comms import new_comm
-from debug_server.hooks import FlightRecorderHook
+from debug_server.recording.comms import new_comm
+from debug_server.recording.hooks import FlightRecorderHook
 
 sys.setswitchinterval(1e-6)
 comm = new_comm("gloo", torch.device("cpu"), "main_comm")

@@ -82,7 +82,7 @@ def test_pytorch_fr_trace_agrees_on_the_pickles(demo):
 def test_our_cli_exits_2_with_missing_rank_1(demo):
     dump_dir, _ = demo
     proc = subprocess.run(
-        [sys.executable, "-m", "debug_server.fr_trace", str(dump_dir / "per_rank"), "-p", "rank_", "--json"],
+        [sys.executable, "-m", "debug_server.tools.fr_trace", str(dump_dir / "per_rank"), "-p", "rank_", "--json"],
         capture_output=True, text=True, timeout=120, env=dict(os.environ, PYTHONPATH=str(REPO)),
     )
     assert proc.returncode == 2, proc.stderr

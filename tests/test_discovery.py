@@ -7,9 +7,9 @@ from typing import Any
 import pytest
 from conftest import closed_port_url, free_port, make_job
 
-from debug_server import discovery
 from debug_server.config import ConfigError, JobEnv, default_bind_host, is_loopback
-from debug_server.discovery import (
+from debug_server.rank import discovery
+from debug_server.rank.discovery import (
     Advertised,
     StoreRegistry,
     advertise,

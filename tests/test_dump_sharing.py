@@ -8,15 +8,15 @@ from typing import Any
 import pytest
 from mpjob import assert_ok, run_job
 
-from debug_server.analysis import digest_dump
+from debug_server.analysis.core import digest_dump
 from debug_server.dumpio import load_dump
 
 # Two float32 sizes in turn (gradient buckets), then a float64 op of the first size.
 SCRIPT = r'''
 import datetime, os
 import torch
-from debug_server.comms import new_comm
-from debug_server.hooks import FlightRecorderHook
+from debug_server.recording.comms import new_comm
+from debug_server.recording.hooks import FlightRecorderHook
 
 comm = new_comm("gloo", torch.device("cpu"), "main_comm", timeout=datetime.timedelta(seconds=30))
 hook = FlightRecorderHook(max_entries=100).register_with_comm(comm)

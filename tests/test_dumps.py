@@ -13,12 +13,12 @@ import aiohttp
 import pytest
 from conftest import closed_port_url
 
-from debug_server import synthetic
 from debug_server.config import ServerConfig
-from debug_server.discovery import StaticRegistry
-from debug_server.dumps import DumpDir, Dumper, write_atomic
-from debug_server.fanout import Collector
-from debug_server.frontend import DUMPER, make_frontend_app
+from debug_server.frontend.app import DUMPER, make_frontend_app
+from debug_server.frontend.dumps import DumpDir, Dumper, write_atomic
+from debug_server.frontend.fanout import Collector
+from debug_server.rank.discovery import StaticRegistry
+from debug_server.tools import synthetic
 
 NOW = time.mktime((2025, 1, 2, 3, 4, 5, 0, 0, -1))
 STAMP = "20250102_030405"
@@ -130,7 +130,7 @@ async def test_unwritable_dump_dir_logs_once_and_pages_still_answer(
     urls = await fake_job(synthetic.hang_job(2, n_entries=5, missing_rank=1))
     config = ServerConfig(port=0, dump_dir=str(tmp_path / "file" / "dumps"), dump_interval=0.05,
                           enabled_dumps=frozenset({"stacks", "fr_trace"}), fetch_timeout=2)
-    caplog.set_level(logging.ERROR, logger="debug_server.dumps")
+    caplog.set_level(logging.ERROR, logger="debug_server.frontend.dumps")
     client = await aiohttp_client(make_frontend_app(config, StaticRegistry(urls)))
     dumper = client.app[DUMPER]
     for _ in range(3):
@@ -163,8 +163,8 @@ def _stack(func: str, line: int) -> str:
 
 
 def test_stacks_report_groups_identical_ranks_odd_one_first() -> None:
-    from debug_server.dumps import stacks_report
-    from debug_server.fanout import OK, RankResult
+    from debug_server.frontend.dumps import stacks_report
+    from debug_server.frontend.fanout import OK, RankResult
 
     results = [
         RankResult(r, f"http://h:{r}", OK, body=_stack("hang_phase", 66) if r == 5 else _stack("step", 138))

@@ -1,8 +1,8 @@
-"""debug_server.envinfo: what is collected, and one test per trap warning."""
+"""debug_server.tools.envinfo: what is collected, and one test per trap warning."""
 
 from __future__ import annotations
 
-from debug_server.envinfo import collect_env, env_warnings
+from debug_server.tools.envinfo import collect_env, env_warnings
 
 BASE = {"MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500", "WORLD_SIZE": "2",
         "LOCAL_WORLD_SIZE": "2", "TORCH_FR_BUFFER_SIZE": "2000"}

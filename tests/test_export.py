@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from debug_server import synthetic
-from debug_server.export import IN_FLIGHT_SUFFIX, chrome_trace
+from debug_server.frontend.export import IN_FLIGHT_SUFFIX, chrome_trace
+from debug_server.tools import synthetic
 
 
 def _hang() -> dict[str, Any]:
@@ -74,8 +74,8 @@ def test_empty_input_is_an_empty_trace() -> None:
 
 
 def test_cli_writes_the_chrome_trace(tmp_path: Any) -> None:
-    from debug_server import fr_trace
     from debug_server.dumpio import write_dump_atomic
+    from debug_server.tools import fr_trace
 
     for rank, dump in synthetic.hang_job(2, n_entries=5, missing_rank=1).items():
         write_dump_atomic(str(tmp_path / f"rank_{rank}"), dump)

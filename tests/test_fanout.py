@@ -9,9 +9,9 @@ import pytest
 from aiohttp import web
 from conftest import closed_port_url
 
-from debug_server import synthetic
-from debug_server.discovery import StaticRegistry, WorkerAddr
-from debug_server.fanout import Collector, RankResult, fan_out, parse_dumps
+from debug_server.frontend.fanout import Collector, RankResult, fan_out, parse_dumps
+from debug_server.rank.discovery import StaticRegistry, WorkerAddr
+from debug_server.tools import synthetic
 
 
 @pytest.fixture

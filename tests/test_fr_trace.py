@@ -11,8 +11,8 @@ import sys
 import _scenarios as S
 import pytest
 
-from debug_server import fr_trace
 from debug_server.dumpio import write_dump_atomic
+from debug_server.tools import fr_trace
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -235,18 +235,18 @@ def test_ambiguous_prefix_exits_1(tmp_path, capsys):
 
 
 def test_worker_pool_gives_the_same_result_as_one_process(tmp_path):
-    from debug_server.synthetic import hang_job
+    from debug_server.tools.synthetic import hang_job
 
     d = write(tmp_path / "d", hang_job(8, 20, missing_rank=5))
-    one = run_sub(["-m", "debug_server.fr_trace", d, "--json", "--jobs", "1"])
-    two = run_sub(["-m", "debug_server.fr_trace", d, "--json", "--jobs", "2"])
+    one = run_sub(["-m", "debug_server.tools.fr_trace", d, "--json", "--jobs", "1"])
+    two = run_sub(["-m", "debug_server.tools.fr_trace", d, "--json", "--jobs", "2"])
     assert (one.returncode, two.returncode) == (2, 2)
     assert json.loads(one.stdout) == json.loads(two.stdout)
 
 
 def test_module_entry_point_exit_code_and_no_traceback(tmp_path):
     (tmp_path / "d").mkdir()
-    p = run_sub(["-m", "debug_server.fr_trace", str(tmp_path / "d")])
+    p = run_sub(["-m", "debug_server.tools.fr_trace", str(tmp_path / "d")])
     assert p.returncode == 1 and "Traceback" not in p.stderr
     assert p.stderr.startswith("error: no dump files in ")
 
@@ -348,8 +348,8 @@ def test_pytorch_own_pickle_and_json_dumps_give_the_same_analysis(tmp_path):
                        capture_output=True, text=True, timeout=120, env=env)
     assert p.returncode == 0, p.stderr[-2000:]
     assert (pk / "trace_0").read_bytes()[:1] == b"\x80"
-    one = run_sub(["-m", "debug_server.fr_trace", str(pk), "--json"])
-    two = run_sub(["-m", "debug_server.fr_trace", str(js), "--json"])
+    one = run_sub(["-m", "debug_server.tools.fr_trace", str(pk), "--json"])
+    two = run_sub(["-m", "debug_server.tools.fr_trace", str(js), "--json"])
     assert (one.returncode, two.returncode) == (0, 0), one.stderr + two.stderr
     a, b = json.loads(one.stdout), json.loads(two.stdout)
     # Torch's JSON form carries no stack frames; the two dumps are taken one after the other
@@ -365,7 +365,7 @@ def test_pytorch_own_pickle_and_json_dumps_give_the_same_analysis(tmp_path):
 
 def test_cycling_bucket_sizes_keep_their_own_signatures(tmp_path, capsys):
     """A loop over 4 gradient buckets: one odd size on rank 1 is found at its own seq."""
-    from debug_server.synthetic import make_dump, make_entry
+    from debug_server.tools.synthetic import make_dump, make_entry
 
     sizes = [1024, 4096, 256, 65536]
     dumps = {}

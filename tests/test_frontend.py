@@ -10,17 +10,18 @@ from typing import Any
 import pytest
 from conftest import MAIN_STACK, closed_port_url, make_job
 
-from debug_server import analysis, synthetic
+from debug_server.analysis import core as analysis
 from debug_server.config import ServerConfig
-from debug_server.discovery import StaticRegistry, StoreRegistry, register_worker, store_client
-from debug_server.frontend import (
+from debug_server.frontend.app import (
     PARENT_PID,
     SHUTDOWN,
     _watch_parent,
     load_templates,
     make_frontend_app,
 )
-from debug_server.views import fr_tables
+from debug_server.frontend.views import fr_tables
+from debug_server.rank.discovery import StaticRegistry, StoreRegistry, register_worker, store_client
+from debug_server.tools import synthetic
 
 BROWSER = "text/html,application/xhtml+xml,application/xml;q=0.9,*/*;q=0.8"
 CURL = "*/*"

@@ -8,11 +8,13 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from debug_server import analysis, frwindow, synthetic
-from debug_server.discovery import StaticRegistry
-from debug_server.fanout import Collector
-from debug_server.synthetic import make_dump, make_entry
-from debug_server.worker import StaticProvider, make_worker_app
+from debug_server.analysis import core as analysis
+from debug_server.analysis import frwindow
+from debug_server.frontend.fanout import Collector
+from debug_server.rank.discovery import StaticRegistry
+from debug_server.rank.worker import StaticProvider, make_worker_app
+from debug_server.tools import synthetic
+from debug_server.tools.synthetic import make_dump, make_entry
 
 GROUPS = {"main_comm": [0, 1]}
 

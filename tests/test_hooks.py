@@ -17,8 +17,8 @@ from mpjob import assert_ok, run_job
 ALL_OPS_SCRIPT = r'''
 import json, os, sys, datetime
 import torch
-from debug_server.comms import new_comm, ReduceOp
-from debug_server.hooks import FlightRecorderHook
+from debug_server.recording.comms import new_comm, ReduceOp
+from debug_server.recording.hooks import FlightRecorderHook
 
 comm = new_comm("gloo", torch.device("cpu"), "main_comm", timeout=datetime.timedelta(seconds=30))
 hook = FlightRecorderHook(max_entries=200).register_with_comm(comm)
@@ -190,8 +190,8 @@ def test_pg_status_tracks_last_sequence_numbers(all_ops):
 HANG_SCRIPT = r'''
 import datetime, os, sys, time
 import torch
-from debug_server.comms import new_comm
-from debug_server.hooks import FlightRecorderHook
+from debug_server.recording.comms import new_comm
+from debug_server.recording.hooks import FlightRecorderHook
 
 comm = new_comm("gloo", torch.device("cpu"), "main_comm", timeout=datetime.timedelta(seconds=2))
 hook = FlightRecorderHook(max_entries=100).register_with_comm(comm)
@@ -272,8 +272,8 @@ def test_pytorch_fr_trace_j_lists_5_and_4_entries(hang_job):
 STALL_SCRIPT = r'''
 import datetime, os, time
 import torch
-from debug_server.comms import new_comm
-from debug_server.hooks import FlightRecorderHook, health
+from debug_server.recording.comms import new_comm
+from debug_server.recording.hooks import FlightRecorderHook, health
 
 comm = new_comm("gloo", torch.device("cpu"), "main_comm", timeout=datetime.timedelta(seconds=30))
 hook = FlightRecorderHook(max_entries=10, stall_timeout=0.5).register_with_comm(comm)

@@ -18,11 +18,11 @@ from typing import Any
 import _scenarios as S
 import pytest
 
-from debug_server import fr_trace, synthetic
 from debug_server.config import ServerConfig
-from debug_server.discovery import StaticRegistry
 from debug_server.dumpio import DumpError, parse_ranks, safe_loads
-from debug_server.frontend import make_frontend_app
+from debug_server.frontend.app import make_frontend_app
+from debug_server.rank.discovery import StaticRegistry
+from debug_server.tools import fr_trace, synthetic
 
 
 def _write_clean(d: Path) -> None:

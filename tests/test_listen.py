@@ -11,7 +11,7 @@ import pytest
 from aiohttp import web
 
 from debug_server import listen
-from debug_server.worker import StaticProvider, start_worker_thread
+from debug_server.rank.worker import StaticProvider, start_worker_thread
 
 
 def _ipv6_loopback() -> bool:

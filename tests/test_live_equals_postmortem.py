@@ -31,13 +31,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
-from debug_server import fr_trace, synthetic
 from debug_server.config import ServerConfig
-from debug_server.discovery import StaticRegistry
 from debug_server.dumpio import write_dump_atomic
-from debug_server.frontend import COLLECTOR, make_frontend_app
-from debug_server.hangreport import HangWatch
-from debug_server.worker import StaticProvider, make_worker_app
+from debug_server.frontend.app import COLLECTOR, make_frontend_app
+from debug_server.frontend.hangreport import HangWatch
+from debug_server.rank.discovery import StaticRegistry
+from debug_server.rank.worker import StaticProvider, make_worker_app
+from debug_server.tools import fr_trace, synthetic
 
 BASE_NS = 1_700_000_000_000_000_000
 FAILURES = ("clean", "missing", "type", "size", "dtype", "stuck", "p2p")

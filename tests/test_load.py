@@ -15,9 +15,9 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from debug_server import synthetic
-from debug_server.frontend import CONNECTIONS_PER_RANK
-from debug_server.worker import StaticProvider, WorkerThread, start_worker_thread
+from debug_server.frontend.app import CONNECTIONS_PER_RANK
+from debug_server.rank.worker import StaticProvider, WorkerThread, start_worker_thread
+from debug_server.tools import synthetic
 
 REPO = Path(__file__).resolve().parent.parent
 RANKS = 8
@@ -46,7 +46,7 @@ def frontend() -> Iterator[tuple[int, int]]:
         urls = ",".join(f"http://127.0.0.1:{w.port}" for w in workers)
         read_fd, write_fd = os.pipe()
         proc = subprocess.Popen(
-            [sys.executable, "-m", "debug_server.frontend", "--port", "0", "--host", "127.0.0.1",
+            [sys.executable, "-m", "debug_server.frontend.app", "--port", "0", "--host", "127.0.0.1",
              "--world-size", str(RANKS), "--worker-urls", urls, "--fetch-timeout", "10",
              "--ready-fd", str(write_fd)],
             env={**os.environ, "PYTHONPATH": str(REPO)}, pass_fds=(write_fd,),

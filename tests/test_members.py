@@ -8,9 +8,12 @@ from typing import Any
 import aiohttp
 import pytest
 
-from debug_server import analysis, members, synthetic, worker
-from debug_server.discovery import StaticRegistry
-from debug_server.fanout import Collector
+from debug_server.analysis import core as analysis
+from debug_server.analysis import members
+from debug_server.frontend.fanout import Collector
+from debug_server.rank import worker
+from debug_server.rank.discovery import StaticRegistry
+from debug_server.tools import synthetic
 
 
 def _job(world: int, fakes: int) -> dict[int, dict[str, Any]]:
@@ -87,7 +90,7 @@ async def test_worker_that_refuses_pgknown_is_asked_without_it(
 
 async def test_first_fetch_of_a_big_job_learns_the_lists_from_one_rank(
         fake_job: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    from debug_server import fanout
+    from debug_server.frontend import fanout
 
     monkeypatch.setattr(fanout, "PRIME_RANKS", 3)
     monkeypatch.setattr(members, "known_param", _only_lists_of(members.known_param, 3003))

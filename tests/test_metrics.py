@@ -9,11 +9,11 @@ from conftest import MAIN_STACK, closed_port_url
 from prometheus_client import REGISTRY
 from prometheus_client.parser import text_string_to_metric_families
 
-from debug_server import synthetic
 from debug_server.config import ServerConfig
-from debug_server.discovery import StaticRegistry
-from debug_server.frontend import make_frontend_app
-from debug_server.metrics import CONTENT_TYPE
+from debug_server.frontend.app import make_frontend_app
+from debug_server.frontend.metrics import CONTENT_TYPE
+from debug_server.rank.discovery import StaticRegistry
+from debug_server.tools import synthetic
 
 STALLED = {"healthy": False, "in_flight": 1, "oldest_in_flight_s": 42.5,
            "stalled_op": {"group": "main_comm", "seq": 4, "op": "all_reduce", "age_s": 42.5}}

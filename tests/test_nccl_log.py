@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from debug_server import nccl_log
+from debug_server.tools import nccl_log
 
 IB_WARN = (
     "NET/IB : Got completion from peer 10.0.0.12<52344> with status=12 opcode=0 len=0 "

@@ -16,11 +16,11 @@ import pytest
 from aiohttp import web
 from test_profile_merge import gpu_trace, kernel
 
-from debug_server import pages_extra
 from debug_server.config import ServerConfig
-from debug_server.discovery import StaticRegistry, StoreRegistry
-from debug_server.frontend import make_frontend_app
-from debug_server.worker import StaticProvider, make_worker_app
+from debug_server.frontend import pages_extra
+from debug_server.frontend.app import make_frontend_app
+from debug_server.rank.discovery import StaticRegistry, StoreRegistry
+from debug_server.rank.worker import StaticProvider, make_worker_app
 
 BROWSER = "text/html,application/xhtml+xml,application/xml;q=0.9,*/*;q=0.8"
 TOKEN = "tok_0123456789abcdefghijklmnop"

@@ -7,11 +7,11 @@ import json
 import pytest
 from mpjob import assert_ok, run_job
 
-from debug_server import preflight
+from debug_server.tools import preflight
 
 SCRIPT = """
 import sys
-from debug_server.preflight import main
+from debug_server.tools.preflight import main
 sys.exit(main(sys.argv[1:] or {args!r}))
 """
 

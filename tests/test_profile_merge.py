@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 
-from debug_server import profile_merge as pm
-from debug_server.rank_capture import capture_profile
+from debug_server.analysis import profile_merge as pm
+from debug_server.rank.rank_capture import capture_profile
 
 BASE_NS = 1_790_000_000_000_000_000
 

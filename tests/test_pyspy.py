@@ -22,12 +22,14 @@ import pytest
 from httpget import timed_get
 from rankprocs import RankProcs
 
-from debug_server import pyspy, stackparse, views
+from debug_server.analysis import stackparse
 from debug_server.config import ServerConfig
-from debug_server.discovery import StaticRegistry, StoreRegistry
-from debug_server.fanout import OK, RankResult
-from debug_server.frontend import COLLECTOR, make_frontend_app
-from debug_server.worker import StaticProvider, make_worker_app
+from debug_server.frontend import views
+from debug_server.frontend.app import COLLECTOR, make_frontend_app
+from debug_server.frontend.fanout import OK, RankResult
+from debug_server.rank import pyspy
+from debug_server.rank.discovery import StaticRegistry, StoreRegistry
+from debug_server.rank.worker import StaticProvider, make_worker_app
 
 REPO = Path(__file__).resolve().parent.parent
 FETCH_TIMEOUT = 2.0
@@ -255,7 +257,7 @@ async def test_worker_pyspy_dump_reads_its_own_process(aiohttp_client: Any) -> N
     text = await resp.text()
     assert resp.status == 200, text
     # The handler itself is on this process's stack while py-spy reads it.
-    assert re.search(r'debug_server/worker\.py", line \d+ in _pyspy_dump\n', text), text
+    assert re.search(r'debug_server/rank/worker\.py", line \d+ in _pyspy_dump\n', text), text
     assert f"tid {os.getpid()}, " in text  # the main thread of this very process
 
 

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from debug_server.worker import StaticProvider, make_worker_app
+from debug_server.rank.worker import StaticProvider, make_worker_app
 
 
 @pytest.fixture

@@ -22,13 +22,13 @@ import pytest
 from conftest import make_job
 from httpget import timed_get
 
-from debug_server import dumps as dumps_mod
-from debug_server import synthetic
 from debug_server.config import ServerConfig
-from debug_server.discovery import StaticRegistry, StoreRegistry, register_worker, store_client
-from debug_server.fanout import RankResult, RankStates
-from debug_server.frontend import DUMPER, make_frontend_app
-from debug_server.sigstack import MARKER, capture, install
+from debug_server.frontend import dumps as dumps_mod
+from debug_server.frontend.app import DUMPER, make_frontend_app
+from debug_server.frontend.fanout import RankResult, RankStates
+from debug_server.rank.discovery import StaticRegistry, StoreRegistry, register_worker, store_client
+from debug_server.rank.sigstack import MARKER, capture, install
+from debug_server.tools import synthetic
 
 REPO = Path(__file__).resolve().parent.parent
 CURL = "*/*"
@@ -51,8 +51,8 @@ def _kill(proc: subprocess.Popen[Any]) -> None:
 
 WORKER = """
 import sys, time
-from debug_server import synthetic
-from debug_server.worker import StaticProvider, start_worker_thread
+from debug_server.tools import synthetic
+from debug_server.rank.worker import StaticProvider, start_worker_thread
 w = start_worker_thread(StaticProvider(synthetic.hang_job(2, n_entries=5, missing_rank=1)[1]))
 print(w.port, flush=True)
 time.sleep(120)
@@ -70,7 +70,7 @@ async def test_sigkilled_rank_is_unreachable_on_every_page_and_logged_once(
         config = ServerConfig(port=0, fetch_timeout=2, dump_dir=str(tmp_path / "d"),
                               dump_interval=3600, enabled_dumps=frozenset({"fr_trace", "stacks"}))
         client = await aiohttp_client(make_frontend_app(config, StaticRegistry([url0, url1])))
-        caplog.set_level(logging.INFO, logger="debug_server.fanout")
+        caplog.set_level(logging.INFO, logger="debug_server.frontend.fanout")
         body = await (await client.get("/?format=json")).json()
         assert [r["status"] for r in body["ranks"]] == ["ok", "ok"]
         os.killpg(proc.pid, signal.SIGKILL)
@@ -95,7 +95,7 @@ async def test_sigkilled_rank_is_unreachable_on_every_page_and_logged_once(
 
 def test_rank_state_log_has_one_line_per_change(caplog: Any) -> None:
     states = RankStates()
-    caplog.set_level(logging.INFO, logger="debug_server.fanout")
+    caplog.set_level(logging.INFO, logger="debug_server.frontend.fanout")
     ok = RankResult(3, "u", "ok", http_status=200)
     dead = RankResult(3, "u", "unreachable", error="unreachable after 0.0 s")
     http_error = RankResult(3, "u", "failed", error="HTTP 404: x", http_status=404)
@@ -258,7 +258,7 @@ async def test_full_dump_dir_logs_once_leaves_no_partial_files_and_recovers(
                           enabled_dumps=frozenset({"fr_trace", "stacks", "snapshot"}))
     client = await aiohttp_client(make_frontend_app(config, StaticRegistry(urls)))
     dumper = client.app[DUMPER]
-    caplog.set_level(logging.WARNING, logger="debug_server.dumps")
+    caplog.set_level(logging.WARNING, logger="debug_server.frontend.dumps")
     real_fdopen = os.fdopen
     monkeypatch.setattr(dumps_mod.os, "fdopen", lambda fd, *a, **k: _FullDisk(real_fdopen(fd, "wb")))
     for _ in range(3):

@@ -6,9 +6,9 @@ import re
 
 import _scenarios as S
 
-from debug_server import report
-from debug_server.analysis import analyze
-from debug_server.synthetic import hang_job
+from debug_server.analysis import report
+from debug_server.analysis.core import analyze
+from debug_server.tools.synthetic import hang_job
 
 
 def test_text_has_sections_in_order():

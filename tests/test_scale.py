@@ -7,10 +7,13 @@ from typing import Any
 
 import aiohttp
 
-from debug_server import analysis, dumpio, frwindow, synthetic
-from debug_server.discovery import StaticRegistry
-from debug_server.fanout import Collector
-from debug_server.hangreport import MAX_POLL_INTERVAL, HangWatch
+from debug_server import dumpio
+from debug_server.analysis import core as analysis
+from debug_server.analysis import frwindow
+from debug_server.frontend.fanout import Collector
+from debug_server.frontend.hangreport import MAX_POLL_INTERVAL, HangWatch
+from debug_server.rank.discovery import StaticRegistry
+from debug_server.tools import synthetic
 
 
 def _job(world: int) -> dict[int, dict[str, Any]]:
@@ -62,7 +65,7 @@ def test_member_list_string_of_pg_config_is_unchanged_on_the_wire() -> None:
 
 
 def test_connections_per_rank_shrink_to_fit_the_file_limit(monkeypatch: Any) -> None:
-    from debug_server import frontend
+    from debug_server.frontend import app as frontend
 
     monkeypatch.setattr(frontend, "_nofile_limit", lambda: 20000)
     assert frontend.connections_per_rank(64) == frontend.CONNECTIONS_PER_RANK

@@ -18,13 +18,13 @@ from typing import Any
 import pytest
 from conftest import free_port
 
-from debug_server import synthetic
 from debug_server.auth import TOKEN_COOKIE, TOKEN_HEADER, TokenGate, token_required
 from debug_server.config import ConfigError, ServerConfig
-from debug_server.discovery import StaticRegistry
-from debug_server.frontend import make_frontend_app
-from debug_server.server import start_debug_server, stop_debug_server
-from debug_server.worker import StaticProvider, make_worker_app
+from debug_server.frontend.app import make_frontend_app
+from debug_server.rank.discovery import StaticRegistry
+from debug_server.rank.server import start_debug_server, stop_debug_server
+from debug_server.rank.worker import StaticProvider, make_worker_app
+from debug_server.tools import synthetic
 
 REPO = Path(__file__).resolve().parent.parent
 BROWSER = "text/html,application/xhtml+xml,*/*;q=0.8"

@@ -20,10 +20,10 @@ from conftest import free_port, make_job
 
 import debug_server
 from debug_server.config import ServerConfig
-from debug_server.discovery import StoreRegistry, register_worker, store_client
-from debug_server.frontend import make_frontend_app
-from debug_server.server import DUMP_PATH_ENV, start_debug_server, stop_debug_server
-from debug_server.worker import HooksProvider, start_worker_thread
+from debug_server.frontend.app import make_frontend_app
+from debug_server.rank.discovery import StoreRegistry, register_worker, store_client
+from debug_server.rank.server import DUMP_PATH_ENV, start_debug_server, stop_debug_server
+from debug_server.rank.worker import HooksProvider, start_worker_thread
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -51,7 +51,7 @@ def _get(url: str, accept: str = "*/*", timeout: float = 10) -> tuple[int, str]:
 
 
 def _worker_threads() -> list[str]:
-    return [t.name for t in threading.enumerate() if t.name == "debug_server.worker"]
+    return [t.name for t in threading.enumerate() if t.name == "debug_server.rank.worker"]
 
 
 def test_rank0_serves_pages_and_stop_works_twice(rank_env: Any, tmp_path: Path) -> None:
@@ -122,8 +122,8 @@ def test_user_set_per_rank_pickle_path_is_kept(rank_env: Any, monkeypatch: Any, 
 
 
 def test_frontend_process_does_not_import_the_recording_side() -> None:
-    code = ("import sys, debug_server.frontend; "
-            "bad = [m for m in ('debug_server.comms', 'debug_server.hooks') if m in sys.modules]; "
+    code = ("import sys, debug_server.frontend.app; "
+            "bad = [m for m in ('debug_server.recording.comms', 'debug_server.recording.hooks') if m in sys.modules]; "
             "sys.exit(f'imported {bad}' if bad else 0)")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
                          timeout=60)
@@ -233,7 +233,8 @@ JOB = """
 import os, time
 from datetime import timedelta
 import torch
-from debug_server import comms, hooks, start_debug_server
+from debug_server.recording import comms, hooks
+from debug_server import start_debug_server
 
 rank = int(os.environ["RANK"])
 start_debug_server(port=int(os.environ["FE_PORT"]), dump_dir=os.environ["DUMP_DIR"],
@@ -359,7 +360,7 @@ def test_public_api_is_two_functions() -> None:
 def test_multi_host_links_carry_the_address_other_hosts_reach(
         monkeypatch: Any, tcp_store: Any, caplog: Any) -> None:
     from debug_server.config import is_loopback
-    from debug_server.discovery import interface_addresses
+    from debug_server.rank.discovery import interface_addresses
 
     own = next((a for a in interface_addresses() if not is_loopback(a)), None)
     if own is None:
@@ -369,7 +370,7 @@ def test_multi_host_links_carry_the_address_other_hosts_reach(
                  "MASTER_PORT": tcp_store.port}.items():
         monkeypatch.setenv(k, str(v))
     monkeypatch.delenv("DEBUG_SERVER_HOST", raising=False)
-    caplog.set_level("INFO", logger="debug_server.server")
+    caplog.set_level("INFO", logger="debug_server.rank.server")
     handle = start_debug_server(port=0, fetch_timeout=3)
     try:
         assert handle.auth_token

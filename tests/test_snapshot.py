@@ -10,12 +10,15 @@ from typing import Any
 import aiohttp
 import pytest
 
-from debug_server import analysis, frontend, snapshot, synthetic
+from debug_server.analysis import core as analysis
 from debug_server.config import ServerConfig
-from debug_server.discovery import StaticRegistry
-from debug_server.dumps import SNAPSHOT_PREFIX, Dumper
-from debug_server.fanout import Collector
-from debug_server.frontend import make_frontend_app
+from debug_server.frontend import app as frontend
+from debug_server.frontend import snapshot
+from debug_server.frontend.app import make_frontend_app
+from debug_server.frontend.dumps import SNAPSHOT_PREFIX, Dumper
+from debug_server.frontend.fanout import Collector
+from debug_server.rank.discovery import StaticRegistry
+from debug_server.tools import synthetic
 
 
 @pytest.fixture
@@ -169,7 +172,7 @@ async def test_perfetto_download_of_a_small_job_holds_whole_rings(
 
 
 def test_post_mortem_viewer_reads_shared_member_lists_back_inline(tmp_path: Path) -> None:
-    from debug_server import view
+    from debug_server.tools import view
 
     members = list(range(300))
     path = tmp_path / f"{SNAPSHOT_PREFIX}_20250102_030405.json"

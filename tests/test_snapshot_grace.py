@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from debug_server.analysis import IN_FLIGHT_GRACE_NS, SNAPSHOT_TIME_KEY, analyze
-from debug_server.synthetic import make_dump, make_entry
+from debug_server.analysis.core import IN_FLIGHT_GRACE_NS, SNAPSHOT_TIME_KEY, analyze
+from debug_server.tools.synthetic import make_dump, make_entry
 
 T = 1_800_000_000_000_000_000  # when seq NEWEST was issued (wall clock, ns)
 STEP = 100_000  # one all_reduce every 0.1 ms

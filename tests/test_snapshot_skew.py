@@ -26,8 +26,8 @@ RANK = """
 import datetime, os
 import torch
 from debug_server import start_debug_server
-from debug_server.comms import new_comm
-from debug_server.hooks import FlightRecorderHook
+from debug_server.recording.comms import new_comm
+from debug_server.recording.hooks import FlightRecorderHook
 
 rank = int(os.environ["RANK"])
 h = start_debug_server(port=0, fetch_timeout=5, dump_dir=os.environ["DUMP_DIR"],
@@ -117,7 +117,7 @@ def test_dumps_of_a_healthy_all_reduce_loop_have_no_finding_in_the_report_or_the
         text = report.read_text()
         assert "No hang or mismatch found" in text, text[-3000:]
     per_rank = job.dump_dir / "per_rank"
-    ours = subprocess.run([sys.executable, "-m", "debug_server.fr_trace", str(per_rank),
+    ours = subprocess.run([sys.executable, "-m", "debug_server.tools.fr_trace", str(per_rank),
                            "-p", "rank_", "--json"], capture_output=True, text=True, timeout=60,
                           env=dict(os.environ, PYTHONPATH=str(REPO)))
     result = json.loads(ours.stdout)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import _scenarios as S
 
-from debug_server import stackparse
+from debug_server.analysis import stackparse
 
 
 def test_parse_threads_reads_every_thread_and_frame():
@@ -54,7 +54,7 @@ def test_summary_without_source_uses_the_function_name():
 
 def test_comms_wrapper_frame_counts_as_collective():
     text = S.faulthandler_text(
-        [("/x/debug_server/comms.py", 40, "_run"), ("/job/t.py", 9, "<module>")]
+        [("/x/debug_server/recording/comms.py", 40, "_run"), ("/job/t.py", 9, "<module>")]
     )
     pos = stackparse.summarize_text(text)
     assert pos is not None and pos.in_collective and pos.summary == "_run at t.py:9"

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from debug_server.store_keys import (
+from debug_server.frontend.store_keys import (
     REDACTED,
     VALUE_CHARS,
     StoreReader,

@@ -9,17 +9,17 @@ from typing import Any
 import pytest
 from conftest import MAIN_STACK, closed_port_url
 
-from debug_server import synthetic
 from debug_server.config import ServerConfig
-from debug_server.discovery import StaticRegistry
-from debug_server.dumps import analyze_fr
-from debug_server.fanout import FrData, RankResult
-from debug_server.frontend import load_templates, make_frontend_app
-from debug_server.views import overview_model
+from debug_server.frontend.app import load_templates, make_frontend_app
+from debug_server.frontend.dumps import analyze_fr
+from debug_server.frontend.fanout import FrData, RankResult
+from debug_server.frontend.views import overview_model
+from debug_server.rank.discovery import StaticRegistry
+from debug_server.tools import synthetic
 
 BROWSER = "text/html,application/xhtml+xml,application/xml;q=0.9,*/*;q=0.8"
 IN_ALL_REDUCE = """Thread 0x00007f0000000002 (most recent call first):
-  File "/site/debug_server/comms.py", line 300 in all_reduce
+  File "/site/debug_server/recording/comms.py", line 300 in all_reduce
   File "/job/train.py", line 95 in train_step
   File "/job/train.py", line 120 in <module>
 """

@@ -13,13 +13,15 @@ from typing import Any
 import _scenarios as S
 from conftest import closed_port_url
 
-from debug_server import analysis, report, views
+from debug_server.analysis import core as analysis
+from debug_server.analysis import report
 from debug_server.config import ServerConfig
-from debug_server.discovery import StaticRegistry
-from debug_server.fanout import Collector
-from debug_server.frontend import make_frontend_app
-from debug_server.hangreport import HangWatch, RankHealth
-from debug_server.synthetic import make_dump, make_entry
+from debug_server.frontend import views
+from debug_server.frontend.app import make_frontend_app
+from debug_server.frontend.fanout import Collector
+from debug_server.frontend.hangreport import HangWatch, RankHealth
+from debug_server.rank.discovery import StaticRegistry
+from debug_server.tools.synthetic import make_dump, make_entry
 
 LINE = "/job/train.py"
 

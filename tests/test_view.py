@@ -22,9 +22,9 @@ from conftest import free_port
 
 from debug_server.auth import TOKEN_ENV, TOKEN_HEADER
 from debug_server.dumpio import write_dump_atomic
-from debug_server.dumps import snapshot_json, stacks_report
-from debug_server.fanout import OK, UNREACHABLE, FrData, RankResult
-from debug_server.view import DiskCollector, make_view_app, scan_dir
+from debug_server.frontend.dumps import snapshot_json, stacks_report
+from debug_server.frontend.fanout import OK, UNREACHABLE, FrData, RankResult
+from debug_server.tools.view import DiskCollector, make_view_app, scan_dir
 
 REPO = Path(__file__).resolve().parent.parent
 BROWSER = "text/html,application/xhtml+xml,application/xml;q=0.9,*/*;q=0.8"
@@ -290,7 +290,7 @@ async def test_hostile_ranks_string_in_a_snapshot_is_refused(aiohttp_client: Any
 
 async def test_disk_collector_ignores_extra_fetch_options(dump_dir: Path) -> None:
     """The live Collector may grow options (a seq frontier, native stacks); the twin takes them."""
-    from debug_server import view
+    from debug_server.tools import view
 
     scan = scan_dir(str(dump_dir))
     token = view._CURRENT.set(view.load_cycle(scan, scan.cycles[-1]))
@@ -322,7 +322,7 @@ def test_scan_orders_cycles_by_stamp_with_same_second_suffixes(tmp_path: Path) -
 def _start_cli(args: list[str], env: dict[str, str] | None = None) -> subprocess.Popen[str]:
     full = dict(os.environ, PYTHONPATH=str(REPO), **(env or {}))
     # The log goes to stderr, unread while the server runs: DEVNULL so it never fills a pipe.
-    return subprocess.Popen([sys.executable, "-m", "debug_server.view", *args], env=full,
+    return subprocess.Popen([sys.executable, "-m", "debug_server.tools.view", *args], env=full,
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
 
 
@@ -371,7 +371,7 @@ def test_cli_beyond_loopback_requires_the_token(dump_dir: Path) -> None:
 
 def test_cli_missing_dir_exits_1_with_one_line(tmp_path: Path) -> None:
     full = dict(os.environ, PYTHONPATH=str(REPO))
-    proc = subprocess.run([sys.executable, "-m", "debug_server.view", str(tmp_path / "nope")],
+    proc = subprocess.run([sys.executable, "-m", "debug_server.tools.view", str(tmp_path / "nope")],
                           env=full, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 1 and proc.stderr == f"error: no such directory: {tmp_path / 'nope'}\n"
 

@@ -36,7 +36,7 @@ def viewer(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
              FR_STALL_TIMEOUT="3")
     port = free_port()
     log = open(tmp_path_factory.mktemp("view_log") / "view.log", "w")  # noqa: SIM115
-    proc = subprocess.Popen([sys.executable, "-m", "debug_server.view", str(dump_dir),
+    proc = subprocess.Popen([sys.executable, "-m", "debug_server.tools.view", str(dump_dir),
                              "--port", str(port)], env=dict(os.environ, PYTHONPATH=str(REPO)),
                             stdout=subprocess.PIPE, stderr=log, text=True)
     try:

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from debug_server import wait_counters as wc
-from debug_server.outliers import outliers
+from debug_server.analysis import wait_counters as wc
+from debug_server.analysis.outliers import outliers
 
 
 def _counters(total_time_us: float, active: int = 0, calls: int = 4) -> wc.Counters:

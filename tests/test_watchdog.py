@@ -18,14 +18,14 @@ import pytest
 from conftest import MAIN_STACK
 from mpjob import assert_ok, demo_hang_line, free_port, run_demo, run_job
 
-from debug_server import synthetic
 from debug_server.config import ServerConfig
-from debug_server.discovery import StaticRegistry
 from debug_server.dumpio import load_dump
-from debug_server.fanout import OK, TIMED_OUT, FrData, RankResult
-from debug_server.frontend import HANG_WATCH, make_frontend_app
-from debug_server.hangreport import MAX_POLL_INTERVAL, HangWatch
-from debug_server.worker import StaticProvider
+from debug_server.frontend.app import HANG_WATCH, make_frontend_app
+from debug_server.frontend.fanout import OK, TIMED_OUT, FrData, RankResult
+from debug_server.frontend.hangreport import MAX_POLL_INTERVAL, HangWatch
+from debug_server.rank.discovery import StaticRegistry
+from debug_server.rank.worker import StaticProvider
+from debug_server.tools import synthetic
 
 WALL = re.compile(r"\[wall (\d+\.\d+)\]")
 
@@ -111,8 +111,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from debug_server import start_debug_server, stop_debug_server
-from debug_server.comms import new_comm
-from debug_server.hooks import FlightRecorderHook, health
+from debug_server.recording.comms import new_comm
+from debug_server.recording.hooks import FlightRecorderHook, health
 
 rank = int(os.environ["RANK"])
 port = int(os.environ["FE_PORT"])
@@ -205,8 +205,8 @@ def test_uneven_progress_raises_no_alarm_and_a_real_stall_does(tmp_path: Path) -
 ABORT_JOB = r'''
 import datetime, os, resource, time
 import torch
-from debug_server.comms import new_comm
-from debug_server.hooks import FlightRecorderHook
+from debug_server.recording.comms import new_comm
+from debug_server.recording.hooks import FlightRecorderHook
 
 resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # no core file from the abort
 comm = new_comm("gloo", torch.device("cpu"), "main_comm", timeout=datetime.timedelta(seconds=2),

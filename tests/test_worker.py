@@ -11,10 +11,9 @@ from typing import Any
 
 import pytest
 
-from debug_server import synthetic
 from debug_server.dumpio import safe_loads
-from debug_server.stacks import capture_stacks
-from debug_server.worker import (
+from debug_server.rank.stacks import capture_stacks
+from debug_server.rank.worker import (
     HandlerError,
     HooksProvider,
     StaticProvider,
@@ -22,6 +21,7 @@ from debug_server.worker import (
     stalled_op,
     start_worker_thread,
 )
+from debug_server.tools import synthetic
 
 HANDLER_NAMES = {"ping", "dump_traceback", "torchcomms_fr_trace_json", "fr_trace_json",
                  "torchcomms_fr_dump_file", "torchcomms_health_check", "pyspy_dump",
@@ -195,7 +195,7 @@ def test_worker_thread_serves_real_stacks_of_all_threads_and_stops() -> None:
         worker.stop()
         worker.stop()
     assert time.monotonic() - t0 < 3
-    assert not any(t.name == "debug_server.worker" for t in threading.enumerate())
+    assert not any(t.name == "debug_server.rank.worker" for t in threading.enumerate())
 
 
 def test_worker_thread_on_a_taken_port_raises_naming_it() -> None:

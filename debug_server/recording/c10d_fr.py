@@ -430,7 +430,7 @@ def process_groups() -> dict[str, GroupInfo]:
 
 
 def _owned() -> set[str]:
-    from debug_server import hooks
+    from debug_server.recording import hooks
 
     return {n for c in hooks.recorded_comms() if (n := c.c10d_group_name)}
 
@@ -471,7 +471,7 @@ def merge_backed(ours: Mapping[str, Any], comms: Iterable[Any], *, only_active: 
 def snapshot(*, only_active: bool = False, include_collectives: bool = True,
              stacks: bool = False) -> dict[str, Any]:
     """This process's FR dump: every live hook's snapshot with c10d's own entries merged in."""
-    from debug_server import hooks
+    from debug_server.recording import hooks
 
     # The hooks' own entries only: their c10d-backed communicators' entries are mapped here,
     # from the same read of c10d's recorders as everything else.
@@ -491,7 +491,7 @@ def snapshot(*, only_active: bool = False, include_collectives: bool = True,
 def dump_file(rank: int | None = None) -> str:
     """Write this process's merged dump to ``$TORCHCOMM_FR_DUMP_TEMP_FILE<rank>``, with the
     stacks of c10d's entries where they can be read safely; returns the path."""
-    from debug_server import hooks
+    from debug_server.recording import hooks
 
     return write_dump_atomic(hooks._dump_path(rank), snapshot(stacks=True))
 

@@ -20,9 +20,10 @@ from urllib.parse import urlencode
 
 import aiohttp
 
-from debug_server import frwindow, members, pyspy
-from debug_server.discovery import NOT_REGISTERED, WorkerAddr
-from debug_server.sigstack import SignalCapture
+from debug_server.analysis import frwindow, members
+from debug_server.rank import pyspy
+from debug_server.rank.discovery import NOT_REGISTERED, WorkerAddr
+from debug_server.rank.sigstack import SignalCapture
 
 logger = logging.getLogger(__name__)
 

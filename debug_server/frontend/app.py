@@ -34,15 +34,15 @@ import jinja2
 from aiohttp import web
 from aiohttp.typedefs import Handler
 
-from debug_server import attach, export, snapshot, views
 from debug_server.auth import TOKEN_ENV, TOKEN_HEADER, TokenGate, auth_middleware
 from debug_server.config import ALL_DUMPS, DEFAULT_KEEP_BYTES, DEFAULT_PORT, ServerConfig
-from debug_server.discovery import StaticRegistry, StoreRegistry
-from debug_server.dumps import Dumper, analyze_fr, fr_trace_text, stacks_report
-from debug_server.fanout import Collector, RankResult, Registry
-from debug_server.hangreport import HangWatch
+from debug_server.frontend import attach, export, snapshot, views
+from debug_server.frontend.dumps import Dumper, analyze_fr, fr_trace_text, stacks_report
+from debug_server.frontend.fanout import Collector, RankResult, Registry
+from debug_server.frontend.hangreport import HangWatch
+from debug_server.frontend.metrics import metrics_response
 from debug_server.listen import start_sites
-from debug_server.metrics import metrics_response
+from debug_server.rank.discovery import StaticRegistry, StoreRegistry
 
 logger = logging.getLogger(__name__)
 
@@ -85,7 +85,7 @@ def _template_sources() -> dict[str, str]:
         found = {p.name: p.read_text("utf-8") for p in root.iterdir() if p.name.endswith(".html")}
         if found:
             return found
-    src = Path(__file__).resolve().parent.parent / "templates"
+    src = Path(__file__).resolve().parents[2] / "templates"
     return {p.name: p.read_text("utf-8") for p in src.glob("*.html")}
 
 
@@ -489,7 +489,7 @@ def make_frontend_app(config: ServerConfig, registry: Registry,
         app[COLLECTOR] = collector
     app.add_routes(routes)
     # /profile, /tcpstore, /wait_counters; imported here because pages_extra imports this module.
-    from debug_server import pages_extra
+    from debug_server.frontend import pages_extra
 
     pages_extra.setup(app)
     return app
@@ -640,7 +640,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 if __name__ == "__main__":
     # Run the importable copy of this module, not __main__: modules that import
-    # debug_server.frontend (pages_extra) must see the same AppKeys the app is built with.
-    from debug_server import frontend
+    # debug_server.frontend.app (pages_extra) must see the same AppKeys the app is built with.
+    from debug_server.frontend import app as frontend
 
     sys.exit(frontend.main())

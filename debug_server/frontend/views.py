@@ -1,7 +1,7 @@
 """View-models of the rank-0 pages: what each HTML page shows, built from analysis + fan-out.
 
 Renderers format, they do not analyse (DESIGN.md): everything here is read off the result of
-:func:`debug_server.analysis.analyze`, the fan-out records (``RankResult``) and, for the
+:func:`debug_server.analysis.core.analyze`, the fan-out records (``RankResult``) and, for the
 per-communicator progress, the ``pg_status``/entries of the FR dumps the ranks sent. The
 templates turn these plain dicts into HTML; :func:`html_table` is the one place HTML is marked
 safe (every header and cell is escaped there).
@@ -21,10 +21,10 @@ from typing import Any, NamedTuple
 import jinja2
 from markupsafe import Markup, escape
 
-from debug_server import report, stackparse
-from debug_server.analysis import CATEGORY_MEANING
-from debug_server.discovery import NOT_REGISTERED
-from debug_server.fanout import FrData, RankResult
+from debug_server.analysis import report, stackparse
+from debug_server.analysis.core import CATEGORY_MEANING
+from debug_server.frontend.fanout import FrData, RankResult
+from debug_server.rank.discovery import NOT_REGISTERED
 
 logger = logging.getLogger(__name__)
 

@@ -31,12 +31,11 @@ import aiohttp
 from aiohttp import web
 from tabulate import tabulate
 
-from debug_server import profile_merge, views, wait_counters
-from debug_server.analysis import format_ranks
+from debug_server.analysis import profile_merge, wait_counters
+from debug_server.analysis.core import format_ranks
 from debug_server.auth import TOKEN_HEADER
-from debug_server.discovery import StoreRegistry
-from debug_server.fanout import Collector, RankResult, fan_out
-from debug_server.frontend import (
+from debug_server.frontend import views
+from debug_server.frontend.app import (
     COLLECTOR,
     CONFIG,
     REGISTRY,
@@ -48,13 +47,8 @@ from debug_server.frontend import (
     _respond,
     negotiate,
 )
-from debug_server.rank_capture import (
-    MAX_PROFILE_S,
-    PROFILE_HANDLER,
-    WAIT_COUNTERS_HANDLER,
-    parse_duration,
-)
-from debug_server.store_keys import (
+from debug_server.frontend.fanout import Collector, RankResult, fan_out
+from debug_server.frontend.store_keys import (
     DEFAULT_LIMIT,
     DEFAULT_PREFIX,
     MAX_LIMIT,
@@ -62,6 +56,13 @@ from debug_server.store_keys import (
     MAX_PREFIX,
     StoreReader,
     StoreReadError,
+)
+from debug_server.rank.discovery import StoreRegistry
+from debug_server.rank.rank_capture import (
+    MAX_PROFILE_S,
+    PROFILE_HANDLER,
+    WAIT_COUNTERS_HANDLER,
+    parse_duration,
 )
 
 logger = logging.getLogger(__name__)

@@ -35,7 +35,7 @@ import operator
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
-from debug_server import stackparse
+from debug_server.analysis import stackparse
 from debug_server.dumpio import DumpError, group_members
 
 logger = logging.getLogger(__name__)
@@ -509,7 +509,7 @@ def _fmt_sizes(sizes: tuple[tuple[int, ...], ...]) -> str:
     return str([list(s) for s in sizes])
 
 
-_OWN_DIR = __file__.rsplit("/", 1)[0] + "/"
+_OWN_DIR = __file__.rsplit("/", 2)[0] + "/"  # the package root: debug_server/
 
 
 def _user_line(frames: Sequence[Mapping[str, Any]]) -> str | None:

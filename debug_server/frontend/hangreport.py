@@ -24,9 +24,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from debug_server import stackparse
-from debug_server.analysis import category_line
-from debug_server.dumps import (
+from debug_server.analysis import stackparse
+from debug_server.analysis.core import category_line
+from debug_server.frontend.dumps import (
     DUMP_FILE_HANDLER,
     HANG_REPORT_PREFIX,
     STAMP_FORMAT,
@@ -35,7 +35,7 @@ from debug_server.dumps import (
     dump_file_lines,
     fr_trace_text,
 )
-from debug_server.fanout import TIMED_OUT, Collector, FrData, RankResult
+from debug_server.frontend.fanout import TIMED_OUT, Collector, FrData, RankResult
 
 logger = logging.getLogger(__name__)
 

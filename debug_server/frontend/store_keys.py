@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
-from debug_server.discovery import PREFIX, meta_key, url_key
+from debug_server.rank.discovery import PREFIX, meta_key, url_key
 
 logger = logging.getLogger(__name__)
 

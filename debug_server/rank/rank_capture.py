@@ -42,7 +42,7 @@ MAX_TRACE_BYTES = 200 * 1024 * 1024
 def _fail(status: int, reason: str) -> Exception:
     # worker.py imports this module for its handler table, so its HandlerError is looked up
     # when a handler runs, not when this module loads.
-    from debug_server.worker import HandlerError
+    from debug_server.rank.worker import HandlerError
 
     return HandlerError(status, reason)
 
@@ -185,4 +185,4 @@ def wait_counter_values(provider: object, params: Mapping[str, str]) -> web.Resp
 
 
 HANDLERS = {PROFILE_HANDLER: torch_profile, WAIT_COUNTERS_HANDLER: wait_counter_values}
-"""Merged into ``debug_server.worker.HANDLERS``."""
+"""Merged into ``debug_server.rank.worker.HANDLERS``."""

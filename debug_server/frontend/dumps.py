@@ -25,10 +25,12 @@ import time
 from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
-from debug_server import analysis, report, snapshot
+from debug_server.analysis import core as analysis
+from debug_server.analysis import report
 from debug_server.config import ALL_DUMPS
 from debug_server.dumpio import write_atomic
-from debug_server.fanout import Collector, FrData, RankResult
+from debug_server.frontend import snapshot
+from debug_server.frontend.fanout import Collector, FrData, RankResult
 
 logger = logging.getLogger(__name__)
 

@@ -37,9 +37,9 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector as PromCollector
 
-from debug_server.dumps import analyze_fr
-from debug_server.fanout import Collector, FrData
-from debug_server.hangreport import HEALTH_HANDLER, RankHealth, parse_health
+from debug_server.frontend.dumps import analyze_fr
+from debug_server.frontend.fanout import Collector, FrData
+from debug_server.frontend.hangreport import HEALTH_HANDLER, RankHealth, parse_health
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 PREFIX = "debug_server"

@@ -18,7 +18,8 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING, NamedTuple
 
-from debug_server import auth, discovery
+from debug_server import auth
+from debug_server.rank import discovery
 
 if TYPE_CHECKING:
     import torch.distributed as dist

@@ -134,7 +134,7 @@ def main_thread(threads: list[Thread]) -> Thread | None:
 def is_library_frame(frame: Frame) -> bool:
     """True for frames of the communication stack (torch.distributed, our comms wrapper)."""
     f = frame.filename.replace("\\", "/")
-    return "torch/distributed/" in f or f.endswith("debug_server/comms.py")
+    return "torch/distributed/" in f or f.endswith("debug_server/recording/comms.py")
 
 
 def is_collective_frame(frame: Frame) -> bool:

@@ -28,10 +28,11 @@ from typing import Any, Protocol
 
 from aiohttp import web
 
-from debug_server import frwindow, members, pyspy, rank_capture
+from debug_server.analysis import frwindow, members
 from debug_server.auth import TokenGate, auth_middleware
 from debug_server.listen import start_sites
-from debug_server.stacks import capture_stacks
+from debug_server.rank import pyspy, rank_capture
+from debug_server.rank.stacks import capture_stacks
 
 logger = logging.getLogger(__name__)
 
@@ -98,7 +99,7 @@ class HooksProvider:
 
     def fr_snapshot(self, *, only_active: bool, include_collectives: bool) -> Mapping[str, Any]:
         # Imported here so the server side loads without the recording side (and vice versa).
-        from debug_server import c10d_fr
+        from debug_server.recording import c10d_fr
 
         # The hooks' entries and c10d's own (DDP, FSDP, plain torch.distributed) in one dump.
         return c10d_fr.snapshot(only_active=only_active, include_collectives=include_collectives)
@@ -110,12 +111,12 @@ class HooksProvider:
         return capture_stacks()
 
     def dump_file(self) -> str:
-        from debug_server import c10d_fr
+        from debug_server.recording import c10d_fr
 
         return c10d_fr.dump_file(self.rank)
 
     def health(self) -> Mapping[str, Any]:
-        from debug_server import c10d_fr, hooks
+        from debug_server.recording import c10d_fr, hooks
 
         health = dict(hooks.health())
         if self.stall_timeout is not None and health.get("healthy", True):
@@ -414,7 +415,7 @@ class WorkerThread:
         self._stop: asyncio.Event | None = None
         self._ready = threading.Event()
         self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name="debug_server.worker", daemon=True)
+        self._thread = threading.Thread(target=self._run, name="debug_server.rank.worker", daemon=True)
 
     def start(self, timeout: float = 30.0) -> WorkerThread:
         self._thread.start()

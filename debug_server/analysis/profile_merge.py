@@ -22,7 +22,7 @@ span), from the intervals of its GPU kernels (``cat`` ``kernel``):
 
 All are fractions of the window. Memory copies and sets are neither. A rank without kernel
 events says "no GPU activity"; nothing is made up for it. Ranks whose share stands out from the
-median are flagged with :func:`debug_server.outliers.outliers` (the preflight's rule).
+median are flagged with :func:`debug_server.analysis.outliers.outliers` (the preflight's rule).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from debug_server.outliers import outliers
+from debug_server.analysis.outliers import outliers
 
 COMM_KERNEL = re.compile(
     r"nccl|rccl|msccl|nvshmem|all_?reduce|all_?gather|reduce_?scatter|all_?to_?all"

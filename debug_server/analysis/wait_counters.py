@@ -4,7 +4,7 @@ per rank, the values that stand out marked. Pure functions over the ranks' repli
 A wait counter (``torch.monitor._WaitCounter``; TCPStore get/set/wait, process-group init...)
 reports ``active_count`` (waits in progress now), ``total_calls``, ``total_time_us`` and
 ``max_time_us``. A rank whose waits are far longer or far more numerous than the others' (or
-the one rank still waiting, ``active_count``) is marked, by :func:`debug_server.outliers.outliers`
+the one rank still waiting, ``active_count``) is marked, by :func:`debug_server.analysis.outliers.outliers`
 with a floor per field so that microseconds of noise are never marked.
 """
 
@@ -14,7 +14,7 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from debug_server.outliers import outliers
+from debug_server.analysis.outliers import outliers
 
 FIELDS = ("active_count", "total_calls", "total_time_us", "max_time_us")
 FLOORS = {"active_count": 1.0, "total_calls": 2.0, "total_time_us": 10_000.0,

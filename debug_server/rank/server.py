@@ -15,7 +15,6 @@ import time
 from collections.abc import Collection
 from pathlib import Path
 
-from debug_server import c10d_fr, pyspy, sigstack
 from debug_server.auth import (
     TOKEN_ENV,
     TokenGate,
@@ -32,14 +31,16 @@ from debug_server.config import (
     ServerConfig,
     default_bind_host,
 )
-from debug_server.discovery import (
+from debug_server.rank import pyspy, sigstack
+from debug_server.rank.discovery import (
     HOST_ENV,
     Advertised,
     advertise,
     register_worker,
     store_client,
 )
-from debug_server.worker import HooksProvider, WorkerThread, start_worker_thread
+from debug_server.rank.worker import HooksProvider, WorkerThread, start_worker_thread
+from debug_server.recording import c10d_fr
 
 logger = logging.getLogger(__name__)
 
@@ -365,7 +366,7 @@ def stop_debug_server() -> None:
 
 def _set_stall_default(seconds: float | None) -> None:
     # Imported here so that importing the server side does not load the recording side.
-    from debug_server import hooks
+    from debug_server.recording import hooks
 
     hooks.set_default_stall_timeout(seconds)
 
@@ -378,7 +379,7 @@ def _spawn_frontend(config: ServerConfig, job: JobEnv) -> tuple[subprocess.Popen
     """Start ``python -m debug_server.frontend``; it reports on a pipe whether it bound the port."""
     read_fd, write_fd = os.pipe()
     args = [
-        sys.executable, "-m", "debug_server.frontend",
+        sys.executable, "-m", "debug_server.frontend.app",
         "--port", str(config.port),
         "--world-size", str(job.world_size),
         "--master-addr", job.master_addr, "--master-port", str(job.master_port),
@@ -402,7 +403,7 @@ def _spawn_frontend(config: ServerConfig, job: JobEnv) -> tuple[subprocess.Popen
         env[TOKEN_ENV] = config.auth_token  # not argv: the command line is visible to all users
     # The child must import this very package even when the trainer found it via sys.path
     # tweaks rather than an install.
-    pkg_root = str(Path(__file__).resolve().parent.parent)
+    pkg_root = str(Path(__file__).resolve().parents[2])
     env["PYTHONPATH"] = os.pathsep.join(p for p in (pkg_root, env.get("PYTHONPATH")) if p)
     try:
         proc = subprocess.Popen(args, env=env, stdin=subprocess.DEVNULL, pass_fds=(write_fd,),

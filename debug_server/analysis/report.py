@@ -1,7 +1,7 @@
 """Plain-text renderers of an analysis result (tables via tabulate).
 
 Renderers format, they never analyse: everything shown here is already in the result dict of
-:func:`debug_server.analysis.analyze`. The same text goes to the CLI, to ``curl`` on the rank-0
+:func:`debug_server.analysis.core.analyze`. The same text goes to the CLI, to ``curl`` on the rank-0
 frontend and into ``torchcomms_fr_trace_<ts>.txt``; the ``*_table`` helpers return
 ``(headers, rows)`` so the HTML renderer can build its own tables from the same data.
 
@@ -18,7 +18,7 @@ from typing import Any
 
 from tabulate import tabulate
 
-from debug_server.analysis import category_line, format_ranks
+from debug_server.analysis.core import category_line, format_ranks
 
 logger = logging.getLogger(__name__)
 

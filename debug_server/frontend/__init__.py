@@ -1,0 +1,13 @@
+"""The rank-0 frontend, its own process: ``python -m debug_server.frontend``.
+
+* ``app``: the aiohttp application, its routes and the process entry point.
+* ``fanout``: asking every rank's worker the same question at once, never blocking on one.
+* ``dumps``, ``snapshot``: the periodic dumper and its bounded snapshot file.
+* ``hangreport``: the hang watch (a verdict on disk seconds after a rank stalls).
+* ``metrics``, ``export``, ``pages_extra``, ``store_keys``: the other pages.
+* ``views``: view-models of the HTML pages; they format an analysis result, never analyse.
+* ``attach``: attaching to a running job from any machine that reaches its TCPStore.
+
+Imports ``analysis`` for every verdict and ``rank.discovery``/``rank.sigstack``/``rank.pyspy``
+to find and, as a fallback, read ranks.
+"""
