@@ -1,0 +1,132 @@
+"""The package's layout follows docs/architecture.md: which part may import which, and no cycles.
+
+The parts, lowest first: the common modules at the package top (config, auth, listen, dumpio),
+then ``recording`` and ``analysis`` (neither knows the other), then ``rank``, then ``frontend``,
+then ``tools``. A module may import its own part and any part below it, never one above, and
+the recording side (the training hot path) is imported by ``rank`` only.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+PKG = Path(__file__).resolve().parents[1] / "debug_server"
+PARTS = ("recording", "rank", "frontend", "analysis", "tools")
+COMMON = {"config", "auth", "listen", "dumpio"}
+# The two-line modules that keep documented imports and commands at their old names.
+SHIMS = {"comms", "hooks", "fr_trace", "nccl_log", "preflight", "view"}
+# What each part may import (besides itself and the common modules).
+ALLOWED = {
+    "common": set(),
+    "recording": set(),
+    "analysis": set(),
+    "rank": {"recording", "analysis"},
+    "frontend": {"rank", "analysis"},
+    "tools": {"frontend", "rank", "analysis"},
+}
+
+
+def _module_name(path: Path) -> str:
+    rel = path.relative_to(PKG.parent).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _part(module: str) -> str | None:
+    bits = module.split(".")
+    if len(bits) < 2:
+        return "package"
+    if bits[1] in PARTS:
+        return bits[1]
+    if bits[1] in COMMON:
+        return "common"
+    if bits[1] in SHIMS:
+        return "shim"
+    return None
+
+
+def _imports(path: Path, *, top_level_only: bool) -> set[str]:
+    """Modules of ours that ``path`` imports (``from pkg import mod`` resolves to the module)."""
+    tree = ast.parse(path.read_text())
+    nodes = tree.body if top_level_only else list(ast.walk(tree))
+    out: set[str] = set()
+    for node in nodes:
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            if not node.module.startswith("debug_server"):
+                continue
+            for alias in node.names:
+                sub = f"{node.module}.{alias.name}"
+                out.add(sub if _file_of(sub) is not None else node.module)
+        elif isinstance(node, ast.Import):
+            out.update(a.name for a in node.names if a.name.startswith("debug_server"))
+    return out
+
+
+def _file_of(module: str) -> Path | None:
+    rel = Path(*module.split(".")[1:]) if "." in module else Path()
+    for cand in (PKG / rel.with_suffix(".py"), PKG / rel / "__init__.py"):
+        if cand.is_file():
+            return cand
+    return None
+
+
+def _modules() -> dict[str, Path]:
+    return {_module_name(p): p for p in sorted(PKG.rglob("*.py"))}
+
+
+def test_every_module_sits_in_a_known_part() -> None:
+    unknown = sorted(m for m in _modules() if _part(m) is None)
+    assert unknown == [], f"modules outside the parts of docs/architecture.md: {unknown}"
+
+
+def test_no_part_imports_a_part_above_it() -> None:
+    bad = []
+    for mod, path in _modules().items():
+        src = _part(mod)
+        if src not in ALLOWED:
+            continue
+        for dep in _imports(path, top_level_only=False):
+            dst = _part(dep)
+            if dst in (src, "common") or dst in ALLOWED[src]:
+                continue
+            bad.append(f"{mod} -> {dep}")
+    assert bad == [], "imports against docs/architecture.md's arrows:\n" + "\n".join(bad)
+
+
+def test_module_level_imports_form_no_cycle() -> None:
+    mods = _modules()
+    graph = {m: {d for d in _imports(p, top_level_only=True) if d in mods and d != m}
+             for m, p in mods.items()}
+    # A package's __init__ importing its own modules is not a cycle worth naming.
+    state: dict[str, int] = {}
+    stack: list[str] = []
+    cycles: list[str] = []
+
+    def visit(m: str) -> None:
+        state[m] = 1
+        stack.append(m)
+        for d in sorted(graph[m]):
+            if state.get(d) == 1:
+                cycles.append(" -> ".join(stack[stack.index(d):] + [d]))
+            elif d not in state:
+                visit(d)
+        stack.pop()
+        state[m] = 2
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m)
+    assert cycles == [], "import cycles:\n" + "\n".join(cycles)
+
+
+def test_the_frontend_process_never_loads_the_recording_side() -> None:
+    code = ("import sys\nimport debug_server.frontend.app\n"
+            "print(sorted(m for m in sys.modules if m.startswith('debug_server.recording')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60, check=True).stdout.strip()
+    assert out == "[]", f"the frontend imported the recording side: {out}"
