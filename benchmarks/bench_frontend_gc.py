@@ -16,10 +16,10 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "benchmarks"))
+sys.path.insert(0, str(REPO / "tests"))
 
 import aiohttp  # noqa: E402
-import bench_frontend  # noqa: E402
+from fakefleet import start_fleet, stop_fleet  # noqa: E402
 
 from debug_server.frontend.app import CONNECTIONS_PER_RANK, GC_THRESHOLDS  # noqa: E402
 from debug_server.frontend.fanout import Collector  # noqa: E402
@@ -29,7 +29,7 @@ DEFAULT = (700, 10, 10)
 
 
 async def run(ranks: int, rounds: int, helpers: int) -> dict[tuple[int, int, int], list[float]]:
-    fleet, urls = bench_frontend._start_fleet(ranks, helpers, memo=True)
+    fleet, urls = start_fleet(ranks, helpers, memo=True)
     times: dict[tuple[int, int, int], list[float]] = {DEFAULT: [], GC_THRESHOLDS: []}
     try:
         connector = aiohttp.TCPConnector(limit=64, limit_per_host=CONNECTIONS_PER_RANK)
@@ -44,7 +44,7 @@ async def run(ranks: int, rounds: int, helpers: int) -> dict[tuple[int, int, int
                 times[th].append(time.perf_counter() - t0)
     finally:
         gc.set_threshold(*DEFAULT)
-        bench_frontend._stop_fleet(fleet)
+        stop_fleet(fleet)
     return times
 
 

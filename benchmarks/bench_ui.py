@@ -6,7 +6,7 @@ Two measurements on the same synthetic hang (the last rank never issued the newe
   page's own code costs);
 - ``end-to-end``: a GET of ``/`` from the real frontend process (``python -m
   debug_server.frontend.app``) that fans out to N fake ranks (real worker apps serving a
-  2000-entry ring, in a few helper processes; see bench_frontend.py), as a browser would.
+  2000-entry ring, in a few helper processes; see tests/fakefleet.py), as a browser would.
 
 The baseline in the same run is the ``/fr_trace`` HTML page, the heaviest existing page.
 
@@ -25,7 +25,9 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "benchmarks"))
+sys.path.insert(0, str(REPO / "tests"))
+
+import fakefleet  # noqa: E402
 
 from debug_server.frontend.app import load_templates  # noqa: E402
 from debug_server.frontend.dumps import analyze_fr  # noqa: E402
@@ -35,11 +37,6 @@ from debug_server.tools import synthetic  # noqa: E402
 
 BUDGET_S = 2.0
 BUDGET_BYTES = 2 * 1024 * 1024
-STACK = (
-    "Thread 0x00007f0000000001 (most recent call first):\n"
-    '  File "/job/train.py", line 88 in hang_phase\n'
-    '  File "/job/train.py", line 120 in <module>\n'
-)
 
 
 def _records(world: int) -> tuple[FrData, list[RankResult]]:
@@ -47,7 +44,7 @@ def _records(world: int) -> tuple[FrData, list[RankResult]]:
     groups = {"main_comm": list(range(world))}
     active = synthetic.make_dump([e for e in two[0]["entries"] if e["state"] != "completed"], groups)
     late = synthetic.make_dump([], groups)
-    recs = [RankResult(r, f"http://10.0.{r // 256}.{r % 256}:41234", "ok", body=STACK)
+    recs = [RankResult(r, f"http://10.0.{r // 256}.{r % 256}:41234", "ok", body=fakefleet.STACK)
             for r in range(world)]
     return FrData(recs, {r: (late if r == world - 1 else active) for r in range(world)}), recs
 
@@ -60,7 +57,7 @@ def in_process(world: int, reps: int) -> dict[str, Any]:
     for _ in range(reps):
         t0 = time.perf_counter()
         result = analyze_fr(fr, recs, world)
-        model = overview_model(result, fr, recs, dict.fromkeys(range(world), "healthy"), world)
+        model = overview_model(result, recs, dict.fromkeys(range(world), "healthy"), world)
         html = env.get_template("index.html").render(title="Overview", failures=[], **model)
         times.append(time.perf_counter() - t0)
         t0 = time.perf_counter()
@@ -72,30 +69,24 @@ def in_process(world: int, reps: int) -> dict[str, Any]:
 
 
 def end_to_end(world: int, reps: int, helpers: int) -> dict[str, Any]:
-    from bench_frontend import _get, _median, _start_fleet, _start_frontend
-
-    fleet, urls = _start_fleet(world, helpers)
+    fleet, urls = fakefleet.start_fleet(world, helpers)
     frontend = None
     try:
-        frontend, port = _start_frontend(urls, fetch_timeout=60)
+        frontend, port = fakefleet.start_frontend(urls, fetch_timeout=60.0)
         base = f"http://127.0.0.1:{port}"
-        _get(f"{base}/stacks")  # warm connections
-        s, html = _median(lambda: _get(f"{base}/", "text/html"), reps)
-        fr_s, fr_html = _median(lambda: _get(f"{base}/fr_trace", "text/html"), reps)
-        json_s, _ = _median(lambda: _get(f"{base}/?format=json"), reps)
+        get, median = fakefleet.timed_get, fakefleet.median_of
+        get(f"{base}/stacks")  # warm connections
+        s, html = median(lambda: get(f"{base}/", "text/html"), reps)
+        fr_s, fr_html = median(lambda: get(f"{base}/fr_trace", "text/html"), reps)
+        json_s, _ = median(lambda: get(f"{base}/?format=json"), reps)
         print(f"             overview as JSON (same fan-out and analysis, no HTML): "
               f"{json_s * 1000:.1f} ms", flush=True)
         assert b"is missing from all_reduce" in html, html[:2000]
         return {"s": s, "bytes": len(html), "fr_s": fr_s, "fr_bytes": len(fr_html)}
     finally:
         if frontend is not None:
-            frontend.terminate()
-            frontend.wait(10)
-        for p in fleet:
-            assert p.stdin is not None
-            p.stdin.close()
-        for p in fleet:
-            p.wait(30)
+            fakefleet.end_process(frontend)
+        fakefleet.stop_fleet(fleet)
 
 
 def _line(kind: str, world: int, row: dict[str, Any]) -> str:

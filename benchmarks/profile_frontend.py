@@ -3,7 +3,8 @@
 The frontend runs in this process with its executor replaced by an inline one, so the work it
 normally hands to threads (parsing replies, analysis, rendering) shows in the same profile as
 the fetch; the HTTP client runs on another thread and is not profiled. Fake ranks are the same
-helper processes as ``bench_frontend.py`` (real worker apps serving 2000-entry rings).
+helper processes as ``bench_frontend.py`` (``tests/fakefleet.py``: real worker apps serving
+2000-entry rings).
 
     python benchmarks/profile_frontend.py --ranks 2048 --page /fr_trace --accept text/html
     python benchmarks/profile_frontend.py --ranks 4096 --page / --top 25
@@ -27,9 +28,9 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "benchmarks"))
+sys.path.insert(0, str(REPO / "tests"))
 
-import bench_frontend  # noqa: E402
+from fakefleet import start_fleet, stop_fleet  # noqa: E402
 
 from debug_server.config import ServerConfig  # noqa: E402
 from debug_server.frontend.app import GC_THRESHOLDS, make_frontend_app  # noqa: E402
@@ -101,14 +102,14 @@ def main() -> None:
     p.add_argument("--top", type=int, default=30)
     p.add_argument("--sort", default="cumulative")
     p.add_argument("--out", help="write the raw pstats here")
-    p.add_argument("--memo", action="store_true", help="fake ranks memoise replies (bench_frontend)")
+    p.add_argument("--memo", action="store_true", help="fake ranks memoise replies (fakefleet)")
     args = p.parse_args()
-    fleet, urls = bench_frontend._start_fleet(args.ranks, args.helpers, args.memo)
+    fleet, urls = start_fleet(args.ranks, args.helpers, args.memo)
     prof = cProfile.Profile()
     try:
         times = asyncio.run(_run(urls, args.page, args.accept, args.reps, prof))
     finally:
-        bench_frontend._stop_fleet(fleet)
+        stop_fleet(fleet)
     print(f"{args.page} ({args.accept}) at {args.ranks} ranks: "
           + ", ".join(f"{t:.2f} s" for t in times) + " (profiled, so slower than bench_frontend)")
     if args.out:

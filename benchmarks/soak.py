@@ -1,8 +1,8 @@
 """Soak: the frontend's memory and the dump directory over minutes of fast dump cycles (not CI).
 
 Eight fake ranks (real worker apps in this process) serve a hanging job; the frontend runs as its
-own process (``python -m debug_server.frontend``, as ``start_debug_server`` starts it) with
-``--dump-interval 0.2`` and ``--keep-dumps``; a page is fetched every second on top. Every few
+own process (as ``start_debug_server`` starts it; ``tests/fakefleet.py``) with
+``dump_interval=0.2`` and ``keep_dumps``; a page is fetched every second on top. Every few
 seconds this samples the frontend's resident memory, open file descriptors, and the dump
 directory's file count and bytes.
 
@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import select
-import subprocess
 import sys
 import tempfile
 import time
@@ -28,26 +26,11 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "tests"))
 
-from debug_server.rank.worker import StaticProvider, WorkerThread, start_worker_thread  # noqa: E402
+from fakefleet import frontend_over, open_fds, status_kb  # noqa: E402
+
 from debug_server.tools import synthetic  # noqa: E402
-
-STACK = (
-    "Thread 0x00007f0000000001 (most recent call first):\n"
-    '  File "/job/train.py", line 88 in hang_phase\n'
-    '  File "/job/train.py", line 120 in <module>\n'
-)
-
-
-def _rss_kb(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1])
-    raise RuntimeError("no VmRSS")
-
-
-def _fds(pid: int) -> int:
-    return len(os.listdir(f"/proc/{pid}/fd"))
 
 
 def _dir_usage(path: Path) -> tuple[int, int]:
@@ -62,24 +45,27 @@ def _dir_usage(path: Path) -> tuple[int, int]:
     return count, size
 
 
-def _start_frontend(urls: list[str], dump_dir: Path, interval: float,
-                    keep: int) -> tuple[subprocess.Popen[bytes], int]:
-    read_fd, write_fd = os.pipe()
-    args = [sys.executable, "-m", "debug_server.frontend.app", "--port", "0", "--host", "127.0.0.1",
-            "--world-size", str(len(urls)), "--worker-urls", ",".join(urls),
-            "--dump-dir", str(dump_dir), "--dump-interval", str(interval),
-            "--keep-dumps", str(keep), "--fetch-timeout", "5", "--ready-fd", str(write_fd)]
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    proc = subprocess.Popen(args, env=env, pass_fds=(write_fd,), stdin=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
-    os.close(write_fd)
-    ready, _, _ = select.select([read_fd], [], [], 60)
-    line = os.read(read_fd, 4096).decode() if ready else ""
-    os.close(read_fd)
-    if not line.startswith("ready "):
-        proc.kill()
-        raise RuntimeError(f"frontend did not start: {line!r}")
-    return proc, int(line.split()[1])
+def _soak(pid: int, port: int, dump_dir: Path, seconds: float,
+          ranks: int) -> tuple[list[tuple[float, int, int, int, int]], int]:
+    """A page a second for ``seconds``; every 10 s a sample (t, RSS kB, fds, dump files,
+    dump bytes). Returns the samples and the pages fetched."""
+    start = time.monotonic()
+    next_sample = start
+    samples: list[tuple[float, int, int, int, int]] = []
+    pages = 0
+    while (now := time.monotonic()) - start < seconds:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/fr_trace", timeout=30) as r:
+            assert f"Rank {ranks - 1} never joined" in r.read().decode()
+        pages += 1
+        if now >= next_sample:
+            files, size = _dir_usage(dump_dir) if dump_dir.exists() else (0, 0)
+            samples.append((now - start, status_kb(pid), open_fds(pid), files, size))
+            t, rss, fds, files, size = samples[-1]
+            print(f"t={t:6.1f}s rss={rss / 1024:7.1f} MiB fds={fds:4d} "
+                  f"dump files={files:4d} bytes={size / 1e6:6.2f} MB", flush=True)
+            next_sample += 10.0
+        time.sleep(1.0)
+    return samples, pages
 
 
 def main() -> int:
@@ -95,60 +81,31 @@ def main() -> int:
     tmp = Path(tempfile.mkdtemp(prefix="debug_server_soak_"))
     dump_dir = tmp / "dumps"
     dumps = synthetic.hang_job(args.ranks, n_entries=args.entries, missing_rank=args.ranks - 1)
-    workers: list[WorkerThread] = []
-    proc = None
-    try:
-        for r in range(args.ranks):
-            provider = StaticProvider(dumps[r], stacks=STACK,
-                                      dump_path=str(dump_dir / "per_rank" / f"rank_{r}"))
-            workers.append(start_worker_thread(provider))
-        urls = [f"http://127.0.0.1:{w.port}" for w in workers]
-        proc, port = _start_frontend(urls, dump_dir, args.interval, args.keep)
+    with frontend_over(dumps, dump_dir=dump_dir, dump_interval=args.interval,
+                       keep_dumps=args.keep, fetch_timeout=5.0) as (proc, port):
         print(f"frontend pid {proc.pid} port {port}; {args.ranks} fake ranks; dump_interval "
               f"{args.interval} s; keep {args.keep}; {args.seconds:.0f} s", flush=True)
-        start = time.monotonic()
-        next_sample = start
-        samples: list[tuple[float, int, int, int, int]] = []
-        pages = 0
-        while (now := time.monotonic()) - start < args.seconds:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/fr_trace", timeout=30) as r:
-                assert f"Rank {args.ranks - 1} never joined" in r.read().decode()
-            pages += 1
-            if now >= next_sample:
-                files, size = _dir_usage(dump_dir) if dump_dir.exists() else (0, 0)
-                samples.append((now - start, _rss_kb(proc.pid), _fds(proc.pid), files, size))
-                t, rss, fds, files, size = samples[-1]
-                print(f"t={t:6.1f}s rss={rss / 1024:7.1f} MiB fds={fds:4d} "
-                      f"dump files={files:4d} bytes={size / 1e6:6.2f} MB", flush=True)
-                next_sample += 10.0
-            time.sleep(1.0)
-        warm = [s for s in samples if s[0] >= args.warmup]
-        if not warm:
-            print("run longer than --warmup to judge growth")
-            return 1
-        base, last = warm[0][1], warm[-1][1]
-        peak = max(s[1] for s in warm)
-        growth = (last - base) / base * 100
-        peak_growth = (peak - base) / base * 100
-        max_files = max(s[3] for s in samples)
-        # A cycle writes its files before pruning the oldest, and pickles go through temp names.
-        bound = (args.keep + 1) * 3 + 2 * args.ranks
-        cycles = len([n for n in os.listdir(dump_dir) if n.startswith("stacks_")])
-        print(f"\nRSS after warm-up {base / 1024:.1f} MiB -> end {last / 1024:.1f} MiB "
-              f"({growth:+.1f} %), peak {peak / 1024:.1f} MiB ({peak_growth:+.1f} %)")
-        print(f"fds {warm[0][2]} -> {warm[-1][2]}; pages fetched {pages}")
-        print(f"dump dir: max {max_files} files (bound {bound}), stacks files now {cycles}, "
-              f"max {max(s[4] for s in samples) / 1e6:.2f} MB")
-        ok = growth <= 10.0 and max_files <= bound
-        print("PASS" if ok else "FAIL")
-        return 0 if ok else 1
-    finally:
-        if proc is not None:
-            proc.kill()
-            proc.wait()
-        for w in workers:
-            w.stop()
-
+        samples, pages = _soak(proc.pid, port, dump_dir, args.seconds, args.ranks)
+    warm = [s for s in samples if s[0] >= args.warmup]
+    if not warm:
+        print("run longer than --warmup to judge growth")
+        return 1
+    base, last = warm[0][1], warm[-1][1]
+    peak = max(s[1] for s in warm)
+    growth = (last - base) / base * 100
+    peak_growth = (peak - base) / base * 100
+    max_files = max(s[3] for s in samples)
+    # A cycle writes its files before pruning the oldest, and pickles go through temp names.
+    bound = (args.keep + 1) * 3 + 2 * args.ranks
+    cycles = len([n for n in os.listdir(dump_dir) if n.startswith("stacks_")])
+    print(f"\nRSS after warm-up {base / 1024:.1f} MiB -> end {last / 1024:.1f} MiB "
+          f"({growth:+.1f} %), peak {peak / 1024:.1f} MiB ({peak_growth:+.1f} %)")
+    print(f"fds {warm[0][2]} -> {warm[-1][2]}; pages fetched {pages}")
+    print(f"dump dir: max {max_files} files (bound {bound}), stacks files now {cycles}, "
+          f"max {max(s[4] for s in samples) / 1e6:.2f} MB")
+    ok = growth <= 10.0 and max_files <= bound
+    print("PASS" if ok else "FAIL")
+    return 0 if ok else 1
 
 if __name__ == "__main__":
     sys.exit(main())

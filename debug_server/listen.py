@@ -7,13 +7,20 @@ every IPv4 connection to it was refused (issue 19). Here the first address is bo
 port 0 the OS picks the port), and every other address of the host is bound on that same port.
 IPv6 sockets are ``IPV6_V6ONLY`` so that IPv4 traffic goes to the IPv4 socket, as asyncio does
 it. A host without IPv6 gets only the IPv4 socket. Both the worker and the frontend use this.
+
+``own_server`` and ``stop_on_signals`` are the lifetime of a server that is its process's own
+(the frontend process, the post-mortem viewer), never one inside a trainer.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import errno
 import logging
+import signal
 import socket
+from collections.abc import AsyncIterator
 
 from aiohttp import web
 
@@ -114,3 +121,23 @@ async def start_sites(runner: web.AppRunner, host: str | None, port: int) -> int
         for sock in socks[started:]:  # only when a site failed to start
             sock.close()
     return int(socks[0].getsockname()[1])
+
+
+@contextlib.asynccontextmanager
+async def own_server(app: web.Application) -> AsyncIterator[web.AppRunner]:
+    """``app``'s runner, set up on entry and cleaned up on exit: no aiohttp signal handlers
+    (``stop_on_signals`` sets an event instead) and at most 2 s for open requests at the end."""
+    runner = web.AppRunner(app, handle_signals=False, shutdown_timeout=2.0, access_log=None)
+    await runner.setup()
+    try:
+        yield runner
+    finally:
+        await runner.cleanup()
+
+
+def stop_on_signals(stop: asyncio.Event) -> None:
+    """SIGTERM and SIGINT set ``stop``. Only in a process that is the server's own: a trainer's
+    signals are the trainer's."""
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)

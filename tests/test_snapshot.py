@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -22,16 +23,10 @@ from debug_server.tools import synthetic
 
 
 @pytest.fixture
-async def collector() -> Any:
-    sessions: list[aiohttp.ClientSession] = []
-
-    def make(urls: list[str | None]) -> Collector:
-        sessions.append(aiohttp.ClientSession())
-        return Collector(sessions[-1], StaticRegistry(urls), timeout=5)
-
-    yield make
-    for s in sessions:
-        await s.close()
+async def collector() -> AsyncIterator[Callable[[list[str | None]], Collector]]:
+    """``collector(urls)``: a Collector over those workers; one client session per test."""
+    async with aiohttp.ClientSession() as session:
+        yield lambda urls: Collector(session, StaticRegistry(urls), timeout=5)
 
 
 def _snapshot_bytes(dump_dir: Path) -> int:

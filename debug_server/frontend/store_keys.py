@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
+from debug_server.errors import first_line
 from debug_server.rank.discovery import PREFIX, meta_key, url_key
 
 logger = logging.getLogger(__name__)
@@ -152,10 +153,10 @@ class StoreReader:
                 all_keys = len(keys)
             except (AttributeError, NotImplementedError, RuntimeError) as e:
                 if not DEFAULT_PREFIX.startswith(prefix) and not prefix.startswith(DEFAULT_PREFIX):
-                    raise StoreReadError(f"this store cannot list its keys ({_first_line(e)}); "
+                    raise StoreReadError(f"this store cannot list its keys ({first_line(e, 200)}); "
                                          f"only {DEFAULT_PREFIX} keys can be shown") from None
                 keys, all_keys = self._known_keys(store), None
-                note = (f"this store cannot list its keys ({_first_line(e)}); showing the keys "
+                note = (f"this store cannot list its keys ({first_line(e, 200)}); showing the keys "
                         f"debug_server writes")
             page, total = select(keys, prefix, offset, limit)
             values = self._values(store, page)
@@ -164,7 +165,7 @@ class StoreReader:
         except Exception as e:  # a timeout or a broken connection: drop it, say why in a line
             self._store = None
             raise StoreReadError(f"store {self.addr}:{self.port}: {type(e).__name__}: "
-                                 f"{_first_line(e)}") from None
+                                 f"{first_line(e, 200)}") from None
         rows = [show_value(k, v, secrets) if v is not None
                 else {"key": k, "size": None, "value": "(deleted while reading)",
                       "redacted": False, "truncated": False} for k, v in zip(page, values, strict=True)]
@@ -183,7 +184,3 @@ class StoreReader:
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._store = None
 
-
-def _first_line(e: BaseException) -> str:
-    lines = str(e).strip().splitlines()
-    return lines[0][:200] if lines else type(e).__name__

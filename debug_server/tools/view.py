@@ -29,7 +29,6 @@ import json
 import logging
 import os
 import re
-import signal
 import sys
 import time
 from collections import OrderedDict
@@ -52,6 +51,7 @@ from debug_server.dumpio import (
     rank_files,
     validate_dump,
 )
+from debug_server.errors import first_line
 from debug_server.frontend import snapshot
 from debug_server.frontend.app import make_frontend_app
 from debug_server.frontend.dumps import (
@@ -71,7 +71,7 @@ from debug_server.frontend.fanout import (
     RankResult,
     RankStates,
 )
-from debug_server.listen import start_sites
+from debug_server.listen import own_server, start_sites, stop_on_signals
 from debug_server.rank.discovery import WorkerAddr
 
 logger = logging.getLogger(__name__)
@@ -235,13 +235,9 @@ def _hang_report(stamp: str, files: Mapping[str, str]) -> HangReportInfo:
             verdict = str(obj.get("verdict") or "(no verdict)") if isinstance(obj, dict) else (
                 "(not a hang report)")
         except (OSError, ValueError, DumpError) as e:
-            verdict = f"(unreadable: {_first_line(e)})"
+            verdict = f"(unreadable: {first_line(e)})"
     return HangReportInfo(stamp, txt, verdict[:500])
 
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return (text[0] if text else type(e).__name__)[:300]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -281,7 +277,7 @@ def _load_snapshot(path: str, data: CycleData) -> None:
     try:
         obj = snapshot.expand(json.loads(_read_bounded(path)))  # shared member lists inline
     except (OSError, ValueError, DumpError) as e:
-        data.problems.append(f"{name}: unusable ({_first_line(e)})")
+        data.problems.append(f"{name}: unusable ({first_line(e)})")
         return
     if not isinstance(obj, dict):
         data.problems.append(f"{name}: not a snapshot (top level is {type(obj).__name__})")
@@ -317,7 +313,7 @@ def _load_stacks(path: str, data: CycleData) -> None:
     try:
         text = _read_bounded(path).decode("utf-8", errors="replace")
     except (OSError, DumpError) as e:
-        data.problems.append(f"{name}: unusable ({_first_line(e)})")
+        data.problems.append(f"{name}: unusable ({first_line(e)})")
         return
     sections = stackparse.split_stacks_file(text)
     if not sections:
@@ -430,7 +426,7 @@ class DiskCollector:
             return await self.stacks(addrs)
         if handler in (FR_HANDLER, C10D_FR_HANDLER):
             return (await self.fr(only_active=False, addrs=addrs)).results
-        # Health, profiles...: nothing was recorded; 404 reads as "n/a" on the pages.
+        # Health, profiles...: nothing was recorded; 404 reads as "no health check" on the pages.
         return [RankResult(r, None, FAILED, error=f"rank {r}: {handler} not recorded "
                            "(post-mortem)", http_status=404) for r in _ranks(addrs)]
 
@@ -630,7 +626,7 @@ async def cycle_file(request: web.Request) -> web.Response:
     try:
         body = await asyncio.get_running_loop().run_in_executor(None, _read_bounded, path)
     except (OSError, DumpError) as e:
-        raise web.HTTPNotFound(text=f"{name}: {_first_line(e)}\n") from None
+        raise web.HTTPNotFound(text=f"{name}: {first_line(e)}\n") from None
     ctype = "application/json" if name.endswith(".json") else "text/plain"
     return web.Response(body=body, content_type=ctype, charset="utf-8")
 
@@ -662,9 +658,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 async def _serve(app: web.Application, host: str, port: int, token: str | None) -> int:
-    runner = web.AppRunner(app, handle_signals=False, shutdown_timeout=2.0, access_log=None)
-    await runner.setup()
-    try:
+    async with own_server(app) as runner:
         try:
             # One port for every address family of host (a TCPSite on "" or "::" would give
             # IPv4 and IPv6 different ephemeral ports).
@@ -673,17 +667,13 @@ async def _serve(app: web.Application, host: str, port: int, token: str | None) 
             print(f"error: cannot bind {host}:{port}: {e.strerror or e}", file=sys.stderr)
             return 3
         stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
+        stop_on_signals(stop)
         shown = f"[{host}]" if ":" in host else host
         link = f"http://{shown}:{bound}/" + (f"?token={token}" if token else "")
         logger.info("debug_server post-mortem viewer for %s on %s", app[SOURCE].path, link)
         print(f"ready {bound}", flush=True)
         await stop.wait()
         return 0
-    finally:
-        await runner.cleanup()
 
 
 def main(argv: Sequence[str] | None = None) -> int:

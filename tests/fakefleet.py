@@ -1,0 +1,292 @@
+"""Fake fleets: real worker apps serving synthetic rings, and a real frontend process over them.
+
+Shared by ``tests/test_load.py`` and the benchmarks (``soak.py``, ``bench_frontend.py``,
+``bench_ui.py``, ``bench_agents.py``, ``bench_frontend_gc.py``, ``profile_frontend.py``); a
+benchmark puts this folder on ``sys.path`` and imports it as ``fakefleet``.
+
+- ``start_frontend(urls, ...)``: the frontend as its own process, started the way
+  ``start_debug_server`` starts it (``rank.server.spawn_frontend``: the whole config through an
+  inherited file), over fixed worker URLs or a TCPStore. Returns ``(process, port)``.
+- ``frontend_over(dumps, ...)``: a context manager; one worker thread in this process per dump
+  (a few ranks) and a frontend process over them; everything ended on exit.
+- ``start_fleet(world, helpers)``: thousands of ranks, spread over a few helper processes
+  (``python tests/fakefleet.py --serve FIRST LAST WORLD``), each serving its ranks from one
+  event loop; ``stop_fleet`` ends them. Other apps in helper processes (agents of fake hosts):
+  ``start_helpers(script, args)``, each helper ending in ``serve_apps(apps)``; ``split`` cuts
+  the work between helpers.
+- ``/proc`` readings of a process (``status_kb``, ``open_fds``, ``cpu_s``) and the timing
+  helpers of the benchmarks (``timed_get``, ``median_of``).
+
+Fake ranks are fakes only in what they serve (``StaticProvider``: a fixed dump, stacks and
+health); the HTTP servers, the frontend process and its fan-out are the real ones.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from debug_server.config import FrontendConfig, ServerConfig
+from debug_server.rank.server import spawn_frontend, wait_frontend_ready
+from debug_server.rank.worker import (
+    StaticProvider,
+    WorkerThread,
+    make_worker_app,
+    start_worker_thread,
+)
+from debug_server.tools import synthetic
+
+REPO = Path(__file__).resolve().parent.parent
+
+RING = 2000
+"""Entries in each fake rank's ring in ``start_fleet`` (a full default-size ring)."""
+STACK = (
+    "Thread 0x00007f0000000001 (most recent call first):\n"
+    '  File "/job/train.py", line 88 in hang_phase\n'
+    '  File "/job/train.py", line 120 in <module>\n'
+)
+"""What every fake rank answers for its stacks."""
+READY_TIMEOUT_S = 60.0
+
+
+# ---------------------------------------------------------------------------------------------
+# The frontend process
+
+
+def start_frontend(urls: Sequence[str | None] | None = None, *,
+                   store: tuple[str, int] | None = None, world_size: int = 0,
+                   stderr: int | None = subprocess.DEVNULL,
+                   **server: Any) -> tuple[subprocess.Popen[bytes], int]:
+    """A frontend process over ``urls`` (one per rank), or over the ranks registered in a
+    TCPStore (``store``, with ``world_size``); ``server``: ``ServerConfig`` fields.
+
+    Binds 127.0.0.1 on a free port unless ``server`` says otherwise. Raises when the process
+    does not report ready within ``READY_TIMEOUT_S`` (and leaves no process behind).
+    """
+    config = FrontendConfig(server=ServerConfig(**{"port": 0, "host": "127.0.0.1", **server}),
+                            world_size=len(urls) if urls is not None else world_size,
+                            worker_urls=tuple(urls) if urls is not None else None, store=store)
+    pending = spawn_frontend(config, stderr=stderr)
+    try:
+        return pending[0], wait_frontend_ready(pending, 0, timeout=READY_TIMEOUT_S)
+    except BaseException:
+        end_process(pending[0])
+        raise
+
+
+def end_process(proc: subprocess.Popen[Any], grace_s: float = 10.0) -> None:
+    """SIGTERM, then SIGKILL after ``grace_s``; waits for the exit either way."""
+    proc.terminate()
+    try:
+        proc.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+@contextlib.contextmanager
+def frontend_over(dumps: Mapping[int, Mapping[str, Any]], *, dump_dir: Path | None = None,
+                  **server: Any) -> Iterator[tuple[subprocess.Popen[bytes], int]]:
+    """``(process, port)`` of a frontend over one worker thread per rank of ``dumps``.
+
+    With ``dump_dir``, the frontend dumps there and rank r's dump file handler writes
+    ``dump_dir/per_rank/rank_r``. The workers and the frontend are ended on exit.
+    """
+    workers: list[WorkerThread] = []
+    proc = None
+    try:
+        for r in sorted(dumps):
+            path = str(dump_dir / "per_rank" / f"rank_{r}") if dump_dir is not None else None
+            workers.append(start_worker_thread(StaticProvider(dumps[r], stacks=STACK,
+                                                              dump_path=path)))
+        if dump_dir is not None:
+            server["dump_dir"] = str(dump_dir)
+        proc, port = start_frontend([f"http://127.0.0.1:{w.port}" for w in workers], **server)
+        yield proc, port
+    finally:
+        if proc is not None:
+            end_process(proc)
+        for w in workers:
+            w.stop()
+
+
+# ---------------------------------------------------------------------------------------------
+# Many ranks in helper processes
+
+
+def rank_dumps(world: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    """One issued-the-hang dump and one missing-rank dump (every other rank has the same data)."""
+    two = synthetic.hang_job(2, n_entries=RING, missing_rank=1)
+    groups = {"main_comm": list(range(world))}
+    return (synthetic.make_dump(two[0]["entries"], groups),
+            synthetic.make_dump(two[1]["entries"], groups))
+
+
+def _memo_middleware(cache: dict[tuple[int, str], tuple[int, bytes, str]], key: int) -> Any:
+    """Each distinct question answered once per helper and data: a real rank cuts its own ring
+    on its own CPU, in parallel with every other rank; N fakes on this box's 2 cores cannot."""
+    from aiohttp import web
+
+    @web.middleware
+    async def memo(request: web.Request, handler: Any) -> web.StreamResponse:
+        k = (key, request.path_qs)
+        hit = cache.get(k)
+        if hit is None:
+            resp = await handler(request)
+            if not isinstance(resp, web.Response) or resp.body is None:
+                return resp
+            body = resp.body if isinstance(resp.body, bytes) else bytes(resp.body)  # type: ignore[arg-type]
+            hit = cache[k] = (resp.status, body, resp.content_type)
+        return web.Response(status=hit[0], body=hit[1], content_type=hit[2])
+
+    return memo
+
+
+async def serve_apps(apps: Sequence[Any]) -> None:
+    """The body of a helper process: each ``web.Application`` on its own port of 127.0.0.1, all
+    on this loop; prints the ports as one JSON line, then serves until stdin is closed."""
+    from aiohttp import web
+
+    runners = []
+    ports = []
+    for app in apps:
+        runner = web.AppRunner(app, handle_signals=False, access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0, backlog=1024)
+        await site.start()
+        runners.append(runner)
+        ports.append(runner.addresses[0][1])
+    print(json.dumps(ports), flush=True)
+    await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)  # until closed
+    for r in runners:
+        await r.cleanup()
+
+
+async def serve_ranks(first: int, last: int, world: int, memo: bool = False) -> None:
+    """Ranks ``first``..``last - 1`` of a ``world``-rank hang, one worker app each (``serve_apps``)."""
+    full, missing = rank_dumps(world)
+    cache: dict[tuple[int, str], tuple[int, bytes, str]] = {}
+    apps = []
+    for rank in range(first, last):
+        data = missing if rank == world - 1 else full
+        app = make_worker_app(StaticProvider(data, stacks=STACK))
+        if memo:
+            app.middlewares.append(_memo_middleware(cache, id(data)))
+        apps.append(app)
+    await serve_apps(apps)
+
+
+def start_helpers(script: str, args: Sequence[Sequence[str]]) -> tuple[list[subprocess.Popen[str]],
+                                                                      list[str]]:
+    """One ``python script *a`` process per ``a`` in ``args``, each ending in ``serve_apps``;
+    returns the processes and the URLs of their apps, in order. ``stop_fleet`` ends them."""
+    # A helper runs a file as a script: the package must come from this checkout.
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
+    procs: list[subprocess.Popen[str]] = []
+    urls: list[str] = []
+    try:
+        for a in args:
+            procs.append(subprocess.Popen([sys.executable, script, *a], stdin=subprocess.PIPE,
+                                          stdout=subprocess.PIPE, text=True, env=env))
+        for p in procs:
+            assert p.stdout is not None
+            urls += [f"http://127.0.0.1:{port}" for port in json.loads(p.stdout.readline())]
+    except BaseException:
+        stop_fleet(procs)
+        raise
+    return procs, urls
+
+
+def split(n: int, parts: int) -> list[tuple[int, int]]:
+    """``0..n`` cut into at most ``parts`` non-empty ``(first, last)`` ranges, in order."""
+    bounds = [n * i // parts for i in range(parts + 1)]
+    return [(lo, hi) for lo, hi in zip(bounds, bounds[1:], strict=False) if lo < hi]
+
+
+def start_fleet(world: int, helpers: int,
+                memo: bool = False) -> tuple[list[subprocess.Popen[str]], list[str]]:
+    """``world`` fake ranks (the last one never issued the newest all_reduce) spread over
+    ``helpers`` processes; returns the processes and one URL per rank. ``memo``: see
+    ``_memo_middleware``."""
+    return start_helpers(__file__, [["--serve", str(lo), str(hi), str(world),
+                                     *(["--memo"] if memo else [])]
+                                    for lo, hi in split(world, helpers)])
+
+
+def stop_fleet(fleet: Sequence[subprocess.Popen[str]]) -> None:
+    """Closes each helper's stdin (its signal to stop) and waits; kills one that hangs."""
+    for p in fleet:
+        assert p.stdin is not None
+        p.stdin.close()
+    for p in fleet:
+        try:
+            p.wait(30)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+        if p.stdout is not None:
+            p.stdout.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# Readings of a process, and timing
+
+
+def status_kb(pid: int, field: str = "VmRSS") -> int:
+    """A kB field of ``/proc/<pid>/status``: ``VmRSS`` (resident now), ``VmHWM`` (its peak)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(f"{field}:"):
+            return int(line.split()[1])
+    raise RuntimeError(f"no {field} in /proc/{pid}/status")
+
+
+def open_fds(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def cpu_s(pid: int) -> float:
+    """User + system CPU seconds the process has used."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def timed_get(url: str, accept: str = "*/*") -> tuple[float, bytes]:
+    """Seconds a GET of ``url`` took end to end, and the body."""
+    t0 = time.perf_counter()
+    with urllib.request.urlopen(urllib.request.Request(url, headers={"Accept": accept}),
+                                timeout=600) as r:
+        body = r.read()
+    return time.perf_counter() - t0, body
+
+
+def median_of(fn: Callable[[], tuple[float, Any]], reps: int) -> tuple[float, Any]:
+    """The median of the seconds ``fn`` returns over ``reps`` calls, and the last result."""
+    times, last = [], None
+    for _ in range(reps):
+        t, last = fn()
+        times.append(t)
+    return statistics.median(times), last
+
+
+def _main() -> None:
+    p = argparse.ArgumentParser(description="A helper process of start_fleet.")
+    p.add_argument("--serve", nargs=3, type=int, required=True, metavar=("FIRST", "LAST", "WORLD"))
+    p.add_argument("--memo", action="store_true")
+    args = p.parse_args()
+    asyncio.run(serve_ranks(*args.serve, memo=args.memo))
+
+
+if __name__ == "__main__":
+    _main()
