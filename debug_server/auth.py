@@ -34,7 +34,8 @@ TOKEN_HEADER = "X-Debug-Server-Token"
 TOKEN_COOKIE = "debug_server_token"
 TOKEN_QUERY = "token"
 TOKEN_ENV = "DEBUG_SERVER_AUTH_TOKEN"
-"""How rank 0 hands the token to its frontend process (never on the command line: ``ps``)."""
+"""The token an attached frontend or the viewer uses (never a command-line option: ``ps``).
+Rank 0's frontend gets it inside its ``config.FrontendConfig``."""
 AUTH_MODES = ("auto", "token", "none")
 TOKEN_WAIT_S = 300.0
 """How long a rank other than 0 waits for rank 0 to put the token in the store."""
@@ -42,17 +43,6 @@ TOKEN_WAIT_S = 300.0
 
 def new_token() -> str:
     return secrets.token_urlsafe(32)
-
-
-def check_token_text(token: str) -> str:
-    """A token must be printable ASCII without spaces (it travels in a header and a cookie)."""
-    if not token or not token.isascii() or not token.isprintable() or any(c in token for c in " ;,\""):
-        raise ConfigError("auth_token must be non-empty printable ASCII without spaces, "
-                          "';', ',' or quotes")
-    if len(token) < 16:
-        raise ConfigError(f"auth_token is {len(token)} characters; use at least 16 "
-                          "(e.g. secrets.token_urlsafe(32))")
-    return token
 
 
 def token_required(mode: str, bind_host: str | None, explicit_token: str | None) -> bool:

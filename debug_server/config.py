@@ -1,16 +1,28 @@
 """Configuration of the debug server: what the job's environment says, and what the user chose.
 
-Two frozen records: ``JobEnv`` (read from torchrun's environment, never guessed) and
-``ServerConfig`` (the keyword arguments of ``start_debug_server``, passed to the frontend
-process on its command line).
+Three frozen records:
+
+- ``JobEnv``: where this process sits in the job, read from torchrun's environment, never guessed;
+- ``ServerConfig``: what the user chose (the keyword arguments of ``start_debug_server``);
+- ``FrontendConfig``: one frontend process's whole configuration, a ``ServerConfig`` plus where
+  the job's workers are. ``start_debug_server`` hands it to the frontend process whole, as JSON
+  in an inherited unnamed file (``write_inherited`` / ``read_inherited``): nothing on the command
+  line (``ps`` shows it to every user, and the config holds the access token) and no copy of the
+  options in an argument parser.
+
+This module imports nothing else of the package (``auth`` builds on it, not the reverse).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import ipaddress
+import json
 import os
-from collections.abc import Mapping
+import tempfile
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 ALL_DUMPS: frozenset[str] = frozenset({"fr_trace", "stacks", "per_rank", "snapshot"})
 """Dump kinds the periodic dumper can write (``enabled_dumps`` is a subset)."""
@@ -19,6 +31,8 @@ DEFAULT_PORT = 25999
 DEFAULT_KEEP_BYTES = 2 << 30
 """Default bound on a dump dir's cycle files (2 GiB): 50 cycles of a 16384-rank job fit."""
 LOOPBACK = "127.0.0.1"
+FRONTEND_CONFIG_FD_ENV = "DEBUG_SERVER_FRONTEND_CONFIG_FD"
+"""Names the inherited descriptor that holds a spawned frontend's ``FrontendConfig`` (JSON)."""
 
 
 class ConfigError(ValueError):
@@ -156,6 +170,142 @@ class ServerConfig:
         if self.keep_bytes < 1:
             raise ConfigError(f"keep_bytes={self.keep_bytes} must be >= 1")
         if self.auth_token is not None:
-            from debug_server.auth import check_token_text  # auth imports this module
-
             check_token_text(self.auth_token)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Every field, JSON-ready (the token included: keep the result off argv and logs)."""
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        out["enabled_dumps"] = sorted(self.enabled_dumps)
+        return out
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> ServerConfig:
+        """The inverse of ``to_dict``; an unknown or malformed field raises ``ConfigError``."""
+        return _build(cls, data, {"enabled_dumps": frozenset})
+
+
+def check_token_text(token: str) -> str:
+    """A token must be printable ASCII without spaces (it travels in a header and a cookie)."""
+    if not token or not token.isascii() or not token.isprintable() or any(c in token for c in " ;,\""):
+        raise ConfigError("auth_token must be non-empty printable ASCII without spaces, "
+                          "';', ',' or quotes")
+    if len(token) < 16:
+        raise ConfigError(f"auth_token is {len(token)} characters; use at least 16 "
+                          "(e.g. secrets.token_urlsafe(32))")
+    return token
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class FrontendConfig:
+    """One frontend process's whole configuration: the user's choices and where the workers are.
+
+    Workers are found either through the job's TCPStore (``store``; how rank 0's frontend and an
+    attached one find them) or at fixed URLs (``worker_urls``; tests and benchmarks).
+    """
+
+    server: ServerConfig
+    """What the user chose (ports, dump dir, timeouts, token)."""
+    world_size: int
+    """Number of ranks the pages cover."""
+    store: tuple[str, int] | None = None
+    """``(host, port)`` of the job's TCPStore (its ``MASTER_ADDR:MASTER_PORT``)."""
+    restart_count: int = 0
+    """Elastic restart whose registrations in the store are trusted."""
+    worker_urls: tuple[str | None, ...] | None = None
+    """Each rank's worker URL (None: not registered), instead of the store."""
+    parent_pid: int | None = None
+    """Exit when this process (the trainer's rank 0) is gone."""
+    ready_fd: int | None = None
+    """Inherited pipe on which the process writes ``ready <port>`` or ``error: <why>``."""
+
+    def __post_init__(self) -> None:
+        if self.world_size < 1:
+            raise ConfigError(f"world_size={self.world_size} must be >= 1")
+        if (self.store is None) == (self.worker_urls is None):
+            raise ConfigError("a frontend needs exactly one of store=(host, port) and worker_urls")
+        if self.worker_urls is not None and len(self.worker_urls) != self.world_size:
+            raise ConfigError(f"{len(self.worker_urls)} worker_urls for world_size="
+                              f"{self.world_size}; give one per rank (None: not registered)")
+
+    def to_json(self) -> str:
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        out["server"] = self.server.to_dict()
+        return json.dumps(out)
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> FrontendConfig:
+        """The inverse of ``to_json``; anything malformed raises ``ConfigError`` in one line."""
+        try:
+            data = json.loads(text)
+        except ValueError as e:
+            raise ConfigError(f"frontend config is not JSON: {e}") from None
+        if not isinstance(data, dict) or not isinstance(data.get("server"), dict):
+            raise ConfigError("frontend config must be a JSON object with a 'server' object")
+        return _build(cls, data, {"server": ServerConfig.from_dict, "store": _pair,
+                                  "worker_urls": tuple})
+
+
+def _pair(value: Sequence[Any] | None) -> tuple[str, int] | None:
+    if value is None:
+        return None
+    host, port = value
+    return str(host), int(port)
+
+
+def _build(cls: Any, data: Mapping[str, Any], convert: Mapping[str, Any]) -> Any:
+    # One generic path from a dict to a record: a field added to a record needs no other edit.
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        raise ConfigError(f"{cls.__name__} has no field {', '.join(map(repr, unknown))}")
+    kwargs = dict(data)
+    try:
+        for name, fn in convert.items():
+            if kwargs.get(name) is not None:
+                kwargs[name] = fn(kwargs[name])
+        return cls(**kwargs)
+    except (TypeError, ValueError) as e:
+        if isinstance(e, ConfigError):
+            raise
+        raise ConfigError(f"bad {cls.__name__}: {str(e).splitlines()[0] if str(e) else e}") from None
+
+
+def write_inherited(config: FrontendConfig) -> int:
+    """A new descriptor of an unnamed file holding ``config`` as JSON, positioned at its start.
+
+    The spawner passes it to the child (``pass_fds``) and names it in
+    ``$DEBUG_SERVER_FRONTEND_CONFIG_FD``, then closes its own copy. Unnamed (``memfd`` where the
+    OS has it, else an unlinked temp file): no other user can open it, and unlike one environment
+    string (128 KiB at most) it holds the worker URLs of any job size.
+    """
+    data = config.to_json().encode()
+    if hasattr(os, "memfd_create"):
+        fd = os.memfd_create("debug_server_frontend_config")
+    else:
+        with tempfile.TemporaryFile() as f:
+            fd = os.dup(f.fileno())
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+        os.lseek(fd, 0, os.SEEK_SET)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def read_inherited(env: Mapping[str, str] | None = None) -> FrontendConfig | None:
+    """The ``FrontendConfig`` a spawner left in ``$DEBUG_SERVER_FRONTEND_CONFIG_FD`` (None when
+    the variable is unset); the descriptor is read whole and closed. Raises ``ConfigError``."""
+    env = os.environ if env is None else env
+    raw = env.get(FRONTEND_CONFIG_FD_ENV)
+    if not raw:
+        return None
+    try:
+        with os.fdopen(int(raw), "rb") as f:
+            text = f.read()
+    except (ValueError, OSError) as e:
+        raise ConfigError(f"{FRONTEND_CONFIG_FD_ENV}={raw!r}: cannot read the frontend config "
+                          f"({e})") from None
+    return FrontendConfig.from_json(text)

@@ -18,6 +18,8 @@ import re
 import tempfile
 from typing import Any
 
+from debug_server.errors import first_line
+
 logger = logging.getLogger(__name__)
 
 FR_VERSION = "2.10"
@@ -180,12 +182,12 @@ def loads_dump(data: bytes, source: str = "dump") -> dict[str, Any]:
         try:
             obj = json.loads(data)
         except (ValueError, UnicodeDecodeError) as e:
-            raise DumpError(f"{source}: invalid JSON ({str(e).splitlines()[0]:.80})") from None
+            raise DumpError(f"{source}: invalid JSON ({first_line(e, 80)})") from None
     elif data[:1] == b"\x80":
         try:
             obj = safe_loads(data)
         except pickle.UnpicklingError as e:
-            msg = str(e).splitlines()[0] if str(e) else "invalid pickle"
+            msg = first_line(e, empty="invalid pickle")
             if msg.startswith("refused global"):
                 raise DumpError(f"{source}: {msg} (not a plain FR dump)") from None
             if "truncated" in msg or "ran out" in msg.lower():

@@ -7,6 +7,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 import urllib.error
@@ -35,20 +36,26 @@ def _http(url: str, headers: dict[str, str] | None = None) -> tuple[int, str]:
 def _start_attached(store_port: int, world_size: int, *extra: str,
                     env: dict[str, str] | None = None) -> tuple[subprocess.Popen[bytes], str]:
     """``python -m debug_server.frontend --store ...`` as its own process; (process, 'ready <port>'
-    or 'error: ...')."""
-    r, w = os.pipe()
+    from the address it prints, or its 'error: ...' line)."""
     child_env = {k: v for k, v in os.environ.items() if k != TOKEN_ENV}
     child_env.update(PYTHONPATH=str(REPO), **(env or {}))
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "debug_server.frontend.app", "--store", f"127.0.0.1:{store_port}",
-         "--world-size", str(world_size), "--port", "0", "--host", "127.0.0.1",
-         "--fetch-timeout", "3", "--ready-fd", str(w), *extra],
-        pass_fds=(w,), env=child_env, cwd=REPO, stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL, start_new_session=True)
-    os.close(w)
-    with os.fdopen(r) as f:
-        line = f.readline().strip()
-    return proc, line
+    with tempfile.TemporaryFile() as err:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "debug_server.frontend", "--store", f"127.0.0.1:{store_port}",
+             "--world-size", str(world_size), "--port", "0", "--host", "127.0.0.1",
+             "--fetch-timeout", "3", *extra],
+            env=child_env, cwd=REPO, stdout=subprocess.PIPE, stderr=err, start_new_session=True)
+        assert proc.stdout is not None
+        with proc.stdout:  # the address is all it prints there
+            first = proc.stdout.readline().decode()
+        m = re.fullmatch(rf"debug_server frontend: http://127\.0\.0\.1:(\d+)/ for {world_size} "
+                         r"ranks\n", first)
+        if m:
+            return proc, f"ready {m.group(1)}"
+        proc.wait(60)  # no address: it exits, and says why on stderr
+        err.seek(0)
+        errors = [ln for ln in err.read().decode().splitlines() if ln.startswith("error: ")]
+        return proc, errors[0] if errors else f"no address and no error line (stdout {first!r})"
 
 
 def _end(proc: subprocess.Popen[Any]) -> None:
@@ -93,6 +100,36 @@ def test_unreachable_store_is_one_line_error_and_exit_2(tmp_path: Path) -> None:
                             r"3 s \(.*\)", line), line
     finally:
         _end(proc)
+
+
+def test_token_from_the_environment_guards_the_attached_pages(tcp_store: Any) -> None:
+    token = "env-token-0123456789abcdef"
+    proc, line = _start_attached(tcp_store.port, 1, env={TOKEN_ENV: token})
+    try:
+        assert line.startswith("ready "), line
+        base = f"http://127.0.0.1:{line.split()[1]}"
+        assert _http(f"{base}/?format=json")[0] == 401
+        status, body = _http(f"{base}/?format=json", {TOKEN_HEADER: token})
+        assert status == 200 and json.loads(body)["ranks"][0]["status"] == "not registered"
+    finally:
+        _end(proc)
+
+
+def test_frontend_started_by_hand_without_store_is_a_usage_error_naming_it() -> None:
+    out = subprocess.run([sys.executable, "-m", "debug_server.frontend", "--world-size", "2"],
+                         env={**os.environ, "PYTHONPATH": str(REPO)}, cwd=REPO,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2
+    assert "the following arguments are required: --store" in out.stderr
+
+
+def test_options_of_rank0s_spawned_frontend_are_not_attach_options() -> None:
+    # Rank 0's frontend takes its config from an inherited file, not from options.
+    out = subprocess.run([sys.executable, "-m", "debug_server.frontend", "--store", "h:1",
+                          "--world-size", "2", "--dump-interval", "5"],
+                         env={**os.environ, "PYTHONPATH": str(REPO)}, cwd=REPO,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "unrecognized arguments: --dump-interval 5" in out.stderr
 
 
 # ---------------------------------------------------------------------------------------------

@@ -5,6 +5,7 @@ import json
 import logging
 import os
 import re
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -14,8 +15,9 @@ import pytest
 from conftest import closed_port_url
 
 from debug_server.config import ServerConfig
+from debug_server.frontend import dumps as dumps_mod
 from debug_server.frontend.app import DUMPER, make_frontend_app
-from debug_server.frontend.dumps import DumpDir, Dumper, write_atomic
+from debug_server.frontend.dumps import DumpDir, Dumper, FileThread, write_atomic
 from debug_server.frontend.fanout import Collector
 from debug_server.rank.discovery import StaticRegistry
 from debug_server.tools import synthetic
@@ -54,6 +56,21 @@ def test_write_atomic_replaces_and_leaves_no_temp_files(tmp_path: Path) -> None:
     write_atomic(path, "one")
     write_atomic(path, b"two")
     assert Path(path).read_text() == "two" and os.listdir(tmp_path) == ["a.txt"]
+
+
+async def test_file_thread_runs_calls_in_order_raises_their_errors_and_restarts_after_idle(
+        tmp_path: Path) -> None:
+    files = FileThread("test.dumps.files", idle_s=0.05)
+    seen: list[int] = []
+    await asyncio.gather(*(files.run(seen.append, i) for i in range(50)))
+    assert seen == list(range(50))
+    with pytest.raises(FileNotFoundError):
+        await files.run(os.listdir, str(tmp_path / "missing"))
+    deadline = time.monotonic() + 5
+    while any(t.name == "test.dumps.files" for t in threading.enumerate()):
+        assert time.monotonic() < deadline, "the idle file thread did not end"
+        await asyncio.sleep(0.02)
+    assert await files.run(lambda: threading.current_thread().name) == "test.dumps.files"
 
 
 @pytest.fixture
@@ -152,6 +169,41 @@ async def test_first_background_cycle_comes_soon_after_start(aiohttp_client: Any
         await asyncio.sleep(0.05)
     assert client.app[DUMPER].cycles == 1
     assert [n[:7] for n in os.listdir(tmp_path / "d")] == ["stacks_"]
+
+
+async def test_pages_answer_while_a_dump_write_hangs_and_the_writes_land_in_order_after(
+        aiohttp_client: Any, fake_job: Any, tmp_path: Path, monkeypatch: Any) -> None:
+    urls = await fake_job(synthetic.hang_job(2, n_entries=5, missing_rank=1))
+    config = ServerConfig(port=0, dump_dir=str(tmp_path / "d"), dump_interval=600,
+                          enabled_dumps=frozenset({"fr_trace", "stacks"}), fetch_timeout=2)
+    entered, release = threading.Event(), threading.Event()
+    names: list[str] = []
+
+    def hung_nfs_write(path: str, data: str | bytes) -> None:
+        names.append(os.path.basename(path))
+        entered.set()
+        release.wait(30)
+        write_atomic(path, data)
+
+    monkeypatch.setattr(dumps_mod, "write_atomic", hung_nfs_write)
+    client = await aiohttp_client(make_frontend_app(config, StaticRegistry(urls)))
+    loop = asyncio.get_running_loop()
+    try:  # the first background cycle starts about a second after the app
+        assert await loop.run_in_executor(None, entered.wait, 10)
+        resp = await asyncio.wait_for(client.get("/fr_trace", headers={"Accept": "*/*"}), 10)
+        assert resp.status == 200 and "Rank 1 never joined all_reduce #4" in await resp.text()
+        resp = await asyncio.wait_for(client.get("/stacks", headers={"Accept": "*/*"}), 10)
+        assert resp.status == 200 and "=== Rank 1 ===" in await resp.text()
+        # Both pages came while the cycle's first write was still stuck.
+        assert os.listdir(tmp_path / "d") == [] and client.app[DUMPER].cycles == 0
+    finally:
+        release.set()
+    deadline = time.monotonic() + 10
+    while client.app[DUMPER].cycles == 0 and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    assert [re.sub(r"\d{8}_\d{6}", "TS", n) for n in names] == [
+        "torchcomms_fr_trace_TS.txt", "stacks_TS.txt"]
+    assert sorted(os.listdir(tmp_path / "d")) == sorted(names)
 
 
 def _stack(func: str, line: int) -> str:

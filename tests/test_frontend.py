@@ -165,7 +165,7 @@ async def test_overview_names_the_stalled_op_of_an_unhealthy_rank(aiohttp_client
         "group": "main_comm", "seq": 2, "op": "all_reduce", "age_s": 612.4}})
     client = await aiohttp_client(make_frontend_app(_config(), StaticRegistry([url])))
     text = await (await client.get("/", headers={"Accept": CURL})).text()
-    assert "rank 0: ok, UNHEALTHY: main_comm seq 2 all_reduce stalled for 612 s" in text
+    assert "rank 0: ok, UNHEALTHY: main_comm seq 2 all_reduce in flight for 612.4 s" in text
 
 
 async def test_never_registered_rank_does_not_block_pages(aiohttp_client: Any, fake_rank: Any, tcp_store: Any) -> None:

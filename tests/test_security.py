@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import free_port
 
 from debug_server.auth import TOKEN_COOKIE, TOKEN_HEADER, TokenGate, token_required
 from debug_server.config import ConfigError, ServerConfig
@@ -88,6 +87,37 @@ def test_single_host_job_binds_loopback_only_and_needs_no_token(
             assert port and _listening(port) == {"0100007F"}, port  # 127.0.0.1, nothing else
         with urllib.request.urlopen(f"{handle.frontend_url}/?format=json", timeout=10) as r:
             assert json.loads(r.read())["ranks"][0]["status"] == "ok"
+    finally:
+        stop_debug_server()
+
+
+def _proc_strings(pid: int, name: str) -> list[str]:
+    return Path(f"/proc/{pid}/{name}").read_bytes().decode(errors="replace").split("\0")
+
+
+@pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="needs Linux /proc")
+def test_frontend_gets_its_whole_config_with_no_option_and_no_token_in_ps_or_environment(
+        monkeypatch: Any, tcp_store: Any, tmp_path: Path) -> None:
+    for k, v in {"RANK": 0, "WORLD_SIZE": 1, "LOCAL_WORLD_SIZE": 1, "MASTER_ADDR": "127.0.0.1",
+                 "MASTER_PORT": tcp_store.port}.items():
+        monkeypatch.setenv(k, str(v))
+    handle = start_debug_server(port=0, fetch_timeout=3, auth_token=TOKEN, dump_dir=str(tmp_path),
+                                dump_interval=600, enabled_dumps={"stacks"})
+    try:
+        assert handle.frontend is not None
+        pid = handle.frontend.pid
+        assert _proc_strings(pid, "cmdline")[1:3] == ["-m", "debug_server.frontend"]
+        assert _proc_strings(pid, "cmdline")[3:] == [""]  # nothing after the module
+        environ = _proc_strings(pid, "environ")
+        assert not [v for v in environ if TOKEN in v or v.startswith("DEBUG_SERVER_AUTH_TOKEN=")]
+        # The config arrived whole: the token guards the pages, and the dumper runs with this
+        # dump_dir and only the stacks dump.
+        assert _http(f"{handle.frontend_url}/?format=json")[0] == 401
+        assert _http(f"{handle.frontend_url}/?format=json", {TOKEN_HEADER: TOKEN})[0] == 200
+        deadline = time.monotonic() + 20
+        while not os.listdir(tmp_path) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert [n[:7] for n in os.listdir(tmp_path)] == ["stacks_"]
     finally:
         stop_debug_server()
 
@@ -196,8 +226,8 @@ async def test_browser_link_swaps_the_token_for_an_httponly_strict_cookie(guarde
 RANK = """
 import os, sys, time
 from debug_server import start_debug_server
-h = start_debug_server(port=int(os.environ["FE_PORT"]) if os.environ["RANK"] == "0" else 0,
-                       fetch_timeout=3, auth="token")
+# port=0: a port picked in advance can be taken meanwhile by a worker's ephemeral bind.
+h = start_debug_server(port=0, fetch_timeout=3, auth="token")
 assert h.wait_registered(60)
 print("READY", h.worker_url, h.browser_url, h.auth_token, flush=True)
 time.sleep(90)
@@ -218,14 +248,13 @@ def _http(url: str, headers: dict[str, str] | None = None, method: str = "GET") 
 def test_store_distributed_token_guards_two_real_ranks(tcp_store: Any, tmp_path: Path) -> None:
     script = tmp_path / "rank.py"
     script.write_text(textwrap.dedent(RANK))
-    fe_port = free_port()
     procs: list[subprocess.Popen[bytes]] = []
     logs = [tmp_path / f"rank{r}.log" for r in range(2)]
     try:
         for r in range(2):
             env = {**os.environ, "RANK": str(r), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
                    "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(tcp_store.port),
-                   "FE_PORT": str(fe_port), "PYTHONPATH": str(REPO)}
+                   "PYTHONPATH": str(REPO)}
             with logs[r].open("wb") as out:  # the child keeps its own copy of the fd
                 procs.append(subprocess.Popen([sys.executable, str(script)], env=env,
                                               stdout=out, stderr=subprocess.STDOUT,
@@ -242,9 +271,9 @@ def test_store_distributed_token_guards_two_real_ranks(tcp_store: Any, tmp_path:
         assert len(ready) == 2, [p.read_text()[-2000:] for p in logs]
         worker1, token = ready[1][0], ready[0][2]
         assert ready[1][2] == token  # rank 1 learnt rank 0's token through the store
-        assert f"access token required; open http://127.0.0.1:{fe_port}/?token={token}" in \
-            logs[0].read_text()
-        base = f"http://127.0.0.1:{fe_port}"
+        base = ready[0][1].removesuffix(f"/?token={token}")
+        assert re.fullmatch(r"http://127\.0\.0\.1:\d+", base), ready[0][1]
+        assert f"access token required; open {base}/?token={token}" in logs[0].read_text()
         assert _http(f"{base}/")[0] == 401
         assert _http(f"{worker1}/handler/ping", method="POST")[0] == 401
         assert _http(f"{worker1}/handler/ping", {TOKEN_HEADER: token}, "POST") == (200, "pong")

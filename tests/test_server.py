@@ -19,7 +19,14 @@ import pytest
 from conftest import free_port, make_job
 
 import debug_server
-from debug_server.config import ServerConfig
+from debug_server.config import (
+    FRONTEND_CONFIG_FD_ENV,
+    ConfigError,
+    FrontendConfig,
+    ServerConfig,
+    read_inherited,
+    write_inherited,
+)
 from debug_server.frontend.app import make_frontend_app
 from debug_server.rank.discovery import StoreRegistry, register_worker, store_client
 from debug_server.rank.server import DUMP_PATH_ENV, start_debug_server, stop_debug_server
@@ -130,6 +137,53 @@ def test_frontend_process_does_not_import_the_recording_side() -> None:
     assert out.returncode == 0, out.stderr
 
 
+# ---------------------------------------------------------------------------------------------
+# The frontend's one config object
+
+
+def _every_field_set() -> FrontendConfig:
+    server = ServerConfig(port=26701, worker_port=26702, host="127.0.0.1", dump_dir="/d",
+                          dump_interval=2.5, enabled_dumps=frozenset({"stacks", "per_rank"}),
+                          fetch_timeout=1.5, max_concurrency=7, keep_dumps=3, keep_bytes=1 << 20,
+                          stall_timeout=9.0, auth_token="t" * 32)
+    return FrontendConfig(server=server, world_size=4, store=("node001", 29500),
+                          restart_count=2, parent_pid=123, ready_fd=9)
+
+
+def test_frontend_config_survives_json_with_every_field() -> None:
+    config = _every_field_set()
+    assert FrontendConfig.from_json(config.to_json()) == config
+    urls = FrontendConfig(server=ServerConfig(), world_size=2, worker_urls=("http://h:1", None))
+    assert FrontendConfig.from_json(urls.to_json()) == urls
+
+
+def test_inherited_config_file_is_read_whole_and_closed() -> None:
+    config = _every_field_set()
+    fd = write_inherited(config)
+    assert read_inherited({FRONTEND_CONFIG_FD_ENV: str(fd)}) == config
+    with pytest.raises(OSError):
+        os.fstat(fd)  # closed by the reader: a child holds no copy beyond start
+    assert read_inherited({}) is None
+
+
+@pytest.mark.parametrize(("text", "why"), [
+    ('{"server": {"port": 1}, "world_size": 1, "store": ["h", 1], "colour": 1}',
+     "FrontendConfig has no field 'colour'"),
+    ('{"server": {"prot": 1}, "world_size": 1, "store": ["h", 1]}',
+     "ServerConfig has no field 'prot'"),
+    ('{"server": {"port": 70000}, "world_size": 1, "store": ["h", 1]}',
+     "port=70000 is not a TCP port"),
+    ('{"server": {}, "world_size": 2, "worker_urls": ["http://h:1"]}',
+     "1 worker_urls for world_size=2"),
+    ('{"server": {}, "world_size": 1}', "exactly one of store"),
+    ("not json", "frontend config is not JSON"),
+])
+def test_bad_frontend_config_is_one_line_naming_the_field(text: str, why: str) -> None:
+    with pytest.raises(ConfigError, match=re.escape(why)) as e:
+        FrontendConfig.from_json(text)
+    assert "\n" not in str(e.value)
+
+
 TRAINER = """
 import os, sys, time
 from debug_server import start_debug_server
@@ -237,15 +291,16 @@ from debug_server.recording import comms, hooks
 from debug_server import start_debug_server
 
 rank = int(os.environ["RANK"])
-start_debug_server(port=int(os.environ["FE_PORT"]), dump_dir=os.environ["DUMP_DIR"],
-                   dump_interval=1, fetch_timeout=3, stall_timeout=2)
+# port=0: a port picked in advance can be taken meanwhile by a worker's ephemeral bind.
+h = start_debug_server(port=0, dump_dir=os.environ["DUMP_DIR"],
+                       dump_interval=1, fetch_timeout=3, stall_timeout=2)
 comm = comms.new_comm("gloo", torch.device("cpu"), "main_comm", timeout=timedelta(seconds=80))
 hooks.FlightRecorderHook(max_entries=100).register_with_comm(comm)
 t = torch.ones(1024)
 for _ in range(3):
     comm.all_reduce(t)
 comm.broadcast(t, 0)
-print("PHASE2", flush=True)
+print("PHASE2", h.frontend_url, flush=True)
 if rank == 1:
     time.sleep(80)  # SLEEP_LINE
 else:
@@ -279,7 +334,7 @@ def test_two_rank_gloo_hang_is_diagnosed_end_to_end(tmp_path: Path) -> None:
     script.write_text(textwrap.dedent(JOB))
     lines = script.read_text().splitlines()
     sleep_line = 1 + lines.index("    time.sleep(80)  # SLEEP_LINE")
-    fe_port, store_port, dump_dir = free_port(), free_port(), tmp_path / "dumps"
+    store_port, dump_dir = free_port(), tmp_path / "dumps"
     procs: list[subprocess.Popen[bytes]] = []
     logs = []
     deadline = time.monotonic() + 90
@@ -287,7 +342,7 @@ def test_two_rank_gloo_hang_is_diagnosed_end_to_end(tmp_path: Path) -> None:
         for rank in range(2):
             env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
                    "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store_port),
-                   "FE_PORT": str(fe_port), "DUMP_DIR": str(dump_dir), "OMP_NUM_THREADS": "1",
+                   "DUMP_DIR": str(dump_dir), "OMP_NUM_THREADS": "1",
                    "PYTHONPATH": str(REPO)}
             env.pop(DUMP_PATH_ENV, None)
             logs.append((tmp_path / f"rank{rank}.log").open("w+b"))
@@ -302,7 +357,8 @@ def test_two_rank_gloo_hang_is_diagnosed_end_to_end(tmp_path: Path) -> None:
             return all(b"PHASE2" in Path(log.name).read_bytes() for log in logs)
 
         _wait_for("both ranks in phase 2", both_in_phase2, deadline)
-        base = f"http://127.0.0.1:{fe_port}"
+        base = re.search(rb"^PHASE2 (http://127\.0\.0\.1:\d+)$", Path(logs[0].name).read_bytes(),
+                         re.M).group(1).decode()
 
         def hang_in_fr_trace() -> str | None:
             text = _get(f"{base}/fr_trace")[1]
@@ -321,7 +377,8 @@ def test_two_rank_gloo_hang_is_diagnosed_end_to_end(tmp_path: Path) -> None:
 
         def rank0_unhealthy() -> str | None:
             text = _get(f"{base}/")[1]
-            return text if "rank 0: ok, UNHEALTHY: main_comm seq 4 all_reduce stalled" in text else None
+            return text if re.search(r"^rank 0: ok, UNHEALTHY: main_comm seq 4 all_reduce in flight "
+                                     r"for \d+\.\d s", text, re.M) else None
 
         overview = _wait_for("rank 0 reported stalled", rank0_unhealthy, deadline)
         assert "rank 1: ok, healthy" in overview

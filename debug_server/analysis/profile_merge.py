@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from debug_server.analysis.outliers import outliers
+from debug_server.errors import first_line
 
 COMM_KERNEL = re.compile(
     r"nccl|rccl|msccl|nvshmem|all_?reduce|all_?gather|reduce_?scatter|all_?to_?all"
@@ -116,7 +117,7 @@ def parse_trace(body: str | bytes) -> dict[str, Any]:
     try:
         trace = json.loads(body, parse_constant=_no_constant)
     except ValueError as e:
-        raise TraceError(f"reply is not JSON ({str(e).splitlines()[0][:120]})") from None
+        raise TraceError(f"reply is not JSON ({first_line(e, 120)})") from None
     except RecursionError:
         raise TraceError("reply is nested too deeply to be a trace") from None
     if isinstance(trace, list):

@@ -1,10 +1,11 @@
 """The rank-0 frontend: one page for the whole job, in its own process.
 
-Run as ``python -m debug_server.frontend --world-size N --master-addr H --master-port P`` (that is
-how ``start_debug_server`` starts it, so it never inherits the trainer's state) or build the app
-with ``make_frontend_app`` (tests). It speaks only JSON to the workers; it never imports the
-recording side. ``python -m debug_server.frontend --store HOST:PORT --world-size N`` attaches the
-same pages to a running job from any machine that reaches its TCPStore (``attach``).
+``start_debug_server`` runs it as ``python -m debug_server.frontend`` with no arguments, its whole
+``config.FrontendConfig`` in an inherited file (``rank.server.spawn_frontend``), so it never
+inherits the trainer's state; tests build the app with ``make_frontend_app``. It speaks only
+JSON to the workers; it never imports the recording side. ``python -m debug_server.frontend
+--store HOST:PORT --world-size N`` attaches the same pages to a running job from any machine
+that reaches its TCPStore (``attach``).
 
 Pages: ``/`` (ranks, reachability, health, verdict), ``/fr_trace`` (= ``/torchcomms_fr_trace``)
 and ``/stacks``; ``/profile``, ``/tcpstore`` and ``/wait_counters`` (``pages_extra``). Each answers HTML to browsers, the plain-text report to curl (``Accept: */*``) and
@@ -13,7 +14,6 @@ JSON to ``Accept: application/json``; ``?format=html|text|json`` overrides.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import errno
@@ -23,6 +23,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import sys
 import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
@@ -35,18 +36,24 @@ from aiohttp import web
 from aiohttp.typedefs import Handler
 
 from debug_server.auth import TOKEN_ENV, TOKEN_HEADER, TokenGate, auth_middleware
-from debug_server.config import ALL_DUMPS, DEFAULT_KEEP_BYTES, DEFAULT_PORT, ServerConfig
-from debug_server.frontend import attach, export, snapshot, views
+from debug_server.config import (
+    FRONTEND_CONFIG_FD_ENV,
+    ConfigError,
+    FrontendConfig,
+    ServerConfig,
+    read_inherited,
+)
+from debug_server.errors import first_line
+from debug_server.frontend import agent_fanout, attach, export, snapshot, views
 from debug_server.frontend.dumps import Dumper, analyze_fr, fr_trace_text, stacks_report
 from debug_server.frontend.fanout import Collector, RankResult, Registry
-from debug_server.frontend.hangreport import HangWatch
+from debug_server.frontend.hangreport import HEALTH_HANDLER, HangWatch, parse_health
 from debug_server.frontend.metrics import metrics_response
 from debug_server.listen import start_sites
 from debug_server.rank.discovery import StaticRegistry, StoreRegistry
 
 logger = logging.getLogger(__name__)
 
-HEALTH_HANDLER = "torchcomms_health_check"
 FORMATS = ("html", "text", "json")
 PAGE_ROWS = 1000
 """Rows per page of the ``?full=1`` HTML view."""
@@ -287,33 +294,6 @@ async def pyspy_dump(request: web.Request) -> web.Response:
     return await _stacks_page(request, path="/pyspy_dump", every=True, native_default=True)
 
 
-def _in_flight(h: Mapping[str, Any]) -> str:
-    n, oldest = h.get("in_flight"), h.get("oldest_in_flight_s")
-    if not n:
-        return ""
-    age = f", oldest {oldest:.0f} s" if isinstance(oldest, int | float) else ""
-    return f" ({n} op{'s' if n != 1 else ''} in flight{age})"
-
-
-def _health_line(r: RankResult) -> str:
-    if not r.ok:
-        return "n/a" if r.http_status == 404 else "unknown"
-    try:
-        h = r.json()
-    except ValueError:
-        return "unreadable"
-    if not isinstance(h, dict):
-        return "unreadable"
-    if h.get("healthy", True):
-        return "healthy" + _in_flight(h)
-    op = h.get("stalled_op")
-    if isinstance(op, dict):
-        age = op.get("age_s")
-        age_s = f" for {age:.0f} s" if isinstance(age, int | float) else ""
-        return f"UNHEALTHY: {op.get('group')} seq {op.get('seq')} {op.get('op')} stalled{age_s}"
-    return "UNHEALTHY"
-
-
 @routes.get("/metrics")
 async def metrics(request: web.Request) -> web.Response:
     _query(request, {})
@@ -332,8 +312,9 @@ async def index(request: web.Request) -> web.Response:
         collector.stacks(addrs))
     result = await _off_loop(analyze_fr, fr, stack_res, collector.world_size)
     reach = {r.rank: r for r in stack_res}
-    rows = [{"rank": h.rank, "url": h.url or "", "status": reach[h.rank].status,
-             "line": reach[h.rank].line(), "health": _health_line(h)} for h in health]
+    rows = [{"rank": r.rank, "url": r.url or "", "status": reach[r.rank].status,
+             "line": reach[r.rank].line(), "health": h.text()}
+            for r, h in zip(health, parse_health(health), strict=True)]
     reachable = sum(1 for r in stack_res if r.ok)
     verdict = result.get("verdict", "")
     if fmt == "json":
@@ -348,7 +329,7 @@ async def index(request: web.Request) -> web.Response:
         lines += [f"rank {r['rank']}: {r['status']}, {r['health']}  {r['url']}"
                   if r["status"] == "ok" else f"{r['line']}" for r in rows]
         return _respond(fmt, "\n".join(lines) + "\n")
-    model = views.overview_model(result, fr, stack_res, {r["rank"]: r["health"] for r in rows},
+    model = views.overview_model(result, stack_res, {r["rank"]: r["health"] for r in rows},
                                  collector.world_size)
     html = await _off_loop(lambda: request.app[TEMPLATES].get_template("index.html").render(
         title="Overview", failures=[], **model))
@@ -368,7 +349,7 @@ async def _one_line_errors(request: web.Request, handler: Handler) -> web.Stream
     except Exception as e:  # the traceback goes to the log, one line to the reader
         logger.exception("debug_server frontend: %s failed", request.path)
         return web.Response(status=500, text=f"{request.path} failed: {type(e).__name__}: "
-                                             f"{str(e).splitlines()[0][:300] if str(e) else ''}\n")
+                                             f"{first_line(e, empty='')}\n")
 
 
 def connections_per_rank(world_size: int) -> int:
@@ -409,8 +390,10 @@ async def _client_ctx(app: web.Application) -> AsyncIterator[None]:
                                      limit_per_host=connections_per_rank(app[REGISTRY].world_size))
     headers = {TOKEN_HEADER: config.auth_token} if config.auth_token else None
     async with aiohttp.ClientSession(connector=connector, headers=headers) as session:
-        app[COLLECTOR] = Collector(session, app[REGISTRY], timeout=config.fetch_timeout,
-                                   max_concurrency=config.max_concurrency)
+        # Through each host's agent where the store names one (agent_fanout), else per rank.
+        app[COLLECTOR] = agent_fanout.collector_for(session, app[REGISTRY],
+                                                    timeout=config.fetch_timeout,
+                                                    max_concurrency=config.max_concurrency)
         yield
     app[REGISTRY].close()
 
@@ -522,19 +505,33 @@ async def _bind(runner: web.AppRunner, config: ServerConfig, retry_s: float) -> 
         await asyncio.sleep(0.25)
 
 
-async def serve(config: ServerConfig, registry: Registry, *, parent_pid: int | None = None,
-                ready_fd: int | None = None) -> int:
-    """Serve until SIGTERM/SIGINT or the parent's death; returns the process exit code."""
-    app = make_frontend_app(config, registry, parent_pid=parent_pid)
+def frontend_registry(config: FrontendConfig) -> Registry:
+    """Where a frontend process finds the workers: the job's store, or fixed URLs."""
+    if config.worker_urls is not None:
+        return StaticRegistry(list(config.worker_urls))
+    assert config.store is not None  # FrontendConfig holds exactly one of the two
+    return StoreRegistry(config.store[0], config.store[1], config.world_size,
+                         config.restart_count, timeout=min(5.0, config.server.fetch_timeout))
+
+
+async def serve(config: FrontendConfig, *, announce: bool = False) -> int:
+    """Serve until SIGTERM/SIGINT or the parent's death; returns the process exit code.
+
+    ``announce``: print the pages' address on stdout (the attach command; rank 0's frontend
+    shares the trainer's stdout and only logs it).
+    """
+    server, ready_fd = config.server, config.ready_fd
+    registry = frontend_registry(config)
+    app = make_frontend_app(server, registry, parent_pid=config.parent_pid)
     runner = web.AppRunner(app, handle_signals=False, shutdown_timeout=2.0, access_log=None)
     await runner.setup()
     try:
         try:
-            port = await _bind(runner, config, BIND_RETRY_S)
+            port = await _bind(runner, server, BIND_RETRY_S)
         except OSError as e:
-            where = f"{config.host or '*'}:{config.port}"
-            msg = (f"error: port {config.port} is already in use ({where})"
-                   if e.errno == errno.EADDRINUSE else f"error: cannot bind port {config.port} "
+            where = f"{server.host or '*'}:{server.port}"
+            msg = (f"error: port {server.port} is already in use ({where})"
+                   if e.errno == errno.EADDRINUSE else f"error: cannot bind port {server.port} "
                    f"({where}): {e.strerror or e}")
             logger.error("debug_server frontend: %s", msg)
             _report_ready(ready_fd, msg)
@@ -544,45 +541,28 @@ async def serve(config: ServerConfig, registry: Registry, *, parent_pid: int | N
             loop.add_signal_handler(sig, app[SHUTDOWN].set)  # our own process: ours to handle
         logger.info("debug_server frontend on port %d for %d ranks", port, registry.world_size)
         _report_ready(ready_fd, f"ready {port}")
+        if announce:
+            host = server.host if server.host not in (None, "0.0.0.0", "::") else socket.gethostname()
+            print(f"debug_server frontend: http://{_url_host(host)}:{port}/ for "
+                  f"{config.world_size} ranks", flush=True)
         await app[SHUTDOWN].wait()
         return 0
     finally:
         await runner.cleanup()
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m debug_server.frontend",
-                                description="Rank-0 frontend of debug_server.")
-    p.add_argument("--port", type=int, default=DEFAULT_PORT)
-    p.add_argument("--host", default=None, help="bind address (default: all interfaces)")
-    p.add_argument("--world-size", type=int, required=True)
-    p.add_argument("--master-addr", help="TCPStore host (default $MASTER_ADDR)")
-    p.add_argument("--master-port", type=int, help="TCPStore port (default $MASTER_PORT)")
-    p.add_argument("--restart-count", type=int, default=None,
-                   help="elastic restart whose registrations to trust "
-                        "(default $TORCHELASTIC_RESTART_COUNT or 0)")
-    p.add_argument("--store", metavar="HOST:PORT",
-                   help="attach to a running job's TCPStore (its MASTER_ADDR:MASTER_PORT) from any "
-                        "machine that reaches it; the restart and token are read from the store")
-    p.add_argument("--token", help="access token (visible to ps: prefer $DEBUG_SERVER_AUTH_TOKEN; "
-                                   "with --store the job's own token is read from the store)")
-    p.add_argument("--worker-urls", help="comma-separated worker URLs instead of the store "
-                                         "(@FILE: read them from FILE)")
-    p.add_argument("--dump-dir")
-    p.add_argument("--dump-interval", type=float, default=60.0)
-    p.add_argument("--enabled-dumps", default=",".join(sorted(ALL_DUMPS)))
-    p.add_argument("--keep-dumps", type=int, default=50)
-    p.add_argument("--keep-bytes", type=int, default=DEFAULT_KEEP_BYTES)
-    p.add_argument("--fetch-timeout", type=float, default=5.0)
-    p.add_argument("--max-concurrency", type=int, default=64)
-    p.add_argument("--parent-pid", type=int)
-    p.add_argument("--ready-fd", type=int, help="write 'ready <port>' or 'error: ...' here")
-    return p
+def _url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the frontend process (``python -m debug_server.frontend``)."""
-    args = _parser().parse_args(argv)
+    """Entry point of the frontend process (``python -m debug_server.frontend``).
+
+    Started by ``start_debug_server`` (``rank.server.spawn_frontend``), it gets its whole
+    ``FrontendConfig`` from an inherited file and takes no arguments. Started by hand, it is the
+    attach command (``attach.parser``): ``--store HOST:PORT --world-size N [--port 25999]``.
+    """
+    args = sys.argv[1:] if argv is None else list(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     # A fan-out allocates a few dozen short-lived objects per request, and with thousands of
     # ranks the default thresholds (700, 10, 10) run a full collection over the whole heap every
@@ -590,52 +570,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     # (benchmarks/bench_frontend_gc.py). This process is the frontend's own.
     gc.set_threshold(*GC_THRESHOLDS)
     _raise_nofile_limit()
-    # From the environment first: the command line is visible to every user.
-    token = os.environ.pop(TOKEN_ENV, None) or args.token or None
-    attached = None
-    if args.store:
-        try:
-            attached = attach.resolve(args.store, args.world_size, args.restart_count, token,
-                                      timeout=min(5.0, args.fetch_timeout))
-        except attach.AttachError as e:
-            _report_ready(args.ready_fd, f"error: {e}")
-            print(f"error: {e}", file=sys.stderr)
-            return 2
-        token = attached.token
+    config: FrontendConfig | None = None
     try:
-        config = ServerConfig(
-            port=args.port, host=args.host, dump_dir=args.dump_dir,
-            dump_interval=args.dump_interval, fetch_timeout=args.fetch_timeout,
-            enabled_dumps=frozenset(d for d in args.enabled_dumps.split(",") if d),
-            keep_dumps=args.keep_dumps, keep_bytes=args.keep_bytes,
-            max_concurrency=args.max_concurrency,
-            auth_token=token)
-    except ValueError as e:
-        _report_ready(args.ready_fd, f"error: {e}")
-        print(f"error: {e}", file=sys.stderr)
+        config = read_inherited()
+        attached = config is None
+        if config is not None and args:
+            raise ConfigError(f"a frontend started with {FRONTEND_CONFIG_FD_ENV} takes no "
+                              f"arguments (got {' '.join(args)[:80]!r})")
+        # Read once, then gone: py-spy and other children of this process must not inherit them.
+        os.environ.pop(FRONTEND_CONFIG_FD_ENV, None)
+        token = os.environ.pop(TOKEN_ENV, None)
+        if config is None:
+            config = attach.config_from_args(args, {TOKEN_ENV: token} if token else {})
+    except ValueError as e:  # ConfigError, attach.AttachError: one line, no traceback
+        line = f"error: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
+        _report_ready(config.ready_fd if config is not None else None, line)
+        print(line, file=sys.stderr)
         return 2
-    registry: Registry
-    if attached is not None:
-        registry = StoreRegistry(attached.host, attached.port, args.world_size, attached.restart,
-                                 timeout=min(5.0, args.fetch_timeout))
-    elif args.worker_urls:
-        urls = args.worker_urls
-        if urls.startswith("@"):  # 16384 URLs exceed one argument's limit (128 KiB)
-            urls = Path(urls[1:]).read_text().strip()
-        registry = StaticRegistry([u or None for u in urls.split(",")])
-    else:
-        addr = args.master_addr or os.environ.get("MASTER_ADDR")
-        port = args.master_port or int(os.environ.get("MASTER_PORT", "0"))
-        if not addr or not port:
-            _report_ready(args.ready_fd, "error: no store address (--master-addr/--master-port)")
-            print("error: give --master-addr/--master-port or --worker-urls", file=sys.stderr)
-            return 2
-        restart = args.restart_count
-        if restart is None:
-            restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
-        registry = StoreRegistry(addr, port, args.world_size, restart,
-                                 timeout=min(5.0, args.fetch_timeout))
-    return asyncio.run(serve(config, registry, parent_pid=args.parent_pid, ready_fd=args.ready_fd))
+    return asyncio.run(serve(config, announce=attached))
 
 
 if __name__ == "__main__":

@@ -8,23 +8,32 @@ without one). This module settles what the command line leaves open:
 
 - which elastic restart to trust: the newest one named by the workers' sidecars, so a store
   that still holds an earlier generation's keys shows the live ranks, not the dead ones;
-- the access token, the way rank 0's frontend gets it: ``$DEBUG_SERVER_AUTH_TOKEN`` or
-  ``--token`` when given, else the job's own key in the store (``auth.store_key``), read
-  without waiting (a job without a token has none, and then pages need none either).
+- the access token: ``$DEBUG_SERVER_AUTH_TOKEN`` when set (there is no command-line option:
+  ``ps`` shows the command line to every user), else the job's own key in the store
+  (``auth.store_key``), read without waiting (a job without a token has none, and then pages
+  need none either).
+
+``config_from_args`` turns the command's few options into the same ``FrontendConfig`` that rank
+0's frontend gets from ``start_debug_server``.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
+import os
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
 from debug_server import auth
+from debug_server.config import DEFAULT_PORT, FrontendConfig, ServerConfig, check_token_text
 from debug_server.rank import discovery
 
 if TYPE_CHECKING:
     import torch.distributed as dist
 
-__all__ = ["AttachError", "Attached", "current_restart", "job_token", "parse_store", "resolve"]
+__all__ = ["AttachError", "Attached", "config_from_args", "current_restart", "job_token",
+           "parse_store", "parser", "resolve"]
 
 
 class AttachError(ValueError):
@@ -67,7 +76,7 @@ def job_token(store: dist.Store, restart_count: int, explicit: str | None) -> st
     if token is None:
         return None
     try:
-        return auth.check_token_text(token)
+        return check_token_text(token)
     except ValueError as e:
         raise AttachError(str(e)) from None
 
@@ -97,3 +106,47 @@ def resolve(store_text: str, world_size: int, restart: int | None, token: str | 
     if restart is None:
         restart = current_restart(store, world_size)
     return Attached(host, port, restart, job_token(store, restart, token))
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m debug_server.frontend",
+        description="Serve debug_server's pages for a running job, found through its TCPStore, "
+                    "from any machine that reaches it. The access token is "
+                    "$DEBUG_SERVER_AUTH_TOKEN when set, else the job's own from the store.")
+    p.add_argument("--store", metavar="HOST:PORT", required=True,
+                   help="the job's TCPStore: its MASTER_ADDR:MASTER_PORT")
+    p.add_argument("--world-size", type=_positive, required=True, help="the job's WORLD_SIZE")
+    p.add_argument("--port", type=int, default=DEFAULT_PORT,
+                   help=f"port of the pages (default {DEFAULT_PORT}; 0: a free one)")
+    p.add_argument("--host", default=None, help="bind address (default: all interfaces)")
+    p.add_argument("--restart-count", type=int, default=None,
+                   help="elastic restart whose ranks to show (default: the newest registered)")
+    p.add_argument("--dump-dir", default=None, help="write periodic dumps here (default: none)")
+    p.add_argument("--fetch-timeout", type=float, default=5.0,
+                   help="seconds to wait for one rank (and for the store), default 5")
+    return p
+
+
+def _positive(text: str) -> int:
+    n = int(text)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{n} is not >= 1")
+    return n
+
+
+def config_from_args(argv: Sequence[str], env: Mapping[str, str] | None = None) -> FrontendConfig:
+    """The attach command's ``FrontendConfig``: its options, then the store's answers.
+
+    Bad options exit through argparse (code 2); a store that cannot be reached or a bad value
+    raises :class:`AttachError` or ``ConfigError`` (both ``ValueError``) with one line.
+    """
+    args = parser().parse_args(argv)
+    env = os.environ if env is None else env
+    attached = resolve(args.store, args.world_size, args.restart_count,
+                       env.get(auth.TOKEN_ENV) or None, timeout=min(5.0, args.fetch_timeout))
+    dump_dir = os.path.abspath(args.dump_dir) if args.dump_dir else None
+    server = ServerConfig(port=args.port, host=args.host, dump_dir=dump_dir,
+                          fetch_timeout=args.fetch_timeout, auth_token=attached.token)
+    return FrontendConfig(server=server, world_size=args.world_size,
+                          store=(attached.host, attached.port), restart_count=attached.restart)

@@ -12,27 +12,37 @@ One cycle writes, each only if enabled:
 ``<ts>`` is ``%Y%m%d_%H%M%S`` with ``_1``, ``_2``... when two cycles fall in one second. Files are
 written to a temp name and renamed; only the newest ``keep`` cycles are kept. A dump directory
 that cannot be written is logged once (and once more when it recovers), never per cycle.
+
+No file work runs on the event loop: after the fan-out, a cycle's snapshot, analysis, reports,
+writes and pruning run on the dump directory's own thread (``FileThread``), in order, so a slow
+or hung filesystem (NFS) delays the dumps, never a page.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import os
+import queue
 import re
 import socket
+import threading
 import time
-from collections.abc import Collection, Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Collection, Mapping, Sequence
+from typing import Any, TypeVar
 
 from debug_server.analysis import core as analysis
 from debug_server.analysis import report
+from debug_server.analysis.ranks import format_ranks
+from debug_server.analysis.stackgroups import stack_groups
 from debug_server.config import ALL_DUMPS
 from debug_server.dumpio import write_atomic
 from debug_server.frontend import snapshot
 from debug_server.frontend.fanout import Collector, FrData, RankResult
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 STAMP_FORMAT = "%Y%m%d_%H%M%S"
 FR_TRACE_PREFIX = "torchcomms_fr_trace"
@@ -64,7 +74,7 @@ def status_block(results: Sequence[RankResult]) -> str:
 def stacks_text(results: Sequence[RankResult], groups: Sequence[Mapping[str, Any]] = ()) -> str:
     """``=== Rank N ===`` sections: each rank's faulthandler text, or its one failure line.
 
-    ``groups`` (``analysis.stack_groups``) become a preamble: one line per set of ranks whose
+    ``groups`` (``stackgroups.stack_groups``) become a preamble: one line per set of ranks whose
     main threads stand at the same place, odd ones first, so 63 identical ranks read as one line.
     """
     parts = []
@@ -73,7 +83,7 @@ def stacks_text(results: Sequence[RankResult], groups: Sequence[Mapping[str, Any
         for g in groups:
             n = len(g["ranks"])
             where = g["summary"] + ("" if g.get("in_collective") else "  (not in a collective)")
-            parts.append(f"{n} rank{'s' if n != 1 else ''} ({analysis.format_ranks(g['ranks'])}): {where}")
+            parts.append(f"{n} rank{'s' if n != 1 else ''} ({format_ranks(g['ranks'])}): {where}")
         parts.append("")
     for r in results:
         parts.append(f"=== Rank {r.rank} ===")
@@ -85,7 +95,7 @@ def stacks_text(results: Sequence[RankResult], groups: Sequence[Mapping[str, Any
 def stacks_report(results: Sequence[RankResult]) -> str:
     """The /stacks text and ``stacks_<ts>.txt``: the stack groups, then every rank's section."""
     texts = {r.rank: r.body for r in results if r.ok and r.body}
-    return stacks_text(results, analysis.stack_groups(texts))
+    return stacks_text(results, stack_groups(texts))
 
 
 def dump_file_lines(results: Sequence[RankResult]) -> list[str]:
@@ -160,14 +170,66 @@ def analyze_fr(fr: FrData, stacks: Sequence[RankResult] | None, world_size: int)
 # Files
 
 
+class FileThread:
+    """One thread that runs file work in the order it was submitted, for the event loop.
+
+    A daemon thread rather than an executor's: a write stuck in the kernel (a hung NFS server)
+    must not hold up the frontend's exit, and ``ThreadPoolExecutor`` joins its threads at exit.
+    The thread starts on the first call and ends after ``idle_s`` without work.
+    """
+
+    def __init__(self, name: str, idle_s: float = 5.0) -> None:
+        self.name = name
+        self.idle_s = idle_s
+        self._queue: queue.SimpleQueue[tuple[Callable[..., Any], tuple[Any, ...],
+                                             concurrent.futures.Future[Any]]] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    async def run(self, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)`` on the thread, after everything submitted before it."""
+        fut: concurrent.futures.Future[T] = concurrent.futures.Future()
+        with self._lock:  # the same lock as the idle exit: no item is left without a thread
+            self._queue.put((fn, args, fut))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._work, name=self.name, daemon=True)
+                self._thread.start()
+        return await asyncio.wrap_future(fut)
+
+    def _work(self) -> None:
+        while True:
+            try:
+                fn, args, fut = self._queue.get(timeout=self.idle_s)
+            except queue.Empty:
+                with self._lock:
+                    if self._queue.empty():
+                        self._thread = None
+                        return
+                continue
+            if not fut.set_running_or_notify_cancel():  # its awaiter was cancelled
+                continue
+            try:
+                fut.set_result(fn(*args))
+            except BaseException as e:  # handed to the awaiter, which logs it
+                fut.set_exception(e)
+
+
 class DumpDir:
-    """Names, writes and prunes the dated files of one dump directory."""
+    """Names, writes and prunes the dated files of one dump directory.
+
+    The methods do blocking file work; from the event loop, call them through ``run``.
+    """
 
     def __init__(self, path: str, keep: int = 50, keep_bytes: int | None = None) -> None:
         self.path = path
         self.keep = keep
         self.keep_bytes = keep_bytes
         self._last: tuple[str, int] | None = None
+        self._thread = FileThread("debug_server.dumps")
+
+    async def run(self, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)`` on this directory's file thread, in order with earlier calls."""
+        return await self._thread.run(fn, *args)
 
     def new_stamp(self, now: float | None = None) -> str:
         """``%Y%m%d_%H%M%S``, suffixed ``_1``, ``_2``... when that second is already used."""
@@ -185,6 +247,9 @@ class DumpDir:
             for p, ext in ((FR_TRACE_PREFIX, "txt"), (STACKS_PREFIX, "txt"), (SNAPSHOT_PREFIX, "json"),
                            (HANG_REPORT_PREFIX, "txt"), (HANG_REPORT_PREFIX, "json"))
         )
+
+    def create(self) -> None:
+        os.makedirs(self.path, exist_ok=True)
 
     def write(self, name: str, data: str | bytes) -> str:
         path = os.path.join(self.path, name)
@@ -276,26 +341,30 @@ class Dumper:
 
     async def _cycle(self) -> list[str]:
         c = self.collector
-        os.makedirs(self.dir.path, exist_ok=True)
+        # First, and off the loop like every file operation: an unusable dir costs no fan-out.
+        await self.dir.run(self.dir.create)
         addrs = await c.registry.lookup()
+        # asyncio.sleep(0) returns None: the gather's slot for what this cycle does not want.
         want_fr = bool(self.enabled & {"fr_trace", "snapshot"})
-        fr_task = c.fr(addrs=addrs) if want_fr else _none()
-        stacks_task = c.stacks(addrs) if self.enabled & {"stacks", "fr_trace"} else _none()
-        dump_task = c.fetch(DUMP_FILE_HANDLER, None, addrs) if "per_rank" in self.enabled else _none()
+        fr_task = c.fr(addrs=addrs) if want_fr else asyncio.sleep(0)
+        stacks_task = c.stacks(addrs) if self.enabled & {"stacks", "fr_trace"} else asyncio.sleep(0)
+        dump_task = (c.fetch(DUMP_FILE_HANDLER, None, addrs) if "per_rank" in self.enabled
+                     else asyncio.sleep(0))
         fr, stacks, dumped = await asyncio.gather(fr_task, stacks_task, dump_task)
+        return await self.dir.run(self._write_cycle, fr, stacks, dumped)
+
+    def _write_cycle(self, fr: FrData | None, stacks: list[RankResult] | None,
+                     dumped: list[RankResult] | None) -> list[str]:
+        # On the dump dir's thread: each file is built, then written, in this order.
         stamp = self.dir.new_stamp()
         written: list[str] = []
-        loop = asyncio.get_running_loop()
         if fr is not None and "snapshot" in self.enabled:
-            text = snapshot_json(fr)
-            written.append(await loop.run_in_executor(
-                None, self.dir.write, f"{SNAPSHOT_PREFIX}_{stamp}.json", text))
+            written.append(self.dir.write(f"{SNAPSHOT_PREFIX}_{stamp}.json", snapshot_json(fr)))
         if fr is not None and "fr_trace" in self.enabled:
-            text = await loop.run_in_executor(None, self._fr_text, fr, stacks, dumped)
-            written.append(self.dir.write(f"{FR_TRACE_PREFIX}_{stamp}.txt", text))
+            written.append(self.dir.write(f"{FR_TRACE_PREFIX}_{stamp}.txt",
+                                          self._fr_text(fr, stacks, dumped)))
         if stacks is not None and "stacks" in self.enabled:
-            text = await loop.run_in_executor(None, stacks_report, stacks)
-            written.append(self.dir.write(f"{STACKS_PREFIX}_{stamp}.txt", text))
+            written.append(self.dir.write(f"{STACKS_PREFIX}_{stamp}.txt", stacks_report(stacks)))
         self.dir.prune()
         return written
 
@@ -303,7 +372,3 @@ class Dumper:
                  dumped: list[RankResult] | None) -> str:
         result = analyze_fr(fr, stacks, self.collector.world_size)
         return fr_trace_text(result, fr, dumped)
-
-
-async def _none() -> None:
-    return None

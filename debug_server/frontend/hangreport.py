@@ -18,14 +18,13 @@ import asyncio
 import datetime
 import json
 import logging
-import os
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from debug_server.analysis import stackparse
-from debug_server.analysis.core import category_line
+from debug_server.analysis.verdict import category_line
 from debug_server.frontend.dumps import (
     DUMP_FILE_HANDLER,
     HANG_REPORT_PREFIX,
@@ -46,6 +45,8 @@ MAX_POLLS_PER_S = 512
 """Health requests per second at most: above 1024 ranks the poll interval grows with the job
 (32 s at 16384 ranks), so an idle frontend stays near 5 % of one core at any size."""
 UNRESPONSIVE_POLLS = 3
+NO_HEALTH_CHECK = "no health check"
+"""Why the health of a rank whose worker answers the health check with 404 is unknown."""
 REPORT_VERSION = 1
 
 
@@ -63,24 +64,38 @@ class RankHealth:
     """The whole health reply (``in_flight``, ``oldest_in_flight_s``...)."""
     error: str | None = None
 
-    def line(self) -> str:
+    def text(self) -> str:
+        """This rank's health in words: the overview's health column, the hang report's line."""
         if self.healthy is None:
-            return f"rank {self.rank}: health unknown ({self.error or 'no answer'})"
+            return f"health unknown ({self.error or 'no answer'})"
         if self.healthy:
-            return f"rank {self.rank}: healthy"
+            return "healthy" + _in_flight(self.info)
         op = self.stalled_op
         if op:
             age = op.get("age_s")
             age_s = f" in flight for {age:.1f} s" if isinstance(age, int | float) else ""
-            return (f"rank {self.rank}: UNHEALTHY: {op.get('group')} seq {op.get('seq')} "
-                    f"{op.get('op')}{age_s}")
-        return f"rank {self.rank}: UNHEALTHY: {self.error or 'stalled'}"
+            return f"UNHEALTHY: {op.get('group')} seq {op.get('seq')} {op.get('op')}{age_s}"
+        return f"UNHEALTHY: {self.error or 'stalled'}"
+
+    def line(self) -> str:
+        return f"rank {self.rank}: {self.text()}"
+
+
+def _in_flight(info: Mapping[str, Any]) -> str:
+    n, oldest = info.get("in_flight"), info.get("oldest_in_flight_s")
+    if not isinstance(n, int) or n <= 0:
+        return ""
+    age = f", oldest {oldest:.0f} s" if isinstance(oldest, int | float) else ""
+    return f" ({n} op{'s' if n != 1 else ''} in flight{age})"
 
 
 def parse_health(results: Sequence[RankResult]) -> list[RankHealth]:
     """Health replies as records; a missing or malformed reply is ``healthy=None``."""
     out = []
     for r in results:
+        if r.http_status == 404:  # a worker without the handler (torch's own, or the viewer's)
+            out.append(RankHealth(r.rank, False, None, error=NO_HEALTH_CHECK))
+            continue
         if not r.ok:
             out.append(RankHealth(r.rank, False, None, error=r.error or r.status))
             continue
@@ -253,40 +268,41 @@ class HangWatch:
                            addrs: Any = None) -> HangReport:
         c = self.collector
         now = time.time()
+        # asyncio.sleep(0) returns None: the gather's slot for the dumps when none are wanted.
         dump_task = (c.fetch(DUMP_FILE_HANDLER, None, addrs) if self.per_rank and self.dir
-                     else _none())
+                     else asyncio.sleep(0))
         fr, stacks, dumped = await asyncio.gather(c.fr(addrs=addrs),
                                                   c.stacks(addrs), dump_task)
         loop = asyncio.get_running_loop()
         result = await loop.run_in_executor(None, analyze_fr, fr, stacks, c.world_size)
         stack_texts = {r.rank: r.body for r in stacks if r.ok and r.body is not None}
-        stamp = self.dir.new_stamp(now) if self.dir else report_stamp(now)
+        # The dump dir's own thread does every file operation: a slow disk never stalls pages.
+        stamp = await self.dir.run(self.dir.new_stamp, now) if self.dir else report_stamp(now)
         rep = HangReport(stamp, now, trigger, health, result, culprits_of(result, stack_texts))
         rep.text = await loop.run_in_executor(None, render_text, rep, fr, stack_texts, dumped)
         logger.error("debug_server: hang verdict: %s", result.get("verdict", ""))
         if self.dir is None:
             self.reports.append(stamp)
             return rep
-        os.makedirs(self.dir.path, exist_ok=True)
-        body = json.dumps({**rep.to_json(), "fr_window": fr.window,
-                           "dump_files": dump_file_lines(dumped or [])},
-                          default=str, indent=1)
-        # JSON first: a reader that waits for the .txt then finds both.
-        await loop.run_in_executor(None, self.dir.write, f"{HANG_REPORT_PREFIX}_{stamp}.json",
-                                   body + "\n")
-        path = await loop.run_in_executor(None, self.dir.write,
-                                          f"{HANG_REPORT_PREFIX}_{stamp}.txt", rep.text)
+        path = await self.dir.run(self._write_files, self.dir, rep, fr, dumped)
         self.reports.append(path)
         logger.error("debug_server: hang report written to %s", path)
         return rep
 
+    @staticmethod
+    def _write_files(d: DumpDir, rep: HangReport, fr: FrData,
+                     dumped: list[RankResult] | None) -> str:
+        d.create()
+        body = json.dumps({**rep.to_json(), "fr_window": fr.window,
+                           "dump_files": dump_file_lines(dumped or [])},
+                          default=str, indent=1)
+        # JSON first: a reader that waits for the .txt then finds both.
+        d.write(f"{HANG_REPORT_PREFIX}_{rep.stamp}.json", body + "\n")
+        return d.write(f"{HANG_REPORT_PREFIX}_{rep.stamp}.txt", rep.text)
+
 
 def report_stamp(now: float) -> str:
     return time.strftime(STAMP_FORMAT, time.localtime(now))
-
-
-async def _none() -> None:
-    return None
 
 
 __all__ = ["HangReport", "HangWatch", "RankHealth", "culprits_of", "parse_health"]

@@ -32,8 +32,9 @@ from aiohttp import web
 from tabulate import tabulate
 
 from debug_server.analysis import profile_merge, wait_counters
-from debug_server.analysis.core import format_ranks
+from debug_server.analysis.ranks import format_ranks
 from debug_server.auth import TOKEN_HEADER
+from debug_server.errors import first_line
 from debug_server.frontend import views
 from debug_server.frontend.app import (
     COLLECTOR,
@@ -437,7 +438,7 @@ def wait_counters_model(results: Sequence[RankResult]) -> dict[str, Any]:
         try:
             per_rank[r.rank] = wait_counters.parse_counters(r.body or "")
         except ValueError as e:
-            failed.append(f"rank {r.rank}: {str(e).splitlines()[0][:200]}")
+            failed.append(f"rank {r.rank}: {first_line(e, 200)}")
     answered_404 = [r for r in results if r.http_status == 404]
     if not per_rank and answered_404:
         # The workers' reason is the page's one line; only other failures are listed under it.

@@ -22,6 +22,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from debug_server.config import JobEnv, is_loopback
+from debug_server.errors import first_line
 
 if TYPE_CHECKING:
     import torch.distributed as dist
@@ -220,11 +221,12 @@ def lookup_workers(store: dist.Store, world_size: int, restart_count: int) -> li
             out.append(WorkerAddr(rank, None, stale))
         else:
             out.append(WorkerAddr(rank, got_urls[rank].decode(errors="replace").rstrip("/"),
-                                  meta=_meta_dict(got_metas.get(rank))))
+                                  meta=meta_dict(got_metas.get(rank))))
     return out
 
 
-def _meta_dict(raw: bytes | None) -> dict[str, Any] | None:
+def meta_dict(raw: bytes | None) -> dict[str, Any] | None:
+    """A rank's meta value as read from the store; None when absent or not a JSON object."""
     try:
         meta = json.loads(raw) if raw is not None else None
     except ValueError:
@@ -274,7 +276,7 @@ class StoreRegistry:
             return lookup_workers(self._store, self.world_size, self._restart)
         except Exception as e:  # the store is down or gone: every rank is unknown, say why once
             self._store = None
-            reason = f"{NOT_REGISTERED} (store {self._addr[0]}:{self._addr[1]} unavailable: {_first_line(e)})"
+            reason = f"{NOT_REGISTERED} (store {self._addr[0]}:{self._addr[1]} unavailable: {first_line(e)})"
             logger.warning("debug_server: %s", reason)
             return [WorkerAddr(r, None, reason) for r in range(self.world_size)]
 
@@ -315,7 +317,3 @@ class StaticRegistry:
     def close(self) -> None:
         pass
 
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return text[0] if text else type(e).__name__
