@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from debug_server.tools import nccl_log
+from debug_server.tools import nccl_log, nccl_log_parse
 
 IB_WARN = (
     "NET/IB : Got completion from peer 10.0.0.12<52344> with status=12 opcode=0 len=0 "
@@ -281,7 +281,7 @@ def test_no_coll_lines_is_clean_with_a_note(tmp_path):
     ("nccl_rank3.log", 1, 3), ("host.1234.3.log", 1234, 3), ("nccl.host.1234.log", 1234, None),
     ("node12.log", 99, None), ("RANK-5.txt", 1, 5)])
 def test_rank_from_file_name(name, pid, rank):
-    assert nccl_log._rank_from_filename(name, pid) == rank
+    assert nccl_log_parse.rank_from_filename(name, pid) == rank
 
 
 def test_real_nccl_2_28_logs_name_the_rank_one_op_behind(capsys):

@@ -167,7 +167,7 @@ async def test_perfetto_download_of_a_small_job_holds_whole_rings(
 
 
 def test_post_mortem_viewer_reads_shared_member_lists_back_inline(tmp_path: Path) -> None:
-    from debug_server.tools import view
+    from debug_server.tools import view_disk as view
 
     members = list(range(300))
     path = tmp_path / f"{SNAPSHOT_PREFIX}_20250102_030405.json"

@@ -25,6 +25,8 @@ from debug_server.dumpio import write_dump_atomic
 from debug_server.frontend.dumps import snapshot_json, stacks_report
 from debug_server.frontend.fanout import OK, UNREACHABLE, FrData, RankResult
 from debug_server.tools.view import DiskCollector, make_view_app, scan_dir
+from debug_server.tools.view_collector import CURRENT
+from debug_server.tools.view_disk import load_cycle
 
 REPO = Path(__file__).resolve().parent.parent
 BROWSER = "text/html,application/xhtml+xml,application/xml;q=0.9,*/*;q=0.8"
@@ -290,16 +292,14 @@ async def test_hostile_ranks_string_in_a_snapshot_is_refused(aiohttp_client: Any
 
 async def test_disk_collector_ignores_extra_fetch_options(dump_dir: Path) -> None:
     """The live Collector may grow options (a seq frontier, native stacks); the twin takes them."""
-    from debug_server.tools import view
-
     scan = scan_dir(str(dump_dir))
-    token = view._CURRENT.set(view.load_cycle(scan, scan.cycles[-1]))
+    token = CURRENT.set(load_cycle(scan, scan.cycles[-1]))
     try:
         c = DiskCollector()
         fr = await c.fr(only_active=True, frontier={"main_comm": 3})
         stacks = await c.stacks(None, native=True)
     finally:
-        view._CURRENT.reset(token)
+        CURRENT.reset(token)
     assert [e["collective_seq_id"] for e in fr.dumps[0]["entries"]] == [4]
     assert [r.rank for r in stacks if r.ok] == [0, 1]
 

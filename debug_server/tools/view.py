@@ -16,466 +16,55 @@ default. Nothing here talks to a job, a TCPStore or a GPU. Files are read the an
 (JSON, or pickles of plain containers only), so a hostile file is refused, never run; a file
 that cannot be used is one line on the page and in the log.
 
-The pages are the frontend's own handlers and templates: :class:`DiskCollector` has the
-methods of ``fanout.Collector`` and answers them from the chosen cycle's files.
+The pages are the frontend's own handlers and templates: :class:`DiskCollector`
+(``tools/view_collector.py``) has the methods of ``fanout.Collector`` and answers them from the
+chosen cycle's files, which ``tools/view_disk.py`` finds and reads. This module is the app (the
+cycle choice, the banner, the files route) and the command.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import contextvars
 import json
 import logging
 import os
-import re
 import sys
-import time
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 from typing import Any
 
 import jinja2
 from aiohttp import web
 from aiohttp.typedefs import Handler
 
-from debug_server.analysis import stackparse
 from debug_server.auth import TOKEN_ENV, new_token, token_required
 from debug_server.config import ConfigError, ServerConfig
-from debug_server.dumpio import (
-    MAX_RANK,
-    DumpError,
-    load_dump,
-    parse_ranks,
-    rank_files,
-    validate_dump,
-)
+from debug_server.dumpio import DumpError
 from debug_server.errors import first_line
-from debug_server.frontend import snapshot
 from debug_server.frontend.app import make_frontend_app
-from debug_server.frontend.dumps import (
-    FR_TRACE_PREFIX,
-    HANG_REPORT_PREFIX,
-    SNAPSHOT_PREFIX,
-    STACKS_PREFIX,
-    STAMP_FORMAT,
-)
-from debug_server.frontend.fanout import (
-    C10D_FR_HANDLER,
-    FAILED,
-    FR_HANDLER,
-    OK,
-    STACKS_HANDLER,
-    FrData,
-    RankResult,
-    RankStates,
-)
 from debug_server.listen import own_server, start_sites, stop_on_signals
-from debug_server.rank.discovery import WorkerAddr
+from debug_server.tools.view_collector import CURRENT, DiskCollector
+from debug_server.tools.view_disk import (
+    CYCLE_FILE_RE,
+    PER_RANK,
+    STAMP_RE,
+    Cycle,
+    CycleData,
+    Scan,
+    file_mtime,
+    load_cycle,
+    read_bounded,
+    scan_dir,
+)
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_PORT = 25999
-PER_RANK = "per_rank"
-"""The cycle id of the per-rank dumps (``<dir>/per_rank/`` or ``<dir>`` itself)."""
-MAX_FILE_BYTES = 4 << 30
-"""A dump file larger than this is refused rather than read into memory."""
 CACHED_CYCLES = 4
 COOKIE = "debug_server_cycle"
 DECORATED = frozenset({"/", "/fr_trace", "/torchcomms_fr_trace", "/stacks"})
 """Pages that get the post-mortem banner (HTML), first line (text) or key (JSON)."""
-
-_STAMP = r"\d{8}_\d{6}(?:_\d+)?"
-_CYCLE_FILE = re.compile(
-    rf"^({FR_TRACE_PREFIX}|{STACKS_PREFIX}|{SNAPSHOT_PREFIX}|{HANG_REPORT_PREFIX})_({_STAMP})"
-    r"\.(txt|json)$", re.ASCII)
-_STAMP_RE = re.compile(rf"^{_STAMP}$", re.ASCII)
-_FAILED_SECTION = re.compile(r"^rank \d+: .+$")
-
-
-# ---------------------------------------------------------------------------------------------
-# What is on disk
-
-
-@dataclass(slots=True)
-class Cycle:
-    """One dump cycle: the files that share a stamp (or the per-rank dumps)."""
-
-    stamp: str
-    snapshot: str | None = None
-    stacks: str | None = None
-    fr_text: str | None = None
-    rank_files: dict[int, str] | None = None
-    mtime: float = 0.0
-    """The newest file's modification time (what "data from" means for per-rank dumps)."""
-
-    def files(self) -> list[str]:
-        named = [self.snapshot, self.stacks, self.fr_text]
-        return [p for p in named if p] + sorted((self.rank_files or {}).values())
-
-    def when(self) -> str:
-        """``2026-11-26 05:26:16`` from the stamp (local time, as the dumper wrote it)."""
-        if self.stamp == PER_RANK:
-            return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.mtime))
-        t = time.strptime(self.stamp[:15], STAMP_FORMAT)
-        n = self.stamp[16:]  # the dumper's _1, _2... for cycles in one second
-        return time.strftime("%Y-%m-%d %H:%M:%S", t) + (f" #{n}" if n else "")
-
-    def label(self) -> str:
-        if self.stamp == PER_RANK:
-            return f"{self.when()}: per-rank dumps ({len(self.rank_files or {})} files)"
-        what = [k for k, p in (("FR", self.snapshot), ("stacks", self.stacks)) if p]
-        return f"{self.when()}: {' + '.join(what) or 'text report only'}"
-
-
-@dataclass(slots=True)
-class HangReportInfo:
-    stamp: str
-    txt: str | None
-    verdict: str
-
-
-@dataclass(slots=True)
-class Scan:
-    """The directory's cycles (oldest first), hang reports, and why anything is unusable."""
-
-    cycles: list[Cycle]
-    hang_reports: list[HangReportInfo]
-    problems: list[str]
-
-    def find(self, stamp: str) -> Cycle | None:
-        return next((c for c in self.cycles if c.stamp == stamp), None)
-
-
-def _stamp_key(stamp: str) -> tuple[str, int]:
-    base, n = stamp[:15], stamp[16:]
-    return base, int(n) if n else 0
-
-
-def _read_bounded(path: str) -> bytes:
-    size = os.path.getsize(path)
-    if size > MAX_FILE_BYTES:
-        raise DumpError(f"{os.path.basename(path)}: {size} bytes is over the "
-                        f"{MAX_FILE_BYTES >> 30} GiB limit")
-    with open(path, "rb") as f:
-        return f.read()
-
-
-def scan_dir(path: str) -> Scan:
-    """Every dump cycle in ``path``; never raises (an unusable dir is a problem line)."""
-    problems: list[str] = []
-    try:
-        names = sorted(os.listdir(path))
-    except OSError as e:
-        return Scan([], [], [f"{path}: cannot list ({e.strerror or e})"])
-    cycles: dict[str, Cycle] = {}
-    reports: dict[str, dict[str, str]] = {}
-    for name in names:
-        m = _CYCLE_FILE.match(name)
-        if m is None:
-            continue
-        kind, stamp, ext = m.groups()
-        full = os.path.join(path, name)
-        if kind == HANG_REPORT_PREFIX:
-            reports.setdefault(stamp, {})[ext] = full
-            continue
-        c = cycles.setdefault(stamp, Cycle(stamp))
-        if kind == SNAPSHOT_PREFIX and ext == "json":
-            c.snapshot = full
-        elif kind == STACKS_PREFIX and ext == "txt":
-            c.stacks = full
-        elif kind == FR_TRACE_PREFIX and ext == "txt":
-            c.fr_text = full
-        else:
-            continue
-        c.mtime = max(c.mtime, _mtime(full))
-    per_rank_dir = os.path.join(path, PER_RANK)
-    if os.path.isdir(per_rank_dir):
-        rank_dir: str | None = per_rank_dir
-    elif not cycles and not reports:
-        rank_dir = path  # a plain directory of per-rank dumps (ours or torch's)
-    else:
-        rank_dir = None
-    ordered = sorted(cycles.values(), key=lambda c: _stamp_key(c.stamp))
-    if rank_dir is not None:
-        try:
-            files, notes = rank_files(rank_dir)
-        except DumpError as e:
-            problems.append(str(e))
-            files, notes = {}, []
-        for n in notes:
-            logger.debug("debug_server view: %s", n)
-        if files:
-            mtime = max(_mtime(p) for p in files.values())
-            # Ranks rewrite these every cycle and once more on their way out: place them by
-            # their time among the dated cycles (usually last).
-            at = sum(1 for c in ordered if c.mtime <= mtime)
-            ordered.insert(at, Cycle(PER_RANK, rank_files=files, mtime=mtime))
-    hang = [_hang_report(stamp, reports[stamp]) for stamp in sorted(reports, key=_stamp_key)]
-    if not ordered:
-        problems.append(f"{path}: no dump cycles (no fr_snapshot_<ts>.json, stacks_<ts>.txt, "
-                        f"per_rank/ or <prefix><rank> dump files)")
-    return Scan(ordered, hang, problems)
-
-
-def _mtime(path: str) -> float:
-    try:
-        return os.stat(path).st_mtime
-    except OSError:
-        return 0.0
-
-
-def _hang_report(stamp: str, files: Mapping[str, str]) -> HangReportInfo:
-    txt = os.path.basename(files["txt"]) if "txt" in files else None
-    verdict = "(no .json report)"
-    if "json" in files:
-        try:
-            obj = json.loads(_read_bounded(files["json"]))
-            verdict = str(obj.get("verdict") or "(no verdict)") if isinstance(obj, dict) else (
-                "(not a hang report)")
-        except (OSError, ValueError, DumpError) as e:
-            verdict = f"(unreadable: {first_line(e)})"
-    return HangReportInfo(stamp, txt, verdict[:500])
-
-
-
-# ---------------------------------------------------------------------------------------------
-# One cycle's data
-
-
-@dataclass(slots=True)
-class CycleData:
-    """What one cycle says about every rank, and every file-level problem in one line each."""
-
-    cycle: Cycle | None
-    dumps: dict[int, dict[str, Any]] = field(default_factory=dict)
-    fr_errors: dict[int, str] = field(default_factory=dict)
-    stacks: dict[int, str] = field(default_factory=dict)
-    stack_errors: dict[int, str] = field(default_factory=dict)
-    problems: list[str] = field(default_factory=list)
-    stacks_from: str | None = None
-    """The stacks file used, when it is not the cycle's own (per-rank dumps)."""
-    world_size: int = 0
-
-    def sources(self) -> tuple[str, str]:
-        c = self.cycle
-        fr = (os.path.basename(c.snapshot) if c and c.snapshot
-              else "per-rank dumps" if c and c.rank_files else "")
-        st = os.path.basename(self.stacks_from or (c.stacks if c and c.stacks else "") or "")
-        return fr, st
-
-
-def _rank_key(key: str, source: str) -> int:
-    if not (key.isascii() and key.isdigit()) or int(key) > MAX_RANK:
-        raise DumpError(f"{source}: {key[:40]!r} is not a rank number")
-    return int(key)
-
-
-def _load_snapshot(path: str, data: CycleData) -> None:
-    name = os.path.basename(path)
-    try:
-        obj = snapshot.expand(json.loads(_read_bounded(path)))  # shared member lists inline
-    except (OSError, ValueError, DumpError) as e:
-        data.problems.append(f"{name}: unusable ({first_line(e)})")
-        return
-    if not isinstance(obj, dict):
-        data.problems.append(f"{name}: not a snapshot (top level is {type(obj).__name__})")
-        return
-    for key, value in obj.items():
-        try:
-            rank = _rank_key(str(key), name)
-        except DumpError as e:
-            data.problems.append(str(e))
-            continue
-        if isinstance(value, dict) and set(value) == {"error"}:
-            data.fr_errors[rank] = str(value["error"]).splitlines()[0][:300] if value["error"] else (
-                "no data")
-            continue
-        try:
-            data.dumps[rank] = validate_dump(value, f"{name} rank {rank}")
-        except DumpError as e:
-            data.fr_errors[rank] = str(e)
-
-
-def _load_rank_files(files: Mapping[int, str], data: CycleData) -> None:
-    for rank, path in sorted(files.items()):
-        try:
-            data.dumps[rank] = load_dump(path)
-        except DumpError as e:
-            data.fr_errors[rank] = str(e)
-        except MemoryError:
-            data.fr_errors[rank] = f"{os.path.basename(path)}: too large to load"
-
-
-def _load_stacks(path: str, data: CycleData) -> None:
-    name = os.path.basename(path)
-    try:
-        text = _read_bounded(path).decode("utf-8", errors="replace")
-    except (OSError, DumpError) as e:
-        data.problems.append(f"{name}: unusable ({first_line(e)})")
-        return
-    sections = stackparse.split_stacks_file(text)
-    if not sections:
-        data.problems.append(f"{name}: no '=== Rank N ===' sections")
-    for rank, body in sections.items():
-        if rank > MAX_RANK:
-            data.problems.append(f"{name}: rank {rank} is above {MAX_RANK}")
-            continue
-        stripped = body.strip()
-        # The dumper writes a rank that did not answer as its one failure line.
-        if "\n" not in stripped and _FAILED_SECTION.match(stripped) and not (
-                stackparse.parse_threads(body)):
-            data.stack_errors[rank] = stripped
-        else:
-            data.stacks[rank] = body
-
-
-def load_cycle(scan: Scan, cycle: Cycle | None) -> CycleData:
-    """Read one cycle's files (restricted loading only); never raises."""
-    data = CycleData(cycle, problems=list(scan.problems))
-    if cycle is not None:
-        if cycle.snapshot:
-            _load_snapshot(cycle.snapshot, data)
-        elif cycle.rank_files:
-            _load_rank_files(cycle.rank_files, data)
-        else:
-            extra = (f"; its text report is {os.path.basename(cycle.fr_text)}"
-                     if cycle.fr_text else "")
-            data.problems.append(f"cycle {cycle.stamp} has no {SNAPSHOT_PREFIX}_{cycle.stamp}.json"
-                                 f" (Flight Recorder data not kept){extra}")
-        stacks_path = cycle.stacks
-        if stacks_path is None and cycle.stamp == PER_RANK:
-            # Per-rank dumps come with no stacks of their own: use the last ones written.
-            stacks_path = next((c.stacks for c in reversed(scan.cycles) if c.stacks), None)
-            data.stacks_from = stacks_path
-        if stacks_path:
-            _load_stacks(stacks_path, data)
-        else:
-            data.problems.append(f"cycle {cycle.stamp} has no stacks file")
-    ranks = set(data.dumps) | set(data.fr_errors) | set(data.stacks) | set(data.stack_errors)
-    for dump in data.dumps.values():
-        for cfg in (dump.get("pg_config") or {}).values():
-            ranks.update(r for r in _cfg_ranks(cfg) if 0 <= r <= MAX_RANK)
-    data.world_size = max(ranks) + 1 if ranks else 0
-    for p in data.problems[len(scan.problems):]:
-        logger.warning("debug_server view: %s", p)
-    for rank, err in sorted(data.fr_errors.items()):
-        logger.warning("debug_server view: rank %d: %s", rank, err)
-    return data
-
-
-def _cfg_ranks(cfg: Any) -> list[int]:
-    try:
-        return parse_ranks(cfg.get("ranks", "[]")) if isinstance(cfg, dict) else []
-    except DumpError:
-        return []
-
-
-# ---------------------------------------------------------------------------------------------
-# The collector's twin
-
-_CURRENT: contextvars.ContextVar[CycleData] = contextvars.ContextVar("debug_server_view_cycle")
-
-
-def _current() -> CycleData:
-    try:
-        return _CURRENT.get()
-    except LookupError:  # outside a request (e.g. /metrics before any page): nothing chosen
-        return CycleData(None)
-
-
-class DiskRegistry:
-    """The ranks of the chosen cycle; their "address" is the file their data came from."""
-
-    @property
-    def world_size(self) -> int:
-        return _current().world_size
-
-    async def lookup(self) -> list[WorkerAddr]:
-        data = _current()
-        fr, st = data.sources()
-        return [WorkerAddr(r, fr or st or None) for r in range(data.world_size)]
-
-    def close(self) -> None:
-        pass
-
-
-class DiskCollector:
-    """``fanout.Collector``'s methods over the chosen cycle's files instead of live workers.
-
-    Extra keyword arguments (new fetch options of the live collector) are accepted and
-    ignored: on disk there is one recorded answer per rank.
-    """
-
-    def __init__(self) -> None:
-        self.registry = DiskRegistry()
-        self.states = RankStates()
-
-    @property
-    def world_size(self) -> int:
-        return _current().world_size
-
-    def data_time_ns(self) -> int:
-        c = _current().cycle
-        return int((c.mtime if c else time.time()) * 1e9)
-
-    async def fetch(self, handler: str, params: Mapping[str, str] | None = None,
-                    addrs: Sequence[WorkerAddr] | None = None, **_: Any) -> list[RankResult]:
-        if handler == STACKS_HANDLER:
-            return await self.stacks(addrs)
-        if handler in (FR_HANDLER, C10D_FR_HANDLER):
-            return (await self.fr(only_active=False, addrs=addrs)).results
-        # Health, profiles...: nothing was recorded; 404 reads as "no health check" on the pages.
-        return [RankResult(r, None, FAILED, error=f"rank {r}: {handler} not recorded "
-                           "(post-mortem)", http_status=404) for r in _ranks(addrs)]
-
-    async def fr(self, *, only_active: bool = False, whole: bool = False,
-                 addrs: Sequence[WorkerAddr] | None = None, **_: Any) -> FrData:
-        """The recorded rings; ``only_active``: the ops not completed, as a worker would send.
-
-        The live collector's default window (each communicator from its frontier) exists to
-        bound what crosses the network; on disk the whole ring costs nothing more, so it is
-        what the default (and ``whole``) gives.
-        """
-        data = _current()
-        src, _st = data.sources()
-        results, dumps = [], {}
-        for r in _ranks(addrs):
-            dump = data.dumps.get(r)
-            if dump is None:
-                why = data.fr_errors.get(r) or f"no Flight Recorder data in {src or 'this cycle'}"
-                # A snapshot records a failed rank as its own line ("rank 1: unreachable ...").
-                line = why if why.startswith(f"rank {r}: ") else f"rank {r}: {why}"
-                results.append(RankResult(r, src or None, FAILED, error=line))
-                continue
-            if only_active and not whole:  # as the worker's onlyactive: ops not completed
-                dump = {**dump, "entries": [e for e in dump.get("entries") or ()
-                                            if not (isinstance(e, dict)
-                                                    and e.get("state") == "completed")]}
-            dumps[r] = dump
-            results.append(RankResult(r, src or None, OK))
-        return FrData(results, dumps, scope=f"as the dumper wrote them to {src or 'this cycle'}")
-
-    async def stacks(self, addrs: Sequence[WorkerAddr] | None = None,
-                     **_: Any) -> list[RankResult]:
-        data = _current()
-        _fr, src = data.sources()
-        out = []
-        for r in _ranks(addrs):
-            text = data.stacks.get(r)
-            if text is not None:
-                out.append(RankResult(r, src or None, OK, body=text))
-            else:
-                why = data.stack_errors.get(r) or f"rank {r}: no stacks in {src or 'this cycle'}"
-                out.append(RankResult(r, src or None, FAILED, error=why))
-        return out
-
-
-def _ranks(addrs: Sequence[WorkerAddr] | None) -> list[int]:
-    if addrs is not None:
-        return [a.rank for a in addrs]
-    return list(range(_current().world_size))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -509,7 +98,7 @@ class DumpSource:
 
     def load(self, scan: Scan, cycle: Cycle | None) -> CycleData:
         key = (cycle.stamp if cycle else None,
-               tuple((p, _mtime(p)) for p in (cycle.files() if cycle else [])),
+               tuple((p, file_mtime(p)) for p in (cycle.files() if cycle else [])),
                tuple(scan.problems))
         hit = self._cache.get(key)
         if hit is not None:
@@ -529,7 +118,7 @@ def _choose(request: web.Request, scan: Scan) -> tuple[Cycle | None, bool]:
     """The cycle asked for (``?cycle=``, else the cookie, else the newest); 404 if unknown."""
     raw = request.query.get("cycle")
     if raw is not None:
-        cycle = scan.find(raw) if (raw == PER_RANK or _STAMP_RE.match(raw)) else None
+        cycle = scan.find(raw) if (raw == PER_RANK or STAMP_RE.match(raw)) else None
         if cycle is None:
             have = ", ".join(c.stamp for c in scan.cycles[-5:]) or "none"
             raise web.HTTPNotFound(text=f"no dump cycle {raw[:40]!r} in {scan_dir_name(request)} "
@@ -555,14 +144,14 @@ async def postmortem_middleware(request: web.Request, handler: Handler) -> web.S
     scan = await loop.run_in_executor(None, source.scan)
     cycle, explicit = _choose(request, scan)
     data = await loop.run_in_executor(None, source.load, scan, cycle)
-    token = _CURRENT.set(data)
+    token = CURRENT.set(data)
     try:
         inner = request
         if "cycle" in request.query:
             inner = request.clone(rel_url=request.rel_url.without_query_params("cycle"))
         resp = await handler(inner)
     finally:
-        _CURRENT.reset(token)
+        CURRENT.reset(token)
     if request.path in DECORATED and isinstance(resp, web.Response) and resp.status == 200:
         _decorate(resp, source, scan, data)
     if explicit and cycle is not None:
@@ -620,11 +209,11 @@ def _decorate(resp: web.Response, source: DumpSource, scan: Scan, data: CycleDat
 async def cycle_file(request: web.Request) -> web.Response:
     """One text/JSON file of the dump dir by name (hang reports, text reports); nothing else."""
     name = request.match_info["name"]
-    if _CYCLE_FILE.match(name) is None:
+    if CYCLE_FILE_RE.match(name) is None:
         raise web.HTTPNotFound(text=f"{name[:80]!r} is not a dump cycle file\n")
     path = os.path.join(request.app[SOURCE].path, name)
     try:
-        body = await asyncio.get_running_loop().run_in_executor(None, _read_bounded, path)
+        body = await asyncio.get_running_loop().run_in_executor(None, read_bounded, path)
     except (OSError, DumpError) as e:
         raise web.HTTPNotFound(text=f"{name}: {first_line(e)}\n") from None
     ctype = "application/json" if name.endswith(".json") else "text/plain"
