@@ -10,11 +10,14 @@ deep, with ``async_op=False`` (the default; on CUDA it returns once enqueued) an
 adds" is ours - bare in the same process (bare on a group of its own). With c10d's recorder on,
 an NCCL communicator is c10d-backed (comms module doc): "ours" is then the lean op path plus the
 start events its group records ("timing adds": bare torch on the communicator's own group minus
-bare torch on a plain group). Then the communicator path without the collective, and the memory
+bare torch on a plain group); "bare C++" is bare torch's own C++ call without its Python wrapper
+(``pg.allreduce([t], opts)``, what the communicator calls, see ``recording/calls.py``). Then the
+communicator path without the collective, and the memory
 of a full 2000-entry ring with stacks (c10d's ring when backed: our side holds none).
 
     python benchmarks/bench_record.py [--device cpu|cuda] [--iters N] [--rounds R]
     taskset -c 0 python benchmarks/bench_record.py          # the gloo figure, pinned to one core
+    taskset -c 0 python benchmarks/bench_record.py --clock cpu   # the same, on a busy shared box
 """
 
 from __future__ import annotations
@@ -51,13 +54,19 @@ def at_depth(depth: int, fn: Callable[[], float]) -> float:
     return at_depth(depth - 1, fn)
 
 
+# --clock cpu: the process's CPU time (all its threads) instead of wall time. On a shared box the
+# wall time of a block includes whatever ran on the core meanwhile; CPU time does not. (Not for
+# CUDA: NCCL's own threads spin.)
+_clock: Callable[[], float] = time.perf_counter
+
+
 def per_op_us(op: Callable[[], object], iters: int, sync: Callable[[], None]) -> float:
     def run() -> float:
         sync()
-        t0 = time.perf_counter()
+        t0 = _clock()
         for _ in range(iters):
             op()
-        dt = time.perf_counter() - t0
+        dt = _clock() - t0
         sync()
         return dt / iters * 1e6
 
@@ -99,6 +108,17 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
             def bare_timed(t: torch.Tensor = t, a: bool = async_op) -> object:
                 return dist.all_reduce(t, group=timed_pg, async_op=a)
 
+            opts = dist.AllreduceOptions()
+            if hasattr(opts, "asyncOp"):
+                opts.asyncOp = async_op
+
+            def bare_cpp(t: torch.Tensor = t, a: bool = async_op, o: Any = opts) -> object:
+                # torch.distributed.all_reduce's own C++ call, without its Python wrapper.
+                work = pg.allreduce([t], o)
+                if not a and work is not None:
+                    work.wait()
+                return work
+
             def hooked(t: torch.Tensor = t, a: bool = async_op) -> object:
                 return comm.all_reduce(t, async_op=a)
 
@@ -108,18 +128,20 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
             for _ in range(200):  # warm-up (NCCL init, event slots created)
                 bare()
                 bare_timed()
+                bare_cpp()
                 hooked()
                 unhooked()
             sync()
-            b, bt, h, u = [], [], [], []
+            b, bt, bc, h, u = [], [], [], [], []
             for _ in range(args.rounds):  # interleaved so drift hits all equally
                 b.append(per_op_us(bare, args.iters, sync))
                 bt.append(per_op_us(bare_timed, args.iters, sync))
+                bc.append(per_op_us(bare_cpp, args.iters, sync))
                 h.append(per_op_us(hooked, args.iters, sync))
                 u.append(per_op_us(unhooked, args.iters, sync))
             out["rows"].append({
                 "async_op": async_op, "numel": numel, "bare": statistics.median(b),
-                "bare_timed": statistics.median(bt),
+                "bare_timed": statistics.median(bt), "bare_cpp": statistics.median(bc),
                 "ours": statistics.median(h), "ours_no_hook": statistics.median(u),
             })
     if args.extras:
@@ -146,16 +168,16 @@ def extras(
         FlightRecorderHook(max_entries=2000).register_with_comm(pc)
 
         def path_hooked() -> object:
-            return pc._issue("all_reduce", nothing, (t,), {}, False)
+            return pc._issue("all_reduce", (nothing, (t,), {}), False)
 
         def path_plain() -> object:
-            return pp._issue("all_reduce", nothing, (t,), {}, False)
+            return pp._issue("all_reduce", (nothing, (t,), {}), False)
     else:
         def path_hooked() -> object:
-            return comm._run(comm._record1("all_reduce", t, False), nothing, (), {})
+            return comm._run(comm._record1("all_reduce", t, False), (nothing, (), {}))
 
         def path_plain() -> object:
-            return plain._run(plain._record1("all_reduce", t, False), nothing, (), {})
+            return plain._run(plain._record1("all_reduce", t, False), (nothing, (), {}))
 
     res["path_hooked"] = statistics.median(per_op_us(path_hooked, args.iters, sync) for _ in range(args.rounds))
     res["path_plain"] = statistics.median(per_op_us(path_plain, args.iters, sync) for _ in range(args.rounds))
@@ -203,7 +225,7 @@ def run_child(args: argparse.Namespace, fr_entries: int, port: int, extras_too: 
     for k in FR_ENV:
         env[k] = str(fr_entries)
     cmd = [sys.executable, __file__, "--child", "--device", args.device, "--iters", str(args.iters),
-           "--rounds", str(args.rounds)] + (["--extras"] if extras_too else [])
+           "--rounds", str(args.rounds), "--clock", args.clock] + (["--extras"] if extras_too else [])
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.child_timeout)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     if proc.returncode != 0 or not lines:
@@ -220,6 +242,8 @@ def main() -> None:
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--port", type=int, default=int(os.environ.get("MASTER_PORT", "29455")))
     ap.add_argument("--child-timeout", type=float, default=300.0)
+    ap.add_argument("--clock", default="wall", choices=["wall", "cpu"],
+                    help="wall time (default) or the process's CPU time per op (a shared CPU box)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--extras", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -227,6 +251,9 @@ def main() -> None:
         args.iters = 200 if args.device == "cuda" else 2000
     if args.rounds is None:
         args.rounds = 41 if args.device == "cuda" else 7
+    if args.clock == "cpu":
+        global _clock
+        _clock = time.process_time
     if args.child:
         print("RESULT " + json.dumps(child(args)), flush=True)
         return
@@ -234,13 +261,13 @@ def main() -> None:
     off = run_child(args, 0, args.port, extras_too=False)
     on = run_child(args, 2000, args.port + 1, extras_too=True)
     print(f"torch {torch.__version__}, device {args.device}, iters {args.iters}, rounds {args.rounds}, "
-          f"affinity {sorted(os.sched_getaffinity(0))[:8]}")
-    print("per-op host time, medians in us; c10d FR off = TORCH_FR_BUFFER_SIZE=0, on = 2000")
+          f"affinity {sorted(os.sched_getaffinity(0))[:8]}, clock {args.clock}")
+    print(f"per-op host {'CPU ' if args.clock == 'cpu' else ''}time, medians in us; c10d FR off = TORCH_FR_BUFFER_SIZE=0, on = 2000")
     print(f"recorder with c10d FR on: {'c10d-backed (c10d records, ours reads at dump time)' if on['c10d_backed'] else 'ours (Python)'}"
           f"; with it off: {'c10d-backed' if off['c10d_backed'] else 'ours (Python)'}")
     print(f"{'async':>5} {'numel':>6} {'bare/off':>9} {'bare/on':>8} {'c10d FR adds':>12} "
           f"{'ours/on':>8} {'ours adds':>9} {'timing adds':>11} {'ours/off':>9} "
-          f"{'ours adds (off)':>15} {'no hook/on':>10}")
+          f"{'ours adds (off)':>15} {'no hook/on':>10} {'bare C++/on':>11}")
     worst = []
     for r_off, r_on in zip(off["rows"], on["rows"], strict=True):
         fr_adds = r_on["bare"] - r_off["bare"]
@@ -250,7 +277,8 @@ def main() -> None:
         worst.append((ours_adds, fr_adds))
         print(f"{str(r_on['async_op']):>5} {r_on['numel']:>6} {r_off['bare']:>9.2f} {r_on['bare']:>8.2f} "
               f"{fr_adds:>12.2f} {r_on['ours']:>8.2f} {ours_adds:>9.2f} {timing_adds:>11.2f} "
-              f"{r_off['ours']:>9.2f} {ours_adds_off:>15.2f} {r_on['ours_no_hook']:>10.2f}")
+              f"{r_off['ours']:>9.2f} {ours_adds_off:>15.2f} {r_on['ours_no_hook']:>10.2f} "
+              f"{r_on['bare_cpp']:>11.2f}")
     ex = on["extras"]
     print(f"without the collective: communicator path {ex['path_plain']:.2f} us, with the FR hook "
           f"{ex['path_hooked']:.2f} us (the hook adds {ex['path_hooked'] - ex['path_plain']:.2f} us)")
@@ -259,7 +287,9 @@ def main() -> None:
           f"dump_json of 2000 entries {ex['dump_ms']:.1f} ms; states {ex['states']}")
     max_ours = max(o for o, _ in worst)
     max_fr = max(f for _, f in worst)
-    print(f"SUMMARY ours adds at most {max_ours:.2f} us per op; c10d FR adds at most {max_fr:.2f} us")
+    ratios = [r["ours"] / r["bare"] for r in on["rows"]]
+    print(f"SUMMARY ours adds at most {max_ours:.2f} us per op; c10d FR adds at most {max_fr:.2f} us; "
+          f"ours/bare (c10d FR on) {' '.join(f'{x:.3f}' for x in ratios)}")
 
 
 if __name__ == "__main__":

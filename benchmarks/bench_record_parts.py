@@ -79,7 +79,7 @@ def main() -> None:
     def nothing(*a: object, **k: object) -> None:
         return None
 
-    print(f"comm._run, no collective  {us(lambda: comm._run(comm._record1('all_reduce', t, False), nothing, (), {})):7.2f}")
+    print(f"comm._run, no collective  {us(lambda: comm._run(comm._record1('all_reduce', t, False), (nothing, (), {}))):7.2f}")
     print(f"fn(*args, **kw) call      {us(lambda: nothing(*(t,), **{'op': 0, 'group': None, 'async_op': False})):7.2f}")
     pg = comm.process_group
     print(f"bare all_reduce async     {us(lambda: dist.all_reduce(t, group=pg, async_op=True)):7.2f}")

@@ -166,14 +166,12 @@ def call_site_line() -> int:
     return 1 + next(i for i, ln in enumerate(lines) if ln.endswith("# CALL SITE"))
 
 
-@pytest.mark.timeout(120)
-def test_forced_c10d_mode_registers_no_per_op_hook(backed_job):
+def test_forced_c10d_mode_registers_no_per_op_hook(backed_job: tuple[str, str]) -> None:
     out0, out1 = backed_job
     assert "BACKED True PRE_HOOKS 0" in out0 and "BACKED True PRE_HOOKS 0" in out1
 
 
-@pytest.mark.timeout(120)
-def test_hook_dump_holds_c10d_entries_under_the_communicator_with_seqs_from_zero(backed_job):
+def test_hook_dump_holds_c10d_entries_under_the_communicator_with_seqs_from_zero(backed_job: tuple[str, str]) -> None:
     out0, _ = backed_job
     entries = json.loads(re.search(r"^ENTRIES (.*)$", out0, re.M).group(1))
     line = call_site_line()
@@ -186,22 +184,19 @@ def test_hook_dump_holds_c10d_entries_under_the_communicator_with_seqs_from_zero
     ]
 
 
-@pytest.mark.timeout(120)
-def test_ops_really_ran_through_torch(backed_job):
+def test_ops_really_ran_through_torch(backed_job: tuple[str, str]) -> None:
     out0, out1 = backed_job
     # 1 -> 2 -> 4 -> 8 (all_reduce x3), broadcast, -> 16 (async all_reduce)
     assert "SUM 16.0" in out0 and "SUM 16.0" in out1
 
 
-@pytest.mark.timeout(120)
-def test_op_waiting_for_a_late_rank_is_in_flight_then_gone(backed_job):
+def test_op_waiting_for_a_late_rank_is_in_flight_then_gone(backed_job: tuple[str, str]) -> None:
     out0, _ = backed_job
     assert "IN_FLIGHT [('all_reduce', 5)]" in out0
     assert "AFTER []" in out0
 
 
-@pytest.mark.timeout(120)
-def test_users_own_pre_hook_gets_records_and_the_numbering_stays_one(backed_job):
+def test_users_own_pre_hook_gets_records_and_the_numbering_stays_one(backed_job: tuple[str, str]) -> None:
     out0, _ = backed_job
     # The hook's op goes through the recording path, the next one through the lean path again;
     # c10d has all three, once each, numbered as one sequence.
@@ -226,14 +221,14 @@ def test_after_an_abort_the_states_c10d_gave_before_it_stand():
 STATUS_JOB = r"""
 import datetime, json, os, threading, time
 import torch
-from debug_server.recording import comms
+from debug_server.recording import comms, watchdog
 from debug_server.recording.hooks import FlightRecorderHook
 
 comm = comms.new_comm("gloo", torch.device("cpu"), "main_comm", timeout=datetime.timedelta(seconds=2))
 FlightRecorderHook(max_entries=100).register_with_comm(comm)
 comm._is_cuda = True  # the NCCL branch: collectives wait for c10d's status, no work is kept
 status = {comm.c10d_group_name: {"last_completed_collective": "-1"}}
-comms._c10d_nccl_status = lambda now: status
+watchdog._c10d_nccl_status = lambda now: status
 aborts = []
 comm.register_abort_hook(lambda rec, err: aborts.append((rec.op, rec.seq, threading.current_thread().name)))
 out = {}

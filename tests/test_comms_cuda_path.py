@@ -16,7 +16,7 @@ from mpjob import rank0_result, run_job
 CUDA_PATH_JOB = r'''
 import datetime, json, os, threading, time
 import torch
-from debug_server.recording import comms
+from debug_server.recording import comms, work
 from debug_server.recording.hooks import FlightRecorderHook
 
 unfired = set()  # (kind, slot) of events that have not fired
@@ -31,7 +31,7 @@ class StandInEvent:
 
 
 comms._raw_stream = lambda idx: 0
-comms._record_event = lambda ev, stream: None
+comms._record_event = work._record_event = lambda ev, stream: None
 comm = comms.new_comm("gloo", torch.device("cpu"), "cuda_like", timeout=datetime.timedelta(seconds=1))
 comm._is_cuda, comm._dev_idx, comm._streams = True, 0, {0: "stream"}
 comm._starts = [StandInEvent(("start", i)) for i in range(comms._SLOTS)]

@@ -44,6 +44,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 from debug_server.dumpio import FR_VERSION, write_dump_atomic
+from debug_server.recording import stall
+from debug_server.recording.lazy import BUILT, Cut, LazyDump
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +60,7 @@ __all__ = [
     "backed_of",
     "merge_backed",
     "merge_c10d",
+    "merge_lazy",
     "off_reason",
     "process_groups",
     "read_recorders",
@@ -163,8 +166,23 @@ def _backed_status(st: Mapping[str, Any]) -> dict[str, int]:
 # The merge (pure)
 
 
-def merge_c10d(
-    ours: Mapping[str, Any],
+def merge_c10d(ours: Mapping[str, Any] | LazyDump, recorders: Sequence[tuple[str, Mapping[str, Any]]],
+               *, cut: Cut | None = None, **options: Any) -> dict[str, Any]:
+    """Our hooks' FR dump with c10d's own entries merged in (see the module doc).
+
+    ``ours``: our hooks' snapshot (``hooks.snapshot()``, or ``hooks.lazy_snapshot()`` with its
+    entries not built yet); ``options`` as :func:`merge_lazy` takes them. ``cut`` picks the
+    entries kept from the merged timeline (``lazy.Cut``; the worker's live window); only those
+    are built. None: every entry.
+    """
+    if not isinstance(ours, LazyDump) and cut is None and not recorders:
+        return dict(ours)
+    lazy = ours if isinstance(ours, LazyDump) else LazyDump.of(ours)
+    return merge_lazy(lazy, recorders, **options).finish(cut)
+
+
+def merge_lazy(
+    ours: LazyDump,
     recorders: Sequence[tuple[str, Mapping[str, Any]]],
     *,
     owned: Iterable[str] = (),
@@ -173,11 +191,12 @@ def merge_c10d(
     include_collectives: bool = True,
     backed: Mapping[str, Backed] | None = None,
     others: bool = True,
-) -> dict[str, Any]:
-    """Our hooks' FR dump with c10d's own entries merged in (see the module doc).
+) -> LazyDump:
+    """:func:`merge_c10d` with the entries not built yet (``ours`` is not changed): the
+    result's keys hold every entry's group, seqs and state, for a cut (``lazy``).
 
     Args:
-        ours: our hooks' snapshot (``hooks.snapshot()``), already filtered as asked.
+        ours: our hooks' snapshot, already filtered as asked.
         recorders: c10d's dumps as ``(recorder, dump)`` pairs, ``recorder`` ``"cpu"`` (gloo)
             or ``"nccl"``, each read in full (c10d's own ``onlyActive`` keeps every gloo entry).
         owned: c10d group names of process groups our recorded communicators own; their c10d
@@ -193,8 +212,8 @@ def merge_c10d(
     owned_set = set(owned)
     backed = backed or {}
     groups = groups or {}
-    our_cfg = dict(ours.get("pg_config") or {})
-    our_status = dict(ours.get("pg_status") or {})
+    our_cfg = dict(ours.head.get("pg_config") or {})
+    our_status = dict(ours.head.get("pg_status") or {})
     # A c10d group whose name is also one of our communicators' names is renamed, never merged.
     taken = set(our_cfg) | set(our_status)
 
@@ -217,6 +236,8 @@ def merge_c10d(
                 continue  # not an entry c10d writes; the analyzer would only skip it too
             pg_name = str(pg[0])
             b = backed.get(pg_name)
+            # c10d's entries are built whole here (a copy and a few fields: the C++ dump and
+            # its unpickling cost far more); each is its own key for the cut.
             if b is not None:
                 ent = _backed_entry(e, b)
                 if only_active and (ent.get("state") == "completed" or ent.get("retired")):
@@ -260,20 +281,17 @@ def merge_c10d(
     if not include_collectives:
         added = []
     if not cfg and not added:
-        return dict(ours)
-    merged = dict(ours)
-    merged["pg_config"] = {**our_cfg, **cfg}
-    merged["pg_status"] = {**our_status, **status}
-    entries = list(ours.get("entries") or ())
-    if added:
-        # Ours are copied (the caller's dicts stay as they were); c10d's are new already.
-        entries = [{**x} for x in entries] + added
-        entries.sort(key=lambda x: x.get("time_created_ns") or 0)
-        for i, x in enumerate(entries):
-            x["record_id"] = i
-    merged["entries"] = entries
-    merged.setdefault("version", FR_VERSION)
-    return merged
+        return ours
+    head = dict(ours.head)
+    head["pg_config"] = {**our_cfg, **cfg}
+    head["pg_status"] = {**our_status, **status}
+    head.setdefault("version", FR_VERSION)
+    if not added:
+        return LazyDump(head, list(ours.items), list(ours.sources))
+    theirs = LazyDump({})
+    theirs.extend(added, BUILT)
+    # One timeline: ours and c10d's by creation time, record ids renumbered along it.
+    return ours.merged(theirs, head)
 
 
 def _side(recorder: str, pg_name: str, info: GroupInfo | None) -> str:
@@ -344,32 +362,37 @@ def _c10d() -> Any | None:
     return c10d
 
 
-def read_recorders(*, stacks: bool = False, include_collectives: bool = True
-                   ) -> list[tuple[str, dict[str, Any]]]:
+def read_recorders(*, stacks: bool = False, include_collectives: bool = True,
+                   unread: Iterable[str] = ()) -> list[tuple[str, dict[str, Any]]]:
     """c10d's recorders in this process as ``(recorder, dump)``; empty before the first group.
 
     Reads c10d's pickle dumps (half the time of its JSON ones, and ints where the JSON has
     strings), with each op's Python stack when ``stacks`` and that is safe (see
     :func:`_stacks_safe`), else without ``frames``. A torch with only the JSON dumps is read
     through those.
+
+    ``unread``: c10d group names whose entries the caller drops (our communicators' own
+    groups). A recorder whose every group is one of them gives its status only, no entries:
+    c10d writes all of its ring on every dump (16 ms for 2000 entries), and in a job that runs
+    only our communicators every one of them would be dropped (see :func:`_only_unread`).
     """
     c10d = _c10d()
     if c10d is None:
         return []
     stacks = stacks and _stacks_safe()
+    unread = frozenset(unread)
     out = []
     for recorder, json_fn, pickle_fn in _RECORDERS:
         try:
-            fn = getattr(c10d, pickle_fn, None)
-            if fn is not None:
-                # c10d's own bytes, made in this process from its ring (plain dicts, lists and
-                # strings): no network data, so plain pickle (3x faster than the restricted one).
-                dump = pickle.loads(fn(include_collectives, stacks, False))
-            elif (fn := getattr(c10d, json_fn, None)) is not None:
-                raw = fn(include_collectives, False)
-                dump = json.loads(raw.decode() if isinstance(raw, bytes) else raw)
-            else:
-                continue
+            dump = None
+            if include_collectives and unread:
+                head = _read(c10d, pickle_fn, json_fn, False, False)
+                if isinstance(head, dict) and _only_unread(recorder, head, unread):
+                    dump = head
+            if dump is None:
+                dump = _read(c10d, pickle_fn, json_fn, include_collectives, stacks)
+                if include_collectives and isinstance(dump, dict):
+                    _learn_names(recorder, dump)
         except Exception as e:  # a recorder that cannot be read must not cost the other one
             _warn_once(recorder, f"reading c10d's {recorder} flight recorder failed: "
                        f"{str(e).splitlines()[0] if str(e) else type(e).__name__}")
@@ -377,6 +400,44 @@ def read_recorders(*, stacks: bool = False, include_collectives: bool = True
         if isinstance(dump, dict):
             out.append((recorder, dump))
     return out
+
+
+def _read(c10d: Any, pickle_fn: str, json_fn: str, include_collectives: bool,
+          stacks: bool) -> Any:
+    fn = getattr(c10d, pickle_fn, None)
+    if fn is not None:
+        # c10d's own bytes, made in this process from its ring (plain dicts, lists and
+        # strings): no network data, so plain pickle (3x faster than the restricted one).
+        return pickle.loads(fn(include_collectives, stacks, False))
+    if (fn := getattr(c10d, json_fn, None)) is not None:
+        raw = fn(include_collectives, False)
+        return json.loads(raw.decode() if isinstance(raw, bytes) else raw)
+    return None
+
+
+# c10d keys pg_status by the group's id in its recorder and names entries' groups by the group's
+# name; the two differ (a group made with use_local_synchronization has a hashed name). Ids are
+# never reused in a process, so each pairing seen in a full read holds for good.
+_pg_names: dict[tuple[str, str], str] = {}
+
+
+def _learn_names(recorder: str, dump: Mapping[str, Any]) -> None:
+    for e in dump.get("entries") or ():
+        if isinstance(e, Mapping):
+            pg = e.get("process_group")
+            if isinstance(pg, (list, tuple)) and pg and "pg_id" in e:
+                _pg_names[(recorder, str(e["pg_id"]))] = str(pg[0])
+
+
+def _only_unread(recorder: str, head: Mapping[str, Any], unread: frozenset[str]) -> bool:
+    """Whether every entry of this recorder's ring belongs to a group in ``unread``, from its
+    status alone: c10d adds a group's ``pg_status`` row at the group's first record and never
+    removes it, so the rows name every group with an entry. A row whose group name is not known
+    yet (no full read saw its entries) means no."""
+    status = head.get("pg_status")
+    if not isinstance(status, Mapping):
+        return False
+    return all(_pg_names.get((recorder, str(pg_id))) in unread for pg_id in status)
 
 
 def group_exists() -> bool:
@@ -447,45 +508,56 @@ def backed_of(comms: Iterable[Any]) -> dict[str, Backed]:
     return out
 
 
-def merge_backed(ours: Mapping[str, Any], comms: Iterable[Any], *, only_active: bool = False,
-                 include_collectives: bool = True, stacks: bool = True) -> dict[str, Any]:
+def merge_backed(ours: Mapping[str, Any] | LazyDump, comms: Iterable[Any], *,
+                 only_active: bool = False, include_collectives: bool = True, stacks: bool = True,
+                 cut: Cut | None = None) -> dict[str, Any]:
     """A hook's dump (``ours``) with the entries c10d recorded for the hook's c10d-backed
-    communicators among ``comms``, and nothing of c10d's other groups."""
+    communicators among ``comms``, and nothing of c10d's other groups; ``cut`` as in
+    :func:`merge_c10d`."""
+    lazy = ours if isinstance(ours, LazyDump) else LazyDump.of(ours)
+    comms = list(comms)
     backed = backed_of(comms)
-    if not backed:
-        return dict(ours)
-    recorders = read_recorders(stacks=stacks, include_collectives=include_collectives)
+    recorders = read_recorders(stacks=stacks, include_collectives=include_collectives) \
+        if backed else []
     if not recorders:
-        return dict(ours)
-    out = merge_c10d(ours, recorders, backed=backed, others=False, only_active=only_active,
+        return lazy.finish(cut)
+    out = merge_lazy(lazy, recorders, backed=backed, others=False, only_active=only_active,
                      include_collectives=include_collectives)
     for c in comms:
         if getattr(c, "c10d_backed", False) and getattr(c, "_broken", None) == "" and include_collectives:
-            # Failing, not yet aborted (the abort hooks run now): keep c10d's states as they are.
+            # Failing, not yet aborted (the abort hooks run now): keep c10d's states as they
+            # are, from every entry's key (a cut builds only some entries).
             name = c.get_name()
-            c._c10d_frozen = {e["collective_seq_id"]: e["state"] for e in out["entries"]
-                              if e["process_group"][0] == name and not e.get("is_p2p")}
-    return out
+            c._c10d_frozen = {k["collective_seq_id"]: k["state"] for k in out.keys()
+                              if k["process_group"][0] == name and not k.get("is_p2p")}
+    return out.finish(cut)
 
 
 def snapshot(*, only_active: bool = False, include_collectives: bool = True,
-             stacks: bool = False) -> dict[str, Any]:
-    """This process's FR dump: every live hook's snapshot with c10d's own entries merged in."""
+             stacks: bool = False, cut: Cut | None = None) -> dict[str, Any]:
+    """This process's FR dump: every live hook's snapshot with c10d's own entries merged in.
+
+    ``cut`` (``lazy.Cut``; the worker passes its live window, ``frwindow``) picks the entries
+    kept from the merged timeline, and only those are built; c10d's rings are still read whole
+    (c10d has no partial dump).
+    """
     from debug_server.recording import hooks
 
     # The hooks' own entries only: their c10d-backed communicators' entries are mapped here,
     # from the same read of c10d's recorders as everything else.
-    ours = hooks.snapshot(only_active=only_active, include_collectives=include_collectives, c10d=False)
-    recorders = read_recorders(stacks=stacks, include_collectives=include_collectives)
+    ours = hooks.lazy_snapshot(only_active=only_active, include_collectives=include_collectives)
+    owned, backed = _owned(), backed_of(hooks.recorded_comms())
+    recorders = read_recorders(stacks=stacks, include_collectives=include_collectives,
+                               unread=owned - set(backed))
     if not recorders:
-        return ours
+        return ours.finish(cut)
     try:
-        return merge_c10d(ours, recorders, owned=_owned(), groups=process_groups(),
+        return merge_lazy(ours, recorders, owned=owned, groups=process_groups(),
                           only_active=only_active, include_collectives=include_collectives,
-                          backed=backed_of(hooks.recorded_comms()))
+                          backed=backed).finish(cut)
     except Exception:  # c10d's record must never cost us our own
         _warn_once("merge", "merging c10d's flight recorder failed", exc_info=True)
-        return ours
+        return ours.finish(cut)
 
 
 def dump_file(rank: int | None = None) -> str:
@@ -614,8 +686,8 @@ class StallWatch:
         """``(group, age_s, pending)`` of every pending op older than ``stall_timeout``."""
         out = []
         for g, p in sorted(self._pending.items()):
-            age = (now_ns - p.created_ns) / 1e9
-            if p.seq >= 0 and age > stall_timeout:
+            age = stall.age_s(p.created_ns, now_ns)
+            if p.seq >= 0 and stall.is_stalled(age, stall_timeout):
                 out.append((g, age, p))
         return out
 
@@ -650,5 +722,4 @@ def stalled_op(watch: StallWatch, stall_timeout: float, now_ns: int | None = Non
     if not stalled:
         return None
     group, age, p = stalled[0]
-    return {"group": group, "group_desc": p.desc, "seq": p.seq, "op": p.op,
-            "age_s": round(age, 3), "source": "c10d"}
+    return stall.report(group, p.seq, p.op, age, group_desc=p.desc, source="c10d")

@@ -6,6 +6,7 @@ Python stack at the user's call site. Recording stores a reference to the commun
 ``OpRecord`` and a raw captured traceback (symbolised only at dump time), so the hot path costs a
 few microseconds. ``dump_json()`` gives the torch FR schema (version "2.10") that PyTorch's own
 ``fr_trace`` and our analyzer read; ``dump_file(rank)`` writes it as a pickle, atomically.
+``dump_json(cut=...)`` builds only the entries a cut keeps (``lazy``: the worker's live window).
 
 The module also keeps the list of live hooks of this process, which the per-rank worker serves
 (``snapshot()``, ``dump_file()``, ``health()``) with no wiring by the user.
@@ -14,6 +15,7 @@ The module also keeps the list of live hooks of this process, which the per-rank
 from __future__ import annotations
 
 import faulthandler
+import functools
 import itertools
 import logging
 import os
@@ -27,6 +29,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from debug_server.dumpio import FR_VERSION, write_dump_atomic
+from debug_server.recording import stall
+from debug_server.recording.lazy import Cut, LazyDump, Source
 
 if TYPE_CHECKING:
     from debug_server.recording.comms import Comm, HookHandle, InFlight, OpRecord
@@ -36,6 +40,7 @@ __all__ = [
     "default_stall_timeout",
     "dump_file",
     "health",
+    "lazy_snapshot",
     "recorded_comms",
     "registered_hooks",
     "set_default_stall_timeout",
@@ -132,12 +137,12 @@ def _frames_of(raw: tuple[Any, ...]) -> list[dict[str, Any]]:
     return frames
 
 
-def _symbolize_records(records: list[OpRecord]) -> None:
-    """Replace raw captured stacks by (interned) frame lists, once per record."""
-    for rec in records:
-        raw = rec.traceback
-        if raw is not None and not isinstance(raw, list):
-            rec.traceback = _frames_of(raw)
+def _symbolized(rec: OpRecord) -> list[dict[str, Any]]:
+    """The record's stack as (interned) frame lists; the raw capture is replaced, once."""
+    raw = rec.traceback
+    if raw is not None and not isinstance(raw, list):
+        rec.traceback = raw = _frames_of(raw)
+    return raw if isinstance(raw, list) else []
 
 
 def _thread_name(ident: int | None) -> str:
@@ -165,13 +170,35 @@ def _shared(shared: dict[Any, Any], key: Any, make: Callable[[], Any]) -> Any:
     return hit
 
 
-def _entry(rec: OpRecord, shared: dict[Any, Any] | None = None) -> dict[str, Any]:
+def _key(rec: OpRecord, shared: dict[Any, Any]) -> dict[str, Any]:
+    """The fields that decide whether an entry is kept (``lazy.KEY_FIELDS``), read once: the
+    entry built from it (``_entry``) takes its state from here, so a cut and the entries it
+    keeps agree even while the op advances."""
     comm = rec.comm
-    started = rec.time_started_ns
-    completed = rec.time_completed_ns
+    pg_key = ("pg", comm.get_name(), comm.get_backend())
+    state = rec.state
+    return {
+        "record_id": rec.record_id,
+        "process_group": _shared(shared, pg_key, lambda: pg_key[1:]),
+        "collective_seq_id": rec.seq,
+        "profiling_name": rec.profiling_name,
+        "state": state,
+        "retired": state == "completed",
+        "is_p2p": rec.is_p2p,
+        "time_created_ns": rec.time_created_ns,
+        "time_discovered_started_ns": rec.time_started_ns,
+        "time_discovered_completed_ns": rec.time_completed_ns,
+    }
+
+
+def _entry(rec: OpRecord, key: dict[str, Any] | None, shared: dict[Any, Any]) -> dict[str, Any]:
+    comm = rec.comm
+    if key is None:
+        started, completed, state = rec.time_started_ns, rec.time_completed_ns, rec.state
+    else:  # the state the cut saw
+        started, completed = key["time_discovered_started_ns"], key["time_discovered_completed_ns"]
+        state = key["state"]
     duration = (completed - started) / 1e6 if completed is not None and started is not None else None
-    if shared is None:
-        shared = {}
     ins, outs, ind, outd = rec.input_shapes, rec.output_shapes, rec.input_dtypes, rec.output_dtypes
     pg_key = ("pg", comm.get_name(), comm.get_backend())
     return {
@@ -190,14 +217,24 @@ def _entry(rec: OpRecord, shared: dict[Any, Any] | None = None) -> dict[str, Any
         "input_dtypes": _shared(shared, ("dtypes", ind), lambda: [_dtype_name(d) for d in ind]),
         "output_sizes": _shared(shared, ("sizes", outs), lambda: [list(s) for s in outs]),
         "output_dtypes": _shared(shared, ("dtypes", outd), lambda: [_dtype_name(d) for d in outd]),
-        "state": rec.state,
+        "state": state,
         "time_discovered_started_ns": started,
         "time_discovered_completed_ns": completed,
-        "retired": rec.state == "completed",
+        "retired": state == "completed",
         "timeout_ms": int(comm.timeout.total_seconds() * 1000),
         "is_p2p": rec.is_p2p,
-        "frames": rec.traceback if isinstance(rec.traceback, list) else [],
+        "frames": _symbolized(rec),
     }
+
+
+def _created(rec: OpRecord) -> int:
+    return rec.time_created_ns
+
+
+def _records_source(shared: dict[Any, Any]) -> Source:
+    """Our records as ``lazy`` entries of one dump (``shared``: that dump's shared values)."""
+    return Source(functools.partial(_key, shared=shared), functools.partial(_entry, shared=shared),
+                  _created)
 
 
 class FlightRecorderHook:
@@ -304,14 +341,29 @@ class FlightRecorderHook:
         only_active: bool = False,
         include_collectives: bool = True,
         c10d: bool = True,
+        cut: Cut | None = None,
     ) -> dict[str, Any]:
         """This hook's FR dump as a dict in the torch FR schema (version "2.10").
 
         ``only_active`` or ``include_completed=False`` keep only ops not yet completed;
         ``include_collectives=False`` leaves ``entries`` empty (config and status only).
         The entries of c10d-backed communicators are read from c10d's recorder now, unless
-        ``c10d`` is False (``c10d_fr.snapshot`` maps them from its own read).
+        ``c10d`` is False (``c10d_fr.snapshot`` maps them from its own read). ``cut`` (see
+        ``lazy.Cut``, e.g. the worker's live window) picks the entries kept; only those are built.
         """
+        out = self.lazy_dump(include_completed, only_active, include_collectives)
+        comms = list(self._comms.values())
+        if c10d and any(c.c10d_backed for c in comms):
+            # Read only when a backed communicator is recorded.
+            from debug_server.recording import c10d_fr
+
+            return c10d_fr.merge_backed(out, comms, only_active=only_active or not include_completed,
+                                        include_collectives=include_collectives, cut=cut)
+        return out.finish(cut)
+
+    def lazy_dump(self, include_completed: bool = True, only_active: bool = False,
+                  include_collectives: bool = True) -> LazyDump:
+        """``dump_json(..., c10d=False)`` with its entries not built yet (``lazy``)."""
         # Read before the ring: every op issued before this instant is in the dump, which is
         # what lets the analyzer tell a rank read a moment early from one that never issued an op.
         taken_ns = time.time_ns()
@@ -319,23 +371,15 @@ class FlightRecorderHook:
         recs = everything if include_collectives else []
         if only_active or not include_completed:
             recs = [r for r in recs if r.state != "completed"]
-        _symbolize_records(recs)
-        shared: dict[Any, Any] = {}  # one per dump: equal sizes/dtypes/groups are pickled once
-        out = {
+        out = LazyDump({
             "version": FR_VERSION,
             "comm_lib_version": f"debug_server/torch-{torch.__version__}",
             "dump_time_ns": taken_ns,
             "pg_config": self._pg_config(),
             "pg_status": self._pg_status(everything),
-            "entries": [_entry(r, shared) for r in recs],
-        }
-        comms = list(self._comms.values())
-        if c10d and any(c.c10d_backed for c in comms):
-            # Read only when a backed communicator is recorded.
-            from debug_server.recording import c10d_fr
-
-            out = c10d_fr.merge_backed(out, comms, only_active=only_active or not include_completed,
-                                       include_collectives=include_collectives)
+        })
+        # One per dump: equal sizes/dtypes/groups are pickled once.
+        out.extend(recs, _records_source({}))
         return out
 
     def _pg_config(self) -> dict[str, dict[str, str]]:
@@ -404,7 +448,8 @@ class FlightRecorderHook:
     def health(self) -> dict[str, Any]:
         """``{"healthy", "stalled_op", "in_flight", "oldest_in_flight_s"}``.
 
-        Stalled: in flight longer than ``effective_stall_timeout``.
+        Stalled (``stall``): in flight longer than ``effective_stall_timeout``; the oldest
+        stalled op is reported.
         """
         return _health([self])
 
@@ -416,31 +461,22 @@ def _dump_path(rank: int | None) -> str:
     return os.path.expanduser(prefix) + str(rank)
 
 
-def _health(hooks: list[FlightRecorderHook]) -> dict[str, Any]:
+def _health(hooks: list[FlightRecorderHook], stall_timeout: float | None = None) -> dict[str, Any]:
     now = time.time_ns()
-    oldest: OpRecord | InFlight | None = None
-    n = 0
-    stalled: dict[str, Any] | None = None
-    for h in hooks:
-        limit = h.effective_stall_timeout
-        for r in h.in_flight():
-            n += 1
-            if oldest is None or r.time_created_ns < oldest.time_created_ns:
-                oldest = r
-            age = (now - r.time_created_ns) / 1e9
-            if limit is not None and age > limit and stalled is None:
-                stalled = {
-                    "group": r.comm.get_name(),
-                    "seq": r.p2p_seq if r.is_p2p else r.seq,
-                    "op": r.op,
-                    "age_s": round(age, 3),
-                }
+    ops = [(r, _limit(h.effective_stall_timeout, stall_timeout)) for h in hooks for r in h.in_flight()]
+    stalled = stall.oldest_stalled(ops, now)
+    oldest = min((r.time_created_ns for r, _ in ops), default=None)
     return {
         "healthy": stalled is None,
-        "stalled_op": stalled,
-        "in_flight": n,
-        "oldest_in_flight_s": round((now - oldest.time_created_ns) / 1e9, 3) if oldest else None,
+        "stalled_op": stall.report_op(*stalled) if stalled is not None else None,
+        "in_flight": len(ops),
+        "oldest_in_flight_s": round(stall.age_s(oldest, now), 3) if oldest is not None else None,
     }
+
+
+def _limit(own: float | None, other: float | None) -> float | None:
+    # Two limits on one op: whichever fires first.
+    return own if other is None else other if own is None else min(own, other)
 
 
 # -- stall check --------------------------------------------------------------------------------
@@ -497,8 +533,8 @@ def _stall_check() -> float | None:
         # thread mutates it) must not end the checks for the rest of the run.
         try:
             for rec in h.in_flight():
-                age = (now - rec.time_created_ns) / 1e9
-                if limit is not None and age > limit and rec.record_id not in _stall_reported:
+                age = stall.age_s(rec.time_created_ns, now)
+                if stall.is_stalled(age, limit) and rec.record_id not in _stall_reported:
                     _stall_reported.add(rec.record_id)
                     h.stall_dump(rec, age)
         except OSError as exc:
@@ -538,39 +574,49 @@ def recorded_comms() -> list[Comm]:
 
 def snapshot(
     include_completed: bool = True, only_active: bool = False, include_collectives: bool = True,
-    c10d: bool = True, stacks: bool = False,
+    c10d: bool = True, stacks: bool = False, cut: Cut | None = None,
 ) -> dict[str, Any]:
     """One FR dump merging every live hook of this process (an empty valid dump when none).
 
     ``c10d``: also the entries c10d recorded for c10d-backed communicators (False: the caller
-    maps them, as ``c10d_fr.snapshot`` does), with their stacks when ``stacks``.
+    maps them, as ``c10d_fr.snapshot`` does), with their stacks when ``stacks``. ``cut``
+    (``lazy.Cut``) picks the entries kept; only those are built.
     """
-    hooks = registered_hooks()
-    merged: dict[str, Any] = {
-        "version": FR_VERSION,
-        "comm_lib_version": f"debug_server/torch-{torch.__version__}",
-        "dump_time_ns": time.time_ns(),  # before any ring is read (see dump_json)
-        "pg_config": {},
-        "pg_status": {},
-        "entries": [],
-    }
-    seen: set[int] = set()
-    for h in hooks:
-        d = h.dump_json(include_completed, only_active, include_collectives, c10d=False)
-        merged["pg_config"].update(d["pg_config"])
-        merged["pg_status"].update(d["pg_status"])
-        for e in d["entries"]:
-            if e["record_id"] not in seen:
-                seen.add(e["record_id"])
-                merged["entries"].append(e)
-    if len(hooks) > 1:
-        merged["entries"].sort(key=lambda e: e["record_id"])
+    merged = lazy_snapshot(include_completed, only_active, include_collectives)
     comms = recorded_comms()
     if c10d and any(c.c10d_backed for c in comms):
         from debug_server.recording import c10d_fr
 
-        merged = c10d_fr.merge_backed(merged, comms, only_active=only_active or not include_completed,
-                                      include_collectives=include_collectives, stacks=stacks)
+        return c10d_fr.merge_backed(merged, comms, only_active=only_active or not include_completed,
+                                    include_collectives=include_collectives, stacks=stacks, cut=cut)
+    return merged.finish(cut)
+
+
+def lazy_snapshot(include_completed: bool = True, only_active: bool = False,
+                  include_collectives: bool = True) -> LazyDump:
+    """``snapshot(..., c10d=False)`` with its entries not built yet (``lazy``)."""
+    hooks = registered_hooks()
+    merged = LazyDump({
+        "version": FR_VERSION,
+        "comm_lib_version": f"debug_server/torch-{torch.__version__}",
+        "dump_time_ns": time.time_ns(),  # before any ring is read (see lazy_dump)
+        "pg_config": {},
+        "pg_status": {},
+    })
+    seen: set[int] = set()
+    for h in hooks:
+        d = h.lazy_dump(include_completed, only_active, include_collectives)
+        merged.head["pg_config"].update(d.head["pg_config"])
+        merged.head["pg_status"].update(d.head["pg_status"])
+        for rec, source in zip(d.items, d.sources, strict=True):
+            if rec.record_id not in seen:
+                seen.add(rec.record_id)
+                merged.items.append(rec)
+                merged.sources.append(source)
+    if len(hooks) > 1:
+        order = sorted(range(len(merged.items)), key=lambda i: merged.items[i].record_id)
+        merged.items = [merged.items[i] for i in order]
+        merged.sources = [merged.sources[i] for i in order]
     return merged
 
 
@@ -579,6 +625,9 @@ def dump_file(rank: int | None = None) -> str:
     return write_dump_atomic(_dump_path(rank), snapshot(stacks=True))
 
 
-def health() -> dict[str, Any]:
-    """Health over every live hook of this process (see ``FlightRecorderHook.health``)."""
-    return _health(registered_hooks())
+def health(stall_timeout: float | None = None) -> dict[str, Any]:
+    """Health over every live hook of this process (see ``FlightRecorderHook.health``).
+
+    ``stall_timeout``: a limit on every op on top of each hook's own (whichever fires first).
+    """
+    return _health(registered_hooks(), stall_timeout)

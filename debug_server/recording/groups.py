@@ -1,0 +1,132 @@
+"""The process group behind a communicator, and which recorder records its ops.
+
+``_c10d_backed`` decides between c10d's own Flight Recorder and ours (see the ``comms`` module
+doc and ``RECORDER_ENV``); ``_new_group`` makes the group: a longer timeout than the
+communicator's on NCCL (so our watchdog acts before c10d's) and, when c10d records, start
+events for ``started`` (``TIMING_OPT_ENV``).
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+
+def _c10d_group_name(pg: Any) -> str | None:
+    try:
+        name = dist.distributed_c10d._world.pg_names.get(pg) or getattr(pg, "group_name", None)
+    except Exception:  # a torch without either
+        return None
+    return str(name) if name else None
+
+
+# -- which recorder runs (see the module doc) ---------------------------------------------------
+RECORDER_ENV = "DEBUG_SERVER_RECORDER"
+"""``auto`` (default): c10d's recorder on NCCL when it is on, ours elsewhere; ``c10d``: c10d's
+wherever it records (gloo too: the tests use it); ``python``: ours everywhere."""
+_FR_BUFFER_ENV = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")
+# c10d's pickle dump of each recorder (pg_config, pg_status and, when asked, entries).
+_C10D_DUMP = {"nccl": "_dump_nccl_trace", "gloo": "_dump_fr_trace"}
+
+
+def _c10d_fr_on() -> bool:
+    """Whether c10d's Flight Recorder records: c10d reads the first of ``TORCH_FR_BUFFER_SIZE``
+    and ``TORCH_NCCL_TRACE_BUFFER_SIZE`` that is set (torch 2.11 and 2.13), and records by
+    default (2000 entries) when neither is."""
+    for k in _FR_BUFFER_ENV:
+        v = os.environ.get(k)
+        if v:
+            try:
+                return int(v) > 0
+            except ValueError:
+                return False
+    return True
+
+
+def _c10d_dump_fn(backend: str) -> Callable[..., Any] | None:
+    try:
+        from torch._C import _distributed_c10d as c10d
+    except ImportError:
+        return None
+    name = _C10D_DUMP.get(backend)
+    return getattr(c10d, name, None) if name else None
+
+
+def _c10d_backed(backend: str) -> bool:
+    """Whether a new communicator on ``backend`` lets c10d's recorder record its ops."""
+    mode = os.environ.get(RECORDER_ENV, "auto").strip().lower() or "auto"
+    if mode not in ("auto", "c10d", "python"):
+        raise ValueError(f"{RECORDER_ENV}={mode!r}: expected auto, c10d or python")
+    if mode == "python" or not _c10d_fr_on() or _c10d_dump_fn(backend) is None:
+        return False
+    return mode == "c10d" or backend == "nccl"
+
+
+# Why the margin: c10d's NCCL watchdog tears the process down when a group's timeout expires. The
+# communicator's own timeout (the host-side wait) must fire first, so the abort hooks can dump
+# and the error can reach the caller.
+_WATCHDOG_MARGIN = datetime.timedelta(seconds=60)
+
+_TIMING_ENV = "TORCH_NCCL_ENABLE_TIMING"
+TIMING_OPT_ENV = "DEBUG_SERVER_NCCL_TIMING"
+"""``0``: c10d-backed NCCL communicators' groups record no start events (cheaper per op; c10d's
+entries then go from ``scheduled`` to ``completed`` without ``started``)."""
+
+
+def _timing_wanted(backend: str) -> bool:
+    return backend == "nccl" and os.environ.get(TIMING_OPT_ENV, "1").strip() != "0"
+
+
+def _load_symbolizer() -> None:
+    """Import what c10d symbolises its recorded stacks with (``torch._inductor``, ~1-2 s once)
+    now, in the thread that creates the communicator. Dumps run in other threads (the worker,
+    the watchdog); importing it from there races the trainer's own imports, so without this
+    the dumps of a c10d-backed communicator would have to leave the stacks out."""
+    if "torch._inductor" in sys.modules:
+        return
+    try:
+        import torch._inductor  # noqa: F401
+    except Exception:  # a torch without it: c10d_fr then dumps without stacks
+        logger.debug("importing torch._inductor failed", exc_info=True)
+
+
+def _new_group(
+    global_ranks: list[int], backend: str, timeout: datetime.timedelta, name: str, local_sync: bool,
+    timing: bool = False,
+) -> Any:
+    pg_timeout = timeout + _WATCHDOG_MARGIN if backend == "nccl" else timeout
+    kwargs: dict[str, Any] = {"ranks": global_ranks, "backend": backend, "timeout": pg_timeout}
+    if local_sync:
+        kwargs["use_local_synchronization"] = True
+    # c10d's recorder says "started" for an NCCL op only when its group records start events,
+    # which ProcessGroupNCCL decides from TORCH_NCCL_ENABLE_TIMING when it is constructed. Set it
+    # only around the creation of this communicator's own group, and put it back at once: the
+    # user's other groups (DDP, FSDP) must not pay for events they did not ask for.
+    saved = os.environ.get(_TIMING_ENV)
+    if timing:
+        os.environ[_TIMING_ENV] = "1"
+    try:
+        try:
+            pg = dist.new_group(group_desc=name, **kwargs)
+        except TypeError:  # torch without group_desc
+            pg = dist.new_group(**kwargs)
+    finally:
+        if timing:
+            if saved is None:
+                os.environ.pop(_TIMING_ENV, None)
+            else:
+                os.environ[_TIMING_ENV] = saved
+    if timing and pg is not None and hasattr(pg, "_enable_collectives_timing"):
+        try:
+            pg._enable_collectives_timing()  # the same switch, for a group made lazily
+        except Exception:
+            logger.debug("enabling collective timing on %r failed", name, exc_info=True)
+    return pg
+
