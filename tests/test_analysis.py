@@ -10,7 +10,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from debug_server.analysis.core import analyze, digest_dump, format_ranks
+from debug_server.analysis.core import analyze
+from debug_server.analysis.digest import digest_dump
+from debug_server.analysis.ranks import format_ranks
+from debug_server.dumpio import write_dump_atomic
+from debug_server.tools import fr_trace
 from debug_server.tools.synthetic import hang_job, make_dump, make_entry
 
 
@@ -449,3 +453,21 @@ def test_analyze_never_raises_on_junk_entries(junk):
     r = analyze(dumps)
     json.dumps(r)
     assert ("missing_ranks", "main_comm", 4, "all_reduce", [1]) in kinds(r)
+
+
+def test_analysis_and_cli_loading_leave_the_garbage_collector_alone(tmp_path, monkeypatch, capsys):
+    # The frontend analyses on executor threads: switching the process-wide GC there would
+    # change every other thread's collections too.
+    import gc
+
+    def refuse(*_a):
+        raise AssertionError("the analysis switched the process-wide garbage collector")
+
+    for name in ("disable", "enable", "freeze", "set_threshold"):
+        monkeypatch.setattr(gc, name, refuse)
+    dumps = hang_job(3, n_entries=50, missing_rank=1)
+    assert analyze(dumps)["findings"][0]["ranks"] == [1]
+    for r, d in dumps.items():
+        write_dump_atomic(str(tmp_path / f"rank_{r}"), d)
+    assert fr_trace.main([str(tmp_path), "-p", "rank_", "--json", "--jobs", "1"]) == 2
+    assert json.loads(capsys.readouterr().out)["findings"][0]["ranks"] == [1]

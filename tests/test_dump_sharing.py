@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 from mpjob import assert_ok, run_job
 
-from debug_server.analysis.core import digest_dump
+from debug_server.analysis.digest import digest_dump
 from debug_server.dumpio import load_dump
 
 # Two float32 sizes in turn (gradient buckets), then a float64 op of the first size.

@@ -7,6 +7,8 @@ import os
 import pickle
 import subprocess
 import sys
+from collections.abc import Callable
+from pathlib import Path
 
 import _scenarios as S
 import pytest
@@ -153,21 +155,18 @@ def test_hostile_pickle_refused_and_side_effect_absent(tmp_path, capsys):
     assert not target.exists()
 
 
-def test_truncated_file_exits_1(tmp_path, capsys):
+@pytest.mark.parametrize(("spoil", "line"), [
+    (lambda data: data[: len(data) // 2], "error: rank_1: truncated pickle"),
+    (lambda data: b"\x00\x01garbage", "error: rank_1: not a pickle or JSON FR dump"),
+], ids=["truncated", "garbage"])
+def test_unreadable_file_exits_1_naming_the_file_and_why(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], spoil: Callable[[bytes], bytes],
+        line: str) -> None:
     d = tmp_path / "d"
     write(d, S.clean())
-    data = (d / "rank_1").read_bytes()
-    (d / "rank_1").write_bytes(data[: len(data) // 2])
+    (d / "rank_1").write_bytes(spoil((d / "rank_1").read_bytes()))
     assert fr_trace.main([str(d)]) == 1
-    assert err_lines(capsys)[0] == "error: rank_1: truncated pickle"
-
-
-def test_garbage_file_exits_1(tmp_path, capsys):
-    d = tmp_path / "d"
-    write(d, S.clean())
-    (d / "rank_1").write_bytes(b"\x00\x01garbage")
-    assert fr_trace.main([str(d)]) == 1
-    assert err_lines(capsys)[0] == "error: rank_1: not a pickle or JSON FR dump"
+    assert err_lines(capsys)[0] == line
 
 
 def test_bad_file_with_allow_incomplete_becomes_rank_without_data(tmp_path, capsys):

@@ -10,6 +10,7 @@ import aiohttp
 from debug_server import dumpio
 from debug_server.analysis import core as analysis
 from debug_server.analysis import frwindow
+from debug_server.analysis.digest import digest_dump
 from debug_server.frontend.fanout import Collector
 from debug_server.frontend.hangreport import MAX_POLL_INTERVAL, HangWatch
 from debug_server.rank.discovery import StaticRegistry
@@ -76,7 +77,7 @@ def test_connections_per_rank_shrink_to_fit_the_file_limit(monkeypatch: Any) -> 
 
 def test_every_ranks_digest_shares_one_member_tuple_hashed_once() -> None:
     dumps = _job(781)
-    a, b = analysis.digest_dump(0, dumps[0]), analysis.digest_dump(5, dumps[5])
+    a, b = digest_dump(0, dumps[0]), digest_dump(5, dumps[5])
     ranks = a.pg[0][2]
     assert ranks is b.pg[0][2] and ranks == tuple(range(781))
     assert hash(ranks) == hash(tuple(range(781)))  # equal to a plain tuple, as a dict key

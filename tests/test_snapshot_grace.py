@@ -10,7 +10,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from debug_server.analysis.core import IN_FLIGHT_GRACE_NS, SNAPSHOT_TIME_KEY, analyze
+from debug_server.analysis.core import analyze
+from debug_server.analysis.digest import SNAPSHOT_TIME_KEY
+from debug_server.analysis.skew import IN_FLIGHT_GRACE_NS
 from debug_server.tools.synthetic import make_dump, make_entry
 
 T = 1_800_000_000_000_000_000  # when seq NEWEST was issued (wall clock, ns)

@@ -177,3 +177,21 @@ async def test_hang_report_json_and_text_carry_the_category(fake_job: Any, tmp_p
     assert saved["fr_window"] == {}
     assert "Category: misconfigured_collective (the ranks issued" in rep.text
     assert f"Next step: {rep.result['next_step']}" in rep.text
+
+
+def test_headlines_keep_three_missing_rank_findings_and_four_in_all() -> None:
+    from debug_server.analysis.verdict import headlines
+    kinds = ["size_mismatch", *["missing_ranks"] * 5, "unmatched_p2p", "stuck_everywhere",
+             "history_lost"]
+    findings = [{"kind": k, "severity": "info" if k == "history_lost" else "error"} for k in kinds]
+    order = list(range(len(findings)))[::-1]  # the verdict's order, not the list's
+    assert headlines(findings, order) == [7, 6, 5, 4, 3]
+
+
+def test_banner_names_exactly_the_findings_the_analysis_picked() -> None:
+    dumps = _issue_case("size")
+    dumps[0]["entries"].append(make_entry(record_id=4, seq=4, state="started"))
+    r = analysis.analyze(dumps)
+    assert r["headline_findings"] == [1, 0]
+    b = views.banner({**r, "headline_findings": [0]}, 2)
+    assert [h["what"] for h in b.headlines] == ["is missing from all_reduce #4 on main_comm"]

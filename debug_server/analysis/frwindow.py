@@ -18,7 +18,9 @@ members' own frontiers rarely differ by more than a seq or two, and one round tr
 2. only a rank whose cut lies above that frontier (:func:`covers`) is asked again, for exactly
    ``seq >= frontier(g)`` (``since={"g": seq}``).
 
-Workers that know neither parameter (PyTorch's C++ worker: ``onlyactive``,
+A worker cuts inside its recorders (:func:`cutter`, ``recording.lazy``): the window is decided
+from each entry's few key fields and only the kept entries are built, never the whole ring on
+the rank's thread. Workers that know neither parameter (PyTorch's C++ worker: ``onlyactive``,
 ``includecollectives``, ``includestacktraces``) send whole rings, which :func:`window` cuts the
 same way on arrival.
 
@@ -37,11 +39,11 @@ from __future__ import annotations
 
 import functools
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-__all__ = ["FRONTIER_MARGIN", "LOCAL_SLACK", "WINDOW_KEY", "covers", "format_since", "frontier",
-           "local_window", "parse_since", "rank_groups", "since_for", "window"]
+__all__ = ["FRONTIER_MARGIN", "LOCAL_SLACK", "WINDOW_KEY", "covers", "cutter", "format_since",
+           "frontier", "local_window", "parse_since", "rank_groups", "since_for", "window"]
 
 WINDOW_KEY = "fr_window"
 """Dump key of what the ring held before the cut: ``since``, ``ring_entries``, ``ring_oldest_ns``."""
@@ -242,17 +244,28 @@ def window(dump: Mapping[str, Any], since: Mapping[str, int]) -> dict[str, Any]:
     entries = dump.get("entries")
     if not isinstance(entries, list):
         return dict(dump)
-    kept: list[Any] = []
+    picked, oldest = _pick(entries, since)
+    out = dict(dump)
+    out["entries"] = [entries[i] for i in picked]
+    out[WINDOW_KEY] = _facts(dump.get(WINDOW_KEY), since, len(entries), oldest)
+    return out
+
+
+def _pick(entries: list[Any], since: Mapping[str, int]) -> tuple[list[int], int]:
+    """The indices :func:`window` keeps, in output order, and the ring's oldest creation time
+    (0: none). Reads only ``process_group``, ``collective_seq_id``, ``profiling_name``,
+    ``time_created_ns`` and what ``_done`` reads, so it runs on entries' keys as well."""
+    kept: list[int] = []
     seen: set[str] = set()
     newest_done_p2p: dict[str, int] = {}  # group -> where its newest completed P2P op would go
-    dropped_p2p: dict[str, Any] = {}
+    dropped_p2p: dict[str, int] = {}
     p2p_names: dict[Any, bool] = {}
     get = since.get
     none = 1 << 80
     oldest = none
     # The loop runs on the rank's worker thread over up to a whole ring: plain item access in
     # the common case, the careful path only for entries that break it.
-    for e in entries:
+    for i, e in enumerate(entries):
         try:
             t = e["time_created_ns"]
             if t is not None and t < oldest and t and type(t) is int:
@@ -260,7 +273,7 @@ def window(dump: Mapping[str, Any], since: Mapping[str, int]) -> dict[str, Any]:
             g = e["process_group"][0]
             first = get(g)
             if first is None:
-                kept.append(e)
+                kept.append(i)
                 seen.add(g)
                 continue
             name = e["profiling_name"]
@@ -269,36 +282,56 @@ def window(dump: Mapping[str, Any], since: Mapping[str, int]) -> dict[str, Any]:
                 p2p = p2p_names[name] = _is_p2p(e)
             if p2p:
                 if not _done(e):
-                    kept.append(e)
+                    kept.append(i)
                     seen.add(g)
                 else:
-                    dropped_p2p[g] = e
+                    dropped_p2p[g] = i
                     newest_done_p2p[g] = len(kept)
             elif e["collective_seq_id"] >= first:
-                kept.append(e)
+                kept.append(i)
                 seen.add(g)
         except (KeyError, TypeError, IndexError):
-            kept.append(e)  # malformed: the analyzer notes it
-    oldest = 0 if oldest == none else oldest
+            kept.append(i)  # malformed: the analyzer notes it
     # A group seen only through completed P2P ops stays visible through its newest one.
     for g in sorted((g for g in dropped_p2p if g not in seen),
                     key=lambda g: newest_done_p2p[g], reverse=True):
         kept.insert(newest_done_p2p[g], dropped_p2p[g])
-    out = dict(dump)
-    out["entries"] = kept
-    prior = dump.get(WINDOW_KEY)
+    return kept, 0 if oldest == none else oldest
+
+
+def _facts(prior: Any, since: Mapping[str, int], ring_entries: int, oldest: int) -> dict[str, Any]:
     if isinstance(prior, Mapping):
-        out[WINDOW_KEY] = {**prior, "since": {**(prior.get("since") or {}), **since}}
-    else:
-        out[WINDOW_KEY] = {"since": dict(since), "ring_entries": len(entries),
-                           "ring_oldest_ns": oldest}
-    return out
+        return {**prior, "since": {**(prior.get("since") or {}), **since}}
+    return {"since": dict(since), "ring_entries": ring_entries, "ring_oldest_ns": oldest}
 
 
 def local_window(dump: Mapping[str, Any], slack: int = LOCAL_SLACK) -> dict[str, Any]:
     """``dump`` cut at this rank's own frontier less ``slack`` (one round trip for the frontend:
     other ranks' frontiers are rarely more than a seq or two lower, and the frontend checks)."""
     return window(dump, frontier({-1: dump}, margin=slack))
+
+
+Cut = Callable[[Mapping[str, Any], Sequence[Mapping[str, Any]]],
+               tuple[list[int], dict[str, Any]]]
+
+
+def cutter(*, since: Mapping[str, int] | None = None, slack: int | None = None) -> Cut:
+    """The window as a recorder's cut (``recording.lazy.Cut``): given a dump's head and its
+    entries' keys, the entries :func:`window` (``since``) or :func:`local_window` (``slack``)
+    keeps, and the ``fr_window`` facts; the recorder builds only those entries. Exactly one of
+    ``since`` and ``slack``."""
+    if (since is None) == (slack is None):
+        raise ValueError("cutter takes exactly one of since and slack")
+
+    def cut(head: Mapping[str, Any], keys: Sequence[Mapping[str, Any]]
+            ) -> tuple[list[int], dict[str, Any]]:
+        entries = keys if isinstance(keys, list) else list(keys)
+        s = since if since is not None else frontier(
+            {-1: {**head, "entries": entries}}, margin=slack if slack is not None else 0)
+        picked, oldest = _pick(entries, s)
+        return picked, {WINDOW_KEY: _facts(head.get(WINDOW_KEY), s, len(entries), oldest)}
+
+    return cut
 
 
 def covers(dump: Mapping[str, Any], since: Mapping[str, int]) -> bool:

@@ -18,7 +18,8 @@ from typing import Any
 
 from tabulate import tabulate
 
-from debug_server.analysis.core import category_line, format_ranks
+from debug_server.analysis.ranks import format_ranks
+from debug_server.analysis.verdict import category_line
 
 logger = logging.getLogger(__name__)
 

@@ -1,23 +1,27 @@
 """Parse faulthandler-style stack dumps and summarize where a rank is.
 
 Both our workers (``faulthandler.dump_traceback(all_threads=True)``) and PyTorch's C++ worker
-(``dump_traceback``) produce the same text::
+(``dump_traceback``) produce the same text; ours (``rank.stacks``) add each frame's source line
+under it, indented deeper, as ``traceback`` does::
 
     Thread 0x00007f3c... (most recent call first):
       File "/x/train.py", line 88 in hang_phase
+        time.sleep(30)
       File "/x/train.py", line 120 in <module>
+        main()
 
     Current thread 0x00007f3b... (most recent call first):
       File ".../threading.py", line 327 in wait
 
 Frames are listed innermost first. faulthandler marks the thread that *made* the dump as
 "Current thread"; in a debug server that is the server thread, never the training loop, so the
-main thread is chosen by its outermost frame being ``<module>`` instead. Pure: no torch.
+main thread is chosen by its outermost frame being ``<module>`` instead. Pure: no torch, and no
+file reads: what a line says comes from the stack text (``Frame.source``), never from a source
+file where the analysis happens to run.
 """
 
 from __future__ import annotations
 
-import linecache
 import logging
 import os
 import re
@@ -59,6 +63,8 @@ class Frame:
     function: str
     native: bool = False
     """A C/C++ frame (py-spy ``--native``): ``filename`` is the library or source file."""
+    source: str | None = None
+    """The frame's source line as the rank read it (``rank.stacks``); None when not shipped."""
 
 
 @dataclass(slots=True)
@@ -81,7 +87,7 @@ class Position:
     in_collective: bool
     """True when any frame is a collective/wait call or lives in torch.distributed or comms.py."""
     call: str | None
-    """The call on the source line when the source is readable (``time.sleep``), else None."""
+    """The call on the frame's shipped source line (``time.sleep``), else None."""
     native: str | None = None
     """The innermost named native frame (``clock_nanosleep``) when the stack has native frames."""
 
@@ -90,12 +96,21 @@ def parse_threads(text: str) -> list[Thread]:
     """Split faulthandler text into threads; unknown lines are ignored, never an error."""
     threads: list[Thread] = []
     cur: Thread | None = None
+    frame_indent = -1  # indent of the Python frame line just read; -1: the last line was none
     for raw in text.splitlines():
         m = _THREAD_RE.match(raw.strip()) if not raw.startswith(" ") else None
         if m:
             cur = Thread(ident=m.group("tid") or "", current=m.group("current") == "Current thread")
             threads.append(cur)
+            frame_indent = -1
             continue
+        indent = len(raw) - len(raw.lstrip(" "))
+        if cur is not None and 0 <= frame_indent < indent and raw.strip():
+            # The source line under a frame (whatever it says, even 'File "x", line 1 in f').
+            cur.frames[-1].source = raw.strip()
+            frame_indent = -1
+            continue
+        frame_indent = -1
         fm = _FRAME_RE.match(raw)
         nm = None if fm else _NATIVE_RE.match(raw)
         if fm or nm:
@@ -105,6 +120,7 @@ def parse_threads(text: str) -> list[Thread]:
                 threads.append(cur)
             if fm:
                 cur.frames.append(Frame(fm.group("file"), int(fm.group("line")), fm.group("func")))
+                frame_indent = indent
             elif nm:
                 cur.frames.append(Frame(nm.group("file"), int(nm.group("line") or 0),
                                         nm.group("func"), native=True))
@@ -149,14 +165,8 @@ def is_collective_frame(frame: Frame) -> bool:
 
 def _source_call(frame: Frame) -> str | None:
     # The innermost Python frame of a sleeping thread is the caller of time.sleep (a C function
-    # faulthandler cannot show); the source line names it when the file is readable here.
-    try:
-        src = linecache.getline(frame.filename, frame.line).strip()
-    except (OSError, ValueError):  # pragma: no cover - linecache swallows most errors itself
-        return None
-    if not src:
-        return None
-    calls = _CALL_RE.findall(src)
+    # faulthandler cannot show); the source line the rank shipped names it.
+    calls = _CALL_RE.findall(frame.source) if frame.source else []
     return calls[0] if calls else None
 
 

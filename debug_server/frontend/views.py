@@ -1,8 +1,8 @@
 """View-models of the rank-0 pages: what each HTML page shows, built from analysis + fan-out.
 
 Renderers format, they do not analyse (DESIGN.md): everything here is read off the result of
-:func:`debug_server.analysis.core.analyze`, the fan-out records (``RankResult``) and, for the
-per-communicator progress, the ``pg_status``/entries of the FR dumps the ranks sent. The
+:func:`debug_server.analysis.core.analyze` (verdict, banner order, per-communicator progress,
+ranks behind) and the fan-out records (``RankResult``: reachability, stack text). The
 templates turn these plain dicts into HTML; :func:`html_table` is the one place HTML is marked
 safe (every header and cell is escaped there).
 
@@ -22,7 +22,7 @@ import jinja2
 from markupsafe import Markup, escape
 
 from debug_server.analysis import report, stackparse
-from debug_server.analysis.core import CATEGORY_MEANING
+from debug_server.analysis.verdict import CATEGORY_MEANING
 from debug_server.frontend.fanout import FrData, RankResult
 from debug_server.rank.discovery import NOT_REGISTERED
 
@@ -128,51 +128,44 @@ class Banner:
     headlines: list[dict[str, Any]] = field(default_factory=list)
     verdict: str = ""
     category: str = ""
-    """The analysis' root-cause category (``analysis.CATEGORIES``), empty when clean."""
+    """The analysis' root-cause category (``analysis.verdict.CATEGORIES``), empty when clean."""
     next_step: str = ""
     category_meaning: str = ""
-    """What the category means, in a few words (``analysis.CATEGORY_MEANING``)."""
+    """What the category means, in a few words (``analysis.verdict.CATEGORY_MEANING``)."""
 
 
 def banner(result: Mapping[str, Any], world_size: int) -> Banner:
     """Who is missing from what and where it is stuck, from the findings joined with stacks.
 
-    Findings come in the analysis' own order (``finding_order``: the root cause first), so the
-    banner and the verdict never disagree on what matters most.
+    The analysis picks and orders the findings (``headline_findings``: the root cause first), so
+    the banner and the verdict never disagree on what matters most.
     """
-    all_findings = result.get("findings", [])
-    order = result.get("finding_order") or range(len(all_findings))
-    ordered = [all_findings[i] for i in order if 0 <= i < len(all_findings)]
-    findings = [f for f in ordered if f.get("severity", "error") != "info"]
+    findings = result.get("findings", [])
     pos = _positions(result)
-    heads: list[dict[str, Any]] = []
-    missing = [f for f in findings if f["kind"] == "missing_ranks"]
-    first_missing = next((i for i, f in enumerate(findings) if f["kind"] == "missing_ranks"), 0)
-    for f in findings[:first_missing]:
-        heads.append(_head(f, pos))
-    for f in missing[:3]:
-        rs = f["ranks"]
-        who = "Rank" if len(rs) == 1 else "Ranks"
-        waiting = f.get("waiting") or []
-        heads.append({
-            "who": who, "ranks": rank_links(rs),
-            "what": f"{'is' if len(rs) == 1 else 'are'} missing from {f['op']} #{f['seq']} "
-                    f"on {f.get('group_label') or f['group']}",
-            "where": _where(rs, pos),
-            "also": _where(waiting, pos) if waiting else "",
-        })
-    for f in findings[first_missing:]:
-        if f["kind"] == "missing_ranks" or len(heads) >= 4:
-            continue
-        heads.append(_head(f, pos))
+    heads = [_missing_head(findings[i], pos) if findings[i]["kind"] == "missing_ranks"
+             else _head(findings[i], pos)
+             for i in result.get("headline_findings", []) if 0 <= i < len(findings)]
+    errors = any(f.get("severity", "error") != "info" for f in findings)
     no_data = result.get("ranks_without_data", [])
-    level = "bad" if findings else ("warn" if no_data else "ok")
+    level = "bad" if errors else ("warn" if no_data else "ok")
     if not heads and no_data:
         heads.append({"who": "No data from", "ranks": rank_links(no_data),
                       "what": f"({len(no_data)} of {world_size} ranks)", "where": "", "also": ""})
     category = result.get("category") or ""
     return Banner(level, heads, result.get("verdict", ""), category,
                   result.get("next_step") or "", CATEGORY_MEANING.get(category, ""))
+
+
+def _missing_head(f: Mapping[str, Any], pos: Mapping[int, Mapping[str, Any]]) -> dict[str, Any]:
+    rs = f["ranks"]
+    waiting = f.get("waiting") or []
+    return {
+        "who": "Rank" if len(rs) == 1 else "Ranks", "ranks": rank_links(rs),
+        "what": f"{'is' if len(rs) == 1 else 'are'} missing from {f['op']} #{f['seq']} "
+                f"on {f.get('group_label') or f['group']}",
+        "where": _where(rs, pos),
+        "also": _where(waiting, pos) if waiting else "",
+    }
 
 
 def _head(f: Mapping[str, Any], pos: Mapping[int, Mapping[str, Any]]) -> dict[str, Any]:
@@ -198,71 +191,22 @@ def _stamp() -> str:
 # Overview
 
 
-def comm_progress(dumps: Mapping[int, Mapping[str, Any]]) -> dict[str, dict[int, tuple[int, int]]]:
-    """communicator -> rank -> (last issued seq, last completed seq), -1 when unknown.
-
-    From ``pg_status`` (true even when only active entries were sent) and the entries themselves.
-    """
-    out: dict[str, dict[int, tuple[int, int]]] = {}
-    for rank, dump in dumps.items():
-        per: dict[str, list[int]] = {}
-        for name, st in (dump.get("pg_status") or {}).items():
-            if isinstance(st, Mapping):
-                per[str(name)] = [_int(st.get("last_enqueued_collective")),
-                                  _int(st.get("last_completed_collective"))]
-        for name in dump.get("pg_config") or {}:
-            per.setdefault(str(name), [-1, -1])
-        for e in dump.get("entries") or ():
-            if e.get("is_p2p"):
-                continue
-            pg = e.get("process_group") or ("?",)
-            cur = per.setdefault(str(pg[0]), [-1, -1])
-            seq = _int(e.get("collective_seq_id"))
-            cur[0] = max(cur[0], seq)
-            if e.get("state") == "completed":
-                cur[1] = max(cur[1], seq)
-        for name, (issued, done) in per.items():
-            out.setdefault(name, {})[int(rank)] = (issued, done)
-    return out
-
-
-def _int(v: Any) -> int:
-    try:
-        return int(v)
-    except (TypeError, ValueError):
-        return -1
-
-
 def _seq(n: int) -> str:
     return "-" if n < 0 else str(n)
 
 
-def overview_model(result: Mapping[str, Any], fr: FrData, stacks: Sequence[RankResult],
+def overview_model(result: Mapping[str, Any], stacks: Sequence[RankResult],
                    health: Mapping[int, str], world_size: int) -> dict[str, Any]:
     """Everything ``index.html`` shows. ``health`` maps rank -> the health line of the page."""
-    progress = comm_progress(fr.dumps)
-    behind: dict[int, list[str]] = {}
+    behind = {b["rank"]: b["groups"] for b in result.get("behind", [])}
     comm_rows, comm_classes = [], []
-    groups = {g["name"]: g for g in result.get("groups", [])}
-    missing_in: dict[str, set[int]] = {}
-    for f in result.get("findings", []):
-        if f["kind"] == "missing_ranks":
-            missing_in.setdefault(f["group"], set()).update(f["ranks"])
-    for name in sorted(set(progress) | set(groups)):
-        per = progress.get(name, {})
-        issued = [i for i, _ in per.values() if i >= 0]
-        done = [d for _, d in per.values() if d >= 0]
-        top = max(issued, default=-1)
-        late = {r for r, (i, _) in per.items() if 0 <= i < top} | missing_in.get(name, set())
-        for r in late:
-            behind.setdefault(r, []).append(name)
-        members = groups.get(name, {}).get("ranks") or sorted(per)
+    for c in result.get("communicators", []):
         comm_rows.append([
-            name, groups.get(name, {}).get("desc", ""), len(members), _seq(top),
-            _seq(max(done, default=-1)), _seq(min(done, default=-1)) if done else "-",
-            rank_links(sorted(late)) or "none",
+            c["name"], c["desc"], c["size"], _seq(c["last_issued"]),
+            _seq(c["last_completed_max"]), _seq(c["last_completed_min"]),
+            rank_links(c["behind_ranks"]) or "none",
         ])
-        comm_classes.append("fail" if late else "")
+        comm_classes.append("fail" if c["behind_ranks"] else "")
     reach = {r.rank: r for r in stacks}
     pos = _positions(result)
     cells, problems = [], []
@@ -277,7 +221,7 @@ def overview_model(result: Mapping[str, Any], fr: FrData, stacks: Sequence[RankR
         elif not rec.ok:
             state, detail = UNREACHABLE, rec.error or rec.status
         elif rank in behind:
-            state, detail = BEHIND, f"behind on {', '.join(sorted(behind[rank]))}{where}"
+            state, detail = BEHIND, f"behind on {', '.join(behind[rank])}{where}"
         elif h.startswith("UNHEALTHY"):
             state, detail = UNHEALTHY, f"{h}{where}"
         else:

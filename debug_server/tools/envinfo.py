@@ -17,7 +17,7 @@ import logging
 import os
 from collections.abc import Mapping
 
-from debug_server.analysis.core import format_ranks
+from debug_server.analysis.ranks import format_ranks
 
 __all__ = ["DEBUG_PREFIXES", "DEBUG_VARS", "collect_env", "env_warnings"]
 

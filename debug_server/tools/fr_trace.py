@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
-import gc
 import json
 import logging
 import multiprocessing
@@ -28,7 +27,8 @@ from typing import Any, NamedTuple
 from tabulate import tabulate
 
 from debug_server.analysis import report, stackparse
-from debug_server.analysis.core import RankDigest, analyze_digests, digest_dump
+from debug_server.analysis.core import analyze_digests
+from debug_server.analysis.digest import RankDigest, digest_dump
 from debug_server.dumpio import DumpError, load_dump, rank_files
 
 logger = logging.getLogger(__name__)
@@ -157,6 +157,7 @@ class _Ref(NamedTuple):
     oldest_ns: int
     n_entries: int
     notes: tuple[str, ...]
+    pg_progress: tuple[tuple[str, int, int], ...]
 
 
 # Per worker process (set by _worker_init): digest key -> local id of the digest already sent,
@@ -188,15 +189,14 @@ def _load_one(rank: int, path: str) -> _Loaded:
     return (
         rank,
         version,
-        _Ref((os.getpid(), local), rank, d.status, d.oldest_ns, d.n_entries, d.notes),
+        _Ref((os.getpid(), local), rank, d.status, d.oldest_ns, d.n_entries, d.notes,
+             d.pg_progress),
         None,
     )
 
 
 def _worker_init() -> None:
     global _seen_in_worker
-    # Dumps are trees of dicts and lists without cycles; the cyclic GC only costs time here.
-    gc.disable()
     _seen_in_worker = {}
 
 
@@ -211,44 +211,33 @@ def _load_all(
     items = sorted(files.items())
     n_jobs = jobs if jobs is not None else (os.cpu_count() or 1)
     if n_jobs <= 1 or (jobs is None and len(items) < _POOL_MIN_FILES):
-        was = gc.isenabled()
-        gc.disable()
-        try:
-            return [_load_one(r, p) for r, p in items]  # type: ignore[misc]
-        finally:
-            if was:
-                gc.enable()
+        return [_load_one(r, p) for r, p in items]  # type: ignore[misc]
     # fork: the CLI is single-threaded here, and fork skips re-importing the package per worker.
     ctx = multiprocessing.get_context("fork" if sys.platform.startswith("linux") else None)
     chunk = max(1, min(64, len(items) // (n_jobs * 8) or 1))
     out: list[tuple[int, str, RankDigest | None, str | None]] = []
     sent: dict[tuple[int, int], RankDigest] = {}
     counters: dict[int, int] = {}
-    was = gc.isenabled()
-    gc.disable()
-    try:
-        with concurrent.futures.ProcessPoolExecutor(
-            n_jobs, mp_context=ctx, initializer=_worker_init
-        ) as ex:
-            # Results come back in submission order and each worker handles its items in that
-            # order, so a reference always follows the full digest it points at.
-            for (rank, version, payload, err), pid in ex.map(
-                _load_first, [r for r, _ in items], [p for _, p in items], chunksize=chunk
-            ):
-                if isinstance(payload, _Ref):
-                    rep = sent[payload.ref]
-                    payload = rep._replace(
-                        rank=payload.rank, status=payload.status, oldest_ns=payload.oldest_ns,
-                        n_entries=payload.n_entries, notes=payload.notes,
-                    )  # fmt: skip
-                elif payload is not None:
-                    local = counters.get(pid, 0)
-                    counters[pid] = local + 1
-                    sent[(pid, local)] = payload
-                out.append((rank, version, payload, err))
-    finally:
-        if was:
-            gc.enable()
+    with concurrent.futures.ProcessPoolExecutor(
+        n_jobs, mp_context=ctx, initializer=_worker_init
+    ) as ex:
+        # Results come back in submission order and each worker handles its items in that
+        # order, so a reference always follows the full digest it points at.
+        for (rank, version, payload, err), pid in ex.map(
+            _load_first, [r for r, _ in items], [p for _, p in items], chunksize=chunk
+        ):
+            if isinstance(payload, _Ref):
+                rep = sent[payload.ref]
+                payload = rep._replace(
+                    rank=payload.rank, status=payload.status, oldest_ns=payload.oldest_ns,
+                    n_entries=payload.n_entries, notes=payload.notes,
+                    pg_progress=payload.pg_progress,
+                )  # fmt: skip
+            elif payload is not None:
+                local = counters.get(pid, 0)
+                counters[pid] = local + 1
+                sent[(pid, local)] = payload
+            out.append((rank, version, payload, err))
     return out
 
 

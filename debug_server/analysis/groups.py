@@ -1,0 +1,113 @@
+"""Which process group each rank's entries belong to: name plus member ranks, never name alone.
+
+Ranks with equal digests form one :class:`RankClass`; :func:`resolve_groups` maps every class's
+(name, desc) to one :class:`Group`. Members come from ``pg_config``; PyTorch's gloo dumps name the
+world group "0" in entries but write its config under "" (or not at all), so that group is the
+world; any other group without members gets the ranks whose entries name it, with a note.
+"""
+
+from __future__ import annotations
+
+from debug_server.analysis.digest import RankDigest
+from debug_server.analysis.ranks import format_ranks
+
+__all__ = ["Group", "GroupKey", "RankClass", "resolve_groups"]
+
+GroupKey = tuple[str, tuple[int, ...]]
+"""(name, member ranks): two groups may share a name but not both."""
+
+
+class Group:
+    """One process group as the result shows it (``id``) and the verdict names it (``label``)."""
+
+    __slots__ = ("id", "name", "desc", "ranks", "inferred", "rank_set", "label")
+
+    def __init__(
+        self, gid: str, name: str, desc: str, ranks: tuple[int, ...], inferred: bool
+    ) -> None:
+        self.id = gid
+        self.name = name
+        self.desc = desc
+        self.ranks = list(ranks)
+        self.rank_set = frozenset(ranks)
+        self.inferred = inferred
+        # PyTorch's own groups are named "0", "1"...: "on pg 0 (default_pg)" reads better. The
+        # gloo side of a "cpu:gloo,cuda:nccl" group is "0:gloo" (c10d_fr).
+        self.label = (
+            gid
+            if not name.removesuffix(":gloo").isdigit()
+            else (f"pg {gid} ({desc})" if desc and desc != "undefined" else f"pg {gid}")
+        )
+
+
+class RankClass:
+    """Ranks whose digests are equal, with their signatures and frames in the merge's tables."""
+
+    __slots__ = ("idx", "ranks", "d", "sig_g", "fr_g", "gkeys")
+
+    def __init__(self, idx: int, d: RankDigest) -> None:
+        self.idx = idx
+        self.ranks: list[int] = [d.rank]
+        self.d = d
+        self.sig_g: list[int] = []
+        self.fr_g: list[int] = []
+        self.gkeys: dict[tuple[str, str], GroupKey] = {}
+        """(name, desc) as the entries say -> the group it resolved to."""
+
+
+def resolve_groups(
+    classes: list[RankClass], world_size: int, notes: list[str]
+) -> dict[GroupKey, Group]:
+    """Every group some class's entries name, sorted by (name, ranks); fills ``gkeys``."""
+    referenced: dict[tuple[str, str], set[int]] = {}
+    for c in classes:
+        for name, desc, *_ in (*c.d.colls, *c.d.p2p):
+            referenced.setdefault((name, desc), set()).update(c.ranks)
+    keys: dict[GroupKey, tuple[str, bool]] = {}
+    world = tuple(range(world_size))
+    for c in classes:
+        for name, desc, rs, inferred in _class_groups(c, world, referenced, notes):
+            c.gkeys[(name, desc)] = (name, rs)
+            keys.setdefault((name, rs), (desc, inferred))
+    by_name: dict[str, int] = {}
+    for name, _ in keys:
+        by_name[name] = by_name.get(name, 0) + 1
+    groups: dict[GroupKey, Group] = {}
+    for (name, rs), (desc, inferred) in sorted(keys.items(), key=lambda kv: kv[0]):
+        gid = name if by_name[name] == 1 else f"{name}[{format_ranks(rs)}]"
+        groups[(name, rs)] = Group(gid or "?", name, desc, rs, inferred)
+    return groups
+
+
+def _class_groups(
+    c: RankClass,
+    world: tuple[int, ...],
+    referenced: dict[tuple[str, str], set[int]],
+    notes: list[str],
+) -> list[tuple[str, str, tuple[int, ...], bool]]:
+    """(name, desc, members, inferred) per group the class's entries name.
+
+    ``desc`` is the entries' own, or pg_config's when the entries leave it empty.
+    """
+    cfg = {name: (desc, rs) for name, desc, rs in c.d.pg if rs}
+    unnamed = [rs for name, _, rs in c.d.pg if rs and name == ""]
+    names = {(n, dsc) for n, dsc, _ in c.d.colls} | {(n, dsc) for n, dsc, _, _ in c.d.p2p}
+    unresolved = [nd for nd in names if nd[0] not in cfg]
+    out: list[tuple[str, str, tuple[int, ...], bool]] = []
+    for name, desc in names:
+        if name in cfg:
+            desc_cfg, rs = cfg[name]
+            out.append((name, desc or desc_cfg, rs, False))
+            continue
+        if desc == "default_pg" or (len(unresolved) == 1 and unnamed and len(unnamed) == 1):
+            # PyTorch's gloo FR names the world group "0" in entries but writes its pg_config
+            # under "" (or not at all): the default group is the world.
+            rs = unnamed[0] if (desc != "default_pg" and unnamed) else world
+        else:
+            rs = tuple(sorted(referenced.get((name, desc), set())))
+            notes.append(
+                f"group {name or '?'}: no ranks in pg_config; members inferred from "
+                f"the ranks whose entries name it ({format_ranks(rs)})"
+            )
+        out.append((name, desc, rs, True))
+    return out

@@ -1,0 +1,184 @@
+"""The cross-rank merge's state: rank classes, interned tables, and what matching produces.
+
+:class:`Merge` is built once per analysis from the digests; the matchers (:mod:`.match`,
+:mod:`.p2p`) append collective rows and findings to it, and :mod:`.verdict` and
+:mod:`.progress` read it. Full digests are kept once per class of identical ranks, so memory
+stays O(distinct behaviours), not O(ranks x entries).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, NamedTuple
+
+from debug_server.analysis.digest import STATES, RankDigest
+from debug_server.analysis.groups import Group, RankClass
+
+__all__ = ["FINDING_KINDS", "INFO_KINDS", "MISMATCH_KINDS", "Merge"]
+
+FINDING_KINDS = (
+    "missing_ranks",
+    "type_mismatch",
+    "size_mismatch",
+    "dtype_mismatch",
+    "unmatched_p2p",
+    "stuck_everywhere",
+    "history_lost",
+)
+# Only these findings are evidence of a hang or a desync; history_lost says the record is
+# incomplete, which is normal for any job that ran longer than the ring.
+INFO_KINDS = frozenset({"history_lost"})
+MISMATCH_KINDS = ("type_mismatch", "size_mismatch", "dtype_mismatch")
+
+# Above this many (rank, op) pairs the JSON keeps per-rank NCCL call rows only for failing
+# collectives and the newest ones per group: 4096 ranks x 2000 entries would be 8M rows.
+NCCL_CALLS_FULL_LIMIT = 100_000
+NCCL_CALLS_TAIL = 50
+
+
+class RankInfo(NamedTuple):
+    """What the merge keeps per rank besides its class (the parts of a digest that differ)."""
+
+    status: dict[str, int]
+    oldest_ns: int
+    snap_ns: int
+    pg_progress: tuple[tuple[str, int, int], ...]
+
+
+class Merge:
+    """Every rank's digest folded into classes; the output lists the matchers fill."""
+
+    def __init__(
+        self,
+        digests: Iterable[RankDigest],
+        world_size: int | None,
+        stacks: Mapping[int, str] | None,
+        unavailable: Mapping[int, str] | None,
+        extra_notes: Sequence[str],
+    ) -> None:
+        self.notes: list[str] = list(extra_notes)
+        self.total_entries = 0
+        self.stacks = {int(k): v for k, v in (stacks or {}).items()}
+        self.unavailable = {int(k): str(v) for k, v in (unavailable or {}).items()}
+        self.classes: dict[tuple[Any, ...], RankClass] = {}
+        self.class_list: list[RankClass] = []
+        self.digest_of: dict[int, RankInfo] = {}
+        self.class_of: dict[int, RankClass] = {}
+        self.sigs: list[tuple[Any, ...]] = []
+        self.sig_ids: dict[tuple[Any, ...], int] = {}
+        self.frames: list[list[dict[str, Any]]] = []
+        self.fr_ids: dict[tuple[Any, ...], int] = {}
+        self.any_snap = False  # some dump says when it was taken: the skew rules can apply
+        self.newer_memo: dict[tuple[int, int], int] = {}
+        max_rank = -1
+        for d in digests:
+            max_rank = max(max_rank, self._add(d))
+        for r in list(self.unavailable) + list(self.stacks):
+            max_rank = max(max_rank, r)
+        self.world_size = world_size if world_size is not None else max_rank + 1
+        self.data_ranks = sorted(self.digest_of)
+        self.collectives: list[dict[str, Any]] = []
+        self.findings: list[dict[str, Any]] = []
+        self.calls_src: list[tuple[dict[str, Any], list[tuple[int, int]]]] = []
+        self.waiting: list[dict[str, Any]] = []
+
+    def _add(self, d: RankDigest) -> int:
+        """Fold one digest in; the largest rank it names (-1 for a duplicate)."""
+        if d.rank in self.digest_of:
+            self.notes.append(f"rank {d.rank}: more than one dump; kept the first")
+            return -1
+        self.digest_of[d.rank] = RankInfo(dict(d.status), d.oldest_ns, d.snap_ns, d.pg_progress)
+        self.any_snap = self.any_snap or d.snap_ns > 0
+        self.total_entries += d.n_entries
+        self.notes.extend(d.notes)
+        max_rank = d.rank
+        for _, _, rs in d.pg:
+            if rs:
+                max_rank = max(max_rank, rs[-1])
+        k = d.key()
+        c = self.classes.get(k)
+        if c is None:
+            c = self.classes[k] = RankClass(len(self.class_list), d)
+            self.class_list.append(c)
+            c.sig_g = [self._intern_sig(s) for s in d.sigs]
+            c.fr_g = [self._intern_frames(f) for f in d.frames]
+        else:
+            c.ranks.append(d.rank)
+        self.class_of[d.rank] = c
+        return max_rank
+
+    def _intern_sig(self, sig: tuple[Any, ...]) -> int:
+        i = self.sig_ids.get(sig)
+        if i is None:
+            i = self.sig_ids[sig] = len(self.sigs)
+            self.sigs.append(sig)
+        return i
+
+    def _intern_frames(self, ft: tuple[Any, ...]) -> int:
+        i = self.fr_ids.get(ft)
+        if i is None:
+            i = self.fr_ids[ft] = len(self.frames)
+            self.frames.append([{"name": n, "filename": f, "line": ln} for n, f, ln in ft])
+        return i
+
+    def no_data(self) -> list[int]:
+        """Ranks below the world size that sent no dump."""
+        return [r for r in range(self.world_size) if r not in self.digest_of]
+
+    def finding(
+        self,
+        kind: str,
+        g: Group,
+        seq: int | None,
+        op: str | None,
+        ranks: list[int],
+        detail: str,
+        **extra: Any,
+    ) -> dict[str, Any]:
+        """Append one finding (``FINDING_KINDS``) and return it, for later amendments."""
+        f = {
+            "kind": kind,
+            "severity": "info" if kind in INFO_KINDS else "error",
+            "group": g.id,
+            "group_label": g.label,
+            "seq": seq,
+            "op": op,
+            "ranks": sorted(set(ranks)),
+            "detail": detail,
+        }
+        f.update(extra)
+        self.findings.append(f)
+        return f
+
+    def add_row(
+        self, g: Group, sig_id: int, frames_id: int, *, seq: int | None, p2p_seq: int | None,
+        state: int, missing: list[int], present: list[int], expected: list[int],
+        lost: list[int], in_flight: list[int], mismatch: str | None,
+    ) -> dict[str, Any]:
+        """Append one row of the result's ``collectives`` (a collective or a P2P pairing)."""
+        sig = self.sigs[sig_id]
+        row = {
+            "id": len(self.collectives),
+            "group": g.id,
+            "group_desc": g.desc,
+            "group_ranks": g.ranks,
+            "seq": seq,
+            "p2p_seq": p2p_seq,
+            "op": sig[1],
+            "profiling_name": sig[0],
+            "state": STATES[state],
+            "pass_check": not missing and mismatch is None,
+            "missing_ranks": missing,
+            "present_ranks": present,
+            "expected_ranks": expected,
+            "history_lost_ranks": lost,
+            "in_flight_ranks": in_flight,
+            "input_sizes": [list(x) for x in sig[2]],
+            "output_sizes": [list(x) for x in sig[3]],
+            "input_dtypes": list(sig[4]),
+            "output_dtypes": list(sig[5]),
+            "mismatch": mismatch,
+            "frames": self.frames[frames_id] if frames_id >= 0 else [],
+        }
+        self.collectives.append(row)
+        return row

@@ -1,0 +1,128 @@
+"""P2P matching: pending sends and receives per directed peer pair, in ``p2p_seq_id`` order.
+
+Never mixed with collectives. Pending ops of one directed pair complete in order (NCCL and gloo
+both require it), so the k-th pending send pairs with the k-th pending receive; a side with no
+partner is unmatched unless the peer was read too early to tell (in flight).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from debug_server.analysis import skew
+from debug_server.analysis.groups import Group, GroupKey
+from debug_server.analysis.merge import Merge
+from debug_server.analysis.sigcheck import fmt_sizes
+
+__all__ = ["match_p2p"]
+
+Side = tuple[int, int, int, int, int, int]
+"""(p2p_seq, signature id, state, frames id, rank, time created: the class's first rank's)."""
+
+
+def match_p2p(m: Merge, g: Group, gkey: GroupKey) -> None:
+    """Append ``g``'s P2P rows, NCCL call sources and findings to ``m``."""
+    sends, recvs = _pending(m, g, gkey)
+    unmatched: list[str] = []
+    unmatched_ranks: set[int] = set()
+    first: list[Any] = []  # (p2p_seq, op) of the first unmatched op
+    for pair in sorted(set(sends) | set(recvs)):
+        s_list = sorted(sends.get(pair, []))
+        r_list = sorted(recvs.get(pair, []))
+        for k in range(max(len(s_list), len(r_list))):
+            s = s_list[k] if k < len(s_list) else None
+            r = r_list[k] if k < len(r_list) else None
+            line = _match_one(m, g, pair, s, r)
+            if line:
+                unmatched.append(line)
+                ref = s or r
+                assert ref is not None
+                unmatched_ranks.add(pair[0] if r is None else pair[1])
+                if not first:
+                    first = [ref[0], m.sigs[ref[1]][1]]
+    if unmatched:
+        more = f"; and {len(unmatched) - 4} more" if len(unmatched) > 4 else ""
+        m.finding(
+            "unmatched_p2p", g, None, first[1], sorted(unmatched_ranks),
+            f"{g.id}: " + "; ".join(unmatched[:4]) + more, p2p_seq=first[0],
+        )  # fmt: skip
+
+
+def _pending(
+    m: Merge, g: Group, gkey: GroupKey
+) -> tuple[dict[tuple[int, int], list[Side]], dict[tuple[int, int], list[Side]]]:
+    """Pending sends and receives per (global src, global dst)."""
+    order = sorted(g.ranks)
+    sends: dict[tuple[int, int], list[Side]] = {}
+    recvs: dict[tuple[int, int], list[Side]] = {}
+    bad = 0
+    for c in m.class_list:
+        ptimes = {(n, dsc): ts for n, dsc, ts in c.d.p2p_times}
+        for name, desc, _ndone, pending in c.d.p2p:
+            if c.gkeys.get((name, desc)) != gkey:
+                continue
+            ts = ptimes.get((name, desc), ())
+            for j, (p2p_seq, sidx, st, fidx, op, src, dst) in enumerate(pending):
+                try:
+                    gs, gd = order[src], order[dst]
+                except IndexError:
+                    bad += 1
+                    continue
+                rec = (p2p_seq, c.sig_g[sidx], st, c.fr_g[fidx] if fidx >= 0 else -1)
+                t = ts[j] if j < len(ts) else 0
+                for r in c.ranks:
+                    if op == "send" and r == gs:
+                        sends.setdefault((gs, gd), []).append((*rec, r, t))
+                    elif op == "recv" and r == gd:
+                        recvs.setdefault((gs, gd), []).append((*rec, r, t))
+                    else:
+                        bad += 1
+    if bad:
+        m.notes.append(f"group {g.id}: {bad} P2P entries name peers outside the group; skipped")
+    return sends, recvs
+
+
+def _match_one(
+    m: Merge, g: Group, pair: tuple[int, int], s: Side | None, r: Side | None
+) -> str:
+    """Append the row of one send/recv pairing; the unmatched line, or "" when matched."""
+    src, dst = pair
+    ref = s or r
+    assert ref is not None
+    sig = m.sigs[ref[1]]
+    missing: list[int] = []
+    in_flight: list[int] = []
+    mismatch = None
+    line = ""
+    if s is None or r is None:
+        holder, peer = (src, dst) if r is None else (dst, src)
+        peer_read = m.digest_of[peer].snap_ns if peer in m.digest_of else 0
+        if peer not in m.digest_of:
+            m.notes.append(
+                f"{g.id}: rank {holder} waits in {sig[1]} with rank {peer}, which gave no data"
+            )
+        elif peer_read and ref[5] and peer_read - ref[5] < skew.IN_FLIGHT_GRACE_NS:
+            # The peer was read before (or just after) this op was posted: it may post its side
+            # a moment later, or have matched and finished it already.
+            in_flight = [peer]
+        else:
+            missing = [peer]
+            verb = "send to" if r is None else "recv from"
+            need = "receive" if r is None else "send"
+            line = (f"rank {holder} waits in {verb} rank {peer} (p2p #{ref[0]}) but rank {peer} "
+                    f"has no matching {need}")  # fmt: skip
+    elif m.sigs[s[1]][2] != m.sigs[r[1]][3]:
+        mismatch = (
+            f"size mismatch: send {fmt_sizes(m.sigs[s[1]][2])} on rank {src} vs "
+            f"recv {fmt_sizes(m.sigs[r[1]][3])} on rank {dst}"
+        )
+        m.finding("size_mismatch", g, None, "send/recv", [src, dst],
+                  f"{g.id} p2p #{s[0]}: {mismatch}", p2p_seq=s[0])  # fmt: skip
+    sides = [x for x in (s, r) if x is not None]
+    row = m.add_row(
+        g, ref[1], ref[3], seq=None, p2p_seq=ref[0], state=min(x[2] for x in sides),
+        missing=missing, present=sorted({x[4] for x in sides}), expected=sorted({src, dst}),
+        lost=[], in_flight=in_flight, mismatch=mismatch,
+    )
+    m.calls_src.append((row, [(x[4], x[2]) for x in sides]))
+    return line

@@ -1,0 +1,31 @@
+"""Rank-set wording shared by the analysis and every renderer: ``0-2, 5``, ``ranks 0-2, 5``.
+
+No imports from the rest of the package, so a tool that only prints rank lists (``nccl_log``,
+``preflight``, ``envinfo``) does not load the analyzer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+__all__ = ["format_ranks", "ranks_phrase"]
+
+
+def format_ranks(ranks: Iterable[int]) -> str:
+    """``[0, 1, 2, 5]`` -> ``0-2, 5`` (sorted, ranges collapsed)."""
+    rs = sorted(set(ranks))
+    parts: list[str] = []
+    i = 0
+    while i < len(rs):
+        j = i
+        while j + 1 < len(rs) and rs[j + 1] == rs[j] + 1:
+            j += 1
+        parts.append(str(rs[i]) if i == j else f"{rs[i]}-{rs[j]}")
+        i = j + 1
+    return ", ".join(parts)
+
+
+def ranks_phrase(ranks: Iterable[int]) -> str:
+    """``rank 3`` or ``ranks 0-2, 5``."""
+    rs = sorted(set(ranks))
+    return f"{'rank' if len(rs) == 1 else 'ranks'} {format_ranks(rs)}"
