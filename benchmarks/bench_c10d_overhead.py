@@ -34,7 +34,8 @@ import torch.distributed as dist  # noqa: E402
 
 from debug_server import start_debug_server, stop_debug_server  # noqa: E402
 from debug_server.recording import c10d_fr  # noqa: E402
-from debug_server.recording.c10d_fr import StallWatch, stalled_op  # noqa: E402
+from debug_server.recording.stall import StallWatch  # noqa: E402
+from debug_server.recording.stall import c10d_stalled_op as stalled_op  # noqa: E402
 
 BLOCK = 200
 

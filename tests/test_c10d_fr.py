@@ -23,10 +23,10 @@ from debug_server.dumpio import write_dump_atomic
 from debug_server.recording.c10d_fr import (
     BUFFER_ENV,
     GroupInfo,
-    StallWatch,
     merge_c10d,
     turn_on_env,
 )
+from debug_server.recording.stall import StallWatch
 
 DATA = Path(__file__).parent / "data" / "c10d_merge_gloo.json"
 

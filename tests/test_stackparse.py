@@ -38,13 +38,37 @@ def test_summary_in_collective_names_the_op_and_the_user_line():
     )
 
 
-def test_summary_outside_collective_reads_the_call_from_source(tmp_path):
-    src = tmp_path / "demo.py"
-    src.write_text("import time\n" * 87 + "    time.sleep(30)\n")
-    pos = stackparse.summarize_text(S.stack_sleeping(str(src), 88))
+def test_summary_outside_collective_names_the_call_from_the_shipped_source_line():
+    text = S.faulthandler_text([("/job/demo.py", 88, "hang_phase"), ("/job/demo.py", 120, "<module>")])
+    text = text.replace("line 88 in hang_phase\n", "line 88 in hang_phase\n    time.sleep(30)\n")
+    pos = stackparse.summarize_text(text)
     assert pos == stackparse.Position(
         "time.sleep at demo.py:88", "demo.py:88 hang_phase", False, "time.sleep"
     )
+
+
+def test_summary_never_reads_the_source_file_where_the_analysis_runs(tmp_path):
+    src = tmp_path / "demo.py"
+    src.write_text("import time\n" * 87 + "    time.sleep(30)\n")
+    text = S.faulthandler_text([(str(src), 88, "hang_phase"), (str(src), 120, "<module>")])
+    pos = stackparse.summarize_text(text)  # the file is here, but the stack did not ship the line
+    assert pos is not None and pos.summary == "hang_phase at demo.py:88" and pos.call is None
+
+
+def test_source_line_that_looks_like_a_frame_stays_the_frames_source():
+    text = ('Thread 0x1 (most recent call first):\n'
+            '  File "/job/a.py", line 7 in f\n'
+            '    log(\'  File "/x.py", line 1 in g\')\n'
+            '  File "/job/a.py", line 9 in <module>\n')
+    [thread] = stackparse.parse_threads(text)
+    assert [(f.line, f.source) for f in thread.frames] == [
+        (7, 'log(\'  File "/x.py", line 1 in g\')'), (9, None)]
+
+
+def test_torch_worker_stack_without_source_lines_parses_as_before():
+    [main, _] = stackparse.parse_threads(S.stack_in_all_reduce())
+    assert [f.source for f in main.frames] == [None] * 4
+    assert main.frames[2] == stackparse.Frame("/job/train.py", 148, "train_step")
 
 
 def test_summary_without_source_uses_the_function_name():

@@ -11,14 +11,14 @@ from typing import Any
 
 import pytest
 
+from debug_server.analysis import stackparse
 from debug_server.dumpio import safe_loads
-from debug_server.rank.stacks import capture_stacks
+from debug_server.rank.stacks import capture_stacks, with_source
 from debug_server.rank.worker import (
     HandlerError,
     HooksProvider,
     StaticProvider,
     make_worker_app,
-    stalled_op,
     start_worker_thread,
 )
 from debug_server.tools import synthetic
@@ -148,15 +148,6 @@ def test_hooks_provider_without_hooks_serves_an_empty_valid_dump() -> None:
     assert dump["version"] == "2.10" and dump["entries"] == []
 
 
-def test_stalled_op_is_the_oldest_unfinished_entry_past_the_timeout() -> None:
-    entries = synthetic.hang_job(2, n_entries=5, missing_rank=1)[0]["entries"]
-    created = entries[-1]["time_created_ns"]
-    assert stalled_op(entries, 10.0, now_ns=created + 5 * 10**9) is None
-    assert stalled_op(entries, 10.0, now_ns=created + 12 * 10**9) == {
-        "group": "main_comm", "seq": 4, "op": "all_reduce", "age_s": 12.0}
-    assert stalled_op(entries[:-1], 10.0, now_ns=created + 10**12) is None
-
-
 def test_hooks_provider_serves_c10d_builtin_fr_json() -> None:
     text = HooksProvider(0).c10d_fr_json(only_active=True, include_collectives=True)
     assert json.loads(text)["version"]
@@ -211,3 +202,32 @@ def test_capture_stacks_lists_the_calling_frame() -> None:
     text = capture_stacks()
     assert "most recent call first" in text
     assert "in test_capture_stacks_lists_the_calling_frame" in text
+
+
+def _sleeper(ready: threading.Event, seconds: float) -> None:
+    ready.set()
+    time.sleep(seconds)  # SLEEP_LINE
+
+
+def test_capture_stacks_ships_the_source_line_the_verdict_names() -> None:
+    ready = threading.Event()
+    sleeper = threading.Thread(target=_sleeper, args=(ready, 1.0), name="sleeper")
+    sleeper.start()
+    ready.wait(5)
+    time.sleep(0.2)
+    try:
+        text = capture_stacks()
+    finally:
+        sleeper.join()
+    line = next(i for i, s in enumerate(Path(__file__).read_text().splitlines(), 1)
+                if s.endswith("# SLEEP_LINE"))
+    assert f'test_worker.py", line {line} in _sleeper\n    time.sleep(seconds)  # SLEEP_LINE\n' in text
+    [thread] = [t for t in stackparse.parse_threads(text)
+                if t.frames and t.frames[0].function == "_sleeper"]
+    assert stackparse.summarize(thread.frames).summary == f"time.sleep at test_worker.py:{line}"
+
+
+def test_source_lines_are_added_once() -> None:
+    text = capture_stacks()
+    assert with_source(text) == text
+    assert "    text = capture_stacks()\n" in text

@@ -37,6 +37,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from debug_server.rank.stacks import with_source
+
 logger = logging.getLogger(__name__)
 
 META_KEY = "sigstack"
@@ -162,7 +164,8 @@ def capture(pid: int, meta: Mapping[str, Any], timeout: float = CAPTURE_TIMEOUT_
             text = f.read(4 * 1024 * 1024).decode("utf-8", errors="replace")
     except OSError:
         return None
-    return text or None
+    # Read on the rank's own host: its source lines ship with the stack (rank.stacks).
+    return with_source(text) if text else None
 
 
 class SignalCapture:

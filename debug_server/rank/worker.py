@@ -7,7 +7,8 @@ traceback. Everything is JSON or text; nothing from the network is unpickled.
 
 The FR handlers take torch's ``onlyactive`` and ``includecollectives``, and two of ours for the
 live window (``frwindow``): ``since={"<group>": <seq>}`` keeps each named group from that seq on,
-``window=<slack>`` cuts at this rank's own frontier less ``slack``.
+``window=<slack>`` cuts at this rank's own frontier less ``slack``. The window is cut inside the
+recorders (``frwindow.cutter``, ``recording.lazy``): only the entries it keeps are built.
 
 What the worker serves comes from a ``Provider``; ``HooksProvider`` reads this process's
 Flight Recorder hooks, ``StaticProvider`` serves fixed data (tests, benchmarks).
@@ -22,17 +23,18 @@ import logging
 import os
 import socket
 import threading
-import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 from aiohttp import web
 
 from debug_server.analysis import frwindow, members
 from debug_server.auth import TokenGate, auth_middleware
+from debug_server.errors import first_line
 from debug_server.listen import start_sites
 from debug_server.rank import pyspy, rank_capture
 from debug_server.rank.stacks import capture_stacks
+from debug_server.recording.lazy import Cut, LazyDump
 
 logger = logging.getLogger(__name__)
 
@@ -51,8 +53,10 @@ class HandlerError(Exception):
 class Provider(Protocol):
     """What a worker serves. Methods run on the worker's thread and may raise."""
 
-    def fr_snapshot(self, *, only_active: bool, include_collectives: bool) -> Mapping[str, Any]:
-        """The merged Flight Recorder dump of this process (torch FR schema)."""
+    def fr_snapshot(self, *, only_active: bool, include_collectives: bool,
+                    cut: Cut | None = None) -> Mapping[str, Any]:
+        """The merged Flight Recorder dump of this process (torch FR schema); with ``cut``
+        (the live window, ``frwindow.cutter``) only the entries it keeps."""
         ...
 
     def c10d_fr_json(self, *, only_active: bool, include_collectives: bool) -> str:
@@ -95,14 +99,18 @@ class HooksProvider:
     def __init__(self, rank: int, stall_timeout: float | None = None) -> None:
         self.rank = rank
         self.stall_timeout = stall_timeout
-        self._c10d_watch: Any = None  # c10d_fr.StallWatch, made at the first health check
+        self._c10d_watch: Any = None  # stall.StallWatch, made at the first health check
 
-    def fr_snapshot(self, *, only_active: bool, include_collectives: bool) -> Mapping[str, Any]:
+    def fr_snapshot(self, *, only_active: bool, include_collectives: bool,
+                    cut: Cut | None = None) -> Mapping[str, Any]:
         # Imported here so the server side loads without the recording side (and vice versa).
         from debug_server.recording import c10d_fr
 
-        # The hooks' entries and c10d's own (DDP, FSDP, plain torch.distributed) in one dump.
-        return c10d_fr.snapshot(only_active=only_active, include_collectives=include_collectives)
+        # The hooks' entries and c10d's own (DDP, FSDP, plain torch.distributed) in one dump,
+        # the window cut inside: only the entries it keeps are built, on this thread that
+        # holds the GIL away from training.
+        return c10d_fr.snapshot(only_active=only_active, include_collectives=include_collectives,
+                                cut=cut)
 
     def c10d_fr_json(self, *, only_active: bool, include_collectives: bool) -> str:
         return c10d_fr_json(only_active=only_active, include_collectives=include_collectives)
@@ -116,42 +124,20 @@ class HooksProvider:
         return c10d_fr.dump_file(self.rank)
 
     def health(self) -> Mapping[str, Any]:
-        from debug_server.recording import c10d_fr, hooks
+        from debug_server.recording import hooks, stall
 
-        health = dict(hooks.health())
-        if self.stall_timeout is not None and health.get("healthy", True):
-            stalled = stalled_op(hooks.snapshot(only_active=True)["entries"], self.stall_timeout)
-            if stalled is not None:
-                health.update(healthy=False, stalled_op=stalled)
+        # One stall rule (recording.stall) for the hooks' ops, with this worker's limit on top.
+        health = dict(hooks.health(self.stall_timeout))
         limit = self.stall_timeout if self.stall_timeout is not None else hooks.default_stall_timeout()
         if limit is not None:
             # c10d's groups (DDP, FSDP...) by their progress; fed on every poll, so it counts
             # how long a group has been pending even while a hook already reports a stall.
             if self._c10d_watch is None:
-                self._c10d_watch = c10d_fr.StallWatch()
-            stalled = c10d_fr.stalled_op(self._c10d_watch, limit)
+                self._c10d_watch = stall.StallWatch()
+            stalled = stall.c10d_stalled_op(self._c10d_watch, limit)
             if stalled is not None and health.get("healthy", True):
                 health.update(healthy=False, stalled_op=stalled)
         return health
-
-
-def stalled_op(entries: Sequence[Mapping[str, Any]], stall_timeout: float,
-               now_ns: int | None = None) -> dict[str, Any] | None:
-    """The oldest unfinished entry if it has been in flight longer than ``stall_timeout``."""
-    active = [e for e in entries if e.get("state") != "completed" and e.get("time_created_ns")]
-    if not active:
-        return None
-    oldest = min(active, key=lambda e: e["time_created_ns"])
-    age = ((time.time_ns() if now_ns is None else now_ns) - oldest["time_created_ns"]) / 1e9
-    if age <= stall_timeout:
-        return None
-    pg = oldest.get("process_group") or ["", ""]
-    return {
-        "group": pg[0],
-        "seq": oldest.get("p2p_seq_id") if oldest.get("is_p2p") else oldest.get("collective_seq_id"),
-        "op": str(oldest.get("profiling_name", "")).split(":", 1)[-1].split(" ")[0],
-        "age_s": round(age, 3),
-    }
 
 
 class StaticProvider:
@@ -171,11 +157,12 @@ class StaticProvider:
         self.dump_path = dump_path
         self.dump_calls = 0
 
-    def fr_snapshot(self, *, only_active: bool, include_collectives: bool) -> Mapping[str, Any]:
+    def fr_snapshot(self, *, only_active: bool, include_collectives: bool,
+                    cut: Cut | None = None) -> Mapping[str, Any]:
         entries = self.dump.get("entries", []) if include_collectives else []
         if only_active:
             entries = [e for e in entries if e.get("state") != "completed"]
-        return {**self.dump, "entries": entries}
+        return cut_dump({**self.dump, "entries": entries}, cut)
 
     def c10d_fr_json(self, *, only_active: bool, include_collectives: bool) -> str:
         raise HandlerError(404, "no c10d flight recorder in this fake rank")
@@ -243,22 +230,28 @@ def _fr_args(q: Mapping[str, str]) -> dict[str, bool]:
     }
 
 
-def _cut_arg(q: Mapping[str, str]) -> Callable[[Mapping[str, Any]], Mapping[str, Any]] | None:
+def _cut_arg(q: Mapping[str, str]) -> Cut | None:
     """The live window (``frwindow``): ``since={"<group>": <seq>}`` keeps each named group from
     that seq on; ``window=<slack>`` cuts at this rank's own frontier less ``slack``."""
     raw, slack = q.get("since"), q.get("window")
     if raw is not None:
         try:
-            since = frwindow.parse_since(raw)
+            return frwindow.cutter(since=frwindow.parse_since(raw))
         except ValueError as e:
             raise HandlerError(400, f"parameter since: {e}") from None
-        return lambda dump: frwindow.window(dump, since)
     if slack is not None:
         if not slack.isdigit() or int(slack) > _MAX_SLACK:
             raise HandlerError(400, f"parameter window={slack[:40]!r} must be an integer "
                                     f"0..{_MAX_SLACK}")
-        return lambda dump: frwindow.local_window(dump, int(slack))
+        return frwindow.cutter(slack=int(slack))
     return None
+
+
+def cut_dump(dump: Mapping[str, Any], cut: Cut | None) -> dict[str, Any]:
+    """A built dump cut as a recorder cuts its own (``recording.lazy``): the same entries."""
+    if cut is None or not isinstance(dump.get("entries"), list):
+        return dict(dump)
+    return LazyDump.of(dump).finish(cut)
 
 
 def _known_members(q: Mapping[str, str]) -> frozenset[str]:
@@ -274,9 +267,7 @@ def _known_members(q: Mapping[str, str]) -> frozenset[str]:
 
 def _torchcomms_fr_trace_json(p: Provider, q: Mapping[str, str]) -> Mapping[str, Any]:
     args, cut, known = _fr_args(q), _cut_arg(q), _known_members(q)
-    dump = p.fr_snapshot(**args)
-    # The cut is applied to whatever dict the provider produced, whichever recorders fed it.
-    return members.share(dump if cut is None else cut(dump), known)
+    return members.share(p.fr_snapshot(**args, cut=cut), known)
 
 
 def _fr_trace_json(p: Provider, q: Mapping[str, str]) -> web.Response | Mapping[str, Any]:
@@ -285,7 +276,7 @@ def _fr_trace_json(p: Provider, q: Mapping[str, str]) -> web.Response | Mapping[
     if cut is not None:
         dump = json.loads(text)
         if isinstance(dump, dict):
-            return cut(dump)
+            return cut_dump(dump, cut)
     return web.Response(text=text, content_type="application/json")
 
 
@@ -370,17 +361,13 @@ async def run_handler(request: web.Request) -> web.Response:
         return web.Response(status=e.status, text=e.reason)
     except Exception as e:  # one line to the caller, the traceback to this rank's log
         logger.exception("debug_server worker: handler %s failed", name)
-        return web.Response(status=500, text=f"{name} failed: {type(e).__name__}: {_one_line(e)}")
+        return web.Response(status=500,
+                            text=f"{name} failed: {type(e).__name__}: {first_line(e, 500, empty='')}")
     if isinstance(out, web.Response):
         return out
     if isinstance(out, str):
         return web.Response(text=out)
     return web.Response(text=json.dumps(out, default=str), content_type="application/json")
-
-
-def _one_line(e: BaseException) -> str:
-    lines = str(e).strip().splitlines()
-    return lines[0][:500] if lines else ""
 
 
 def make_worker_app(provider: Provider, gate: TokenGate | None = None) -> web.Application:

@@ -36,16 +36,15 @@ from __future__ import annotations
 
 import json
 import logging
+import operator
 import os
 import pickle
 import sys
-import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 from debug_server.dumpio import FR_VERSION, write_dump_atomic
-from debug_server.recording import stall
-from debug_server.recording.lazy import BUILT, Cut, LazyDump
+from debug_server.recording.lazy import FRESH, Cut, LazyDump, Source
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +53,6 @@ __all__ = [
     "Backed",
     "DEFAULT_BUFFER_SIZE",
     "GroupInfo",
-    "StallWatch",
     "dump_file",
     "group_exists",
     "backed_of",
@@ -65,7 +63,6 @@ __all__ = [
     "process_groups",
     "read_recorders",
     "snapshot",
-    "stalled_op",
     "turn_on_env",
 ]
 
@@ -223,7 +220,8 @@ def merge_lazy(
 
     cfg: dict[str, dict[str, Any]] = {}
     status: dict[str, dict[str, int]] = {}
-    added: list[dict[str, Any]] = []
+    added: list[Mapping[str, Any]] = []
+    kinds: list[Source] = []  # per entry of added: built (FRESH), or c10d's own (_C10D)
     seen: set[tuple[Any, ...]] = set()
     for recorder, dump in recorders:
         raw_cfg = dump.get("pg_config") or {}
@@ -236,9 +234,7 @@ def merge_lazy(
                 continue  # not an entry c10d writes; the analyzer would only skip it too
             pg_name = str(pg[0])
             b = backed.get(pg_name)
-            # c10d's entries are built whole here (a copy and a few fields: the C++ dump and
-            # its unpickling cost far more); each is its own key for the cut.
-            if b is not None:
+            if b is not None:  # built now: few, and their keys need the mapped seqs and states
                 ent = _backed_entry(e, b)
                 if only_active and (ent.get("state") == "completed" or ent.get("retired")):
                     continue
@@ -247,21 +243,31 @@ def merge_lazy(
                 if ident not in seen:
                     seen.add(ident)
                     added.append(ent)
+                    kinds.append(FRESH)
                     cfg[b.name] = {"name": b.name, "desc": b.backend, "ranks": str(list(b.ranks))}
                 continue
             if pg_name in owned_set or not others:
                 continue
             used.add(pg_name)
             descs.setdefault(pg_name, str(pg[1]) if len(pg) > 1 else "")
-            ent = _repair_entry(e, key_of(recorder, pg_name))
-            if only_active and (ent.get("state") == "completed" or ent.get("retired")):
+            group = key_of(recorder, pg_name)
+            # As _repair_entry will write them (it leaves state, retired and seqs alone).
+            if only_active and (e.get("state") == "completed" or e.get("retired")):
                 continue
-            ident = (ent["process_group"], ent.get("collective_seq_id"), ent.get("p2p_seq_id"),
-                     ent.get("op_id"), ent.get("time_created_ns"))
+            ident = ((group, str(pg[1]) if len(pg) > 1 else ""), e.get("collective_seq_id"),
+                     e.get("p2p_seq_id", 0), e.get("op_id"), e.get("time_created_ns"))
             if ident in seen:  # an older torch whose two dump calls read one recorder
                 continue
             seen.add(ident)
-            added.append(ent)
+            if group == pg[0]:
+                # c10d's own entry is its key: the window reads the group, seqs, state and
+                # the op after "nccl:"/"gloo:", which repairing leaves as they are (0 and None
+                # times read alike); it is built only when kept.
+                added.append(e)
+                kinds.append(_C10D)
+            else:  # renamed: built now, its own key
+                added.append(_repair_entry(e, group))
+                kinds.append(FRESH)
         if isinstance(raw_status, Mapping):
             for pg_name, st in raw_status.items():
                 b = backed.get(str(pg_name))
@@ -279,7 +285,7 @@ def merge_lazy(
             cfg[key] = _group_config(key, pg_name, groups.get(pg_name), raw_cfg,
                                      descs.get(pg_name, ""), recorder)
     if not include_collectives:
-        added = []
+        added, kinds = [], []
     if not cfg and not added:
         return ours
     head = dict(ours.head)
@@ -288,8 +294,7 @@ def merge_lazy(
     head.setdefault("version", FR_VERSION)
     if not added:
         return LazyDump(head, list(ours.items), list(ours.sources))
-    theirs = LazyDump({})
-    theirs.extend(added, BUILT)
+    theirs = LazyDump({}, list(added), kinds)
     # One timeline: ours and c10d's by creation time, record ids renumbered along it.
     return ours.merged(theirs, head)
 
@@ -315,6 +320,15 @@ def _repair_entry(e: Mapping[str, Any], key: str) -> dict[str, Any]:
     ent["process_group"] = (key, str(pg[1]) if len(pg) > 1 else "")
     _normalize_times_and_name(ent)
     return ent
+
+
+def _repair_own(e: Mapping[str, Any], key: Any) -> dict[str, Any]:
+    return _repair_entry(e, e["process_group"][0])
+
+
+_C10D = Source(lambda e: e, _repair_own, operator.methodcaller("get", "time_created_ns"),
+              fresh=True)
+"""c10d's entries of a group whose name stays: their own keys, repaired when kept."""
 
 
 def _normalize_times_and_name(ent: dict[str, Any]) -> None:
@@ -391,7 +405,7 @@ def read_recorders(*, stacks: bool = False, include_collectives: bool = True,
                     dump = head
             if dump is None:
                 dump = _read(c10d, pickle_fn, json_fn, include_collectives, stacks)
-                if include_collectives and isinstance(dump, dict):
+                if include_collectives and unread and isinstance(dump, dict):
                     _learn_names(recorder, dump)
         except Exception as e:  # a recorder that cannot be read must not cost the other one
             _warn_once(recorder, f"reading c10d's {recorder} flight recorder failed: "
@@ -422,6 +436,9 @@ _pg_names: dict[tuple[str, str], str] = {}
 
 
 def _learn_names(recorder: str, dump: Mapping[str, Any]) -> None:
+    status = dump.get("pg_status")
+    if isinstance(status, Mapping) and all((recorder, str(i)) in _pg_names for i in status):
+        return  # every group of this ring is known already
     for e in dump.get("entries") or ():
         if isinstance(e, Mapping):
             pg = e.get("process_group")
@@ -608,118 +625,3 @@ def off_reason() -> str | None:
     if not dump.get("pg_config"):
         return f"{BUFFER_ENV[0]} is not set and this torch's default is 0"
     return None
-
-
-# ---------------------------------------------------------------------------------------------
-# Health: a c10d group that makes no progress
-
-
-class _Pending(NamedTuple):
-    status: tuple[int, int]
-    """The group's (last enqueued, last completed) when first seen pending; any change is
-    progress, or a new op, and starts the watch over."""
-    seen_ns: int
-    """When the watch first saw this status."""
-    read: bool
-    """Whether the group's entries were read for this status."""
-    seq: int
-    """The pending op: the group's oldest unretired collective (-1: none, nothing pending)."""
-    op: str
-    desc: str
-    created_ns: int
-
-
-class StallWatch:
-    """Notices c10d groups with an op in flight that make no progress.
-
-    Every check reads only ``pg_status`` (about a millisecond, no entries): a group may have an
-    op in flight while its last enqueued collective is above its last completed one. gloo's
-    ``last_completed_collective`` lags and can stay one behind for good, so that alone is never
-    evidence: a group whose status is unchanged at the next check has its entries read, once
-    per status, and its pending op is its oldest entry not retired (c10d retires an op when it
-    ends; on gloo that is the only sign). The op stalls when it is older than the timeout. A
-    healthy job, whose status moves between checks, never pays for reading entries.
-    """
-
-    def __init__(self) -> None:
-        self._pending: dict[str, _Pending] = {}
-
-    def update(self, status: Mapping[str, Mapping[str, Any]], now_ns: int) -> list[str]:
-        """Feed one ``pg_status``; returns the groups whose entries must be read now (their
-        status did not move since the previous check), for :meth:`resolve`."""
-        still: dict[str, _Pending] = {}
-        unread = []
-        for name, st in status.items():
-            key = (_int(st.get("last_enqueued_collective"), -1),
-                   _int(st.get("last_completed_collective"), -1))
-            if key[0] <= key[1]:
-                continue
-            prev = self._pending.get(name)
-            if prev is not None and prev.status == key:
-                still[name] = prev
-                if not prev.read:
-                    unread.append(name)
-            else:
-                still[name] = _Pending(key, now_ns, False, -1, "", "", 0)
-        self._pending = still
-        return sorted(unread)
-
-    def resolve(self, group: str, entries: Iterable[Mapping[str, Any]]) -> None:
-        """Find ``group``'s pending op among its entries (c10d's, process_group[0] == group)."""
-        p = self._pending.get(group)
-        if p is None:
-            return
-        pending = [e for e in entries if not e.get("retired") and not e.get("is_p2p")
-                   and e.get("state") != "completed"]
-        if not pending:  # the status lagged: nothing is in flight
-            self._pending[group] = p._replace(read=True)
-            return
-        e = min(pending, key=lambda e: _int(e.get("collective_seq_id"), 0))
-        pg = e.get("process_group") or ("", "")
-        self._pending[group] = p._replace(
-            read=True, seq=_int(e.get("collective_seq_id"), -1),
-            op=str(e.get("profiling_name", "")).partition(":")[2].split(" ")[0],
-            desc=str(pg[1]) if len(pg) > 1 else "",
-            created_ns=_int(e.get("time_created_ns"), 0) or p.seen_ns)
-
-    def stalled(self, stall_timeout: float, now_ns: int) -> list[tuple[str, float, _Pending]]:
-        """``(group, age_s, pending)`` of every pending op older than ``stall_timeout``."""
-        out = []
-        for g, p in sorted(self._pending.items()):
-            age = stall.age_s(p.created_ns, now_ns)
-            if p.seq >= 0 and stall.is_stalled(age, stall_timeout):
-                out.append((g, age, p))
-        return out
-
-
-def stalled_op(watch: StallWatch, stall_timeout: float, now_ns: int | None = None
-               ) -> dict[str, Any] | None:
-    """The first c10d op (not on one of our communicators) stalled beyond ``stall_timeout``."""
-    recorders = read_recorders(include_collectives=False)
-    if not recorders:
-        return None
-    owned = _owned()
-    groups = process_groups()
-    now = time.time_ns() if now_ns is None else now_ns
-    status: dict[str, Mapping[str, Any]] = {}
-    for recorder, dump in recorders:
-        for name, st in (dump.get("pg_status") or {}).items():
-            if str(name) not in owned and isinstance(st, Mapping):
-                status[_side(recorder, str(name), groups.get(str(name)))] = st
-    unread = watch.update(status, now)
-    if unread:
-        by_group: dict[str, list[Mapping[str, Any]]] = {g: [] for g in unread}
-        for recorder, dump in read_recorders():
-            for e in dump.get("entries") or ():
-                pg = e.get("process_group") if isinstance(e, Mapping) else None
-                if isinstance(pg, (list, tuple)) and pg:
-                    side = _side(recorder, str(pg[0]), groups.get(str(pg[0])))
-                    if side in by_group:
-                        by_group[side].append(e)
-        for g, entries in by_group.items():
-            watch.resolve(g, entries)
-    stalled = watch.stalled(stall_timeout, now)
-    if not stalled:
-        return None
-    group, age, p = stalled[0]
-    return stall.report(group, p.seq, p.op, age, group_desc=p.desc, source="c10d")

@@ -18,6 +18,7 @@ import faulthandler
 import functools
 import itertools
 import logging
+import operator
 import os
 import sys
 import threading
@@ -227,14 +228,10 @@ def _entry(rec: OpRecord, key: dict[str, Any] | None, shared: dict[Any, Any]) ->
     }
 
 
-def _created(rec: OpRecord) -> int:
-    return rec.time_created_ns
-
-
 def _records_source(shared: dict[Any, Any]) -> Source:
     """Our records as ``lazy`` entries of one dump (``shared``: that dump's shared values)."""
     return Source(functools.partial(_key, shared=shared), functools.partial(_entry, shared=shared),
-                  _created)
+                  operator.attrgetter("time_created_ns"), fresh=True)
 
 
 class FlightRecorderHook:

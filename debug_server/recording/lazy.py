@@ -14,11 +14,12 @@ per-rank worker passes ``frwindow``'s window in.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["BUILT", "KEY_FIELDS", "Cut", "LazyDump", "Source"]
+__all__ = ["BUILT", "FRESH", "KEY_FIELDS", "Cut", "LazyDump", "Source"]
 
 KEY_FIELDS = ("record_id", "process_group", "collective_seq_id", "profiling_name", "state",
               "retired", "is_p2p", "time_created_ns", "time_discovered_completed_ns")
@@ -34,12 +35,16 @@ dump). ``head`` is the dump without entries, ``keys`` one key per entry in dump 
 class Source:
     """How entries of one kind are keyed and built (one per dump and kind, not per entry)."""
 
-    key: Callable[[Any], dict[str, Any]]
-    """The entry's key, its fields read once (at least :data:`KEY_FIELDS`)."""
-    build: Callable[[Any, dict[str, Any] | None], dict[str, Any]]
+    key: Callable[[Any], Mapping[str, Any]]
+    """The entry's key, its fields read once (at least :data:`KEY_FIELDS`), which a cut reads
+    as it would read the built entry's (c10d's own entry keeps ``gloo:`` in its name and 0 for
+    an unknown time, which the window reads as it reads ``nccl:`` and None)."""
+    build: Callable[[Any, Any], dict[str, Any]]
     """The whole entry; from its key's values when a key was made (``None``: none was)."""
     created: Callable[[Any], Any]
     """The entry's ``time_created_ns`` (a merged timeline is ordered by it)."""
+    fresh: bool = False
+    """``build`` makes a new dict (renumbering may change it in place)."""
 
 
 def _itself(e: Any) -> Any:
@@ -50,12 +55,11 @@ def _built(e: Any, key: dict[str, Any] | None) -> Any:
     return e
 
 
-def _created(e: Any) -> Any:
-    return e.get("time_created_ns")
-
-
+_created = operator.methodcaller("get", "time_created_ns")
 BUILT = Source(_itself, _built, _created)
-"""Entries already built (a served dump, c10d's repaired entries): each is its own key."""
+"""Entries already built (a served dump): each is its own key, and never changed here."""
+FRESH = Source(_itself, _built, _created, fresh=True)
+"""Entries just built for this dump alone (c10d's repaired entries): each is its own key."""
 
 
 @dataclass(slots=True)
@@ -70,7 +74,7 @@ class LazyDump:
     """Per entry, in dump order: its :class:`Source`."""
     renumber: bool = False
     """Built entries get ``record_id`` = their position in this dump (a merged timeline)."""
-    _keys: list[dict[str, Any]] | None = None
+    _keys: list[Mapping[str, Any]] | None = None
 
     @classmethod
     def of(cls, dump: Mapping[str, Any]) -> LazyDump:
@@ -86,7 +90,7 @@ class LazyDump:
         self.sources.extend([source] * len(items))
         self._keys = None
 
-    def keys(self) -> list[dict[str, Any]]:
+    def keys(self) -> list[Mapping[str, Any]]:
         """Every entry's key, in dump order (made once)."""
         if self._keys is None:
             self._keys = [s.key(it) for s, it in zip(self.sources, self.items, strict=True)]
@@ -112,8 +116,11 @@ class LazyDump:
             picked, extra = cut(out, keys)
             entries = [sources[i].build(items[i], keys[i]) for i in picked]
         if self.renumber:
-            # A copy: a built entry may be the caller's own dict.
-            entries = [{**e, "record_id": i} for e, i in zip(entries, picked, strict=True)]
+            for n, i in enumerate(picked):
+                if sources[i].fresh:
+                    entries[n]["record_id"] = i
+                else:  # the caller's own dict: a copy
+                    entries[n] = {**entries[n], "record_id": i}
         out["entries"] = entries
         out.update(extra)
         return out

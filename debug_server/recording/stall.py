@@ -3,17 +3,19 @@
 An op is stalled once it has been in flight longer than its limit (seconds; None: never). The
 sources are our hooks' records and the in-flight ops of c10d-backed communicators
 (``hooks.health`` and the stall watchdog, ``hooks._stall_check``), and c10d's own groups
-(``c10d_fr.stalled_op``, whose pending op comes from c10d's progress, see ``StallWatch``). Each
-reports the op as ``{"group", "seq", "op", "age_s", ...}``, which the worker's health check
-serves and the frontend shows.
+(:func:`c10d_stalled_op`, whose pending op comes from c10d's progress, see :class:`StallWatch`).
+Each reports the op as ``{"group", "seq", "op", "age_s", ...}``, which the worker's health
+check serves and the frontend shows.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import Any, Protocol
+import time
+from collections.abc import Iterable, Mapping
+from typing import Any, NamedTuple, Protocol
 
-__all__ = ["InFlightOp", "age_s", "is_stalled", "oldest_stalled", "report", "report_op"]
+__all__ = ["InFlightOp", "StallWatch", "age_s", "c10d_stalled_op", "is_stalled", "oldest_stalled",
+           "report", "report_op"]
 
 
 class InFlightOp(Protocol):
@@ -56,3 +58,127 @@ def oldest_stalled(ops: Iterable[tuple[InFlightOp, float | None]], now_ns: int
         if is_stalled(age, limit) and (best is None or op.time_created_ns < best[0].time_created_ns):
             best = (op, age)
     return best
+
+
+def _int(v: Any, default: int) -> int:
+    try:
+        return int(v)
+    except (TypeError, ValueError):
+        return default
+
+
+# ---------------------------------------------------------------------------------------------
+# c10d's own groups: a group that makes no progress
+
+
+class _Pending(NamedTuple):
+    status: tuple[int, int]
+    """The group's (last enqueued, last completed) when first seen pending; any change is
+    progress, or a new op, and starts the watch over."""
+    seen_ns: int
+    """When the watch first saw this status."""
+    read: bool
+    """Whether the group's entries were read for this status."""
+    seq: int
+    """The pending op: the group's oldest unretired collective (-1: none, nothing pending)."""
+    op: str
+    desc: str
+    created_ns: int
+
+
+class StallWatch:
+    """Notices c10d groups with an op in flight that make no progress.
+
+    Every check reads only ``pg_status`` (about a millisecond, no entries): a group may have an
+    op in flight while its last enqueued collective is above its last completed one. gloo's
+    ``last_completed_collective`` lags and can stay one behind for good, so that alone is never
+    evidence: a group whose status is unchanged at the next check has its entries read, once
+    per status, and its pending op is its oldest entry not retired (c10d retires an op when it
+    ends; on gloo that is the only sign). The op stalls when it is older than the timeout. A
+    healthy job, whose status moves between checks, never pays for reading entries.
+    """
+
+    def __init__(self) -> None:
+        self._pending: dict[str, _Pending] = {}
+
+    def update(self, status: Mapping[str, Mapping[str, Any]], now_ns: int) -> list[str]:
+        """Feed one ``pg_status``; returns the groups whose entries must be read now (their
+        status did not move since the previous check), for :meth:`resolve`."""
+        still: dict[str, _Pending] = {}
+        unread = []
+        for name, st in status.items():
+            key = (_int(st.get("last_enqueued_collective"), -1),
+                   _int(st.get("last_completed_collective"), -1))
+            if key[0] <= key[1]:
+                continue
+            prev = self._pending.get(name)
+            if prev is not None and prev.status == key:
+                still[name] = prev
+                if not prev.read:
+                    unread.append(name)
+            else:
+                still[name] = _Pending(key, now_ns, False, -1, "", "", 0)
+        self._pending = still
+        return sorted(unread)
+
+    def resolve(self, group: str, entries: Iterable[Mapping[str, Any]]) -> None:
+        """Find ``group``'s pending op among its entries (c10d's, process_group[0] == group)."""
+        p = self._pending.get(group)
+        if p is None:
+            return
+        pending = [e for e in entries if not e.get("retired") and not e.get("is_p2p")
+                   and e.get("state") != "completed"]
+        if not pending:  # the status lagged: nothing is in flight
+            self._pending[group] = p._replace(read=True)
+            return
+        e = min(pending, key=lambda e: _int(e.get("collective_seq_id"), 0))
+        pg = e.get("process_group") or ("", "")
+        self._pending[group] = p._replace(
+            read=True, seq=_int(e.get("collective_seq_id"), -1),
+            op=str(e.get("profiling_name", "")).partition(":")[2].split(" ")[0],
+            desc=str(pg[1]) if len(pg) > 1 else "",
+            created_ns=_int(e.get("time_created_ns"), 0) or p.seen_ns)
+
+    def stalled(self, stall_timeout: float, now_ns: int) -> list[tuple[str, float, _Pending]]:
+        """``(group, age_s, pending)`` of every pending op older than ``stall_timeout``."""
+        out = []
+        for g, p in sorted(self._pending.items()):
+            age = age_s(p.created_ns, now_ns)
+            if p.seq >= 0 and is_stalled(age, stall_timeout):
+                out.append((g, age, p))
+        return out
+
+
+def c10d_stalled_op(watch: StallWatch, stall_timeout: float, now_ns: int | None = None
+                    ) -> dict[str, Any] | None:
+    """The first c10d op (not on one of our communicators) stalled beyond ``stall_timeout``."""
+    from debug_server.recording.c10d_fr import _owned, _side, process_groups, read_recorders
+
+    recorders = read_recorders(include_collectives=False)
+    if not recorders:
+        return None
+    owned = _owned()
+    groups = process_groups()
+    now = time.time_ns() if now_ns is None else now_ns
+    status: dict[str, Mapping[str, Any]] = {}
+    for recorder, dump in recorders:
+        for name, st in (dump.get("pg_status") or {}).items():
+            if str(name) not in owned and isinstance(st, Mapping):
+                status[_side(recorder, str(name), groups.get(str(name)))] = st
+    unread = watch.update(status, now)
+    if unread:
+        by_group: dict[str, list[Mapping[str, Any]]] = {g: [] for g in unread}
+        for recorder, dump in read_recorders():
+            for e in dump.get("entries") or ():
+                pg = e.get("process_group") if isinstance(e, Mapping) else None
+                if isinstance(pg, (list, tuple)) and pg:
+                    side = _side(recorder, str(pg[0]), groups.get(str(pg[0])))
+                    if side in by_group:
+                        by_group[side].append(e)
+        for g, entries in by_group.items():
+            watch.resolve(g, entries)
+    stalled = watch.stalled(stall_timeout, now)
+    if not stalled:
+        return None
+    group, age, p = stalled[0]
+    return report(group, p.seq, p.op, age, group_desc=p.desc, source="c10d")
