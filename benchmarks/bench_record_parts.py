@@ -82,6 +82,15 @@ def main() -> None:
     print(f"comm._run, no collective  {us(lambda: comm._run(comm._record1('all_reduce', t, False), (nothing, (), {}))):7.2f}")
     print(f"fn(*args, **kw) call      {us(lambda: nothing(*(t,), **{'op': 0, 'group': None, 'async_op': False})):7.2f}")
     pg = comm.process_group
+    # The c10d-backed sync path (NCCL's default), piece by piece, before any hook is registered.
+    fn, a, _kw = comm._calls.all_reduce(t, comms.ReduceOp.SUM, False)
+    print(f"calls.all_reduce (build)  {us(lambda: comm._calls.all_reduce(t, comms.ReduceOp.SUM, False)):7.2f}")
+    print(f"direct C++ allreduce      {us(lambda: fn(*a)):7.2f}")
+    print(f"direct C++ + work.wait()  {us(lambda: (w := fn(*a)) is not None and w.wait()):7.2f}")
+    print(f"comm._issue, no collective{us(lambda: comm._issue('all_reduce', (nothing, (), {}), False)):7.2f}")
+    print(f"bare all_reduce sync      {us(lambda: dist.all_reduce(t, group=pg)):7.2f}")
+    print(f"comm all_reduce sync      {us(lambda: comm.all_reduce(t)):7.2f}  (recorder: "
+          f"{'c10d-backed' if comm.c10d_backed else 'ours'}, start marks: {getattr(comm, '_marks', None)})")
     print(f"bare all_reduce async     {us(lambda: dist.all_reduce(t, group=pg, async_op=True)):7.2f}")
     print(f"comm all_reduce async     {us(lambda: comm.all_reduce(t, async_op=True)):7.2f}")
     hook = hooks.FlightRecorderHook(2000).register_with_comm(comm)

@@ -24,7 +24,8 @@ shows apart from our op path.
     python benchmarks/bench_step.py --device cpu --rounds 5       # gloo, small shapes
     python benchmarks/bench_step.py --device cuda --max-ratio 1.05  # exit 1 when a shape is over
 
-Exit status: 0, or 1 when ours / bare (c10d FR on) exceeds ``--max-ratio`` on some shape.
+Exit status: 0, or 1 when ours / bare (c10d FR on), the median over rounds of the pair measured
+side by side, exceeds ``--max-ratio`` on some shape. Each rank is pinned to one core.
 """
 
 from __future__ import annotations
@@ -110,6 +111,12 @@ class Step:
 def worker(args: argparse.Namespace) -> None:
     rank = int(os.environ["RANK"])
     cuda = args.device == "cuda"
+    # One core per rank, the same for every variant: the launch-bound shapes measure host time,
+    # and a rank moved between cores mid-round skews one variant of a pair.
+    local = int(os.environ.get("LOCAL_RANK", rank))
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) >= 2 * args.nproc + 2:
+        os.sched_setaffinity(0, {cores[2 + 2 * local]})
     backend = "nccl" if cuda else "gloo"
     if cuda:
         dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
@@ -151,6 +158,10 @@ def worker(args: argparse.Namespace) -> None:
     dist.barrier()
     if rank == 0:
         out: dict[str, Any] = {v: {sh: statistics.median(ts) for sh, ts in d.items()} for v, d in times.items()}
+        # Per round, ours over bare measured side by side: the median of those pairs is what
+        # the budget is checked on (a slow spell of the host hits both of a pair alike).
+        out["paired"] = {sh: statistics.median(o / b for o, b in zip(times["ours"][sh], times["bare"][sh], strict=True))
+                         for sh in SHAPES}
         out["c10d_backed"] = comm.c10d_backed
         print("RESULT " + json.dumps(out), flush=True)
     dist.destroy_process_group()
@@ -199,7 +210,9 @@ def main() -> int:
     print(f"ours with c10d FR on: {'c10d-backed' if on.get('c10d_backed') else 'Python recorder'}; "
           f"with it off: {'c10d-backed' if off.get('c10d_backed') else 'Python recorder'}; "
           "bare+timing: bare torch on a group with start events (c10d FR on)")
-    print(f"{'shape':>6} {'bare':>8} {'bare+FR':>8} {'ours+FR':>8} {'ours/bare+FR':>12} "
+    print("ours/bare+FR: ratio of the medians; paired: median over rounds of ours/bare in the same "
+          "round (the budget is checked on this one)")
+    print(f"{'shape':>6} {'bare':>8} {'bare+FR':>8} {'ours+FR':>8} {'ours/bare+FR':>12} {'paired':>7} "
           f"{'FR cost':>8} {'bare+timing':>11} {'timing cost':>11} {'ours (FR off)':>13} {'ours/bare (FR off)':>18}")
     over = []
     for sh in SHAPES:
@@ -207,9 +220,10 @@ def main() -> int:
         bare_on, ours_on = on["bare"][sh], on["ours"][sh]
         timed_on = on["timed"][sh]
         ratio = ours_on / bare_on
-        if args.max_ratio is not None and ratio > args.max_ratio:
-            over.append(f"{sh} {ratio:.3f}")
-        print(f"{sh:>6} {bare_off:>8.3f} {bare_on:>8.3f} {ours_on:>8.3f} {ratio:>12.3f} "
+        paired = on["paired"][sh]
+        if args.max_ratio is not None and paired > args.max_ratio:
+            over.append(f"{sh} {paired:.3f}")
+        print(f"{sh:>6} {bare_off:>8.3f} {bare_on:>8.3f} {ours_on:>8.3f} {ratio:>12.3f} {paired:>7.3f} "
               f"{bare_on / bare_off:>8.3f} {timed_on:>11.3f} {timed_on / bare_on:>11.3f} "
               f"{ours_off:>13.3f} {ours_off / bare_off:>18.3f}")
     if args.json:

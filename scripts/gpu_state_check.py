@@ -129,13 +129,16 @@ def main() -> int:
         # (up to 5 s), for every variant alike. The caching allocator frees blocks used on
         # another stream (record_stream) at its next allocation: make one before each reading,
         # so "after" counts only what is really still referenced.
-        prev = -1
-        for _ in range(20):
+        # Settled: unchanged for 1.5 s (c10d's watchdog frees stashed tensors in bursts, so one
+        # equal pair of readings 0.25 s apart was seen mid-release), at most 15 s.
+        prev, same = -1, 0
+        for _ in range(60):
             time.sleep(0.25)
             gc.collect()
             torch.empty(1, device=dev)
             now_alloc = torch.cuda.memory_allocated()
-            if now_alloc == prev:
+            same = same + 1 if now_alloc == prev else 0
+            if same >= 6:
                 break
             prev = now_alloc
         after = afters[label] = torch.cuda.memory_allocated() - base

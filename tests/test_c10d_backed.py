@@ -215,6 +215,48 @@ def test_after_an_abort_the_states_c10d_gave_before_it_stand():
         1, "started", False, None)
 
 
+def _marked(states: list[str], last_completed: int, fired: set[int]) -> list[tuple[int, str]]:
+    """c10d entries (seq from 1) of group "1" in ``states``, merged for a communicator whose
+    start marks fired for our seqs ``fired``; c10d's status says ``last_completed``."""
+    base = captured()[0]["recorders"][0][1]["entries"][0]
+    entries = [{**base, "collective_seq_id": i + 1, "state": s, "time_created_ns": 10 + i,
+                "retired": s == "completed"} for i, s in enumerate(states)]
+    status = {"1": {"last_enqueued_collective": len(states), "last_started_collective": -1,
+                    "last_completed_collective": last_completed}}
+    marks = Backed(*MAIN[:5], started=lambda seq: seq in fired)
+    d = merge_c10d({"pg_config": {}, "pg_status": {}, "entries": []},
+                   [("nccl", {"entries": entries, "pg_status": status})], backed={"1": marks})
+    return [(e["collective_seq_id"], e["state"]) for e in d["entries"]]
+
+
+def test_the_oldest_uncompleted_collective_whose_start_mark_fired_is_started():
+    # Ours 0 and 1 completed (c10d's last completed 2); 2 reached its stream; 3 queued behind it.
+    assert _marked(["completed", "completed", "scheduled", "scheduled"], 2, {0, 1, 2}) == [
+        (0, "completed"), (1, "completed"), (2, "started"), (3, "scheduled")]
+
+
+def test_a_collective_whose_mark_has_not_fired_stays_scheduled():
+    # The stream is still busy before it (a matmul, or a collective of another communicator).
+    assert _marked(["completed", "scheduled"], 1, {0}) == [(0, "completed"), (1, "scheduled")]
+
+
+def test_a_fired_mark_behind_an_uncompleted_collective_is_not_started():
+    # 3's stream reached it, but 2 has not completed: on one NCCL stream 3 cannot run yet.
+    assert _marked(["completed", "completed", "scheduled", "scheduled"], 2, {0, 1, 2, 3})[3] == (
+        3, "scheduled")
+    assert _marked(["completed", "scheduled", "scheduled"], 1, {2})[1:] == [
+        (1, "scheduled"), (2, "scheduled")]
+
+
+def test_without_c10d_status_no_collective_is_claimed_started():
+    base = captured()[0]["recorders"][0][1]["entries"][0]
+    marks = Backed(*MAIN[:5], started=lambda seq: True)
+    d = merge_c10d({"pg_config": {}, "pg_status": {}, "entries": []},
+                   [("nccl", {"entries": [{**base, "collective_seq_id": 1, "state": "scheduled"}]})],
+                   backed={"1": marks})
+    assert [e["state"] for e in d["entries"]] == ["scheduled"]
+
+
 # The NCCL branch of the c10d-backed watchdog on a CPU box: a 1-rank gloo communicator made to
 # take the CUDA branch, with c10d's pg_status replaced by one the job controls (c10d writes it
 # only for NCCL groups; the one stand-in here). Ops are real gloo all_reduces.

@@ -40,7 +40,7 @@ import operator
 import os
 import pickle
 import sys
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 from debug_server.dumpio import FR_VERSION, write_dump_atomic
@@ -116,6 +116,12 @@ class Backed(NamedTuple):
     """After the communicator failed: the states c10d gave its collectives just before it was
     aborted (by seq). Aborting ends the kernels, so c10d's later reads say "completed" for an
     op that never completed; these states are kept instead."""
+    started: Callable[[int], bool] | None = None
+    """``Comm.started_mark`` where the communicator records start marks (CUDA without c10d's
+    timing events): whether collective ``seq`` (ours) reached its stream."""
+    first_open: int = -1
+    """Our seq of the oldest collective c10d has not completed (from its ``pg_status``, read with
+    the entries); only that one can be running."""
 
 
 # Frames of the op path itself, above the user's call site in c10d's stacks: dropped, as our own
@@ -137,6 +143,13 @@ def _backed_entry(e: Mapping[str, Any], b: Backed) -> dict[str, Any]:
     else:
         ent["collective_seq_id"] = _int(ent.get("collective_seq_id"), 1) - 1
         was = b.frozen.get(ent["collective_seq_id"]) if b.frozen is not None else None
+        if (was is None and b.frozen is None and b.started is not None
+                and ent.get("state") == "scheduled" and ent["collective_seq_id"] == b.first_open
+                and b.started(b.first_open)):
+            # c10d without timing events never says "started": the oldest uncompleted
+            # collective whose start mark fired has its stream's earlier work done and every
+            # earlier collective completed, so its kernel is running.
+            ent["state"] = "started"
         if was is not None and was != ent.get("state"):
             ent["state"] = was
             if was != "completed":
@@ -226,6 +239,7 @@ def merge_lazy(
     for recorder, dump in recorders:
         raw_cfg = dump.get("pg_config") or {}
         raw_status = dump.get("pg_status") or {}
+        backed = _with_first_open(backed, raw_status)
         used: set[str] = set()
         descs: dict[str, str] = {}
         for e in dump.get("entries") or ():
@@ -507,6 +521,19 @@ def process_groups() -> dict[str, GroupInfo]:
     return out
 
 
+def _with_first_open(backed: Mapping[str, Backed], raw_status: Any) -> Mapping[str, Backed]:
+    """``backed`` with each marked communicator's oldest uncompleted seq from c10d's status."""
+    if not isinstance(raw_status, Mapping) or not any(b.started for b in backed.values()):
+        return backed
+    out = dict(backed)
+    for pg_name, b in backed.items():
+        st = raw_status.get(pg_name)
+        if b.started is not None and isinstance(st, Mapping):
+            # c10d's last completed n (from 1) is our n - 1: our first open one is n.
+            out[pg_name] = b._replace(first_open=max(_int(st.get("last_completed_collective"), 0), 0))
+    return out
+
+
 def _owned() -> set[str]:
     from debug_server.recording import hooks
 
@@ -521,7 +548,8 @@ def backed_of(comms: Iterable[Any]) -> dict[str, Backed]:
         if name and getattr(c, "c10d_backed", False):
             out[name] = Backed(c.get_name(), c.get_backend(), tuple(c.global_ranks), c.pg_id,
                                int(c.timeout.total_seconds() * 1000),
-                               getattr(c, "_c10d_frozen", None) if getattr(c, "_broken", None) else None)
+                               getattr(c, "_c10d_frozen", None) if getattr(c, "_broken", None) else None,
+                               c.started_mark if getattr(c, "_marks", False) else None)
     return out
 
 

@@ -20,9 +20,14 @@ Which recorder runs where:
   in-flight list for the watchdog: no stack capture, no CUDA events, no record object. The
   Flight Recorder hook records nothing per op; at dump time ``c10d_fr`` maps c10d's entries of
   that group to the communicator (its name, sequence numbers from 0, stacks from the user's
-  call site, c10d's states). The group is made with ``TORCH_NCCL_ENABLE_TIMING`` so c10d's
-  entries can say ``started``. A user's own pre/post hook turns on building an ``OpRecord``
-  per op again (a few microseconds each).
+  call site, c10d's states). c10d without its timing events never says ``started``; so each
+  collective records one untimed CUDA event (a fixed slot, no allocation) on the issuing
+  stream just before the call. It fires when everything the stream did before the collective
+  is done; the oldest collective c10d has not completed, whose mark fired, is ``started``
+  (``c10d_fr`` applies this when it reads the recorder). ``DEBUG_SERVER_NCCL_TIMING=1`` makes
+  the group with c10d's own timing events instead (``duration_ms`` too, at 3-5 us per op and
+  more on the GPU). A user's own pre/post hook turns on building an ``OpRecord`` per op again
+  (a few microseconds each).
 * **gloo, or c10d's recorder off, or a torch without its dump API**: our own recorder. Every op
   builds one ``OpRecord`` (what, which sequence number, shapes, dtypes, true state); hooks such
   as the Flight Recorder keep references to those records instead of copying them.
@@ -35,7 +40,8 @@ of which the start events of its group 3.0-5.3 us, our Python path 0.75 us, and 
 that run) ~4.6 us of c10d's async-call path, which sync collectives no longer take (not yet
 re-measured). Those figures predate the direct C++ calls (``calls``), which leave out the
 wrapper's 1.5-2.5 us per op (one CPU core; ``bench_record.py``'s "bare C++" column shows it on
-any device). ``DEBUG_SERVER_NCCL_TIMING=0`` leaves the start events out (no ``started``).
+any device). Since then c10d's timing events are opt-in (see ``groups.TIMING_OPT_ENV``): on 2x
+H200 they cost 14-20 % of the mixed, small and DDP-like steps of ``bench_step.py``.
 
 Semantics worth knowing (those of ``torch.distributed`` and TorchComms):
 
@@ -86,6 +92,7 @@ from torch.distributed import ReduceOp
 from debug_server.recording.abort import fail, fail_op, raise_broken
 from debug_server.recording.calls import Call, DirectCalls
 from debug_server.recording.groups import (
+    MARKS_ENV,
     RECORDER_ENV,
     TIMING_OPT_ENV,
     _c10d_backed,
@@ -172,7 +179,10 @@ class Comm:
         # counts and remembers what is in flight for the watchdog. The events are made only if
         # a pre/post hook asks for our records (_ensure_slots).
         self._backed = bool(c10d_backed) and self._c10d_name is not None
-        if self._is_cuda and not self._backed:
+        # c10d-backed on CUDA without c10d's timing: start marks in the slots (see _issue).
+        self._marks = (self._is_cuda and self._backed and not _timing_wanted(self._backend)
+                       and os.environ.get(MARKS_ENV, "1").strip() != "0")
+        if self._is_cuda and (self._marks or not self._backed):
             self._ensure_slots()
         # c10d-backed in-flight ops, appended by the op's thread, trimmed by the watchdog:
         # (seq, op, time_ns) of NCCL collectives (completion from c10d's pg_status), and
@@ -277,6 +287,21 @@ class Comm:
             out.append(InFlight(self, op, -1 if p2p else seq, seq if p2p else 0, p2p, t))
         out.sort(key=lambda x: x.time_created_ns)
         return out
+
+    def started_mark(self, seq: int) -> bool:
+        """c10d-backed on CUDA: whether collective ``seq`` (ours, from 0) reached its stream.
+
+        True once the untimed event recorded just before the call fired: all the issuing
+        stream's earlier work is done, so the collective's kernel could start; if every earlier
+        collective of this communicator completed too, it is running. False when unknown (no
+        marks, or the slot already reused by a collective 1024 or more later).
+        """
+        if not self._marks or not 0 <= seq < self._seq or self._seq - seq > _SLOTS:
+            return False
+        try:
+            return bool(self._starts[seq & _SLOT_MASK].query())
+        except Exception:  # a CUDA error while reading: unknown, never claimed
+            return False
 
     def __repr__(self) -> str:
         return f"Comm(name={self._name!r}, backend={self._backend!r}, rank={self._rank}, size={len(self._ranks)})"
@@ -438,6 +463,25 @@ class Comm:
             else:
                 seq = self._seq
                 self._seq = seq + 1
+        if self._marks and not p2p:
+            # The start mark: fires once the issuing stream reached this collective, i.e. when
+            # its kernel can start (see started_mark). Slot reuse only ever reports too late.
+            _record_event(self._starts[seq & _SLOT_MASK],
+                          self._streams.get(_raw_stream(self._dev_idx)) or self._current_stream())
+        if self._is_cuda and not async_op and not p2p and not self._had_p2p:
+            # The commonest op on NCCL (c10d-backed, sync): the steps below, without the
+            # branches that cannot apply. c10d's pg_status says when it completed.
+            fn, args, kw = call
+            try:
+                work = fn(*args, **kw)
+                if work is not None:
+                    work.wait()  # as torch's wrapper: the current stream waits for the op
+            except Exception as exc:
+                fail_op(self, op, seq, p2p, exc, None)
+            self._pend.append((seq, op, time.time_ns()))
+            if self._broken is not None:
+                raise_broken(self)
+            return None
         host = not self._is_cuda and not async_op
         if host:
             # gloo, sync: the op runs while this thread waits; in flight for health and the

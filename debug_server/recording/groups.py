@@ -2,8 +2,8 @@
 
 ``_c10d_backed`` decides between c10d's own Flight Recorder and ours (see the ``comms`` module
 doc and ``RECORDER_ENV``); ``_new_group`` makes the group: a longer timeout than the
-communicator's on NCCL (so our watchdog acts before c10d's) and, when c10d records, start
-events for ``started`` (``TIMING_OPT_ENV``).
+communicator's on NCCL (so our watchdog acts before c10d's) and, when asked
+(``TIMING_OPT_ENV``), c10d's own timing events.
 """
 
 from __future__ import annotations
@@ -76,12 +76,21 @@ _WATCHDOG_MARGIN = datetime.timedelta(seconds=60)
 
 _TIMING_ENV = "TORCH_NCCL_ENABLE_TIMING"
 TIMING_OPT_ENV = "DEBUG_SERVER_NCCL_TIMING"
-"""``0``: c10d-backed NCCL communicators' groups record no start events (cheaper per op; c10d's
-entries then go from ``scheduled`` to ``completed`` without ``started``)."""
+"""``1``: c10d-backed NCCL communicators' groups record c10d's timing start events
+(``TORCH_NCCL_ENABLE_TIMING``), which also give ``duration_ms``. Off by default: on 2x H200 they
+cost 14-20 % of a step in the launch-bound and DDP-like shapes of ``bench_step.py``, while the
+communicator's own start marks (one untimed event per op on the issuing stream, ``comms``) give
+``started`` for a fraction of that."""
+
+
+MARKS_ENV = "DEBUG_SERVER_START_MARKS"
+"""``0``: c10d-backed CUDA communicators record no start marks (about 1.5 us of host time per
+collective on H200, ``benchmarks/bench_record_parts.py``); without c10d's timing events either,
+their ops then go from ``scheduled`` to ``completed`` without ``started``."""
 
 
 def _timing_wanted(backend: str) -> bool:
-    return backend == "nccl" and os.environ.get(TIMING_OPT_ENV, "1").strip() != "0"
+    return backend == "nccl" and os.environ.get(TIMING_OPT_ENV, "0").strip() == "1"
 
 
 def _load_symbolizer() -> None:
