@@ -24,6 +24,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from debug_server.errors import first_line
+
 ALL_DUMPS: frozenset[str] = frozenset({"fr_trace", "stacks", "per_rank", "snapshot"})
 """Dump kinds the periodic dumper can write (``enabled_dumps`` is a subset)."""
 
@@ -267,7 +269,7 @@ def _build(cls: Any, data: Mapping[str, Any], convert: Mapping[str, Any]) -> Any
     except (TypeError, ValueError) as e:
         if isinstance(e, ConfigError):
             raise
-        raise ConfigError(f"bad {cls.__name__}: {str(e).splitlines()[0] if str(e) else e}") from None
+        raise ConfigError(f"bad {cls.__name__}: {first_line(e, 10_000)}") from None
 
 
 def write_inherited(config: FrontendConfig) -> int:

@@ -22,7 +22,6 @@ import importlib.resources
 import json
 import logging
 import os
-import signal
 import socket
 import sys
 import time
@@ -49,7 +48,7 @@ from debug_server.frontend.dumps import Dumper, analyze_fr, fr_trace_text, stack
 from debug_server.frontend.fanout import Collector, RankResult, Registry
 from debug_server.frontend.hangreport import HEALTH_HANDLER, HangWatch, parse_health
 from debug_server.frontend.metrics import metrics_response
-from debug_server.listen import start_sites
+from debug_server.listen import own_server, start_sites, stop_on_signals
 from debug_server.rank.discovery import StaticRegistry, StoreRegistry
 
 logger = logging.getLogger(__name__)
@@ -523,9 +522,7 @@ async def serve(config: FrontendConfig, *, announce: bool = False) -> int:
     server, ready_fd = config.server, config.ready_fd
     registry = frontend_registry(config)
     app = make_frontend_app(server, registry, parent_pid=config.parent_pid)
-    runner = web.AppRunner(app, handle_signals=False, shutdown_timeout=2.0, access_log=None)
-    await runner.setup()
-    try:
+    async with own_server(app) as runner:
         try:
             port = await _bind(runner, server, BIND_RETRY_S)
         except OSError as e:
@@ -536,9 +533,7 @@ async def serve(config: FrontendConfig, *, announce: bool = False) -> int:
             logger.error("debug_server frontend: %s", msg)
             _report_ready(ready_fd, msg)
             return 3
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, app[SHUTDOWN].set)  # our own process: ours to handle
+        stop_on_signals(app[SHUTDOWN])  # our own process: its signals are ours to handle
         logger.info("debug_server frontend on port %d for %d ranks", port, registry.world_size)
         _report_ready(ready_fd, f"ready {port}")
         if announce:
@@ -547,8 +542,6 @@ async def serve(config: FrontendConfig, *, announce: bool = False) -> int:
                   f"{config.world_size} ranks", flush=True)
         await app[SHUTDOWN].wait()
         return 0
-    finally:
-        await runner.cleanup()
 
 
 def _url_host(host: str) -> str:
@@ -583,7 +576,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if config is None:
             config = attach.config_from_args(args, {TOKEN_ENV: token} if token else {})
     except ValueError as e:  # ConfigError, attach.AttachError: one line, no traceback
-        line = f"error: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
+        line = f"error: {first_line(e, 10_000)}"
         _report_ready(config.ready_fd if config is not None else None, line)
         print(line, file=sys.stderr)
         return 2

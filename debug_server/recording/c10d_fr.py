@@ -44,6 +44,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 from debug_server.dumpio import FR_VERSION, write_dump_atomic
+from debug_server.errors import first_line
 from debug_server.recording.lazy import FRESH, Cut, LazyDump, Source
 
 logger = logging.getLogger(__name__)
@@ -423,7 +424,7 @@ def read_recorders(*, stacks: bool = False, include_collectives: bool = True,
                     _learn_names(recorder, dump)
         except Exception as e:  # a recorder that cannot be read must not cost the other one
             _warn_once(recorder, f"reading c10d's {recorder} flight recorder failed: "
-                       f"{str(e).splitlines()[0] if str(e) else type(e).__name__}")
+                       f"{first_line(e, 10_000)}")
             continue
         if isinstance(dump, dict):
             out.append((recorder, dump))

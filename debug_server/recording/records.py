@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
+from debug_server.errors import first_line
+
 if TYPE_CHECKING:
     from debug_server.recording.comms import Comm
 
@@ -157,7 +159,7 @@ class OpRecord:
             except Exception as exc:
                 # Failed is not completed: keep the state the op reached, and say why.
                 if self.error is None:
-                    self.error = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+                    self.error = first_line(exc, 10_000)
                 return
             self._mark_completed()
 
