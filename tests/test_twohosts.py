@@ -121,6 +121,18 @@ def _setup_network() -> str | None:
     return None
 
 
+def _agent_cmdlines(ns: str) -> list[str]:
+    out = []
+    for pid in _ip("netns", "pids", ns).stdout.split():
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if "debug_server.frontend.agent" in cmd:
+            out.append(cmd)
+    return out
+
+
 @dataclass
 class TwoHosts:
     out: list[Path]
@@ -135,6 +147,9 @@ class TwoHosts:
     stacks: str
     no_token_status: int
     codes: list[int | None]
+    agents: list[list[str]]
+    """Each host's agent processes (their command lines) while the job hangs."""
+    stacks_json: dict[str, Any]
 
 
 def _host_cmd(k: int, disk: Path, dump_dir: Path) -> list[str]:
@@ -210,10 +225,14 @@ def two_hosts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TwoHosts]:
         while time.monotonic() < deadline:
             status, body = _get("/fr_trace?format=json", token)
             fr = json.loads(body) if status == 200 else {"error": body}
-            if fr.get("ranks_with_data") == [0, 1, 2, 3] and _seq4_missing_3(fr):
+            # The frontend may have looked for an agent just before it registered.
+            if fr.get("ranks_with_data") == [0, 1, 2, 3] and _seq4_missing_3(fr) and all(
+                    (r.get("note") or "").startswith("via agent") for r in fr["ranks"]):
                 break
             time.sleep(0.5)
         _, stacks = _get("/stacks?format=text", token)
+        _, stacks_body = _get("/stacks?format=json", token)
+        agents = [_agent_cmdlines(ns) for ns in NAMESPACES]
         no_token_status, _ = _get("/fr_trace", None)
         codes: list[int | None] = []
         for p in procs:
@@ -221,7 +240,8 @@ def two_hosts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TwoHosts]:
                 codes.append(p.wait(timeout=max(1.0, deadline - time.monotonic())))
             except subprocess.TimeoutExpired:
                 codes.append(None)
-        yield TwoHosts(out, dump_dir, disks, token, link, fr, stacks, no_token_status, codes)
+        yield TwoHosts(out, dump_dir, disks, token, link, fr, stacks, no_token_status, codes,
+                       agents, json.loads(stacks_body))
     finally:
         _kill_namespace_processes()
         kill_all(procs)
@@ -299,3 +319,26 @@ def test_demo_summary_suggests_allow_incomplete_ranks_and_gives_a_verdict(two_ho
     assert "No pickle here for ranks 2, 3: they are on the other hosts" in summary
     assert re.search(rf"debug_server\.fr_trace {two_hosts.dump_dir}/per_rank -p rank_ .*"
                      r"--allow-incomplete-ranks$", summary, re.M), summary
+
+
+def test_each_host_runs_exactly_one_agent_for_its_own_ranks(two_hosts: TwoHosts) -> None:
+    assert [len(a) for a in two_hosts.agents] == [1, 1], two_hosts.agents
+    assert "--host-id nsh0 --ranks 0-1 " in two_hosts.agents[0][0]
+    assert "--host-id nsh1 --ranks 2-3 " in two_hosts.agents[1][0]
+
+
+def test_fr_trace_and_stacks_go_through_each_hosts_agent(two_hosts: TwoHosts) -> None:
+    expected = ["via agent nsh0"] * 2 + ["via agent nsh1"] * 2
+    assert [r.get("note") for r in two_hosts.fr["ranks"]] == expected
+    assert [(r.get("note") or "").rpartition("; ")[2] for r in two_hosts.stacks_json["ranks"]] \
+        == expected
+
+
+def test_verdict_through_agents_names_rank_3_on_the_other_host_with_its_stack(
+        two_hosts: TwoHosts) -> None:
+    assert two_hosts.fr["verdict"].startswith("Rank 3 never joined all_reduce #4"), \
+        two_hosts.fr["verdict"]
+    assert f"verify_flight_recorder.py:{demo_hang_line()}" in two_hosts.fr["verdict"], \
+        two_hosts.fr["verdict"]
+    rank3 = two_hosts.stacks_json["ranks"][3]
+    assert f'verify_flight_recorder.py", line {demo_hang_line()} in hang_phase' in rank3["stacks"]

@@ -298,6 +298,17 @@ class Collector:
             None, _cut_all, first_dumps, since)
         return FrData(results, dumps, since)
 
+    async def fr_since(self, since: Mapping[str, int], addrs: Sequence[WorkerAddr],
+                       groups: Mapping[int, set[str]]) -> FrData:
+        """The re-ask round alone (a host's agent, asked ``since=`` by the frontend): each rank
+        from ``since`` on, cut to it; ``groups``: each rank's groups (``since`` is cut to them)."""
+        first = {a.rank: {"pg_status": dict.fromkeys(groups.get(a.rank, since), {})}
+                 for a in addrs}
+        results = await self._fr_window_round(since, addrs, first)
+        dumps = await asyncio.get_running_loop().run_in_executor(None, parse_dumps, results)
+        dumps = await asyncio.get_running_loop().run_in_executor(None, _cut_all, dumps, since)
+        return FrData(results, dumps, dict(since))
+
     async def _fr_round(self, params: Mapping[str, str],
                         addrs: Sequence[WorkerAddr]) -> list[RankResult]:
         """One FR fan-out; a 404 from our handler retries c10d's, and the winner is remembered."""

@@ -1,9 +1,14 @@
-"""``start_debug_server`` / ``stop_debug_server``: the worker on every rank, the frontend on rank 0."""
+"""``start_debug_server`` / ``stop_debug_server``: the worker on every rank, the frontend on rank 0.
+
+The frontend is its own process (``spawn_frontend``): ``python -m debug_server.frontend`` with no
+arguments, its whole ``config.FrontendConfig`` in an inherited unnamed file.
+"""
 
 from __future__ import annotations
 
 import atexit
 import contextlib
+import dataclasses
 import errno
 import logging
 import os
@@ -12,8 +17,9 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from pathlib import Path
+from typing import Any
 
 from debug_server.auth import (
     TOKEN_ENV,
@@ -27,10 +33,14 @@ from debug_server.config import (
     ALL_DUMPS,
     DEFAULT_KEEP_BYTES,
     DEFAULT_PORT,
+    FRONTEND_CONFIG_FD_ENV,
+    FrontendConfig,
     JobEnv,
     ServerConfig,
     default_bind_host,
+    write_inherited,
 )
+from debug_server.rank import agent_launch as host_agent
 from debug_server.rank import pyspy, sigstack
 from debug_server.rank.discovery import (
     HOST_ENV,
@@ -115,6 +125,8 @@ class DebugServer:
         """c10d Flight Recorder variables this server set (``c10d_fr.turn_on_env``)."""
         self.advertised: Advertised | None = None
         """The address this rank's servers advertise (``discovery.advertise``)."""
+        self.agent: subprocess.Popen[bytes] | None = None
+        """This host's agent process, on its local rank 0 (``frontend.agent``)."""
         self._stopped = False
 
     @property
@@ -158,6 +170,8 @@ class DebugServer:
         atexit.unregister(self._terminate_at_exit)
         if self.frontend is not None:
             _end_process(self.frontend, timeout)
+        if self.agent is not None:
+            _end_process(self.agent, timeout)
         self.worker.stop(timeout)
         if self.sigstack is not None:
             self.sigstack.close()
@@ -314,9 +328,11 @@ def start_debug_server(
             registration = _Registration(
                 job, worker_url, gate=gate,
                 publish=auth_token if required and job.rank == 0 else None,
-                extra={sigstack.META_KEY: sig.meta()} if sig is not None else None)
+                extra={**({sigstack.META_KEY: sig.meta()} if sig is not None else {}),
+                       **host_agent.rank_meta(job)} or None)
             registration.done.wait(REGISTER_WAIT)
-            frontend_port = _wait_ready(pending, config) if pending is not None else None
+            frontend_port = (wait_frontend_ready(pending, config.port) if pending is not None
+                             else None)
         except BaseException:
             if pending is not None:
                 _end_process(pending[0], 2.0)
@@ -332,6 +348,8 @@ def start_debug_server(
         handle.advertised = advertised
         handle.env_set = env_set
         handle.fr_env_set = fr_env_set
+        # This host's agent (agent.py), on its local rank 0 of a multi-host job; never waited for.
+        handle.agent = host_agent.start_for_rank(config, job, advertised.host, required)
         _CURRENT = handle
         _set_stall_default(config.stall_timeout)
     atexit.register(handle._terminate_at_exit)
@@ -376,61 +394,70 @@ def _url_host(host: str) -> str:
 
 
 def _spawn_frontend(config: ServerConfig, job: JobEnv) -> tuple[subprocess.Popen[bytes], int]:
-    """Start ``python -m debug_server.frontend``; it reports on a pipe whether it bound the port."""
+    # Absolute: the trainer may change its working directory after the frontend started.
+    dump_dir = os.path.abspath(config.dump_dir) if config.dump_dir is not None else None
+    return spawn_frontend(FrontendConfig(
+        server=dataclasses.replace(config, dump_dir=dump_dir), world_size=job.world_size,
+        store=(job.master_addr, job.master_port), restart_count=job.restart_count,
+        parent_pid=os.getpid()))
+
+
+def spawn_frontend(config: FrontendConfig, *, env: Mapping[str, str] | None = None,
+                   **popen: Any) -> tuple[subprocess.Popen[bytes], int]:
+    """Start ``python -m debug_server.frontend`` with ``config`` whole; returns (process, the
+    read end of its ready pipe) for ``wait_frontend_ready``.
+
+    The config travels as JSON in an inherited unnamed file (``config.write_inherited``); the
+    command line carries nothing, so ``ps`` shows no option and no token. ``popen``: extra
+    ``subprocess.Popen`` arguments (output files, ``start_new_session``).
+    """
     read_fd, write_fd = os.pipe()
-    args = [
-        sys.executable, "-m", "debug_server.frontend.app",
-        "--port", str(config.port),
-        "--world-size", str(job.world_size),
-        "--master-addr", job.master_addr, "--master-port", str(job.master_port),
-        "--restart-count", str(job.restart_count),
-        "--dump-interval", str(config.dump_interval),
-        "--enabled-dumps", ",".join(sorted(config.enabled_dumps)),
-        "--keep-dumps", str(config.keep_dumps),
-        "--keep-bytes", str(config.keep_bytes),
-        "--fetch-timeout", str(config.fetch_timeout),
-        "--max-concurrency", str(config.max_concurrency),
-        "--parent-pid", str(os.getpid()),
-        "--ready-fd", str(write_fd),
-    ]
-    if config.host is not None:
-        args += ["--host", config.host]
-    if config.dump_dir is not None:
-        args += ["--dump-dir", os.path.abspath(config.dump_dir)]
-    env = dict(os.environ)
-    env.pop(TOKEN_ENV, None)
-    if config.auth_token:
-        env[TOKEN_ENV] = config.auth_token  # not argv: the command line is visible to all users
-    # The child must import this very package even when the trainer found it via sys.path
-    # tweaks rather than an install.
-    pkg_root = str(Path(__file__).resolve().parents[2])
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (pkg_root, env.get("PYTHONPATH")) if p)
+    config_fd = -1
     try:
-        proc = subprocess.Popen(args, env=env, stdin=subprocess.DEVNULL, pass_fds=(write_fd,),
-                                close_fds=True)
+        config_fd = write_inherited(dataclasses.replace(config, ready_fd=write_fd))
+        child_env = dict(os.environ if env is None else env)
+        # The token is in the config; a copy in the environment would reach the frontend's own
+        # children (py-spy).
+        child_env.pop(TOKEN_ENV, None)
+        child_env[FRONTEND_CONFIG_FD_ENV] = str(config_fd)
+        # The child must import this very package even when the trainer found it via sys.path
+        # tweaks rather than an install.
+        pkg_root = str(Path(__file__).resolve().parents[2])
+        child_env["PYTHONPATH"] = os.pathsep.join(
+            p for p in (pkg_root, child_env.get("PYTHONPATH")) if p)
+        proc = subprocess.Popen([sys.executable, "-m", "debug_server.frontend"], env=child_env,
+                                stdin=subprocess.DEVNULL, pass_fds=(write_fd, config_fd),
+                                close_fds=True, **popen)
+    except BaseException:
+        os.close(read_fd)
+        raise
     finally:
         os.close(write_fd)
+        if config_fd >= 0:
+            os.close(config_fd)
     return proc, read_fd
 
 
-def _wait_ready(pending: tuple[subprocess.Popen[bytes], int], config: ServerConfig) -> int:
-    """The frontend's bound port, or an error naming the port; bounded by FRONTEND_START_TIMEOUT."""
+def wait_frontend_ready(pending: tuple[subprocess.Popen[bytes], int], port: int,
+                        timeout: float = FRONTEND_START_TIMEOUT) -> int:
+    """The port a ``spawn_frontend`` process bound, or an ``OSError``/``RuntimeError``/
+    ``TimeoutError`` naming ``port`` (the one asked for); waits at most ``timeout`` s."""
     proc, read_fd = pending
-    deadline = time.monotonic() + FRONTEND_START_TIMEOUT
+    deadline = time.monotonic() + timeout
     buf = b""
     try:
         while b"\n" not in buf:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise TimeoutError(f"debug_server frontend did not report ready on port "
-                                   f"{config.port} within {FRONTEND_START_TIMEOUT:.0f} s")
+                                   f"{port} within {timeout:.0f} s")
             ready, _, _ = select.select([read_fd], [], [], min(left, 0.5))
             if not ready:
                 continue
             chunk = os.read(read_fd, 4096)
             if not chunk:  # the child exited (or closed the pipe) without a word
                 code = proc.wait(timeout=5)
-                raise RuntimeError(f"debug_server frontend (port {config.port}) exited with "
+                raise RuntimeError(f"debug_server frontend (port {port}) exited with "
                                    f"code {code} before it was ready; see its log above")
             buf += chunk
     finally:
@@ -441,7 +468,7 @@ def _wait_ready(pending: tuple[subprocess.Popen[bytes], int], config: ServerConf
     reason = line.removeprefix("error: ")
     code = errno.EADDRINUSE if "in use" in reason else errno.EACCES
     raise OSError(code, f"debug_server frontend: {reason}; pass another port= to "
-                  f"start_debug_server or stop what holds port {config.port}")
+                  f"start_debug_server or stop what holds port {port}")
 
 
 def _end_process(proc: subprocess.Popen[bytes], timeout: float) -> None:

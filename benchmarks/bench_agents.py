@@ -1,0 +1,209 @@
+"""Frontend pages through one agent per fake host, against the same fleet without agents.
+
+Fake ranks are real worker apps serving 2000-entry rings (``tests/fakefleet.py``, replies
+memoised per helper process: a real rank cuts its own ring on its own CPU); fake hosts are real
+agent apps (``debug_server.frontend.agent``) over 8 fake ranks each, many on one event loop per
+helper process. Ranks and agents register in a real TCPStore exactly as a job's do
+(``debug_server/rank{N}`` with a sidecar naming the host's agent, ``debug_server/agent/<id>``),
+and the frontend is a real process started as ``start_debug_server`` starts it, reading that
+store. Baseline: the same fleet and store before any agent registered (every rank asked
+directly: the fall-back path). Each row: end-to-end seconds of ``/fr_trace``, the overview and
+``/stacks`` (HTML, medians), the frontend's peak RSS and its CPU while idle, and the ratio
+agents / direct.
+
+    python benchmarks/bench_agents.py --ranks 512 4096 --reps 3
+    python benchmarks/bench_agents.py --ranks 16384 --reps 1 --helpers 4 --idle-s 70
+
+The idle window should cover a few health polls: the poll interval grows past 1024 ranks
+(``hangreport.MAX_POLLS_PER_S``: 32 s at 16384). The CPU seconds per page of each kind of
+process are printed too: on this box the fake ranks, the agents and the frontend share two
+cores, so end-to-end seconds include the agents' work, which a real job spreads over its hosts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "tests"))
+
+from fakefleet import (  # noqa: E402
+    cpu_s,
+    end_process,
+    median_of,
+    start_fleet,
+    status_kb,
+    stop_fleet,
+    timed_get,
+)
+
+from debug_server.config import FrontendConfig, ServerConfig  # noqa: E402
+from debug_server.rank.server import spawn_frontend, wait_frontend_ready  # noqa: E402
+
+PER_HOST = 8
+PAGES = (("fr_s", "/fr_trace"), ("overview_s", "/"), ("stacks_s", "/stacks"))
+
+
+async def _serve_agents(first: int, last: int, world: int, urls_file: str) -> None:
+    """Agents of fake hosts ``first..last - 1`` (8 ranks each) on this loop; prints their ports."""
+    from aiohttp import web
+
+    from debug_server.frontend import agent
+
+    urls = Path(urls_file).read_text().split(",")
+    runners, ports = [], []
+    for h in range(first, last):
+        lo = h * PER_HOST
+        app = agent.make_agent_app(agent.StaticHostRegistry(urls[lo:lo + PER_HOST], lo, world),
+                                   f"fh{h}", fetch_timeout=120.0, max_concurrency=PER_HOST)
+        runner = web.AppRunner(app, handle_signals=False, access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0, backlog=1024)
+        await site.start()
+        runners.append(runner)
+        ports.append(runner.addresses[0][1])
+    print(json.dumps(ports), flush=True)
+    await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)  # until closed
+    for r in runners:
+        await r.cleanup()
+
+
+def _start_agents(world: int, urls: list[str], helpers: int,
+                  tmp: Path) -> tuple[list[subprocess.Popen[str]], list[str]]:
+    hosts = world // PER_HOST
+    (tmp / "urls").write_text(",".join(urls))
+    bounds = [hosts * i // helpers for i in range(helpers + 1)]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    procs = [subprocess.Popen([sys.executable, __file__, "--serve-agents", str(lo), str(hi),
+                               str(world), str(tmp / "urls")],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+             for lo, hi in zip(bounds, bounds[1:], strict=False) if lo < hi]
+    out = []
+    for p in procs:
+        assert p.stdout is not None
+        out += [f"http://127.0.0.1:{port}" for port in json.loads(p.stdout.readline())]
+    return procs, out
+
+
+def _frontend(world: int, store_port: int) -> tuple[subprocess.Popen[bytes], int]:
+    config = FrontendConfig(server=ServerConfig(port=0, host="127.0.0.1", fetch_timeout=120.0),
+                            world_size=world, store=("127.0.0.1", store_port))
+    pending = spawn_frontend(config, stderr=subprocess.DEVNULL)
+    return pending[0], wait_frontend_ready(pending, 0, timeout=120)
+
+
+def _cpu(pids: list[int]) -> float:
+    return sum(cpu_s(p) for p in pids)
+
+
+def _measure(world: int, store_port: int, reps: int, idle_s: float,
+             helpers: dict[str, list[int]]) -> dict[str, Any]:
+    proc, port = _frontend(world, store_port)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        timed_get(f"{base}/stacks")  # warm: connections, member lists, agent lookups
+        timed_get(f"{base}/fr_trace?format=json")
+        row: dict[str, Any] = {}
+        groups = {"frontend": [proc.pid], **helpers}
+        for key, path in PAGES:
+            before = {g: _cpu(p) for g, p in groups.items()}
+            row[key], _ = median_of(lambda path=path: timed_get(f"{base}{path}", "text/html"), reps)
+            # CPU seconds per page of each kind of process: on this box fakes, agents and the
+            # frontend share 2 cores, so wall time includes work a real job spreads over hosts.
+            row[key + "_cpu"] = {g: (_cpu(p) - before[g]) / reps for g, p in groups.items()}
+        _, body = timed_get(f"{base}/fr_trace?format=json")
+        fr = json.loads(body)
+        row["verdict"] = fr["verdict"]
+        row["via_agent"] = sum(1 for r in fr["ranks"] if (r.get("note") or "").startswith("via agent"))
+        row["rss_mb"] = status_kb(proc.pid, "VmHWM") / 1024
+        c0, t0 = cpu_s(proc.pid), time.monotonic()
+        time.sleep(idle_s)
+        row["idle_cpu"] = (cpu_s(proc.pid) - c0) / (time.monotonic() - t0)
+        return row
+    finally:
+        end_process(proc)
+
+
+def bench(world: int, reps: int, helpers: int, idle_s: float, store_port: int,
+          tmp: Path) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", store_port, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=60))
+    ds = dist.PrefixStore("debug_server", store)
+    fleet, urls = start_fleet(world, helpers, memo=True)
+    agents: list[subprocess.Popen[str]] = []
+    try:
+        for r, u in enumerate(urls):
+            ds.set(f"rank{r}", u)
+            ds.set(f"rank{r}_meta", json.dumps({"restart": 0, "pid": 0, "host": "fake",
+                                                "agent": f"fh{r // PER_HOST}"}))
+        pids = {"ranks": [p.pid for p in fleet]}
+        direct = _measure(world, store_port, reps, idle_s, pids)
+        agents, agent_urls = _start_agents(world, urls, helpers, tmp)
+        pids["agents"] = [p.pid for p in agents]
+        for h, u in enumerate(agent_urls):
+            lo = h * PER_HOST
+            ds.set(f"agent/fh{h}", json.dumps({"url": u, "ranks": f"{lo}-{lo + PER_HOST - 1}",
+                                               "restart": 0, "pid": 0, "host": "fake"}))
+        through = _measure(world, store_port, reps, idle_s, pids)
+        return {"ranks": world, "direct": direct, "agents": through}
+    finally:
+        stop_fleet(agents)
+        stop_fleet(fleet)
+        del store
+
+
+def _print(row: dict[str, Any]) -> None:
+    d, a = row["direct"], row["agents"]
+    print(f"\nN={row['ranks']} ({row['ranks'] // PER_HOST} fake hosts): ranks via agents "
+          f"{a['via_agent']} / {row['ranks']}; same verdict: {a['verdict'] == d['verdict']}")
+    print(f"  verdict: {a['verdict'][:160]}")
+    print(f"  {'':>12} {'direct':>10} {'agents':>10} {'agents/direct':>14}")
+    for key, path in PAGES:
+        print(f"  {path:>12} {d[key]:>8.2f} s {a[key]:>8.2f} s {a[key] / d[key]:>13.2f}x"
+              f"   CPU s/page: frontend {d[key + '_cpu']['frontend']:.2f} -> "
+              f"{a[key + '_cpu']['frontend']:.2f}, fake ranks {d[key + '_cpu']['ranks']:.2f} -> "
+              f"{a[key + '_cpu']['ranks']:.2f}, agents {a[key + '_cpu']['agents']:.2f}")
+    print(f"  {'RSS peak':>12} {d['rss_mb']:>7.0f} MB {a['rss_mb']:>7.0f} MB "
+          f"{a['rss_mb'] / d['rss_mb']:>13.2f}x")
+    ratio = f"{a['idle_cpu'] / d['idle_cpu']:.2f}x" if d["idle_cpu"] else "n/a"
+    print(f"  {'idle CPU':>12} {d['idle_cpu']:>9.1%} {a['idle_cpu']:>9.1%} {ratio:>14}")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--ranks", type=int, nargs="+", default=[512])
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--helpers", type=int, default=2)
+    p.add_argument("--idle-s", type=float, default=10.0)
+    p.add_argument("--store-port", type=int, default=26500)
+    p.add_argument("--serve-agents", nargs=4, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.serve_agents:
+        first, last, world, urls_file = args.serve_agents
+        asyncio.run(_serve_agents(int(first), int(last), int(world), urls_file))
+        return
+    import tempfile
+
+    print(f"fake ranks: 2000-entry rings, {PER_HOST} per fake host (one agent each); "
+          f"{args.helpers} helper processes for ranks and {args.helpers} for agents; "
+          f"medians of {args.reps}; idle CPU over {args.idle_s:g} s")
+    for n in args.ranks:
+        with tempfile.TemporaryDirectory() as tmp:
+            _print(bench(n, args.reps, args.helpers, args.idle_s, args.store_port, Path(tmp)))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,496 @@
+"""The frontend's way through the per-host agents (``agent``), and back to the ranks without them.
+
+:class:`AgentCollector` is a ``fanout.Collector`` whose ``fr``, ``stacks`` and ``fetch`` (for
+the handlers an agent relays: health, ping, pickle dump) ask one agent per host instead of every
+rank, and return exactly what the plain collector returns (one ``RankResult`` per rank, the
+parsed dumps, the job's FR window), so every page, dump and verdict is computed as before.
+
+Which rank goes where: a rank whose registration sidecar names an agent (``"agent": <host id>``)
+that is registered in the store (``debug_server/agent/<id>``) for this restart and lists the rank
+goes through that agent; every other rank (torch's C++ workers, a host without an agent) is asked
+directly. **A dead agent never hides a rank**: an agent that is not registered, refuses the
+connection, answers badly or not within ``2 x fetch_timeout + 2 s`` has its ranks asked directly
+in the same page, and is skipped (its ranks asked directly at once) for
+:data:`AGENT_RETRY_S` before it is tried again. A rank its agent reports as not registered
+(the agent's view of the store lags) is asked directly too.
+
+The FR window keeps its protocol across agents: round 1 asks each agent for its host's ranks cut
+at the host's frontier (and the direct ranks for their own cut), the job's frontier comes from
+all replies, and only the ranks whose cut lies above it are asked again with ``since=``, through
+their agent. Long member lists come once per agent reply, and not at all when this frontend
+already holds them (``pgknown``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import aiohttp
+
+from debug_server.analysis import frwindow, members
+from debug_server.frontend import agent
+from debug_server.frontend.fanout import (
+    Collector,
+    FrData,
+    RankResult,
+    Registry,
+    _cut_all,
+    fetch_one,
+    parse_dumps,
+)
+from debug_server.rank import discovery
+from debug_server.rank.discovery import NOT_REGISTERED, WorkerAddr
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+
+AGENT_RETRY_S = 30.0
+"""How long a failed agent is skipped (its ranks asked directly) before it is tried again."""
+AGENT_TTL_S = 5.0
+"""How long an agent's registration read from the store is trusted before it is read again."""
+MISSING_TTL_S = 1.0
+AGENT_SLACK_S = 2.0
+
+
+@dataclass(slots=True, frozen=True)
+class AgentAddr:
+    """One registered agent: its host id, URL and the ranks it serves."""
+
+    id: str
+    url: str
+    ranks: frozenset[int]
+
+
+class AgentDirectory:
+    """Agents registered in the job's store, read on a private thread and cached briefly."""
+
+    def __init__(self, master_addr: str, master_port: int, restart: int,
+                 timeout: float = 5.0) -> None:
+        self._addr = (master_addr, master_port)
+        self._restart = restart
+        self._timeout = timeout
+        self._store: dist.Store | None = None
+        self._cache: dict[str, tuple[float, AgentAddr | None]] = {}
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="debug_server.agents")
+
+    def _read(self, ids: list[str]) -> dict[str, AgentAddr | None]:
+        try:
+            if self._store is None:
+                self._store = discovery.store_client(*self._addr, timeout=self._timeout)
+            store = self._store
+            keys = [agent.agent_key(i) for i in ids]
+            present = ids if store.check(keys) else [i for i in ids
+                                                     if store.check([agent.agent_key(i)])]
+            raw = dict(zip(present, store.multi_get([agent.agent_key(i) for i in present]),
+                           strict=True)) if present else {}
+        except Exception as e:  # no store: no agents, every rank asked directly
+            self._store = None
+            logger.warning("debug_server: agents not readable from the store: %s",
+                           (str(e).splitlines() or [type(e).__name__])[0][:200])
+            return dict.fromkeys(ids)
+        return {i: _agent_addr(i, raw.get(i), self._restart) for i in ids}
+
+    async def lookup(self, ids: set[str]) -> dict[str, AgentAddr]:
+        now = time.monotonic()
+        # A missing agent is looked for again after a second (it may be starting), a found
+        # one is trusted for AGENT_TTL_S (a dead one is noticed by its requests, not here).
+        stale = sorted(i for i in ids if i not in self._cache or now - self._cache[i][0] > (
+            AGENT_TTL_S if self._cache[i][1] is not None else MISSING_TTL_S))
+        if stale:
+            got = await asyncio.get_running_loop().run_in_executor(self._pool, self._read, stale)
+            for i, a in got.items():
+                self._cache[i] = (now, a)
+        return {i: a for i in ids if (a := self._cache.get(i, (0.0, None))[1]) is not None}
+
+    def forget(self, agent_id: str) -> None:
+        self._cache.pop(agent_id, None)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._store = None
+
+
+def _agent_addr(agent_id: str, raw: bytes | None, restart: int) -> AgentAddr | None:
+    if raw is None:
+        return None
+    try:
+        obj = json.loads(raw)
+        if obj["restart"] != restart or not isinstance(obj["url"], str):
+            return None
+        return AgentAddr(agent_id, obj["url"].rstrip("/"), frozenset(agent.parse_ranks(obj["ranks"])))
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
+class AgentFailed(Exception):
+    """An agent that did not give a usable reply; the text is one line."""
+
+
+class AgentCollector(Collector):
+    """A ``Collector`` that asks one agent per host (module doc); same results as its parent."""
+
+    def __init__(self, session: aiohttp.ClientSession, registry: Registry,
+                 agents: AgentDirectory, *, timeout: float, max_concurrency: int = 64) -> None:
+        super().__init__(session, registry, timeout=timeout, max_concurrency=max_concurrency)
+        self.agents = agents
+        self.agent_timeout = 2 * timeout + AGENT_SLACK_S
+        self._down: dict[str, float] = {}
+        self.agent_requests = 0
+        """Agent requests that gave a usable reply (tests and benchmarks read it)."""
+
+    # -- which rank goes where --------------------------------------------------------------
+
+    async def _plan(self, addrs: Sequence[WorkerAddr]) -> tuple[
+            list[tuple[AgentAddr, list[WorkerAddr]]], list[WorkerAddr]]:
+        ids = {m[agent.META_KEY] for a in addrs if (m := a.meta) and isinstance(
+            m.get(agent.META_KEY), str)}
+        now = time.monotonic()
+        ids = {i for i in ids if self._down.get(i, 0.0) <= now}
+        found = await self.agents.lookup(ids) if ids else {}
+        by_agent: dict[str, list[WorkerAddr]] = {}
+        direct: list[WorkerAddr] = []
+        for a in addrs:
+            aid = a.meta.get(agent.META_KEY) if a.meta else None
+            ag = found.get(aid) if isinstance(aid, str) else None
+            if a.url is None or ag is None or a.rank not in ag.ranks:
+                direct.append(a)
+            else:
+                by_agent.setdefault(ag.id, []).append(a)
+        return [(found[i], rs) for i, rs in by_agent.items()], direct
+
+    async def _ask(self, ag: AgentAddr, handler: str, params: Mapping[str, str]) -> str:
+        async with self.semaphore:
+            r = await fetch_one(self.session, WorkerAddr(-1, ag.url), handler, params,
+                                self.agent_timeout)
+        if not r.ok or r.body is None:
+            self._fail(ag, r.error or r.status)
+        return r.body or ""
+
+    async def _reply(self, ag: AgentAddr, rs: Sequence[WorkerAddr], handler: str,
+                     params: Mapping[str, str], parse: Any) -> Any:
+        """``parse(body, ag, rs)`` of one agent's reply for ranks ``rs``, parsed off the loop;
+        None when the agent failed or its reply is unusable (then it is skipped a while)."""
+        try:
+            body = await self._ask(ag, handler, {**params, "ranks": _ranks(rs)})
+            out = await asyncio.get_running_loop().run_in_executor(None, parse, body, ag, rs)
+        except AgentFailed:
+            return None
+        except ValueError as e:
+            with contextlib.suppress(AgentFailed):
+                self._fail(ag, f"unusable reply ({e})")
+            return None
+        self._ok(ag)
+        return out
+
+    def _fail(self, ag: AgentAddr, why: str) -> None:
+        if ag.id not in self._down:
+            logger.warning("debug_server: agent %s (%s): %s; asking its ranks directly for "
+                           "%.0f s", ag.id, ag.url, why, AGENT_RETRY_S)
+        self._down[ag.id] = time.monotonic() + AGENT_RETRY_S
+        self.agents.forget(ag.id)
+        raise AgentFailed(why)
+
+    def _ok(self, ag: AgentAddr) -> None:
+        self.agent_requests += 1
+        if self._down.pop(ag.id, None) is not None:
+            logger.info("debug_server: agent %s answers again", ag.id)
+
+    # -- the three fan-outs -------------------------------------------------------------------
+
+    async def fetch(self, handler: str, params: Mapping[str, str] | None = None,
+                    addrs: Sequence[WorkerAddr] | None = None) -> list[RankResult]:
+        if handler not in agent.FETCHABLE or params:
+            return await super().fetch(handler, params, addrs)
+        if addrs is None:
+            addrs = await self.registry.lookup()
+        plan, direct = await self._plan(addrs)
+        if not plan:
+            return await super().fetch(handler, params, addrs)
+        return await self._grouped(agent.FETCH, {"handler": handler}, plan, direct,
+                                   lambda rest: super(AgentCollector, self).fetch(handler, None,
+                                                                                  rest))
+
+    async def stacks(self, addrs: Sequence[WorkerAddr] | None = None, *, native: bool = False,
+                     every: bool = False) -> list[RankResult]:
+        if addrs is None:
+            addrs = await self.registry.lookup()
+        plan, direct = await self._plan(addrs)
+        if not plan:
+            return await super().stacks(addrs, native=native, every=every)
+        params = {"native": str(native).lower(), "every": str(every or native).lower()}
+        return await self._grouped(agent.STACKS, params, plan, direct,
+                                   lambda rest: super(AgentCollector, self).stacks(
+                                       rest, native=native, every=every))
+
+    async def _grouped(self, handler: str, params: Mapping[str, str],
+                       plan: list[tuple[AgentAddr, list[WorkerAddr]]], direct: list[WorkerAddr],
+                       directly: Any) -> list[RankResult]:
+        replies = await asyncio.gather(*(self._reply(ag, rs, handler, params, _parse_grouped)
+                                         for ag, rs in plan),
+                                       directly(direct) if direct else _none())
+        results: list[RankResult] = list(replies[-1] or [])
+        rest: list[WorkerAddr] = []
+        for (_, rs), got in zip(plan, replies[:-1], strict=True):
+            if got is None:
+                rest += rs
+                continue
+            fine = {r.rank: r for r in got if r.status != NOT_REGISTERED}
+            results += fine.values()
+            rest += [a for a in rs if a.rank not in fine]
+        if rest:
+            results += await directly(rest)
+        self.states.update(results)
+        return sorted(results, key=lambda r: r.rank)
+
+    async def fr(self, *, only_active: bool = False, whole: bool = False,
+                 addrs: Sequence[WorkerAddr] | None = None) -> FrData:
+        if addrs is None:
+            addrs = await self.registry.lookup()
+        plan, direct = await self._plan(addrs)
+        if not plan:
+            return await super().fr(only_active=only_active, whole=whole, addrs=addrs)
+        if whole or only_active:
+            return await self._fr_plain(plan, direct, only_active=only_active, whole=whole)
+        # Round 1: agents cut at their host's frontier, direct ranks at their own.
+        window = {"window": str(frwindow.LOCAL_SLACK)}
+        first: list[Any] = []
+        known = members.known_param()
+        if known is None and len(plan) > 1:
+            # This frontend holds no member list yet: one agent first, so the other agents'
+            # replies do not each carry the world's list (2048 x 100 KB at 16384 ranks).
+            first = [await self._agent_fr(*plan[0], window)]
+            known = members.known_param()
+        direct_round = self._direct_local(direct)
+        *rest_got, (direct_results, dumps) = await asyncio.gather(
+            *(self._agent_fr(ag, rs, {**window, members.PARAM: known or ""})
+              for ag, rs in plan[len(first):]), direct_round)
+        got = first + rest_got
+        results = list(direct_results)
+        via: dict[int, AgentAddr] = {}
+        rest: list[WorkerAddr] = []
+        for (ag, rs), reply in zip(plan, got, strict=True):
+            if reply is None:
+                rest += rs
+                continue
+            recs, ds = reply
+            served = {r.rank for r in recs}
+            results += recs
+            dumps.update(ds)
+            via.update((r, ag) for r in served)
+            rest += [a for a in rs if a.rank not in served]
+        if rest:  # agents that failed: their ranks directly, in this page
+            more, more_dumps = await self._direct_local(rest)
+            results += more
+            dumps.update(more_dumps)
+        since = frwindow.frontier(dumps)
+        again = [r for r in dumps if not frwindow.covers(dumps[r], since)]
+        if again:
+            results, dumps = await self._again(since, again, via, addrs, results, dumps)
+        dumps = await asyncio.get_running_loop().run_in_executor(None, _cut_all, dumps, since)
+        self.states.update(results)
+        return FrData(sorted(results, key=lambda r: r.rank), dumps, since)
+
+    async def _again(self, since: dict[str, int], again: list[int], via: Mapping[int, AgentAddr],
+                     addrs: Sequence[WorkerAddr], results: list[RankResult],
+                     dumps: dict[int, dict[str, Any]]) -> tuple[list[RankResult],
+                                                                dict[int, dict[str, Any]]]:
+        """Round 2: only the ranks whose cut lies above the job's frontier, through their agent
+        where they came through one."""
+        by_rank = {a.rank: a for a in addrs}
+        agent_ranks: dict[str, list[WorkerAddr]] = {}
+        agents = {}
+        direct = []
+        for r in again:
+            ag = via.get(r)
+            if ag is None:
+                direct.append(by_rank[r])
+            else:
+                agent_ranks.setdefault(ag.id, []).append(by_rank[r])
+                agents[ag.id] = ag
+        known = members.known_param() or ""
+
+        async def through(ag: AgentAddr, rs: list[WorkerAddr]) -> tuple[
+                list[RankResult], dict[int, dict[str, Any]]]:
+            groups: set[str] = set()
+            for a in rs:
+                groups |= frwindow.rank_groups(dumps[a.rank])
+            text = frwindow.since_for(since, groups)
+            reply = None if text is None else await self._agent_fr(
+                ag, rs, {"since": text, members.PARAM: known})
+            if reply is None:  # the agent failed now: the same ranks directly
+                return await self._direct_since(since, rs, dumps)
+            return reply
+
+        parts = await asyncio.gather(*(through(agents[i], rs) for i, rs in agent_ranks.items()),
+                                     self._direct_since(since, direct, dumps))
+        redone: dict[int, RankResult] = {}
+        for recs, ds in parts:
+            redone.update((r.rank, r) for r in recs)
+            dumps = {**dumps, **ds}
+        # A rank that failed on the re-ask has no usable window: drop its round-1 dump.
+        for r, rec in redone.items():
+            if not rec.ok:
+                dumps.pop(r, None)
+        return [redone.get(r.rank, r) for r in results], dumps
+
+    async def _direct_local(self, addrs: Sequence[WorkerAddr]) -> tuple[
+            list[RankResult], dict[int, dict[str, Any]]]:
+        if not addrs:
+            return [], {}
+        results = await self._fr_local_round(addrs)
+        dumps = await asyncio.get_running_loop().run_in_executor(None, parse_dumps, results)
+        return results, dumps
+
+    async def _direct_since(self, since: Mapping[str, int], addrs: Sequence[WorkerAddr],
+                            first: Mapping[int, Mapping[str, Any]]) -> tuple[
+            list[RankResult], dict[int, dict[str, Any]]]:
+        if not addrs:
+            return [], {}
+        results = await self._fr_window_round(since, addrs, first)
+        dumps = await asyncio.get_running_loop().run_in_executor(None, parse_dumps, results)
+        return results, dumps
+
+    async def _agent_fr(self, ag: AgentAddr, rs: Sequence[WorkerAddr],
+                        params: Mapping[str, str]) -> tuple[list[RankResult],
+                                                            dict[int, dict[str, Any]]] | None:
+        """One agent's FR reply as records and parsed dumps; None when the agent failed (its
+        ranks are then asked directly). Ranks it reports as not registered are left out."""
+        reply = await self._reply(ag, rs, agent.FR, params, _parse_fr)
+        if reply is None:
+            return None
+        recs, dumps = reply
+        recs = [r for r in recs if r.status != NOT_REGISTERED]
+        return recs, {r.rank: dumps[r.rank] for r in recs if r.rank in dumps}
+
+    async def _fr_plain(self, plan: list[tuple[AgentAddr, list[WorkerAddr]]],
+                        direct: list[WorkerAddr], *, only_active: bool, whole: bool) -> FrData:
+        params = {"whole": str(whole).lower(), "onlyactive": str(only_active).lower(),
+                  members.PARAM: members.known_param() or ""}
+        replies = await asyncio.gather(*(self._agent_fr(ag, rs, params) for ag, rs in plan))
+        results: list[RankResult] = []
+        dumps: dict[int, dict[str, Any]] = {}
+        rest = list(direct)
+        for (_, rs), reply in zip(plan, replies, strict=True):
+            if reply is None:
+                rest += rs
+                continue
+            results += reply[0]
+            dumps.update(reply[1])
+            served = {r.rank for r in reply[0]}
+            rest += [a for a in rs if a.rank not in served]
+        if rest:
+            plain = await super().fr(only_active=only_active, whole=whole, addrs=rest)
+            results += plain.results
+            dumps.update(plain.dumps)
+        self.states.update(results)
+        return FrData(sorted(results, key=lambda r: r.rank), dumps)
+
+
+async def _none() -> list[RankResult]:
+    return []
+
+
+def _ranks(rs: Sequence[WorkerAddr]) -> str:
+    return agent.format_ranks([a.rank for a in rs])
+
+
+def _record(row: Any, ag: AgentAddr, by_rank: Mapping[int, WorkerAddr],
+            body: str | None) -> RankResult:
+    if not isinstance(row, dict) or type(row.get("rank")) is not int \
+            or row["rank"] not in by_rank or not isinstance(row.get("status"), str):
+        raise ValueError("a rank record is malformed or names a rank not asked for")
+    note = row.get("note") if isinstance(row.get("note"), str) else None
+    via = f"via agent {ag.id}"
+    elapsed = row.get("elapsed_s")
+    code = row.get("http_status")
+    return RankResult(row["rank"], by_rank[row["rank"]].url, row["status"], body,
+                      row.get("error") if isinstance(row.get("error"), str) else None,
+                      float(elapsed) if isinstance(elapsed, int | float) else 0.0,
+                      code if type(code) is int else None,
+                      f"{note}; {via}" if note else via)
+
+
+def _load(body: str) -> dict[str, Any]:
+    obj = json.loads(body)
+    if not isinstance(obj, dict) or not isinstance(obj.get("ranks"), list):
+        raise ValueError("not an agent reply (no ranks list)")
+    return obj
+
+
+def _parse_grouped(body: str, ag: AgentAddr,
+                   rs: Sequence[WorkerAddr]) -> list[RankResult]:
+    """``agent_stacks``/``agent_fetch``: records whose bodies are shared by index."""
+    obj = _load(body)
+    texts = obj.get("bodies")
+    if not isinstance(texts, list) or not all(isinstance(t, str) for t in texts):
+        raise ValueError("bodies is not a list of texts")
+    by_rank = {a.rank: a for a in rs}
+    out = []
+    for row in obj["ranks"]:
+        i = row.get("body") if isinstance(row, dict) else None
+        if i is not None and (type(i) is not int or not 0 <= i < len(texts)):
+            raise ValueError("a body index is out of range")
+        out.append(_record(row, ag, by_rank, texts[i] if i is not None else None))
+    return out
+
+
+def _parse_fr(body: str, ag: AgentAddr,
+              rs: Sequence[WorkerAddr]) -> tuple[list[RankResult], dict[int, dict[str, Any]]]:
+    """``agent_fr``: records, and each rank's dump with its member lists put back."""
+    obj = _load(body)
+    lists, raw = obj.get("lists", {}), obj.get("dumps", {})
+    if not isinstance(lists, dict) or not isinstance(raw, dict):
+        raise ValueError("lists or dumps is not an object")
+    for text in lists.values():
+        if isinstance(text, str):
+            members.learn({"pg_config": {"_": {"ranks": text}}})
+    frame_sets = obj.get("frames", [])
+    if not isinstance(frame_sets, list):
+        raise ValueError("frames is not a list")
+    by_rank = {a.rank: a for a in rs}
+    recs = [_record(row, ag, by_rank, None) for row in obj["ranks"]]
+    dumps: dict[int, dict[str, Any]] = {}
+    for r in recs:
+        d = raw.get(str(r.rank))
+        if not r.ok:
+            continue
+        if not isinstance(d, dict):
+            r.status, r.error = "failed", f"rank {r.rank}: the agent sent no dump"
+            continue
+        for e in d.get("entries") if isinstance(d.get("entries"), list) else ():
+            i = e.get("frames") if isinstance(e, dict) else None
+            if type(i) is int:  # one shared list per distinct stack (agent.share_frames)
+                if not 0 <= i < len(frame_sets):
+                    raise ValueError("a frames index is out of range")
+                e["frames"] = frame_sets[i]
+        members.inline(d)
+        members.learn(d)
+        dumps[r.rank] = d
+        r.body = ""  # answered (the dump is parsed already); the snapshot keys on a body
+    return recs, dumps
+
+
+def collector_for(session: aiohttp.ClientSession, registry: Registry, *, timeout: float,
+                  max_concurrency: int) -> Collector:
+    """The frontend's collector: through the agents where the workers are found in a store
+    (rank 0's frontend and an attached one), the plain one for fixed URLs."""
+    store = getattr(registry, "store_address", None)
+    if not isinstance(store, tuple):
+        return Collector(session, registry, timeout=timeout, max_concurrency=max_concurrency)
+    directory = AgentDirectory(store[0], store[1], getattr(registry, "restart_count", 0),
+                               timeout=getattr(registry, "store_timeout", 5.0))
+    return AgentCollector(session, registry, directory, timeout=timeout,
+                          max_concurrency=max_concurrency)
+
+
+__all__ = ["AGENT_RETRY_S", "AgentAddr", "AgentCollector", "AgentDirectory", "collector_for"]

@@ -1,0 +1,138 @@
+"""Starting a host's agent from its local rank 0, and the names both sides share.
+
+The agent itself (``python -m debug_server.frontend.agent``) is a frontend-side process: it
+fans out to this host's rank workers and answers rank 0's frontend once per page for the whole
+host (see that module). This module is the rank side's part: whether a job runs agents
+(:func:`wanted`), which host id a rank names in its registration sidecar (:func:`rank_meta`),
+which ranks an agent serves (:func:`host_ranks`), and the start itself (:func:`start_for_rank`),
+by module name so the trainer never imports the frontend.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import subprocess
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from debug_server.analysis import ranks as rank_words
+from debug_server.auth import TOKEN_ENV
+from debug_server.config import JobEnv, ServerConfig
+
+logger = logging.getLogger(__name__)
+
+AGENT_MODULE = "debug_server.frontend.agent"
+AGENT_ID_ENV = "DEBUG_SERVER_AGENT_ID"
+"""This host's agent id (default: the host name); ranks that share it share one agent."""
+AGENT_ENV = "DEBUG_SERVER_AGENT"
+"""``1``: start an agent even on a single-host job; ``0``: never; unset: on multi-host jobs."""
+META_KEY = "agent"
+"""Key of a rank's registration sidecar that names its host's agent."""
+TOKEN_FROM_STORE_ENV = "DEBUG_SERVER_AGENT_TOKEN_FROM_STORE"
+"""Set for an agent whose local rank 0 does not hold the token yet: read it from the store."""
+MAX_RANKS_PARAM = 64 * 1024
+MAX_ID_CHARS = 200
+
+
+def agent_key(host_id: str) -> str:
+    """The agent's store key under the ``debug_server`` prefix."""
+    return f"agent/{host_id}"
+
+
+def host_id(env: Mapping[str, str] | None = None) -> str:
+    env = os.environ if env is None else env
+    return (env.get(AGENT_ID_ENV, "").strip() or socket.gethostname())[:MAX_ID_CHARS]
+
+
+def wanted(job: JobEnv, env: Mapping[str, str] | None = None) -> bool:
+    """Whether this job runs agents: on several hosts, or when asked (``$DEBUG_SERVER_AGENT``)."""
+    env = os.environ if env is None else env
+    flag = env.get(AGENT_ENV, "").strip()
+    if flag in ("0", "1"):
+        return flag == "1"
+    return not job.single_host
+
+
+def local_rank(job: JobEnv, env: Mapping[str, str] | None = None) -> int:
+    env = os.environ if env is None else env
+    raw = env.get("LOCAL_RANK", "")
+    if raw.strip().isdigit():
+        return int(raw)
+    return job.rank % max(1, job.local_world_size)
+
+
+def host_ranks(job: JobEnv, env: Mapping[str, str] | None = None) -> list[int]:
+    """The ranks torchrun put on this host: contiguous from ``RANK - LOCAL_RANK``. A rank whose
+    sidecar names another agent is left out at lookup time, so a layout that breaks this only
+    sends those ranks to the frontend directly."""
+    first = job.rank - local_rank(job, env)
+    return [r for r in range(first, first + job.local_world_size) if 0 <= r < job.world_size]
+
+
+def rank_meta(job: JobEnv, env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """What a rank adds to its registration sidecar: the id of its host's agent."""
+    return {META_KEY: host_id(env)} if wanted(job, env) else {}
+
+
+def parse_ranks(raw: str) -> list[int]:
+    """``0-7,9`` -> [0, ..., 7, 9]; raises ValueError with one line."""
+    if len(raw) > MAX_RANKS_PARAM:
+        raise ValueError(f"longer than {MAX_RANKS_PARAM} characters")
+    out: set[int] = set()
+    for part in (p for p in raw.split(",") if p):
+        lo, sep, hi = part.partition("-")
+        if not lo.isdigit() or (sep and not hi.isdigit()):
+            raise ValueError(f"{part[:20]!r} is not a rank or a range a-b")
+        a, b = int(lo), int(hi) if sep else int(lo)
+        if b < a or b - a > 1 << 20:
+            raise ValueError(f"bad range {part[:20]!r}")
+        out.update(range(a, b + 1))
+    return sorted(out)
+
+
+def format_ranks(ranks: Sequence[int]) -> str:
+    """The compact text of a rank list (``0-7,9``), what :func:`parse_ranks` reads back."""
+    return rank_words.format_ranks(ranks).replace(", ", ",")
+
+
+def start_for_rank(config: ServerConfig, job: JobEnv, advertised_host: str,
+                   token_required: bool,
+                   env: Mapping[str, str] | None = None) -> subprocess.Popen[bytes] | None:
+    """On a host's local rank 0 of a job that runs agents: start this host's agent process and
+    return it (it registers itself; the trainer never waits for it). Else None.
+
+    ``token_required``: the job's servers require a token; rank 0 hands its own over, the other
+    hosts' agents read it from the store as their ranks do.
+    """
+    env = os.environ if env is None else env
+    if not wanted(job, env) or local_rank(job, env) != 0:
+        return None
+    ranks = host_ranks(job, env)
+    args = [sys.executable, "-m", AGENT_MODULE,
+            "--host-id", host_id(env), "--ranks", format_ranks(ranks),
+            "--world-size", str(job.world_size),
+            "--master-addr", job.master_addr, "--master-port", str(job.master_port),
+            "--restart-count", str(job.restart_count),
+            "--advertise", advertised_host,
+            "--fetch-timeout", str(config.fetch_timeout),
+            "--max-concurrency", str(config.max_concurrency),
+            "--parent-pid", str(os.getpid())]
+    if config.host is not None:
+        args += ["--host", config.host]
+    child_env = dict(env)
+    child_env.pop(TOKEN_ENV, None)
+    if config.auth_token:
+        child_env[TOKEN_ENV] = config.auth_token  # not argv: visible to every user
+    child_env.pop(TOKEN_FROM_STORE_ENV, None)
+    if config.auth_token is None and token_required:
+        child_env[TOKEN_FROM_STORE_ENV] = "1"  # rank 0 publishes it there
+    pkg_root = str(Path(__file__).resolve().parents[2])
+    child_env["PYTHONPATH"] = os.pathsep.join(p for p in (pkg_root, env.get("PYTHONPATH")) if p)
+    try:
+        return subprocess.Popen(args, env=child_env, stdin=subprocess.DEVNULL, close_fds=True)
+    except OSError as e:  # no agent: the frontend asks this host's ranks directly
+        logger.warning("debug_server: cannot start this host's agent: %s", e)
+        return None
