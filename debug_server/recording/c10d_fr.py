@@ -220,98 +220,116 @@ def merge_lazy(
             ops): their c10d entries become the communicator's (``_backed_entry``).
         others: False keeps only the backed communicators' entries (a hook's own dump).
     """
-    owned_set = set(owned)
-    backed = backed or {}
-    groups = groups or {}
-    our_cfg = dict(ours.head.get("pg_config") or {})
-    our_status = dict(ours.head.get("pg_status") or {})
-    # A c10d group whose name is also one of our communicators' names is renamed, never merged.
-    taken = set(our_cfg) | set(our_status)
-
-    def key_of(recorder: str, pg_name: str) -> str:
-        side = _side(recorder, pg_name, groups.get(pg_name))
-        return f"c10d_{side}" if side in taken else side
-
-    cfg: dict[str, dict[str, Any]] = {}
-    status: dict[str, dict[str, int]] = {}
-    added: list[Mapping[str, Any]] = []
-    kinds: list[Source] = []  # per entry of added: built (FRESH), or c10d's own (_C10D)
-    seen: set[tuple[Any, ...]] = set()
+    m = _Merging(ours, set(owned), backed or {}, groups or {}, only_active, others)
     for recorder, dump in recorders:
-        raw_cfg = dump.get("pg_config") or {}
+        m.take(recorder, dump)
+    return m.result(include_collectives)
+
+
+class _Merging:
+    """One :func:`merge_lazy`: c10d's recorders taken one by one, then the merged dump."""
+
+    def __init__(self, ours: LazyDump, owned: set[str], backed: Mapping[str, Backed],
+                 groups: Mapping[str, GroupInfo], only_active: bool, others: bool) -> None:
+        self.ours, self.owned, self.backed, self.groups = ours, owned, backed, groups
+        self.only_active, self.others = only_active, others
+        self.our_cfg = dict(ours.head.get("pg_config") or {})
+        self.our_status = dict(ours.head.get("pg_status") or {})
+        # A c10d group whose name is also one of our communicators' names is renamed, never merged.
+        self.taken = set(self.our_cfg) | set(self.our_status)
+        self.cfg: dict[str, dict[str, Any]] = {}
+        self.status: dict[str, dict[str, int]] = {}
+        self.added: list[Mapping[str, Any]] = []
+        self.kinds: list[Source] = []  # per entry of added: built (FRESH), or c10d's own (_C10D)
+        self.seen: set[tuple[Any, ...]] = set()
+
+    def key_of(self, recorder: str, pg_name: str) -> str:
+        side = _side(recorder, pg_name, self.groups.get(pg_name))
+        return f"c10d_{side}" if side in self.taken else side
+
+    def take(self, recorder: str, dump: Mapping[str, Any]) -> None:
         raw_status = dump.get("pg_status") or {}
-        backed = _with_first_open(backed, raw_status)
+        backed = _with_first_open(self.backed, raw_status)
         used: set[str] = set()
         descs: dict[str, str] = {}
         for e in dump.get("entries") or ():
             pg = e.get("process_group") if isinstance(e, Mapping) else None
             if not isinstance(pg, (list, tuple)) or not pg:
                 continue  # not an entry c10d writes; the analyzer would only skip it too
-            pg_name = str(pg[0])
-            b = backed.get(pg_name)
-            if b is not None:  # built now: few, and their keys need the mapped seqs and states
-                ent = _backed_entry(e, b)
-                if only_active and (ent.get("state") == "completed" or ent.get("retired")):
-                    continue
-                ident = (ent["process_group"], ent.get("collective_seq_id"), ent.get("p2p_seq_id"),
-                         ent.get("op_id"), ent.get("time_created_ns"))
-                if ident not in seen:
-                    seen.add(ident)
-                    added.append(ent)
-                    kinds.append(FRESH)
-                    cfg[b.name] = {"name": b.name, "desc": b.backend, "ranks": str(list(b.ranks))}
-                continue
-            if pg_name in owned_set or not others:
-                continue
-            used.add(pg_name)
-            descs.setdefault(pg_name, str(pg[1]) if len(pg) > 1 else "")
-            group = key_of(recorder, pg_name)
-            # As _repair_entry will write them (it leaves state, retired and seqs alone).
-            if only_active and (e.get("state") == "completed" or e.get("retired")):
-                continue
-            ident = ((group, str(pg[1]) if len(pg) > 1 else ""), e.get("collective_seq_id"),
-                     e.get("p2p_seq_id", 0), e.get("op_id"), e.get("time_created_ns"))
-            if ident in seen:  # an older torch whose two dump calls read one recorder
-                continue
-            seen.add(ident)
-            if group == pg[0]:
-                # c10d's own entry is its key: the window reads the group, seqs, state and
-                # the op after "nccl:"/"gloo:", which repairing leaves as they are (0 and None
-                # times read alike); it is built only when kept.
-                added.append(e)
-                kinds.append(_C10D)
-            else:  # renamed: built now, its own key
-                added.append(_repair_entry(e, group))
-                kinds.append(FRESH)
+            b = backed.get(str(pg[0]))
+            if b is not None:
+                self._take_backed(e, b)
+            elif str(pg[0]) not in self.owned and self.others:
+                used.add(str(pg[0]))
+                descs.setdefault(str(pg[0]), str(pg[1]) if len(pg) > 1 else "")
+                self._take_other(recorder, e, pg)
         if isinstance(raw_status, Mapping):
-            for pg_name, st in raw_status.items():
-                b = backed.get(str(pg_name))
-                if b is not None and isinstance(st, Mapping):
-                    status[b.name] = _backed_status(st)
-                    cfg[b.name] = {"name": b.name, "desc": b.backend, "ranks": str(list(b.ranks))}
-                    continue
-                if str(pg_name) in owned_set or not isinstance(st, Mapping) or not others:
-                    continue
-                used.add(str(pg_name))
-                key = key_of(recorder, str(pg_name))
-                status[key] = {k: _int(st.get(k), -1) for k in _STATUS_KEYS}
+            self._take_status(recorder, raw_status, backed, used)
+        raw_cfg = dump.get("pg_config") or {}
         for pg_name in used:
-            key = key_of(recorder, pg_name)
-            cfg[key] = _group_config(key, pg_name, groups.get(pg_name), raw_cfg,
-                                     descs.get(pg_name, ""), recorder)
-    if not include_collectives:
-        added, kinds = [], []
-    if not cfg and not added:
-        return ours
-    head = dict(ours.head)
-    head["pg_config"] = {**our_cfg, **cfg}
-    head["pg_status"] = {**our_status, **status}
-    head.setdefault("version", FR_VERSION)
-    if not added:
-        return LazyDump(head, list(ours.items), list(ours.sources))
-    theirs = LazyDump({}, list(added), kinds)
-    # One timeline: ours and c10d's by creation time, record ids renumbered along it.
-    return ours.merged(theirs, head)
+            key = self.key_of(recorder, pg_name)
+            self.cfg[key] = _group_config(key, pg_name, self.groups.get(pg_name), raw_cfg,
+                                          descs.get(pg_name, ""), recorder)
+
+    def _take_backed(self, e: Mapping[str, Any], b: Backed) -> None:
+        # Built now: few, and their keys need the mapped seqs and states.
+        ent = _backed_entry(e, b)
+        if self.only_active and (ent.get("state") == "completed" or ent.get("retired")):
+            return
+        ident = (ent["process_group"], ent.get("collective_seq_id"), ent.get("p2p_seq_id"),
+                 ent.get("op_id"), ent.get("time_created_ns"))
+        if ident not in self.seen:
+            self.seen.add(ident)
+            self.added.append(ent)
+            self.kinds.append(FRESH)
+            self.cfg[b.name] = {"name": b.name, "desc": b.backend, "ranks": str(list(b.ranks))}
+
+    def _take_other(self, recorder: str, e: Mapping[str, Any], pg: Sequence[Any]) -> None:
+        group = self.key_of(recorder, str(pg[0]))
+        # As _repair_entry will write them (it leaves state, retired and seqs alone).
+        if self.only_active and (e.get("state") == "completed" or e.get("retired")):
+            return
+        ident = ((group, str(pg[1]) if len(pg) > 1 else ""), e.get("collective_seq_id"),
+                 e.get("p2p_seq_id", 0), e.get("op_id"), e.get("time_created_ns"))
+        if ident in self.seen:  # an older torch whose two dump calls read one recorder
+            return
+        self.seen.add(ident)
+        if group == pg[0]:
+            # c10d's own entry is its key: the window reads the group, seqs, state and the op
+            # after "nccl:"/"gloo:", which repairing leaves as they are (0 and None times read
+            # alike); it is built only when kept.
+            self.added.append(e)
+            self.kinds.append(_C10D)
+        else:  # renamed: built now, its own key
+            self.added.append(_repair_entry(e, group))
+            self.kinds.append(FRESH)
+
+    def _take_status(self, recorder: str, raw_status: Mapping[str, Any],
+                     backed: Mapping[str, Backed], used: set[str]) -> None:
+        for pg_name, st in raw_status.items():
+            b = backed.get(str(pg_name))
+            if b is not None and isinstance(st, Mapping):
+                self.status[b.name] = _backed_status(st)
+                self.cfg[b.name] = {"name": b.name, "desc": b.backend, "ranks": str(list(b.ranks))}
+                continue
+            if str(pg_name) in self.owned or not isinstance(st, Mapping) or not self.others:
+                continue
+            used.add(str(pg_name))
+            self.status[self.key_of(recorder, str(pg_name))] = {
+                k: _int(st.get(k), -1) for k in _STATUS_KEYS}
+
+    def result(self, include_collectives: bool) -> LazyDump:
+        added, kinds = (self.added, self.kinds) if include_collectives else ([], [])
+        if not self.cfg and not added:
+            return self.ours
+        head = dict(self.ours.head)
+        head["pg_config"] = {**self.our_cfg, **self.cfg}
+        head["pg_status"] = {**self.our_status, **self.status}
+        head.setdefault("version", FR_VERSION)
+        if not added:
+            return LazyDump(head, list(self.ours.items), list(self.ours.sources))
+        # One timeline: ours and c10d's by creation time, record ids renumbered along it.
+        return self.ours.merged(LazyDump({}, list(added), kinds), head)
 
 
 def _side(recorder: str, pg_name: str, info: GroupInfo | None) -> str:
