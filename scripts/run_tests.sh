@@ -1,9 +1,13 @@
 #!/usr/bin/env bash
 # One command for the whole test suite on a fresh machine: makes .venv if needed, installs the
 # CPU torch wheel when torch is absent (an unpinned torch would pull a multi-GB CUDA build),
-# installs the package with its test extra, checks lint, runs pytest.
+# installs the package with its test extra, checks lint, runs pytest on parallel workers.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/_venv.sh
 python -m ruff check .
-python -m pytest "$@"
+# On parallel workers (pytest-xdist): most of the suite waits on real jobs, sleeps and timeouts
+# rather than computing, so more workers than cores pays off. --dist loadgroup keeps each group
+# (every reader of the one reference demo run, each module's shared job) on one worker; see
+# tests/conftest.py. PYTEST_WORKERS=0 runs in this process, one test at a time.
+python -m pytest -n "${PYTEST_WORKERS:-4}" --dist loadgroup "$@"

@@ -1,13 +1,26 @@
-"""Shared fixtures: fake ranks (real worker apps on port 0), a real TCPStore, a frontend client."""
+"""Shared fixtures: fake ranks (real worker apps on port 0), a real TCPStore, the reference demo.
+
+The reference demo (``scripts/verify_flight_recorder.py`` under torchrun) runs once per test
+run: ``demo_live`` gives its frontend while it hangs, ``demo_done`` its dump dir and output after
+it ended. Tests of the live hang are ordered before the others that read the demo, and under
+pytest-xdist (``scripts/run_tests.sh`` runs ``-n ... --dist loadgroup``) every test that reads
+it runs on one worker, so a parallel run still starts it once (``tests/xdist_groups.py``).
+``browser`` is one headless Debian Chromium for the session.
+"""
 
 from __future__ import annotations
 
-import socket
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+import os
+import shutil
+import tempfile
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import pytest
+from mpjob import ReferenceDemo, free_port
+from skip_policy import pytest_make_collect_report, pytest_runtest_makereport  # noqa: F401
 
 from debug_server.config import JobEnv
 from debug_server.rank.worker import StaticProvider, make_worker_app
@@ -19,17 +32,8 @@ MAIN_STACK = """Thread 0x00007f0000000001 (most recent call first):
 
 
 def closed_port_url() -> str:
-    """A URL nothing listens on (the port was bound, then released)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    return f"http://127.0.0.1:{port}"
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A URL nothing listens on (``free_port``: checked free, below the ephemeral range)."""
+    return f"http://127.0.0.1:{free_port()}"
 
 
 def make_job(rank: int, world_size: int, master_port: int, restart: int = 0) -> JobEnv:
@@ -84,3 +88,152 @@ def tcp_store() -> Any:
     yield store
     del store
 
+
+
+# ---------------------------------------------------------------------------------------------
+# The reference demo, once per run
+
+
+@pytest.fixture(scope="session")
+def reference_demo(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ReferenceDemo]:
+    """The reference demo, started at its first use and ended (whole tree, by pid) at the end."""
+    demo = ReferenceDemo(tmp_path_factory.mktemp("reference_demo"))
+    try:
+        yield demo
+    finally:
+        demo.close()
+
+
+@pytest.fixture
+def demo_live(reference_demo: ReferenceDemo) -> str:
+    """The demo's frontend URL while rank 1 is missing from all_reduce #4 (checked per test)."""
+    return reference_demo.wait_hung()
+
+
+@pytest.fixture
+def demo_done(reference_demo: ReferenceDemo) -> tuple[Path, str]:
+    """``(dump_dir, output)`` of the demo once it has exited 0."""
+    return reference_demo.dump_dir, reference_demo.wait_done()
+
+
+DEMO_GROUP = "reference_demo"
+
+
+def _module_scoped(item: pytest.Item) -> bool:
+    """Whether ``item`` uses a fixture set up once per module (a real job its tests share)."""
+    info = getattr(item, "_fixtureinfo", None)
+    defs = info.name2fixturedefs.values() if info is not None else ()
+    return any(d and d[-1].scope in ("module", "class", "package") for d in defs)
+
+
+def _own_timeout(item: pytest.Item) -> float:
+    """The test's own ``timeout`` mark (its own or its module's), 0 without one."""
+    mark = item.get_closest_marker("timeout")
+    return float(mark.args[0]) if mark is not None and mark.args else 0.0
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The demo's readers first (live ones before the rest) and in one group; tests that share
+    a module-scoped job in one group per module. Under xdist a group runs on one worker, so a
+    parallel run starts the demo, and each shared job, once (``tests/xdist_groups.py``)."""
+    def uses(item: pytest.Item, name: str) -> bool:
+        return name in getattr(item, "fixturenames", ())
+
+    live = [i for i in items if uses(i, "demo_live")]
+    done = [i for i in items if uses(i, "reference_demo") and not uses(i, "demo_live")]
+    # A test that sets its own timeout runs a real job: modules with such tests start first
+    # (longest bound first; a module's tests stay together, in order), so a parallel run does
+    # not end waiting on a long test that was handed out last.
+    rest = [i for i in items if not uses(i, "reference_demo")]
+    bound: dict[str, float] = {}
+    for i in rest:
+        module = i.nodeid.split("::", 1)[0]
+        bound[module] = max(bound.get(module, 0.0), _own_timeout(i))
+    rest.sort(key=lambda i: bound[i.nodeid.split("::", 1)[0]], reverse=True)
+    items[:] = live + done + rest
+    groups = {i.nodeid: DEMO_GROUP for i in live + done}
+    groups.update((i.nodeid, i.nodeid.split("::", 1)[0]) for i in rest if _module_scoped(i))
+    if hasattr(config, "workerinput"):
+        from xdist_groups import publish
+
+        publish(config, groups)
+
+
+def _groups_folder(config: pytest.Config) -> Path:
+    folder = getattr(config, "_test_groups_folder", None)
+    if folder is None:
+        folder = Path(tempfile.mkdtemp(prefix="debug_server_test_groups_"))
+        config._test_groups_folder = folder  # type: ignore[attr-defined]
+    return folder
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node: Any) -> None:
+    """xdist controller: each worker writes its collection's groups into one temp folder."""
+    from xdist_groups import hand_to_worker
+
+    hand_to_worker(node, _groups_folder(node.config))
+
+
+@pytest.hookimpl(tryfirst=True, optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """``--dist loadgroup`` schedules by our groups (xdist's own reading of them is broken on
+    this pytest, see ``tests/xdist_groups.py``); every other mode is xdist's."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist_groups import GroupScheduling
+
+    return GroupScheduling(config, log, _groups_folder(config))
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    folder = getattr(config, "_test_groups_folder", None)
+    if folder is not None:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# A real browser
+
+CHROMIUM = "/usr/bin/chromium"
+
+
+@pytest.fixture(scope="session")
+def browser() -> Iterator[Any]:
+    """Debian's headless Chromium through selenium (never a browser download).
+
+    selenium is a test dependency: without it this errors. Without Chromium the test fails in
+    CI (``scripts/_venv.sh`` installs it there, so its absence is a broken install step) and
+    skips elsewhere, saying how to install it.
+    """
+    from selenium import webdriver
+    from selenium.webdriver.chrome.options import Options
+    from selenium.webdriver.chrome.service import Service
+
+    driver_bin = shutil.which("chromedriver") or "/usr/bin/chromedriver"
+    if not (os.path.exists(CHROMIUM) and os.path.exists(driver_bin)):
+        why = (f"{CHROMIUM} or {driver_bin} is missing (scripts/_venv.sh: apt-get install "
+               "chromium chromium-driver)")
+        if os.environ.get("CI"):
+            pytest.fail(f"CI: {why}", pytrace=False)
+        pytest.skip(why)
+    profile = tempfile.mkdtemp(prefix="debug_server_chromium_")
+    opts = Options()
+    opts.binary_location = CHROMIUM
+    # No outside network here (and none needed): keep Chromium from trying to phone home.
+    for flag in ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
+                 "--no-first-run", "--disable-background-networking",
+                 "--disable-component-update", "--disable-sync", "--disable-dev-shm-usage",
+                 "--window-size=1400,1100", f"--user-data-dir={profile}"):
+        opts.add_argument(flag)
+    service = Service(executable_path=driver_bin)
+    driver = webdriver.Chrome(service=service, options=opts)
+    try:
+        driver.set_page_load_timeout(30)
+        yield driver
+    finally:
+        driver.quit()
+        if service.process is not None and service.process.poll() is None:
+            service.process.kill()
+        shutil.rmtree(profile, ignore_errors=True)

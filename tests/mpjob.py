@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
 import sys
 import textwrap
 import time
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,10 +23,38 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 
 
+_PICK = random.SystemRandom()  # not the global generator, which hypothesis seeds
+PORTS_FROM, PORTS_TO = 10000, 25000
+"""Where ``free_port`` picks: below the kernel's ephemeral range (32768 by default, and below
+the demo's 25999 and torchrun's 29500, which people start by hand)."""
+
+
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A port nothing listens on now on 127.0.0.1, for a server that binds it a moment later.
+
+    Not ``bind(0)``: such a port comes from the ephemeral range, where every outgoing connection
+    and every port-0 server of a busy run (parallel tests, a benchmark's thousand workers) takes
+    ports too, so one may take it before our server binds it. Below that range only explicit
+    numbers are used; a random pick keeps parallel test workers apart.
+    """
+    top = min(PORTS_TO, _ephemeral_low())
+    for _ in range(500):
+        port = _PICK.randrange(PORTS_FROM, top)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in {PORTS_FROM}-{top} on 127.0.0.1")
 
 
 @dataclass
@@ -196,6 +226,75 @@ def start_demo(dump_dir: Path, port: int, stdout: Any, **env: str) -> subprocess
          f"--master-port={free_port()}", str(DEMO)],
         env=full, stdout=stdout, stderr=subprocess.STDOUT, text=True, start_new_session=True,
     )
+
+
+# The one reference run every test of the reference scenario reads (conftest's ``reference_demo``):
+# rank 1 sleeps HANG_SECONDS instead of joining all_reduce #4. The stall watchdog (3 s) reports
+# well before rank 0's communicator times out (15 s), and rank 1 sleeps 7 s past that timeout,
+# so the pages show the hang live for about 22 s after it starts (the finding stays while rank 1
+# sleeps: rank 0's entry for seq 4 never completes).
+REFERENCE_ENV = {"FR_DUMP_INTERVAL": "1", "FR_STALL_TIMEOUT": "3", "COMM_TIMEOUT": "15",
+                 "HANG_SECONDS": "22"}
+
+
+class ReferenceDemo:
+    """The reference demo started once: its live frontend while it hangs, then its dumps.
+
+    ``wait_hung`` returns the frontend's URL once rank 1 is missing from all_reduce #4 (the
+    demo must still be running); ``wait_done`` waits for the demo's end and returns its output.
+    ``close`` ends the whole process tree by pid.
+    """
+
+    def __init__(self, workdir: Path) -> None:
+        self.dump_dir = workdir / "dumps"
+        self.log = workdir / "demo.log"
+        self.port = free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        self._log_file = open(self.log, "w")  # noqa: SIM115 - closed in close()
+        self.proc = start_demo(self.dump_dir, self.port, self._log_file, **REFERENCE_ENV)
+        self._hung = False
+
+    def _tail(self) -> str:
+        return self.log.read_text()[-4000:]
+
+    def wait_hung(self, limit_s: float = 90.0) -> str:
+        """The live frontend's base URL, once its FR analysis has rank 1 missing from seq 4."""
+        deadline = time.monotonic() + limit_s
+        while True:
+            if self.proc.poll() is not None:
+                raise AssertionError(
+                    f"the reference demo is no longer running (exit {self.proc.returncode}); a "
+                    f"test of the live hang ran after it ended:\n{self._tail()}")
+            if self._hung:
+                return self.base
+            assert time.monotonic() < deadline, f"no hang seen in {limit_s:g} s:\n{self._tail()}"
+            try:
+                with urllib.request.urlopen(f"{self.base}/fr_trace?format=json", timeout=5) as r:
+                    body = json.loads(r.read())
+                self._hung = any(f["kind"] == "missing_ranks" and f["seq"] == 4
+                                 for f in body["findings"])
+            except (OSError, ValueError, KeyError):
+                pass  # not serving yet
+            if not self._hung:
+                time.sleep(0.5)
+
+    def wait_done(self, limit_s: float = 150.0) -> str:
+        """The demo's whole output, once it has exited 0 (bounded; killed on overrun)."""
+        try:
+            self.proc.wait(timeout=limit_s)
+        except subprocess.TimeoutExpired:
+            kill_tree(self.proc)
+            raise AssertionError(
+                f"the reference demo ran past {limit_s:g} s:\n{self._tail()}") from None
+        self._log_file.flush()
+        out = self.log.read_text()
+        assert self.proc.returncode == 0, out[-6000:]
+        return out
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            kill_tree(self.proc)  # torchrun, both ranks (own sessions), the frontend
+        self._log_file.close()
 
 
 def run_demo(dump_dir: Path, timeout: float = 150, **env: str) -> str:

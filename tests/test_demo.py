@@ -1,4 +1,7 @@
-"""The reference scenario end to end: the demo under torchrun, its dumps, and both analyzers."""
+"""The reference scenario end to end: the demo under torchrun, its dumps, and both analyzers.
+
+The demo is the session's one run (conftest's ``demo_done``: ``(dump_dir, output)``).
+"""
 
 from __future__ import annotations
 
@@ -10,41 +13,34 @@ import sys
 from pathlib import Path
 
 import pytest
-from mpjob import REPO, demo_hang_line, run_demo
+from mpjob import REPO, demo_hang_line
 
 pytestmark = pytest.mark.timeout(240)
 
-
-@pytest.fixture(scope="module")
-def demo(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
-    dump_dir = tmp_path_factory.mktemp("demo") / "dumps"
-    out = run_demo(
-        dump_dir, FR_DUMP_INTERVAL="1", COMM_TIMEOUT="6", HANG_SECONDS="10", FR_STALL_TIMEOUT="3"
-    )
-    return dump_dir, out
+Demo = tuple[Path, str]
 
 
 def _during_hang(dump_dir: Path, pattern: str) -> list[Path]:
     return sorted(dump_dir.glob(pattern))
 
 
-def test_demo_prints_caught_timeout_and_verdict(demo):
-    _, out = demo
+def test_demo_prints_caught_timeout_and_verdict(demo_done: Demo) -> None:
+    _, out = demo_done
     assert "[rank 0] Caught timeout: RuntimeError: all_reduce #4 on communicator 'main_comm'" in out
     assert "Verdict:" in out and "rank 1" in out.split("Verdict:")[1].splitlines()[0].lower()
     assert "python -m torch.distributed.flight_recorder.fr_trace" in out
 
 
-def test_fr_trace_dump_shows_seq_4_all_reduce_missing_rank_1(demo):
-    dump_dir, _ = demo
+def test_fr_trace_dump_shows_seq_4_all_reduce_missing_rank_1(demo_done: Demo) -> None:
+    dump_dir, _ = demo_done
     rows = []
     for f in _during_hang(dump_dir, "torchcomms_fr_trace_*.txt"):
         rows += [ln for ln in f.read_text().splitlines() if re.search(r"\b4\b.*nccl:all_reduce.*\{1\}", ln)]
     assert rows, "no FR trace dump showed seq 4 nccl:all_reduce with missing ranks {1}"
 
 
-def test_stacks_dump_shows_rank_1_sleeping_and_rank_0_in_all_reduce(demo):
-    dump_dir, _ = demo
+def test_stacks_dump_shows_rank_1_sleeping_and_rank_0_in_all_reduce(demo_done: Demo) -> None:
+    dump_dir, _ = demo_done
     line = demo_hang_line()
     sleeping, both = 0, 0
     for f in _during_hang(dump_dir, "stacks_*.txt"):
@@ -60,14 +56,14 @@ def test_stacks_dump_shows_rank_1_sleeping_and_rank_0_in_all_reduce(demo):
     assert both, "no stacks dump showed rank 0 inside all_reduce while rank 1 slept"
 
 
-def test_per_rank_pickles_exist(demo):
-    dump_dir, _ = demo
+def test_per_rank_pickles_exist(demo_done: Demo) -> None:
+    dump_dir, _ = demo_done
     assert (dump_dir / "per_rank" / "rank_0").is_file()
     assert (dump_dir / "per_rank" / "rank_1").is_file()
 
 
-def test_pytorch_fr_trace_agrees_on_the_pickles(demo):
-    dump_dir, _ = demo
+def test_pytorch_fr_trace_agrees_on_the_pickles(demo_done: Demo) -> None:
+    dump_dir, _ = demo_done
     per_rank = str(dump_dir / "per_rank")
     base = [sys.executable, "-m", "torch.distributed.flight_recorder.fr_trace", per_rank, "-p", "rank_"]
     proc = subprocess.run(base, capture_output=True, text=True, timeout=120)
@@ -79,8 +75,8 @@ def test_pytorch_fr_trace_agrees_on_the_pickles(demo):
     assert [ln.count("(") for ln in rows] == [2, 2, 2, 2, 1]  # 5 entries for rank 0, 4 for rank 1
 
 
-def test_our_cli_exits_2_with_missing_rank_1(demo):
-    dump_dir, _ = demo
+def test_our_cli_exits_2_with_missing_rank_1(demo_done: Demo) -> None:
+    dump_dir, _ = demo_done
     proc = subprocess.run(
         [sys.executable, "-m", "debug_server.tools.fr_trace", str(dump_dir / "per_rank"), "-p", "rank_", "--json"],
         capture_output=True, text=True, timeout=120, env=dict(os.environ, PYTHONPATH=str(REPO)),

@@ -1,8 +1,9 @@
 """The post-mortem viewer in a real headless Chromium, on the dumps a real demo run left behind.
 
-The reference demo runs to its end (rank 1 sleeps instead of joining all_reduce #4; rank 0
-times out); then ``python -m debug_server.view`` serves its dump dir with no job left.
-Chromium comes from Debian as in ``test_browser.py`` (whose ``browser`` fixture is reused).
+The reference demo (the session's one run, conftest's ``reference_demo``) runs to its end
+(rank 1 sleeps instead of joining all_reduce #4; rank 0 times out); then
+``python -m debug_server.view`` serves its dump dir with no job left. Chromium comes from Debian
+(conftest's ``browser``, shared with ``test_browser.py``).
 """
 
 from __future__ import annotations
@@ -17,8 +18,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from mpjob import REPO, free_port, run_demo
-from test_browser import _shot, browser  # noqa: F401 - the fixture, reused
+from mpjob import REPO, ReferenceDemo, free_port
+from test_browser import _shot
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -29,11 +30,11 @@ def _get_json(url: str) -> Any:
 
 
 @pytest.fixture(scope="module")
-def viewer(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def viewer(reference_demo: ReferenceDemo,
+           tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """The demo's dump dir after the demo ended, served by the viewer; yields its base URL."""
-    dump_dir = tmp_path_factory.mktemp("view_browser") / "dumps"
-    run_demo(dump_dir, FR_DUMP_INTERVAL="1", COMM_TIMEOUT="6", HANG_SECONDS="10",
-             FR_STALL_TIMEOUT="3")
+    reference_demo.wait_done()
+    dump_dir = reference_demo.dump_dir
     port = free_port()
     log = open(tmp_path_factory.mktemp("view_log") / "view.log", "w")  # noqa: SIM115
     proc = subprocess.Popen([sys.executable, "-m", "debug_server.tools.view", str(dump_dir),
@@ -63,7 +64,7 @@ def _hang_cycle(base: str) -> str:
     raise AssertionError(f"no cycle during the hang among {[c['cycle'] for c in cycles]}")
 
 
-def test_overview_says_post_mortem_and_names_rank_1(viewer: str, browser: Any,  # noqa: F811
+def test_overview_says_post_mortem_and_names_rank_1(viewer: str, browser: Any,
                                                     tmp_path: Path) -> None:
     from selenium.webdriver.common.by import By
 
@@ -77,7 +78,7 @@ def test_overview_says_post_mortem_and_names_rank_1(viewer: str, browser: Any,  
     _shot(browser, "view_overview.png", tmp_path)
 
 
-def test_picking_a_cycle_in_the_hang_shows_it_on_every_page(viewer: str, browser: Any,  # noqa: F811
+def test_picking_a_cycle_in_the_hang_shows_it_on_every_page(viewer: str, browser: Any,
                                                            tmp_path: Path) -> None:
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import Select, WebDriverWait
