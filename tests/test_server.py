@@ -27,7 +27,7 @@ from debug_server.config import (
     read_inherited,
     write_inherited,
 )
-from debug_server.frontend.app import make_frontend_app
+from debug_server.frontend.app import PARENT_POLL_S, make_frontend_app
 from debug_server.rank.discovery import StoreRegistry, register_worker, store_client
 from debug_server.rank.server import DUMP_PATH_ENV, start_debug_server, stop_debug_server
 from debug_server.rank.worker import HooksProvider, start_worker_thread
@@ -222,11 +222,12 @@ def test_frontend_exits_when_its_trainer_dies(tcp_store: Any, tmp_path: Path) ->
         assert frontend_pid, (tmp_path / "out.txt").read_text()
         trainer.kill()
         trainer.wait()
+        # The frontend polls its parent every PARENT_POLL_S; well within 20 polls it is gone
+        # (a bound on liveness, not a speed figure: the box may be loaded).
         t0 = time.monotonic()
-        while not _pid_gone(frontend_pid) and time.monotonic() - t0 < 10:
+        while not _pid_gone(frontend_pid) and time.monotonic() - t0 < 20 * PARENT_POLL_S:
             time.sleep(0.1)
         assert _pid_gone(frontend_pid), "frontend outlived its trainer"
-        assert time.monotonic() - t0 < 5
     finally:
         out.close()
         for pid in (trainer.pid, frontend_pid):
