@@ -68,7 +68,9 @@ torch.distributed.destroy_process_group()
 @pytest.fixture(scope="module")
 def all_ops(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[int, dict[str, Any]], dict[str, int]]:
     work = tmp_path_factory.mktemp("all_ops")
-    results = run_job(ALL_OPS_SCRIPT, 3, work, timeout=90)
+    # Its own pickle path: the default (~/.cache/torch/...) is shared by every job on the box.
+    results = run_job(ALL_OPS_SCRIPT, 3, work, timeout=90,
+                      extra_env={"TORCHCOMM_FR_DUMP_TEMP_FILE": str(work / "rank_")})
     assert_ok(results)
     outs = {r: json.loads((work / f"out_{r}.json").read_text()) for r in range(3)}
     lines = {}
