@@ -26,7 +26,6 @@ import argparse
 import asyncio
 import datetime
 import json
-import os
 import subprocess
 import sys
 import time
@@ -41,65 +40,40 @@ from fakefleet import (  # noqa: E402
     cpu_s,
     end_process,
     median_of,
+    serve_apps,
+    split,
     start_fleet,
+    start_frontend,
+    start_helpers,
     status_kb,
     stop_fleet,
     timed_get,
 )
-
-from debug_server.config import FrontendConfig, ServerConfig  # noqa: E402
-from debug_server.rank.server import spawn_frontend, wait_frontend_ready  # noqa: E402
 
 PER_HOST = 8
 PAGES = (("fr_s", "/fr_trace"), ("overview_s", "/"), ("stacks_s", "/stacks"))
 
 
 async def _serve_agents(first: int, last: int, world: int, urls_file: str) -> None:
-    """Agents of fake hosts ``first..last - 1`` (8 ranks each) on this loop; prints their ports."""
-    from aiohttp import web
-
+    """Agents of fake hosts ``first..last - 1`` (8 ranks each) on this loop (``serve_apps``)."""
     from debug_server.frontend import agent
 
     urls = Path(urls_file).read_text().split(",")
-    runners, ports = [], []
+    apps = []
     for h in range(first, last):
         lo = h * PER_HOST
-        app = agent.make_agent_app(agent.StaticHostRegistry(urls[lo:lo + PER_HOST], lo, world),
-                                   f"fh{h}", fetch_timeout=120.0, max_concurrency=PER_HOST)
-        runner = web.AppRunner(app, handle_signals=False, access_log=None)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0, backlog=1024)
-        await site.start()
-        runners.append(runner)
-        ports.append(runner.addresses[0][1])
-    print(json.dumps(ports), flush=True)
-    await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)  # until closed
-    for r in runners:
-        await r.cleanup()
+        apps.append(agent.make_agent_app(agent.StaticHostRegistry(urls[lo:lo + PER_HOST], lo, world),
+                                         f"fh{h}", fetch_timeout=120.0, max_concurrency=PER_HOST))
+    await serve_apps(apps)
 
 
 def _start_agents(world: int, urls: list[str], helpers: int,
                   tmp: Path) -> tuple[list[subprocess.Popen[str]], list[str]]:
-    hosts = world // PER_HOST
-    (tmp / "urls").write_text(",".join(urls))
-    bounds = [hosts * i // helpers for i in range(helpers + 1)]
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    procs = [subprocess.Popen([sys.executable, __file__, "--serve-agents", str(lo), str(hi),
-                               str(world), str(tmp / "urls")],
-                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
-             for lo, hi in zip(bounds, bounds[1:], strict=False) if lo < hi]
-    out = []
-    for p in procs:
-        assert p.stdout is not None
-        out += [f"http://127.0.0.1:{port}" for port in json.loads(p.stdout.readline())]
-    return procs, out
-
-
-def _frontend(world: int, store_port: int) -> tuple[subprocess.Popen[bytes], int]:
-    config = FrontendConfig(server=ServerConfig(port=0, host="127.0.0.1", fetch_timeout=120.0),
-                            world_size=world, store=("127.0.0.1", store_port))
-    pending = spawn_frontend(config, stderr=subprocess.DEVNULL)
-    return pending[0], wait_frontend_ready(pending, 0, timeout=120)
+    """One agent per fake host of ``PER_HOST`` ranks, spread over ``helpers`` processes."""
+    (tmp / "urls").write_text(",".join(urls))  # 16384 URLs exceed one argument's limit
+    return start_helpers(__file__, [["--serve-agents", str(lo), str(hi), str(world),
+                                     str(tmp / "urls")]
+                                    for lo, hi in split(world // PER_HOST, helpers)])
 
 
 def _cpu(pids: list[int]) -> float:
@@ -108,7 +82,8 @@ def _cpu(pids: list[int]) -> float:
 
 def _measure(world: int, store_port: int, reps: int, idle_s: float,
              helpers: dict[str, list[int]]) -> dict[str, Any]:
-    proc, port = _frontend(world, store_port)
+    proc, port = start_frontend(store=("127.0.0.1", store_port), world_size=world,
+                                fetch_timeout=120.0)
     base = f"http://127.0.0.1:{port}"
     try:
         timed_get(f"{base}/stacks")  # warm: connections, member lists, agent lookups

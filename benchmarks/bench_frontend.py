@@ -2,7 +2,7 @@
 
 Fake ranks are real worker apps (``debug_server.rank.worker``) serving a 2000-entry ring from
 ``synthetic.hang_job`` (the last rank never issued the newest all_reduce), spread over a few
-helper processes. The frontend runs as its own process (``python -m debug_server.frontend``),
+helper processes (``tests/fakefleet.py``, shared with the other benchmarks). The frontend runs as its own process (``python -m debug_server.frontend``),
 exactly as ``start_debug_server`` starts it; this script times HTTP GETs end to end.
 
 PyTorch's baseline: ``FlightRecorderHandler._build_db`` plus the four tabulate HTML tables of
@@ -22,15 +22,10 @@ page times include the fakes' own serving work, which a real job spreads over it
 from __future__ import annotations
 
 import argparse
-import asyncio
 import io
 import json
 import logging
-import os
-import statistics
-import subprocess
 import sys
-import tempfile
 import time
 import urllib.request
 from pathlib import Path
@@ -38,140 +33,19 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "tests"))
 
-from debug_server.rank.worker import StaticProvider, make_worker_app  # noqa: E402
-from debug_server.tools import synthetic  # noqa: E402
-
-RING = 2000
-STACK = (
-    "Thread 0x00007f0000000001 (most recent call first):\n"
-    '  File "/job/train.py", line 88 in hang_phase\n'
-    '  File "/job/train.py", line 120 in <module>\n'
+from fakefleet import (  # noqa: E402
+    RING,
+    cpu_s,
+    end_process,
+    median_of,
+    start_fleet,
+    start_frontend,
+    status_kb,
+    stop_fleet,
+    timed_get,
 )
-
-
-# ---------------------------------------------------------------------------------------------
-# Helper process: many fake ranks on one event loop
-
-
-def _rank_dumps(world: int) -> tuple[dict[str, Any], dict[str, Any]]:
-    """One issued-the-hang dump and one missing-rank dump (every other rank has the same data)."""
-    two = synthetic.hang_job(2, n_entries=RING, missing_rank=1)
-    groups = {"main_comm": list(range(world))}
-    return (synthetic.make_dump(two[0]["entries"], groups),
-            synthetic.make_dump(two[1]["entries"], groups))
-
-
-def _memo_middleware(cache: dict[tuple[int, str], tuple[int, bytes, str]], key: int) -> Any:
-    """Each distinct question answered once per helper and data: a real rank cuts its own ring
-    on its own CPU, in parallel with every other rank; N fakes on this box's 2 cores cannot."""
-    from aiohttp import web
-
-    @web.middleware
-    async def memo(request: web.Request, handler: Any) -> web.StreamResponse:
-        k = (key, request.path_qs)
-        hit = cache.get(k)
-        if hit is None:
-            resp = await handler(request)
-            if not isinstance(resp, web.Response) or resp.body is None:
-                return resp
-            body = resp.body if isinstance(resp.body, bytes) else bytes(resp.body)  # type: ignore[arg-type]
-            hit = cache[k] = (resp.status, body, resp.content_type)
-        return web.Response(status=hit[0], body=hit[1], content_type=hit[2])
-
-    return memo
-
-
-async def _serve(first: int, last: int, world: int, memo: bool = False) -> None:
-    from aiohttp import web
-
-    full, missing = _rank_dumps(world)
-    runners = []
-    ports = []
-    cache: dict[tuple[int, str], tuple[int, bytes, str]] = {}
-    for rank in range(first, last):
-        data = missing if rank == world - 1 else full
-        app = make_worker_app(StaticProvider(data, stacks=STACK))
-        if memo:
-            app.middlewares.append(_memo_middleware(cache, id(data)))
-        runner = web.AppRunner(app, handle_signals=False, access_log=None)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0, backlog=1024)
-        await site.start()
-        runners.append(runner)
-        ports.append(runner.addresses[0][1])
-    print(json.dumps(ports), flush=True)
-    await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)  # until closed
-    for r in runners:
-        await r.cleanup()
-
-
-# ---------------------------------------------------------------------------------------------
-# Driver
-
-
-def _get(url: str, accept: str = "*/*") -> tuple[float, bytes]:
-    t0 = time.perf_counter()
-    with urllib.request.urlopen(urllib.request.Request(url, headers={"Accept": accept}), timeout=600) as r:
-        body = r.read()
-    return time.perf_counter() - t0, body
-
-
-def _median(fn: Any, reps: int) -> tuple[float, Any]:
-    times, last = [], None
-    for _ in range(reps):
-        t, last = fn()
-        times.append(t)
-    return statistics.median(times), last
-
-
-def _start_fleet(world: int, helpers: int,
-                 memo: bool = False) -> tuple[list[subprocess.Popen[str]], list[str]]:
-    procs, urls = [], []
-    bounds = [world * i // helpers for i in range(helpers + 1)]
-    for lo, hi in zip(bounds, bounds[1:], strict=False):
-        if lo == hi:
-            continue
-        procs.append(subprocess.Popen(
-            [sys.executable, __file__, "--serve", str(lo), str(hi), str(world),
-             *(["--memo"] if memo else [])],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True))
-    for p in procs:
-        assert p.stdout is not None
-        urls += [f"http://127.0.0.1:{port}" for port in json.loads(p.stdout.readline())]
-    return procs, urls
-
-
-def _stop_fleet(fleet: list[subprocess.Popen[str]]) -> None:
-    for p in fleet:
-        assert p.stdin is not None
-        p.stdin.close()
-    for p in fleet:
-        try:
-            p.wait(30)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
-
-
-def _start_frontend(urls: list[str], fetch_timeout: float) -> tuple[subprocess.Popen[bytes], int]:
-    r, w = os.pipe()
-    with tempfile.NamedTemporaryFile("w", suffix=".urls", delete=False) as f:
-        f.write(",".join(urls))  # 16384 URLs exceed one argument's limit
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "debug_server.frontend.app", "--port", "0", "--host", "127.0.0.1",
-         "--world-size", str(len(urls)), "--worker-urls", f"@{f.name}",
-         "--fetch-timeout", str(fetch_timeout), "--ready-fd", str(w)],
-        pass_fds=(w,), cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
-        stderr=subprocess.DEVNULL)
-    os.close(w)
-    with os.fdopen(r) as ready:
-        line = ready.readline().strip()
-    os.unlink(f.name)
-    if not line.startswith("ready "):
-        proc.kill()
-        raise RuntimeError(f"frontend did not start: {line!r}")
-    return proc, int(line.split()[1])
 
 
 def _torch_baseline(urls: list[str], bodies: list[str]) -> float | None:
@@ -214,47 +88,32 @@ def _fetch_bodies(urls: list[str], only_active: bool) -> list[str]:
     return out
 
 
-def _rss_peak_mb(pid: int) -> float:
-    """The process's peak resident set (VmHWM), MB."""
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024
-    return float("nan")
-
-
-def _cpu_s(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rpartition(")")[2].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def _idle_cpu(pid: int, seconds: float) -> float | None:
     """Fraction of one core the frontend uses with no page open (its health poll and timers)."""
     if seconds <= 0:
         return None
-    c0, t0 = _cpu_s(pid), time.monotonic()
+    c0, t0 = cpu_s(pid), time.monotonic()
     time.sleep(seconds)
-    return (_cpu_s(pid) - c0) / (time.monotonic() - t0)
+    return (cpu_s(pid) - c0) / (time.monotonic() - t0)
 
 
 def bench(world: int, reps: int, helpers: int, whole_ring_max: int, *, idle_s: float = 0.0,
           skip_torch: bool = False, memo: bool = False) -> dict[str, Any]:
-    fleet, urls = _start_fleet(world, helpers, memo)
+    fleet, urls = start_fleet(world, helpers, memo)
     frontend = None
     try:
-        frontend, port = _start_frontend(urls, fetch_timeout=120)
+        frontend, port = start_frontend(urls, fetch_timeout=120.0)
         base = f"http://127.0.0.1:{port}"
-        _get(f"{base}/stacks")  # warm connections
+        timed_get(f"{base}/stacks")  # warm connections
         row: dict[str, Any] = {"ranks": world}
-        row["fr_json_s"], body = _median(lambda: _get(f"{base}/fr_trace?format=json"), reps)
+        row["fr_json_s"], body = median_of(lambda: timed_get(f"{base}/fr_trace?format=json"), reps)
         verdict = json.loads(body)["verdict"]
-        row["fr_html_s"], html = _median(lambda: _get(f"{base}/fr_trace", "text/html"), reps)
+        row["fr_html_s"], html = median_of(lambda: timed_get(f"{base}/fr_trace", "text/html"), reps)
         row["html_bytes"] = len(html)
-        row["fr_text_s"], _ = _median(lambda: _get(f"{base}/fr_trace"), reps)
-        row["stacks_s"], _ = _median(lambda: _get(f"{base}/stacks"), reps)
-        row["overview_s"], _ = _median(lambda: _get(f"{base}/", "text/html"), reps)
-        row["rss_mb"] = _rss_peak_mb(frontend.pid)
+        row["fr_text_s"], _ = median_of(lambda: timed_get(f"{base}/fr_trace"), reps)
+        row["stacks_s"], _ = median_of(lambda: timed_get(f"{base}/stacks"), reps)
+        row["overview_s"], _ = median_of(lambda: timed_get(f"{base}/", "text/html"), reps)
+        row["rss_mb"] = status_kb(frontend.pid, "VmHWM") / 1024
         row["idle_cpu"] = _idle_cpu(frontend.pid, idle_s)
         if skip_torch:
             row["torch_active_s"] = None
@@ -262,16 +121,15 @@ def bench(world: int, reps: int, helpers: int, whole_ring_max: int, *, idle_s: f
             return row
         row["torch_active_s"] = _torch_baseline(urls, _fetch_bodies(urls, only_active=True))
         if world <= whole_ring_max:
-            row["fr_whole_json_s"], _ = _median(
-                lambda: _get(f"{base}/fr_trace?format=json&onlyactive=false"), max(1, reps // 2))
+            row["fr_whole_json_s"], _ = median_of(
+                lambda: timed_get(f"{base}/fr_trace?format=json&onlyactive=false"), max(1, reps // 2))
             row["torch_whole_s"] = _torch_baseline(urls, _fetch_bodies(urls, only_active=False))
         row["verdict"] = verdict
         return row
     finally:
         if frontend is not None:
-            frontend.terminate()
-            frontend.wait(10)
-        _stop_fleet(fleet)
+            end_process(frontend)
+        stop_fleet(fleet)
 
 
 def _fmt(x: float | None) -> str:
@@ -317,11 +175,7 @@ def main() -> None:
     p.add_argument("--memo", action="store_true",
                    help="fake ranks answer each distinct question once (their own serving cost "
                         "out of the page time: a real job spreads it over its hosts)")
-    p.add_argument("--serve", nargs=3, type=int, help=argparse.SUPPRESS)
     args = p.parse_args()
-    if args.serve:
-        asyncio.run(_serve(*args.serve, memo=args.memo))
-        return
     print(f"fake ranks: {RING}-entry rings from synthetic.hang_job; last rank missing from the "
           f"newest all_reduce; {args.helpers} helper processes; medians of {args.reps}"
           + ("; replies memoised per helper (--memo)" if args.memo else ""))

@@ -56,6 +56,7 @@ from aiohttp import web
 
 from debug_server import auth
 from debug_server.analysis import frwindow, members
+from debug_server.errors import first_line
 from debug_server.frontend.fanout import Collector, FrData, RankResult
 from debug_server.listen import start_sites
 from debug_server.rank import discovery
@@ -70,6 +71,7 @@ from debug_server.rank.agent_launch import (
     parse_ranks,
 )
 from debug_server.rank.discovery import NOT_REGISTERED, WorkerAddr
+from debug_server.rank.wire import HandlerError, handler_routes
 
 if TYPE_CHECKING:
     import torch.distributed as dist
@@ -90,14 +92,18 @@ REGISTER_TIMEOUT_S = 300.0
 # Parameters
 
 
-class BadParam(Exception):
-    pass
+class BadParam(HandlerError):
+    """A bad query parameter: 400 with a one-line reason."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(400, reason)
 
 
 def _only(q: Mapping[str, str], allowed: set[str]) -> None:
     for k in q:
         if k not in allowed:
-            raise BadParam(f"unknown parameter {k!r} (allowed: {', '.join(sorted(allowed))})")
+            raise BadParam(f"unknown parameter {k!r} "
+                           f"(allowed: {', '.join(sorted(allowed)) or 'none'})")
 
 
 def _flag(q: Mapping[str, str], name: str) -> bool:
@@ -145,14 +151,14 @@ class HostRegistry:
                              strict=True)) if with_meta else {}
         except Exception as e:  # the store is gone: every rank unknown, one reason
             self._store = None
-            reason = f"{NOT_REGISTERED} (agent: store unavailable: {_first_line(e)})"
+            reason = f"{NOT_REGISTERED} (agent: store unavailable: {first_line(e, 200)})"
             return [WorkerAddr(r, None, reason) for r in self.ranks]
         out = []
         for r in self.ranks:
             if r not in urls:
                 out.append(WorkerAddr(r, None, NOT_REGISTERED))
                 continue
-            meta = _json_dict(metas.get(r))
+            meta = discovery.meta_dict(metas.get(r))
             if r in metas and (meta is None or meta.get("restart") != self._restart):
                 out.append(WorkerAddr(r, None, f"{NOT_REGISTERED} (stale or unreadable sidecar)"))
             elif meta is not None and meta.get(META_KEY) not in (None, self._id):
@@ -359,29 +365,15 @@ async def _agent_info(request: web.Request, q: Mapping[str, str]) -> web.Respons
 
 HANDLERS = {FR: _agent_fr, STACKS: _agent_stacks, FETCH: _agent_fetch, INFO: _agent_info}
 
-routes = web.RouteTableDef()
 
-
-@routes.get("/handler/")
-async def list_handlers(request: web.Request) -> web.Response:
-    return web.json_response(sorted(HANDLERS))
-
-
-@routes.post("/handler/{name}")
-async def run_handler(request: web.Request) -> web.Response:
+def _counted(request: web.Request) -> web.Request:
+    """What the agent's handlers take: the request; each call is counted (``INFO`` shows it)."""
     name = request.match_info["name"]
-    handler = HANDLERS.get(name)
-    if handler is None:
-        return web.Response(status=404, text=f"Handler {name[:80]} not found")
     request.app[COUNTS][name] = request.app[COUNTS].get(name, 0) + 1
-    try:
-        return await handler(request, {k: request.query.getone(k) for k in request.query})
-    except BadParam as e:
-        return web.Response(status=400, text=str(e))
-    except Exception as e:  # one line to the caller, the traceback to the agent's log
-        logger.exception("debug_server agent: %s failed", name)
-        return web.Response(status=500, text=f"{name} failed: {type(e).__name__}: "
-                                             f"{_first_line(e)}")
+    return request
+
+
+routes = handler_routes(HANDLERS, _counted, "agent")
 
 
 def make_agent_app(registry: Any, my_id: str, *, fetch_timeout: float,
@@ -532,22 +524,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 token = auth.read_token(store, args.restart_count)
         except Exception as e:
             logger.error("debug_server agent %s: cannot reach the store %s:%s: %s", args.host_id,
-                         args.master_addr, args.master_port, _first_line(e))
+                         args.master_addr, args.master_port, first_line(e, 200))
             return 2
     return asyncio.run(_serve(args, registry, token, store))
-
-
-def _json_dict(raw: bytes | None) -> dict[str, Any] | None:
-    try:
-        v = json.loads(raw) if raw is not None else None
-    except ValueError:
-        return None
-    return v if isinstance(v, dict) else None
-
-
-def _first_line(e: BaseException) -> str:
-    lines = str(e).strip().splitlines()
-    return lines[0][:200] if lines else type(e).__name__
 
 
 if __name__ == "__main__":

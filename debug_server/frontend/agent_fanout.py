@@ -237,7 +237,7 @@ class AgentCollector(Collector):
                        directly: Any) -> list[RankResult]:
         replies = await asyncio.gather(*(self._reply(ag, rs, handler, params, _parse_grouped)
                                          for ag, rs in plan),
-                                       directly(direct) if direct else _none())
+                                       directly(direct) if direct else asyncio.sleep(0))
         results: list[RankResult] = list(replies[-1] or [])
         rest: list[WorkerAddr] = []
         for (_, rs), got in zip(plan, replies[:-1], strict=True):
@@ -394,10 +394,6 @@ class AgentCollector(Collector):
             dumps.update(plain.dumps)
         self.states.update(results)
         return FrData(sorted(results, key=lambda r: r.rank), dumps)
-
-
-async def _none() -> list[RankResult]:
-    return []
 
 
 def _ranks(rs: Sequence[WorkerAddr]) -> str:

@@ -21,6 +21,7 @@ from urllib.parse import urlencode
 import aiohttp
 
 from debug_server.analysis import frwindow, members
+from debug_server.errors import first_line
 from debug_server.rank import pyspy
 from debug_server.rank.discovery import NOT_REGISTERED, WorkerAddr
 from debug_server.rank.sigstack import SignalCapture
@@ -103,11 +104,11 @@ async def fetch_one(
         return done(TIMED_OUT, f"timed out after {timeout:.1f} s")
     except (aiohttp.ClientConnectionError, OSError) as e:
         elapsed = time.monotonic() - start
-        detail = _short(e)
+        detail = first_line(e, 200, empty='')
         return done(UNREACHABLE, f"unreachable after {elapsed:.1f} s"
                     + (f" ({detail})" if detail else ""))
     except aiohttp.ClientError as e:
-        return done(FAILED, f"request failed: {type(e).__name__}: {_short(e)}")
+        return done(FAILED, f"request failed: {type(e).__name__}: {first_line(e, 200, empty='')}")
     except _TooBig as e:
         return done(FAILED, str(e))
     if code != 200:
@@ -441,7 +442,7 @@ def parse_dumps(results: Sequence[RankResult]) -> dict[int, dict[str, Any]]:
         try:
             dump = r.json()
         except ValueError as e:
-            r.status, r.error = FAILED, f"reply is not JSON ({_short(e)})"
+            r.status, r.error = FAILED, f"reply is not JSON ({first_line(e, 200, empty='')})"
             continue
         if not isinstance(dump, dict):
             r.status, r.error = FAILED, "reply is not a JSON object"
@@ -461,8 +462,3 @@ def _cut_all(dumps: Mapping[int, dict[str, Any]],
 def failure_lines(results: Sequence[RankResult]) -> list[str]:
     """One line per rank that did not answer OK."""
     return [r.line() for r in results if not r.ok]
-
-
-def _short(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return text[0][:200] if text else ""

@@ -3,6 +3,7 @@
 * ``server``: ``start_debug_server`` / ``stop_debug_server`` (the worker thread, registration,
   and spawning the frontend process on rank 0).
 * ``worker``: the aiohttp app in a daemon thread that serves stacks and the FR window.
+* ``wire``: the ``/handler/<name>`` routes and ``HandlerError``, shared with the host agent.
 * ``discovery``: registration of workers in the job's TCPStore, and finding them again.
 * ``stacks``, ``sigstack``, ``pyspy``: three ways to get a rank's Python stacks (in-process,
   by signal, from outside with py-spy).

@@ -40,6 +40,7 @@ from debug_server.config import (
     default_bind_host,
     write_inherited,
 )
+from debug_server.errors import first_line
 from debug_server.rank import agent_launch as host_agent
 from debug_server.rank import pyspy, sigstack
 from debug_server.rank.discovery import (
@@ -100,7 +101,7 @@ class _Registration:
             self.error = e
             logger.error("debug_server: rank %d could not register its worker %s in the store "
                          "%s:%d: %s", self.job.rank, self.url, self.job.master_addr,
-                         self.job.master_port, str(e).splitlines()[0] if str(e) else e)
+                         self.job.master_port, first_line(e))
         finally:
             self.done.set()
 

@@ -17,7 +17,6 @@ Flight Recorder hooks, ``StaticProvider`` serves fixed data (tests, benchmarks).
 from __future__ import annotations
 
 import asyncio
-import inspect
 import json
 import logging
 import os
@@ -30,24 +29,15 @@ from aiohttp import web
 
 from debug_server.analysis import frwindow, members
 from debug_server.auth import TokenGate, auth_middleware
-from debug_server.errors import first_line
 from debug_server.listen import start_sites
 from debug_server.rank import pyspy, rank_capture
 from debug_server.rank.stacks import capture_stacks
+from debug_server.rank.wire import HandlerError, handler_routes
 from debug_server.recording.lazy import Cut, LazyDump
 
 logger = logging.getLogger(__name__)
 
 _BOOL = {"true": True, "false": False}
-
-
-class HandlerError(Exception):
-    """An error a handler reports with an HTTP status and a one-line reason."""
-
-    def __init__(self, status: int, reason: str) -> None:
-        super().__init__(reason)
-        self.status = status
-        self.reason = reason
 
 
 class Provider(Protocol):
@@ -337,37 +327,8 @@ HANDLERS: dict[str, Handler] = {
     **rank_capture.HANDLERS,  # torch_profile, wait_counter_values
 }
 
-routes = web.RouteTableDef()
-
-
-@routes.get("/handler/")
-async def list_handlers(request: web.Request) -> web.Response:
-    return web.json_response(sorted(HANDLERS))
-
-
-@routes.post("/handler/{name}")
-async def run_handler(request: web.Request) -> web.Response:
-    name = request.match_info["name"]
-    handler = HANDLERS.get(name)
-    if handler is None:
-        return web.Response(status=404, text=f"Handler {name} not found")
-    params = {k: request.query.getone(k) for k in request.query}
-    try:
-        # Runs on this worker's own thread: a slow snapshot delays only this worker's replies.
-        out = handler(request.app[PROVIDER], params)
-        if inspect.isawaitable(out):  # a long capture (torch_profile) waits off this loop
-            out = await out
-    except HandlerError as e:
-        return web.Response(status=e.status, text=e.reason)
-    except Exception as e:  # one line to the caller, the traceback to this rank's log
-        logger.exception("debug_server worker: handler %s failed", name)
-        return web.Response(status=500,
-                            text=f"{name} failed: {type(e).__name__}: {first_line(e, 500, empty='')}")
-    if isinstance(out, web.Response):
-        return out
-    if isinstance(out, str):
-        return web.Response(text=out)
-    return web.Response(text=json.dumps(out, default=str), content_type="application/json")
+# Handlers run on this worker's own thread: a slow snapshot delays only this worker's replies.
+routes = handler_routes(HANDLERS, lambda request: request.app[PROVIDER], "worker")
 
 
 def make_worker_app(provider: Provider, gate: TokenGate | None = None) -> web.Application:
