@@ -46,6 +46,7 @@ from typing import Any, NamedTuple
 from debug_server.dumpio import FR_VERSION, write_dump_atomic
 from debug_server.errors import first_line
 from debug_server.recording.lazy import FRESH, Cut, LazyDump, Source
+from debug_server.recording.stall import _int
 
 logger = logging.getLogger(__name__)
 
@@ -338,13 +339,6 @@ def _side(recorder: str, pg_name: str, info: GroupInfo | None) -> str:
         # is there) counts each backend's collectives apart: two groups here.
         return f"{pg_name}:gloo"
     return pg_name
-
-
-def _int(v: Any, default: int) -> int:
-    try:
-        return int(v)
-    except (TypeError, ValueError):
-        return default
 
 
 def _repair_entry(e: Mapping[str, Any], key: str) -> dict[str, Any]:

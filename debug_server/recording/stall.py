@@ -61,6 +61,7 @@ def oldest_stalled(ops: Iterable[tuple[InFlightOp, float | None]], now_ns: int
 
 
 def _int(v: Any, default: int) -> int:
+    """``int(v)``, or ``default`` for what c10d writes as missing or text (also used by c10d_fr)."""
     try:
         return int(v)
     except (TypeError, ValueError):
