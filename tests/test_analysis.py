@@ -186,6 +186,30 @@ def test_all_ranks_wrapped_at_the_same_point_is_quiet():
     assert analyze(dumps)["findings"] == []
 
 
+def test_a_ring_one_collective_ahead_lost_nothing_the_others_kept():
+    # Equal rings read while rank 1 was one all_reduce further on:
+    # its ring no longer holds #10 because it recorded #30, not because history was lost.
+    # Rank 1 issued #30 just before rank 0's read (which #30 had not reached yet) and was read
+    # a moment later: seen in the test suite under load (tests/test_snapshot_skew.py).
+    dumps = S.clean(2, 31)
+    dumps[0]["entries"] = dumps[0]["entries"][10:30]
+    dumps[1]["entries"] = dumps[1]["entries"][11:31]
+    t30 = dumps[1]["entries"][-1]["time_created_ns"]
+    dumps[0]["dump_time_ns"] = t30 + 100
+    dumps[1]["dump_time_ns"] = t30 + 1_000_000
+    assert analyze(dumps)["findings"] == []
+
+
+def test_a_ring_ahead_but_shorter_than_the_holders_still_lost_history():
+    dumps = S.clean(2, 31)
+    dumps[0]["entries"] = dumps[0]["entries"][10:30]
+    dumps[1]["entries"] = dumps[1]["entries"][15:31]  # 16 entries against rank 0's 20
+    t30 = dumps[1]["entries"][-1]["time_created_ns"]
+    dumps[0]["dump_time_ns"] = t30 + 100
+    dumps[1]["dump_time_ns"] = t30 + 1_000_000
+    assert kinds(analyze(dumps)) == [("history_lost", "main_comm", 14, None, [1])]
+
+
 def test_rank_without_any_group_entry_but_pg_status_covering_it_is_history_lost():
     dumps = S.clean(2, 5)
     dumps[1]["entries"] = [make_entry(record_id=99, comm="other", seq=0)]

@@ -119,7 +119,10 @@ class _GroupScan:
                 missing.extend(cls_ranks[ci])
                 continue
             lost.extend(cls_ranks[ci])
-            if not (m.any_snap and skew.evicted_after_read(m, self.cls, ci, items, seq, lo)):
+            # Only with read times: without them, a ring ahead is also what a lost one looks
+            # like from the new end, and history_lost stays (test_snapshot_grace).
+            if not (m.any_snap and (skew.ahead_of_holders(self.cover, ci, items, seq, lo)
+                                    or skew.evicted_after_read(m, self.cls, ci, items, seq, lo))):
                 lost_real = True
         t_seq = self.rep_time.get(seq, 0)
         for r in self.no_entries:
@@ -217,7 +220,7 @@ class _GroupScan:
             n = self.lost_count
             self.m.finding(
                 "history_lost", g, self.lost_last_seq, None, lost,
-                f"{ranks_phrase(lost).capitalize()} no longer hold {n} older "
+                f"{ranks_phrase(lost).capitalize()} no longer hold{'s' if len(lost) == 1 else ''} {n} older "
                 f"collective{'s' if n > 1 else ''} of {g.label} (ring wrapped, up to "
                 f"#{self.lost_last_seq}); those were checked only on the ranks that still hold them",
             )  # fmt: skip

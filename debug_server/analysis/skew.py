@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import bisect
 import operator
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from debug_server.analysis.digest import Cell
 from debug_server.analysis.groups import RankClass
@@ -72,6 +72,20 @@ def just_issued(cls: list[ClassEntries], items: Sequence[Cell], seq: int) -> boo
             return False
         newest_read, last_issue = max(newest_read, snap), max(last_issue, t)
     return newest_read - last_issue < IN_FLIGHT_GRACE_NS
+
+
+def ahead_of_holders(cover: Mapping[int, tuple[int, int]], ci: int, items: Sequence[Cell],
+                     seq: int, lo: int) -> bool:
+    """Class ``ci``'s ring (oldest seq ``lo`` > ``seq``) holds as many of this group's
+    collectives as every holder of ``seq`` and ends at least ``lo - seq`` beyond them: it
+    issued that many more, and each pushed one old entry out. A ring that is merely ahead (a
+    rank one op further on, or read a moment later) has not lost history the others kept; no
+    clocks are needed to see it. A shorter window (a smaller ring, or one shared with other
+    groups) is not excused."""
+    held = [cover[it[0]] for it in items]
+    hi = cover[ci][1]
+    return (hi - lo >= max(h - lo_h for lo_h, h in held)
+            and hi - max(h for _, h in held) >= lo - seq)
 
 
 def evicted_after_read(
