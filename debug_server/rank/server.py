@@ -295,58 +295,14 @@ def start_debug_server(
         if _CURRENT is not None:
             raise RuntimeError("debug server already running in this process; "
                                "call stop_debug_server() first")
-        env_set: str | None = None
-        if dump_dir is not None and not os.environ.get(DUMP_PATH_ENV):
-            # The dump cycle asks every rank to write its pickle to $TORCHCOMM_FR_DUMP_TEMP_FILE
-            # <rank>; pointing it into dump_dir/per_rank puts them next to the reports, where
-            # PyTorch's fr_trace reads them with `-p rank_`. A user's own setting wins; ours is
-            # taken back by stop(), so it never outlives the server (or leaks into children).
-            env_set = os.path.join(os.path.abspath(dump_dir), "per_rank", "rank_")
-            os.environ[DUMP_PATH_ENV] = env_set
+        env_set = _point_pickles_at(dump_dir)
         # c10d's own Flight Recorder holds what DDP, FSDP and plain torch.distributed issue. It
         # sizes its ring once, when the first process group is created, from these variables:
         # before that, turn it on (2000 entries) unless the user chose; after, only a log line
-        # (below) can help. stop() takes ours back, like the dump path above.
+        # (below) can help. stop() takes ours back, like the dump path.
         pg_existed = c10d_fr.group_exists()
         fr_env_set = {} if pg_existed else c10d_fr.turn_on_env()
-        # Start the frontend first: it needs seconds to import; the worker starts meanwhile.
-        pending = _spawn_frontend(config, job) if job.rank == 0 else None
-        worker: WorkerThread | None = None
-        gate = TokenGate(auth_token) if required else None
-        # py-spy, run by the frontend or a sibling rank (neither is an ancestor), reads this
-        # process from outside when its worker cannot answer; Yama ptrace_scope=1 needs this.
-        pyspy.allow_ptrace()
-        # Stacks by signal: only where the rank opted in (a signal interrupts sleeps and polls).
-        sig = sigstack.install(signal_stacks)
-        try:
-            # The stall timeout reaches health through the hooks' process default (set below),
-            # so a hook's own stall_timeout is not overridden by the worker.
-            worker = start_worker_thread(HooksProvider(job.rank), config.host, config.worker_port,
-                                         gate=gate)
-            # Frontend and worker bind the same host, so this one address serves both links.
-            advertised = advertise(config.host, job.master_addr, job.master_port)
-            worker_url = f"http://{_url_host(advertised.host)}:{worker.port}"
-            registration = _Registration(
-                job, worker_url, gate=gate,
-                publish=auth_token if required and job.rank == 0 else None,
-                extra={**({sigstack.META_KEY: sig.meta()} if sig is not None else {}),
-                       **host_agent.rank_meta(job)} or None)
-            registration.done.wait(REGISTER_WAIT)
-            frontend_port = (wait_frontend_ready(pending, config.port) if pending is not None
-                             else None)
-        except BaseException:
-            if pending is not None:
-                _end_process(pending[0], 2.0)
-            if worker is not None:
-                worker.stop()
-            if sig is not None:
-                sig.close()
-            raise
-        handle = DebugServer(job, config, worker, worker_url,
-                             pending[0] if pending else None, frontend_port, registration)
-        handle.sigstack = sig
-        handle.gate = gate
-        handle.advertised = advertised
+        handle, advertised = _start_parts(job, config, required, signal_stacks)
         handle.env_set = env_set
         handle.fr_env_set = fr_env_set
         # This host's agent (agent.py), on its local rank 0 of a multi-host job; never waited for.
@@ -354,10 +310,75 @@ def start_debug_server(
         _CURRENT = handle
         _set_stall_default(config.stall_timeout)
     atexit.register(handle._terminate_at_exit)
+    _log_started(handle, advertised, pg_existed)
+    return handle
+
+
+def _point_pickles_at(dump_dir: str | None) -> str | None:
+    """Set ``$TORCHCOMM_FR_DUMP_TEMP_FILE`` into ``dump_dir/per_rank`` unless the user set it;
+    returns what was set (stop() takes it back), or None."""
+    if dump_dir is None or os.environ.get(DUMP_PATH_ENV):
+        return None
+    # The dump cycle asks every rank to write its pickle to $TORCHCOMM_FR_DUMP_TEMP_FILE<rank>;
+    # pointing it into dump_dir/per_rank puts them next to the reports, where PyTorch's
+    # fr_trace reads them with `-p rank_`. A user's own setting wins; ours is taken back by
+    # stop(), so it never outlives the server (or leaks into children).
+    env_set = os.path.join(os.path.abspath(dump_dir), "per_rank", "rank_")
+    os.environ[DUMP_PATH_ENV] = env_set
+    return env_set
+
+
+def _start_parts(job: JobEnv, config: ServerConfig, required: bool,
+                 signal_stacks: bool | None) -> tuple[DebugServer, Advertised]:
+    """The frontend (rank 0), the worker, the stack readers and the registration; on any
+    failure, what was started is ended again before the error propagates."""
+    # Start the frontend first: it needs seconds to import; the worker starts meanwhile.
+    pending = _spawn_frontend(config, job) if job.rank == 0 else None
+    worker: WorkerThread | None = None
+    gate = TokenGate(config.auth_token) if required else None
+    # py-spy, run by the frontend or a sibling rank (neither is an ancestor), reads this
+    # process from outside when its worker cannot answer; Yama ptrace_scope=1 needs this.
+    pyspy.allow_ptrace()
+    # Stacks by signal: only where the rank opted in (a signal interrupts sleeps and polls).
+    sig = sigstack.install(signal_stacks)
+    try:
+        # The stall timeout reaches health through the hooks' process default (set by the
+        # caller), so a hook's own stall_timeout is not overridden by the worker.
+        worker = start_worker_thread(HooksProvider(job.rank), config.host, config.worker_port,
+                                     gate=gate)
+        # Frontend and worker bind the same host, so this one address serves both links.
+        advertised = advertise(config.host, job.master_addr, job.master_port)
+        worker_url = f"http://{_url_host(advertised.host)}:{worker.port}"
+        registration = _Registration(
+            job, worker_url, gate=gate,
+            publish=config.auth_token if required and job.rank == 0 else None,
+            extra={**({sigstack.META_KEY: sig.meta()} if sig is not None else {}),
+                   **host_agent.rank_meta(job)} or None)
+        registration.done.wait(REGISTER_WAIT)
+        frontend_port = (wait_frontend_ready(pending, config.port) if pending is not None
+                         else None)
+    except BaseException:
+        if pending is not None:
+            _end_process(pending[0], 2.0)
+        if worker is not None:
+            worker.stop()
+        if sig is not None:
+            sig.close()
+        raise
+    handle = DebugServer(job, config, worker, worker_url,
+                         pending[0] if pending else None, frontend_port, registration)
+    handle.sigstack = sig
+    handle.gate = gate
+    handle.advertised = advertised
+    return handle, advertised
+
+
+def _log_started(handle: DebugServer, advertised: Advertised, pg_existed: bool) -> None:
+    job = handle.job
     # A loopback address on a multi-host job means no other host can reach this rank: say so
     # where it shows without any logging setup.
     level = logging.INFO if advertised.reachable or job.single_host else logging.WARNING
-    logger.log(level, "debug_server: rank %d worker at %s (%s)%s", job.rank, worker_url,
+    logger.log(level, "debug_server: rank %d worker at %s (%s)%s", job.rank, handle.worker_url,
                advertised.how + ("" if advertised.reachable else
                                  f"; other hosts cannot reach it: set {HOST_ENV}"),
                f"; frontend at {handle.frontend_url}" if handle.frontend_url else "")
@@ -372,7 +393,6 @@ def start_debug_server(
     if handle.frontend_url and handle.auth_token:
         # Warning level so it shows without any logging setup: the one way in for a browser.
         logger.warning("debug_server: access token required; open %s", handle.browser_url)
-    return handle
 
 
 def stop_debug_server() -> None:
