@@ -36,19 +36,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tests"))
 
-from fakefleet import (  # noqa: E402
-    cpu_s,
-    end_process,
-    median_of,
-    serve_apps,
-    split,
-    start_fleet,
-    start_frontend,
-    start_helpers,
-    status_kb,
-    stop_fleet,
-    timed_get,
-)
+import fakefleet as ff  # noqa: E402
 
 PER_HOST = 8
 PAGES = (("fr_s", "/fr_trace"), ("overview_s", "/"), ("stacks_s", "/stacks"))
@@ -64,49 +52,49 @@ async def _serve_agents(first: int, last: int, world: int, urls_file: str) -> No
         lo = h * PER_HOST
         apps.append(agent.make_agent_app(agent.StaticHostRegistry(urls[lo:lo + PER_HOST], lo, world),
                                          f"fh{h}", fetch_timeout=120.0, max_concurrency=PER_HOST))
-    await serve_apps(apps)
+    await ff.serve_apps(apps)
 
 
 def _start_agents(world: int, urls: list[str], helpers: int,
                   tmp: Path) -> tuple[list[subprocess.Popen[str]], list[str]]:
     """One agent per fake host of ``PER_HOST`` ranks, spread over ``helpers`` processes."""
     (tmp / "urls").write_text(",".join(urls))  # 16384 URLs exceed one argument's limit
-    return start_helpers(__file__, [["--serve-agents", str(lo), str(hi), str(world),
+    return ff.start_helpers(__file__, [["--serve-agents", str(lo), str(hi), str(world),
                                      str(tmp / "urls")]
-                                    for lo, hi in split(world // PER_HOST, helpers)])
+                                    for lo, hi in ff.split(world // PER_HOST, helpers)])
 
 
 def _cpu(pids: list[int]) -> float:
-    return sum(cpu_s(p) for p in pids)
+    return sum(ff.cpu_s(p) for p in pids)
 
 
 def _measure(world: int, store_port: int, reps: int, idle_s: float,
              helpers: dict[str, list[int]]) -> dict[str, Any]:
-    proc, port = start_frontend(store=("127.0.0.1", store_port), world_size=world,
+    proc, port = ff.start_frontend(store=("127.0.0.1", store_port), world_size=world,
                                 fetch_timeout=120.0)
     base = f"http://127.0.0.1:{port}"
     try:
-        timed_get(f"{base}/stacks")  # warm: connections, member lists, agent lookups
-        timed_get(f"{base}/fr_trace?format=json")
+        ff.timed_get(f"{base}/stacks")  # warm: connections, member lists, agent lookups
+        ff.timed_get(f"{base}/fr_trace?format=json")
         row: dict[str, Any] = {}
         groups = {"frontend": [proc.pid], **helpers}
         for key, path in PAGES:
             before = {g: _cpu(p) for g, p in groups.items()}
-            row[key], _ = median_of(lambda path=path: timed_get(f"{base}{path}", "text/html"), reps)
+            row[key], _ = ff.median_of(lambda path=path: ff.timed_get(f"{base}{path}", "text/html"), reps)
             # CPU seconds per page of each kind of process: on this box fakes, agents and the
             # frontend share 2 cores, so wall time includes work a real job spreads over hosts.
             row[key + "_cpu"] = {g: (_cpu(p) - before[g]) / reps for g, p in groups.items()}
-        _, body = timed_get(f"{base}/fr_trace?format=json")
+        _, body = ff.timed_get(f"{base}/fr_trace?format=json")
         fr = json.loads(body)
         row["verdict"] = fr["verdict"]
         row["via_agent"] = sum(1 for r in fr["ranks"] if (r.get("note") or "").startswith("via agent"))
-        row["rss_mb"] = status_kb(proc.pid, "VmHWM") / 1024
-        c0, t0 = cpu_s(proc.pid), time.monotonic()
+        row["rss_mb"] = ff.status_kb(proc.pid, "VmHWM") / 1024
+        c0, t0 = ff.cpu_s(proc.pid), time.monotonic()
         time.sleep(idle_s)
-        row["idle_cpu"] = (cpu_s(proc.pid) - c0) / (time.monotonic() - t0)
+        row["idle_cpu"] = (ff.cpu_s(proc.pid) - c0) / (time.monotonic() - t0)
         return row
     finally:
-        end_process(proc)
+        ff.end_process(proc)
 
 
 def bench(world: int, reps: int, helpers: int, idle_s: float, store_port: int,
@@ -116,7 +104,7 @@ def bench(world: int, reps: int, helpers: int, idle_s: float, store_port: int,
     store = dist.TCPStore("127.0.0.1", store_port, is_master=True, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=60))
     ds = dist.PrefixStore("debug_server", store)
-    fleet, urls = start_fleet(world, helpers, memo=True)
+    fleet, urls = ff.start_fleet(world, helpers, memo=True)
     agents: list[subprocess.Popen[str]] = []
     try:
         for r, u in enumerate(urls):
@@ -134,8 +122,8 @@ def bench(world: int, reps: int, helpers: int, idle_s: float, store_port: int,
         through = _measure(world, store_port, reps, idle_s, pids)
         return {"ranks": world, "direct": direct, "agents": through}
     finally:
-        stop_fleet(agents)
-        stop_fleet(fleet)
+        ff.stop_fleet(agents)
+        ff.stop_fleet(fleet)
         del store
 
 

@@ -163,6 +163,35 @@ def rank0_result(results: list[RankResult]) -> Any:
 
 
 # -- the reference demo (scripts/verify_flight_recorder.py) under torchrun ---------------------
+def reference_job(start: str, phase2: str, after_start: str = "") -> str:
+    """The reference scenario as a 2-rank gloo job script on our communicator: three
+    all_reduces and a broadcast, ``PHASE2 <phase2>`` printed, then rank 1 sleeps on the line
+    marked ``# SLEEP_LINE`` instead of joining all_reduce #4. ``start``: the arguments of
+    ``start_debug_server``; ``after_start``: a line run right after the communicator exists."""
+    return f"""
+import os, time
+from datetime import timedelta
+import torch
+from debug_server.recording import comms, hooks
+from debug_server import start_debug_server
+
+rank = int(os.environ["RANK"])
+h = start_debug_server({start})
+comm = comms.new_comm("gloo", torch.device("cpu"), "main_comm", timeout=timedelta(seconds=80))
+hooks.FlightRecorderHook(max_entries=100).register_with_comm(comm)
+{after_start}
+t = torch.ones(1024)
+for _ in range(3):
+    comm.all_reduce(t)
+comm.broadcast(t, 0)
+print("PHASE2", {phase2}, flush=True)
+if rank == 1:
+    time.sleep(80)  # SLEEP_LINE
+else:
+    comm.all_reduce(t)
+"""
+
+
 DEMO = REPO / "scripts" / "verify_flight_recorder.py"
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from mpjob import REPO, free_port, kill_all
+from mpjob import REPO, free_port, kill_all, reference_job
 
 from debug_server.auth import TOKEN_ENV, TOKEN_HEADER, store_key
 from debug_server.frontend import attach
@@ -165,28 +165,8 @@ def test_attached_frontend_finds_torchs_cpp_worker_without_sidecar(tcp_store: An
 # A real 2-rank gloo job that hangs, with a token, attached from a separate process
 
 
-JOB = """
-import os, time
-from datetime import timedelta
-import torch
-from debug_server.recording import comms, hooks
-from debug_server import start_debug_server
-
-rank = int(os.environ["RANK"])
-h = start_debug_server(port=0, fetch_timeout=3, auth="token", dump_interval=3600)
-comm = comms.new_comm("gloo", torch.device("cpu"), "main_comm", timeout=timedelta(seconds=80))
-hooks.FlightRecorderHook(max_entries=100).register_with_comm(comm)
-assert h.wait_registered(60)
-t = torch.ones(1024)
-for _ in range(3):
-    comm.all_reduce(t)
-comm.broadcast(t, 0)
-print("PHASE2", h.auth_token, flush=True)
-if rank == 1:
-    time.sleep(80)  # never joins all_reduce #4
-else:
-    comm.all_reduce(t)
-"""
+JOB = reference_job('port=0, fetch_timeout=3, auth="token", dump_interval=3600',
+                    "h.auth_token", after_start="assert h.wait_registered(60)")
 
 
 @pytest.mark.timeout(120)

@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 from conftest import free_port, make_job
+from mpjob import reference_job
 
 import debug_server
 from debug_server.config import (
@@ -284,29 +285,9 @@ async def test_our_frontend_reads_torchs_cpp_workers(aiohttp_client: Any, tcp_st
 # A real 2-rank gloo job that hangs
 
 
-JOB = """
-import os, time
-from datetime import timedelta
-import torch
-from debug_server.recording import comms, hooks
-from debug_server import start_debug_server
-
-rank = int(os.environ["RANK"])
 # port=0: a port picked in advance can be taken meanwhile by a worker's ephemeral bind.
-h = start_debug_server(port=0, dump_dir=os.environ["DUMP_DIR"],
-                       dump_interval=1, fetch_timeout=3, stall_timeout=2)
-comm = comms.new_comm("gloo", torch.device("cpu"), "main_comm", timeout=timedelta(seconds=80))
-hooks.FlightRecorderHook(max_entries=100).register_with_comm(comm)
-t = torch.ones(1024)
-for _ in range(3):
-    comm.all_reduce(t)
-comm.broadcast(t, 0)
-print("PHASE2", h.frontend_url, flush=True)
-if rank == 1:
-    time.sleep(80)  # SLEEP_LINE
-else:
-    comm.all_reduce(t)
-"""
+JOB = reference_job('port=0, dump_dir=os.environ["DUMP_DIR"], dump_interval=1, fetch_timeout=3, '
+                    'stall_timeout=2', "h.frontend_url")
 
 COLLECTIVE_ROW = re.compile(
     r"^\s*\d+\s+main_comm\s+False\s+4\s+nccl:all_reduce\s+started\s+\{1\}\s+\{0, 1\}", re.M)

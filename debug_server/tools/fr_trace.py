@@ -85,18 +85,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "trace_dir", nargs="?", help="directory with one dump per rank, named <prefix><rank>[.json]"
     )
-    p.add_argument(
-        "-p",
-        "--prefix",
-        default=None,
-        help="file name prefix before the rank (inferred if omitted)",
-    )
-    p.add_argument(
-        "-j",
-        "--just_print_entries",
-        action="store_true",
-        help="print entries side by side, one column per rank",
-    )
+    p.add_argument("-p", "--prefix", default=None,
+                   help="file name prefix before the rank (inferred if omitted)")
+    p.add_argument("-j", "--just_print_entries", action="store_true",
+                   help="print entries side by side, one column per rank")
     p.add_argument(
         "--print_stack_trace", action="store_true", help="with -j: add the entries' call stacks"
     )
