@@ -41,7 +41,7 @@ that run) ~4.6 us of c10d's async-call path, which sync collectives no longer ta
 re-measured). Those figures predate the direct C++ calls (``calls``), which leave out the
 wrapper's 1.5-2.5 us per op (one CPU core; ``bench_record.py``'s "bare C++" column shows it on
 any device). Since then c10d's timing events are opt-in (see ``groups.TIMING_OPT_ENV``): on 2x
-H200 they cost 14-20 % of the mixed, small and DDP-like steps of ``bench_step.py``.
+H200 they cost 2-20 % of the mixed, small and DDP-like steps of ``bench_step.py``.
 
 Semantics worth knowing (those of ``torch.distributed`` and TorchComms):
 

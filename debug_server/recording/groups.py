@@ -78,7 +78,7 @@ _TIMING_ENV = "TORCH_NCCL_ENABLE_TIMING"
 TIMING_OPT_ENV = "DEBUG_SERVER_NCCL_TIMING"
 """``1``: c10d-backed NCCL communicators' groups record c10d's timing start events
 (``TORCH_NCCL_ENABLE_TIMING``), which also give ``duration_ms``. Off by default: on 2x H200 they
-cost 14-20 % of a step in the launch-bound and DDP-like shapes of ``bench_step.py``, while the
+cost 2-20 % of a step in the launch-bound and DDP-like shapes of ``bench_step.py``, while the
 communicator's own start marks (one untimed event per op on the issuing stream, ``comms``) give
 ``started`` for a fraction of that."""
 
