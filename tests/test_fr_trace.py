@@ -329,6 +329,11 @@ for _ in range(3):
     dist.all_reduce(t)
 dist.broadcast(t, 0)
 c10d = torch._C._distributed_c10d
+import json, time  # c10d retires a gloo op in its own thread, just after wait() returned
+deadline = time.monotonic() + 30
+while not all(e.get("retired") for e in json.loads(c10d._dump_fr_trace_json())["entries"]):
+    assert time.monotonic() < deadline, "c10d never retired the ops"
+    time.sleep(0.01)
 open(os.path.join(sys.argv[1], "trace_0"), "wb").write(c10d._dump_fr_trace())
 open(os.path.join(sys.argv[2], "trace_0.json"), "wb").write(c10d._dump_fr_trace_json())
 dist.destroy_process_group()
