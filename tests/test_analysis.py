@@ -210,6 +210,18 @@ def test_a_ring_ahead_but_shorter_than_the_holders_still_lost_history():
     assert kinds(analyze(dumps)) == [("history_lost", "main_comm", 14, None, [1])]
 
 
+def test_entries_without_a_group_description_are_still_matched():
+    # The entries say ("main_comm", "") while pg_config describes the group: before, the
+    # entries were keyed apart from their group and the missing rank went unseen.
+    dumps = S.missing_rank()
+    for d in dumps.values():
+        for e in d["entries"]:
+            e["process_group"] = ("main_comm", "")
+    r = analyze(dumps)
+    assert kinds(r) == [("missing_ranks", "main_comm", 4, "all_reduce", [1])]
+    assert [g["desc"] for g in r["groups"]] == [dumps[0]["pg_config"]["main_comm"]["desc"]]
+
+
 def test_rank_without_any_group_entry_but_pg_status_covering_it_is_history_lost():
     dumps = S.clean(2, 5)
     dumps[1]["entries"] = [make_entry(record_id=99, comm="other", seq=0)]

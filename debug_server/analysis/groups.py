@@ -66,9 +66,10 @@ def resolve_groups(
     keys: dict[GroupKey, tuple[str, bool]] = {}
     world = tuple(range(world_size))
     for c in classes:
-        for name, desc, rs, inferred in _class_groups(c, world, referenced, notes):
+        for name, desc, shown, rs, inferred in _class_groups(c, world, referenced, notes):
+            # Keyed by the entries' own (name, desc): that is what matching looks up.
             c.gkeys[(name, desc)] = (name, rs)
-            keys.setdefault((name, rs), (desc, inferred))
+            keys.setdefault((name, rs), (shown, inferred))
     by_name: dict[str, int] = {}
     for name, _ in keys:
         by_name[name] = by_name.get(name, 0) + 1
@@ -84,20 +85,20 @@ def _class_groups(
     world: tuple[int, ...],
     referenced: dict[tuple[str, str], set[int]],
     notes: list[str],
-) -> list[tuple[str, str, tuple[int, ...], bool]]:
-    """(name, desc, members, inferred) per group the class's entries name.
+) -> list[tuple[str, str, str, tuple[int, ...], bool]]:
+    """(name, desc, shown desc, members, inferred) per group the class's entries name.
 
-    ``desc`` is the entries' own, or pg_config's when the entries leave it empty.
+    ``desc`` is the entries' own; the shown one is pg_config's where the entries leave it empty.
     """
     cfg = {name: (desc, rs) for name, desc, rs in c.d.pg if rs}
     unnamed = [rs for name, _, rs in c.d.pg if rs and name == ""]
     names = {(n, dsc) for n, dsc, _ in c.d.colls} | {(n, dsc) for n, dsc, _, _ in c.d.p2p}
     unresolved = [nd for nd in names if nd[0] not in cfg]
-    out: list[tuple[str, str, tuple[int, ...], bool]] = []
+    out: list[tuple[str, str, str, tuple[int, ...], bool]] = []
     for name, desc in names:
         if name in cfg:
             desc_cfg, rs = cfg[name]
-            out.append((name, desc or desc_cfg, rs, False))
+            out.append((name, desc, desc or desc_cfg, rs, False))
             continue
         if desc == "default_pg" or (len(unresolved) == 1 and unnamed and len(unnamed) == 1):
             # PyTorch's gloo FR names the world group "0" in entries but writes its pg_config
@@ -109,5 +110,5 @@ def _class_groups(
                 f"group {name or '?'}: no ranks in pg_config; members inferred from "
                 f"the ranks whose entries name it ({format_ranks(rs)})"
             )
-        out.append((name, desc, rs, True))
+        out.append((name, desc, desc, rs, True))
     return out
