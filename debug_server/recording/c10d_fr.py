@@ -40,6 +40,7 @@ import operator
 import os
 import pickle
 import sys
+import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -249,7 +250,7 @@ class _Merging:
         return f"c10d_{side}" if side in self.taken else side
 
     def take(self, recorder: str, dump: Mapping[str, Any]) -> None:
-        raw_status = dump.get("pg_status") or {}
+        raw_status = status_by_name(recorder, dump)
         backed = _with_first_open(self.backed, raw_status)
         used: set[str] = set()
         descs: dict[str, str] = {}
@@ -462,6 +463,10 @@ def _read(c10d: Any, pickle_fn: str, json_fn: str, include_collectives: bool,
 _pg_names: dict[tuple[str, str], str] = {}
 
 
+_pg_ids: dict[tuple[str, str], str] = {}  # the reverse pairing: (recorder, name) -> id
+_learned_at: dict[str, float] = {}
+
+
 def _learn_names(recorder: str, dump: Mapping[str, Any]) -> None:
     status = dump.get("pg_status")
     if isinstance(status, Mapping) and all((recorder, str(i)) in _pg_names for i in status):
@@ -471,6 +476,47 @@ def _learn_names(recorder: str, dump: Mapping[str, Any]) -> None:
             pg = e.get("process_group")
             if isinstance(pg, (list, tuple)) and pg and "pg_id" in e:
                 _pg_names[(recorder, str(e["pg_id"]))] = str(pg[0])
+                _pg_ids[(recorder, str(pg[0]))] = str(e["pg_id"])
+
+
+def status_by_name(recorder: str, dump: Mapping[str, Any]) -> dict[str, Any]:
+    """``dump``'s ``pg_status`` keyed by group name, as its entries name groups.
+
+    c10d keys it by the group's id; an id is paired with its name by this dump's entries or an
+    earlier read's. An id never paired yet keeps its own key (for most groups it equals the
+    name; a group made with use_local_synchronization has a hashed name instead).
+    """
+    status = dump.get("pg_status")
+    if not isinstance(status, Mapping):
+        return {}
+    _learn_names(recorder, dump)
+    return {_pg_names.get((recorder, str(k)), str(k)): v for k, v in status.items()}
+
+
+def status_row(recorder: str, status: Mapping[str, Any], name: str) -> Any:
+    """The ``pg_status`` row of group ``name`` in a status-only read (keyed by id).
+
+    An id not paired with ``name`` yet is learned by one full read of the recorder (entries,
+    no stacks), at most every 2 s: that group's entries carry its id.
+    """
+    pid = _pg_ids.get((recorder, name))
+    if pid is None and name not in status and time.monotonic() - _learned_at.get(recorder, -9.0) > 2:
+        _learned_at[recorder] = time.monotonic()
+        c10d = _c10d()
+        for rec, json_fn, pickle_fn in _RECORDERS:
+            if rec == recorder and c10d is not None:
+                try:
+                    dump = _read(c10d, pickle_fn, json_fn, True, False)
+                except Exception:
+                    logger.debug("reading c10d's %s recorder for group ids failed", recorder,
+                                 exc_info=True)
+                    dump = None
+                if isinstance(dump, dict):
+                    _learn_names(recorder, dump)
+        pid = _pg_ids.get((recorder, name))
+    if pid is not None and pid in status:
+        return status[pid]
+    return status.get(name)
 
 
 def _only_unread(recorder: str, head: Mapping[str, Any], unread: frozenset[str]) -> bool:

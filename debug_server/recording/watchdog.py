@@ -20,6 +20,7 @@ import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from debug_server.recording import c10d_fr
 from debug_server.recording.abort import fail, fail_op
 from debug_server.recording.groups import _c10d_dump_fn
 from debug_server.recording.records import OpRecord
@@ -122,7 +123,8 @@ def _watch_backed(comm: Comm, now: int, limit_ns: int) -> bool:
     n = len(pend)
     if n:
         status = _c10d_nccl_status(now)
-        st = status.get(comm._c10d_name) if isinstance(status, dict) else None
+        # c10d keys its status by group id, not by the name our communicator knows.
+        st = c10d_fr.status_row("nccl", status, comm._c10d_name) if isinstance(status, dict) else None
         if st is None:
             # c10d's status cannot be read (c10d notes a group's status when it records the
             # group's first op, before our append): nothing can be known complete, so no
