@@ -123,7 +123,9 @@ def test_dumps_of_a_healthy_all_reduce_loop_have_no_finding_in_the_report_or_the
     result = json.loads(ours.stdout)
     assert (ours.returncode, result["findings"]) == (0, []), result["verdict"]
     assert result["ranks_with_data"] == [0, 1]
-    assert min(c["seq"] for c in result["collectives"]) > 2000  # the rings really wrapped
+    # The rings really wrapped: #0 is gone from both (a 2000-entry ring read at #2500 or later
+    # starts at #500 or later; how much later depends on when the last pickles were written).
+    assert min(c["seq"] for c in result["collectives"]) >= 500
     # PyTorch's own analyzer still reads pickles that say when they were taken.
     theirs = subprocess.run([sys.executable, "-m", "torch.distributed.flight_recorder.fr_trace",
                              str(per_rank), "-p", "rank_"], capture_output=True, text=True,
