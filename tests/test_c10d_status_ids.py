@@ -58,3 +58,15 @@ def test_status_of_a_hashed_name_group_is_found_by_its_name_and_no_bogus_group_a
     assert name in out["by_name"]
     assert out["merged_status"] == sorted(["0", name])
     assert out["merged_config"] == sorted(["0", name])
+
+
+def test_a_group_named_like_another_groups_id_keeps_its_own_status_row() -> None:
+    from debug_server.recording import c10d_fr
+
+    # Group "1" has id 2 (ids and names drift apart once some group has a hashed name); id 1
+    # belongs to a group with no entries in this ring.
+    dump = {"pg_status": {"2": {"last_completed_collective": 3}, "1": {"last_completed_collective": 7}},
+            "entries": [{"process_group": ["1", "sub"], "pg_id": 2, "collective_seq_id": 3}]}
+    assert c10d_fr.status_by_name("test-drift", dump)["1"] == {"last_completed_collective": 3}
+    # The watchdog's lookup by name goes through the id too.
+    assert c10d_fr.status_row("test-drift", dump["pg_status"], "1") == {"last_completed_collective": 3}

@@ -490,17 +490,24 @@ def status_by_name(recorder: str, dump: Mapping[str, Any]) -> dict[str, Any]:
     if not isinstance(status, Mapping):
         return {}
     _learn_names(recorder, dump)
-    return {_pg_names.get((recorder, str(k)), str(k)): v for k, v in status.items()}
+    pairs = [(_pg_names.get((recorder, str(k))), str(k), v) for k, v in status.items()]
+    # Unpaired ids first: a paired name equal to an unpaired id (a group "1" whose id is 2)
+    # wins the key.
+    out = {key: v for name, key, v in pairs if name is None}
+    out.update({name: v for name, _, v in pairs if name is not None})
+    return out
 
 
 def status_row(recorder: str, status: Mapping[str, Any], name: str) -> Any:
     """The ``pg_status`` row of group ``name`` in a status-only read (keyed by id).
 
     An id not paired with ``name`` yet is learned by one full read of the recorder (entries,
-    no stacks), at most every 2 s: that group's entries carry its id.
+    no stacks), at most every 2 s: that group's entries carry its id. Only then does ``name``
+    itself count as a key (a torch that keys status by name): an id equal to ``name`` may be
+    another group's.
     """
     pid = _pg_ids.get((recorder, name))
-    if pid is None and name not in status and time.monotonic() - _learned_at.get(recorder, -9.0) > 2:
+    if pid is None and time.monotonic() - _learned_at.get(recorder, -9.0) > 2:
         _learned_at[recorder] = time.monotonic()
         c10d = _c10d()
         for rec, json_fn, pickle_fn in _RECORDERS:

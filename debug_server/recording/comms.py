@@ -468,20 +468,6 @@ class Comm:
             # its kernel can start (see started_mark). Slot reuse only ever reports too late.
             _record_event(self._starts[seq & _SLOT_MASK],
                           self._streams.get(_raw_stream(self._dev_idx)) or self._current_stream())
-        if self._is_cuda and not async_op and not p2p and not self._had_p2p:
-            # The commonest op on NCCL (c10d-backed, sync): the steps below, without the
-            # branches that cannot apply. c10d's pg_status says when it completed.
-            fn, args, kw = call
-            try:
-                work = fn(*args, **kw)
-                if work is not None:
-                    work.wait()  # as torch's wrapper: the current stream waits for the op
-            except Exception as exc:
-                fail_op(self, op, seq, p2p, exc, None)
-            self._pend.append((seq, op, time.time_ns()))
-            if self._broken is not None:
-                raise_broken(self)
-            return None
         host = not self._is_cuda and not async_op
         if host:
             # gloo, sync: the op runs while this thread waits; in flight for health and the
