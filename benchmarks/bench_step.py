@@ -12,13 +12,21 @@ All with ``async_op=False`` unless said, as in the TorchComms example. A step en
 ``torch.cuda.synchronize()`` (on CPU the ops are synchronous anyway); its wall time is the figure.
 c10d reads its recorder's size when a process group is created, so the launcher runs two
 jobs: c10d's recorder off (``TORCH_FR_BUFFER_SIZE=0`` / ``TORCH_NCCL_TRACE_BUFFER_SIZE=0``) and
-on (2000, torch's default). In each job bare ``torch.distributed`` on its own group and ours
-(``new_comm`` + ``FlightRecorderHook(2000)``) run interleaved, round by round, on the same
-GPUs. Printed: medians of ms per step and the ratios; "ours / bare" compares ours with bare
-torch in the same job, so torch's default configuration (c10d FR on) is the headline. With
-c10d's recorder on, an NCCL communicator is c10d-backed (see debug_server.recording.comms), and its group
-records start events; "bare+timing" is bare torch on such a group, so the cost of those events
-shows apart from our op path.
+on (2000, torch's default). In each job the variants run interleaved, round by round, on the same
+GPUs:
+
+* ``bare``: bare ``torch.distributed`` on the process group of our communicator, so that the
+  pair ours / bare differs only in the op path (each group is its own NCCL communicator, and two
+  of them can run the small shape a few per cent apart);
+* ``bare_group``: bare torch on a group of its own;
+* ``timed``: bare torch on a group with c10d's timing (start) events, what a c10d-backed
+  communicator's group records with ``DEBUG_SERVER_NCCL_TIMING=1``;
+* ``ours``: ``new_comm`` + ``FlightRecorderHook(2000)``, as configured by default;
+* ``marks_all`` / ``unmarked`` (c10d-backed CUDA only): ours with a start mark on every
+  collective / with none (``groups.MARKS_ENV``; ours records at most one per 0.5 ms).
+
+Printed: medians of ms per step and the ratios; "ours / bare" compares ours with bare torch in
+the same job, so torch's default configuration (c10d FR on) is the headline.
 
     python benchmarks/bench_step.py --device cuda                 # 2 GPUs
     python benchmarks/bench_step.py --device cpu --rounds 5       # gloo, small shapes
@@ -135,13 +143,35 @@ def worker(args: argparse.Namespace) -> None:
                           timing=comm.c10d_backed and cuda)
 
     def bare_ar(t: torch.Tensor, async_op: bool = False) -> Any:
+        # Bare torch on our communicator's own process group: the pair ours / bare then differs
+        # only in the op path. Each group is its own NCCL communicator, and two of them can run
+        # the small shape a few per cent apart (bare_group: bare torch on a group of its own).
+        return dist.all_reduce(t, group=comm.process_group, async_op=async_op)
+
+    def bare_group_ar(t: torch.Tensor, async_op: bool = False) -> Any:
         return dist.all_reduce(t, group=bare_pg, async_op=async_op)
 
     def timed_ar(t: torch.Tensor, async_op: bool = False) -> Any:
         return dist.all_reduce(t, group=timed_pg, async_op=async_op)
 
-    steps = {"bare": Step(bare_ar, dev, cuda), "timed": Step(timed_ar, dev, cuda),
-             "ours": Step(comm.all_reduce, dev, cuda)}
+    default_gap = comm._mark_gap
+
+    def marks(mode: str) -> Callable[..., Any]:
+        """ours with its start marks set to ``mode`` (as groups.MARKS_ENV would) for this variant."""
+        def ar(t: torch.Tensor, async_op: bool = False) -> Any:
+            comm._marks = mode != "0"
+            comm._mark_gap = 0 if mode == "all" else default_gap
+            try:
+                return comm.all_reduce(t, async_op=async_op)
+            finally:
+                comm._marks, comm._mark_gap = True, default_gap
+        return ar
+
+    steps = {"bare": Step(bare_ar, dev, cuda), "bare_group": Step(bare_group_ar, dev, cuda),
+             "timed": Step(timed_ar, dev, cuda), "ours": Step(comm.all_reduce, dev, cuda)}
+    if comm._marks:  # c10d-backed on CUDA: where ours' cost goes (ours: rate-limited marks)
+        steps["marks_all"] = Step(marks("all"), dev, cuda)
+        steps["unmarked"] = Step(marks("0"), dev, cuda)
     for shape in SHAPES:  # warm-up: NCCL channels, cuBLAS, event slots
         for s in steps.values():
             for _ in range(args.warmup):
@@ -150,8 +180,8 @@ def worker(args: argparse.Namespace) -> None:
     for rnd in range(args.rounds):
         for shape in SHAPES:
             # Rotate which variant goes first, so none always follows another.
-            names = ("bare", "timed", "ours")
-            order = names[rnd % 3:] + names[:rnd % 3]
+            names = tuple(steps)
+            order = names[rnd % len(names):] + names[:rnd % len(names)]
             for v in order:
                 per = [steps[v].run(shape) for _ in range(args.steps)]
                 times[v][shape].append(statistics.median(per))
@@ -162,6 +192,9 @@ def worker(args: argparse.Namespace) -> None:
         # the budget is checked on (a slow spell of the host hits both of a pair alike).
         out["paired"] = {sh: statistics.median(o / b for o, b in zip(times["ours"][sh], times["bare"][sh], strict=True))
                          for sh in SHAPES}
+        out["paired_all"] = {v: {sh: statistics.median(o / b for o, b in zip(times[v][sh], times["bare"][sh],
+                                                                             strict=True)) for sh in SHAPES}
+                             for v in steps if v != "bare"}
         out["c10d_backed"] = comm.c10d_backed
         print("RESULT " + json.dumps(out), flush=True)
     dist.destroy_process_group()
@@ -226,6 +259,11 @@ def main() -> int:
         print(f"{sh:>6} {bare_off:>8.3f} {bare_on:>8.3f} {ours_on:>8.3f} {ratio:>12.3f} {paired:>7.3f} "
               f"{bare_on / bare_off:>8.3f} {timed_on:>11.3f} {timed_on / bare_on:>11.3f} "
               f"{ours_off:>13.3f} {ours_off / bare_off:>18.3f}")
+    print("paired against bare (c10d FR on, our communicator's group), every variant: bare_group = bare "
+          "torch on a group of its own, marks_all = ours with a start mark on every collective, "
+          "unmarked = ours without start marks (ours: at most one per 0.5 ms)")
+    for v, d in on.get("paired_all", {}).items():
+        print(f"  {v:>10}: " + "  ".join(f"{sh} {d[sh]:.3f}" for sh in SHAPES))
     if args.json:
         Path(args.json).write_text(json.dumps({"fr_off": off, "fr_on": on}, indent=1))
     if over:

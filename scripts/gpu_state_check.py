@@ -6,6 +6,8 @@
    ``completed`` after ``wait()`` + synchronize.
 2. sync: ``all_reduce`` with ``async_op=False`` returns at once while rank 1 sleeps (the host
    does not wait), reads ``started``, and ``completed`` after a stream synchronize.
+   A burst of 200 back-to-back all_reduces after a pause gets its first one marked and at most
+   one start mark per ``groups.MARK_GAP_US`` (the marks' rate limit), each reading ``started``.
 3. memory: 2000 all_reduces of fresh 64 MiB tensors that nobody waits on keep GPU memory flat
    (peak within a few tensors); 600 async ones whose works are dropped unwaited are back to the
    start after a synchronize, with a peak compared with bare torch's.
@@ -33,6 +35,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from debug_server.recording.comms import new_comm  # noqa: E402
+from debug_server.recording.groups import MARK_GAP_US  # noqa: E402
 from debug_server.recording.hooks import FlightRecorderHook  # noqa: E402
 
 MIB64 = 16 * 1024 * 1024  # float32 elements in 64 MiB
@@ -102,6 +105,23 @@ def main() -> int:
         ok["sync returns at once, started then completed"] = (
             returned_s < 0.5 and during == "started" and after == "completed" and waited_s > 2.0)
     torch.cuda.synchronize()
+    dist.barrier()
+
+    # 2b. start marks are rate-limited (groups.MARKS_ENV): a burst of 200 back-to-back
+    # collectives after a pause gets its first one marked and at most one per MARK_GAP_US.
+    time.sleep(0.01)
+    first = comm.next_seq
+    t0 = time.monotonic()
+    for _ in range(200):
+        comm.all_reduce(t)
+    burst_us = (time.monotonic() - t0) * 1e6
+    torch.cuda.synchronize()
+    marked = [s for s in range(first, first + 200) if comm._mark_seq[s & (len(comm._mark_seq) - 1)] == s]
+    say(rank, f"2b marks: {len(marked)} of 200 back-to-back collectives marked in {burst_us:.0f} us "
+        f"(first marked: {first in marked}); all read started: {all(comm.started_mark(s) for s in marked)}")
+    ok["burst: first collective marked, marks rate-limited"] = (
+        first in marked and len(marked) <= burst_us / MARK_GAP_US + 1
+        and all(comm.started_mark(s) for s in marked))
     dist.barrier()
 
     # 3. memory: 2000 x 64 MiB sync, nobody waits; async (discarded works): bare torch first, then

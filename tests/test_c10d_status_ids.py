@@ -15,7 +15,7 @@ import sys
 from mpjob import REPO, free_port
 
 JOB = """
-import json, sys, torch, torch.distributed as dist
+import json, sys, time, torch, torch.distributed as dist
 from debug_server.recording import c10d_fr
 dist.init_process_group("gloo", init_method="tcp://127.0.0.1:%d", rank=0, world_size=1)
 local = dist.new_group([0], use_local_synchronization=True, group_desc="local")
@@ -25,6 +25,13 @@ for _ in range(3):
     dist.all_reduce(t, group=local)
 name = dist.distributed_c10d._world.pg_names[local]
 c10d = torch._C._distributed_c10d
+# c10d marks a gloo op completed in its own thread just after wait() returns: read once the
+# third has been (under load that can lag the call by a while).
+deadline = time.monotonic() + 60
+while time.monotonic() < deadline and max(
+        int(r.get("last_completed_collective", 0)) for r in
+        c10d_fr._read(c10d, "_dump_fr_trace", "_dump_fr_trace_json", False, False)["pg_status"].values()) < 3:
+    time.sleep(0.02)
 whole = c10d_fr._read(c10d, "_dump_fr_trace", "_dump_fr_trace_json", True, False)
 head = c10d_fr._read(c10d, "_dump_fr_trace", "_dump_fr_trace_json", False, False)
 merged = c10d_fr.merge_c10d({"pg_config": {}, "pg_status": {}, "entries": []}, [("cpu", whole)])

@@ -20,11 +20,14 @@ Which recorder runs where:
   in-flight list for the watchdog: no stack capture, no CUDA events, no record object. The
   Flight Recorder hook records nothing per op; at dump time ``c10d_fr`` maps c10d's entries of
   that group to the communicator (its name, sequence numbers from 0, stacks from the user's
-  call site, c10d's states). c10d without its timing events never says ``started``; so each
+  call site, c10d's states). c10d without its timing events never says ``started``; so a
   collective records one untimed CUDA event (a fixed slot, no allocation) on the issuing
-  stream just before the call. It fires when everything the stream did before the collective
-  is done; the oldest collective c10d has not completed, whose mark fired, is ``started``
-  (``c10d_fr`` applies this when it reads the recorder). ``DEBUG_SERVER_NCCL_TIMING=1`` makes
+  stream just before the call, at most one per ``groups.MARK_GAP_US`` per communicator (see
+  ``groups.MARKS_ENV``: on the GPU an event between two small kernels costs more than its
+  host time). It fires when everything the stream did before the collective is done; the
+  oldest collective c10d has not completed, whose mark fired, is ``started`` (``c10d_fr``
+  applies this when it reads the recorder); one without a mark of its own is never called
+  ``started``. ``DEBUG_SERVER_NCCL_TIMING=1`` makes
   the group with c10d's own timing events instead (``duration_ms`` too, at 3-5 us per op and
   more on the GPU). A user's own pre/post hook turns on building an ``OpRecord`` per op again
   (a few microseconds each).
@@ -92,12 +95,12 @@ from torch.distributed import ReduceOp
 from debug_server.recording.abort import fail, fail_op, raise_broken
 from debug_server.recording.calls import Call, DirectCalls
 from debug_server.recording.groups import (
-    MARKS_ENV,
     RECORDER_ENV,
     TIMING_OPT_ENV,
     _c10d_backed,
     _c10d_group_name,
     _load_symbolizer,
+    _mark_gap_ns,
     _new_group,
     _timing_wanted,
 )
@@ -179,9 +182,13 @@ class Comm:
         # counts and remembers what is in flight for the watchdog. The events are made only if
         # a pre/post hook asks for our records (_ensure_slots).
         self._backed = bool(c10d_backed) and self._c10d_name is not None
-        # c10d-backed on CUDA without c10d's timing: start marks in the slots (see _issue).
-        self._marks = (self._is_cuda and self._backed and not _timing_wanted(self._backend)
-                       and os.environ.get(MARKS_ENV, "1").strip() != "0")
+        # c10d-backed on CUDA without c10d's timing: start marks in the slots (see _issue), at
+        # most one per _mark_gap ns; _mark_seq[slot] is the collective whose mark the slot holds.
+        gap = _mark_gap_ns() if self._is_cuda and self._backed and not _timing_wanted(self._backend) else None
+        self._marks = gap is not None
+        self._mark_gap = gap or 0
+        self._mark_ns = 0
+        self._mark_seq = [-1] * _SLOTS if self._marks else []
         if self._is_cuda and (self._marks or not self._backed):
             self._ensure_slots()
         # c10d-backed in-flight ops, appended by the op's thread, trimmed by the watchdog:
@@ -293,13 +300,17 @@ class Comm:
 
         True once the untimed event recorded just before the call fired: all the issuing
         stream's earlier work is done, so the collective's kernel could start; if every earlier
-        collective of this communicator completed too, it is running. False when unknown (no
-        marks, or the slot already reused by a collective 1024 or more later).
+        collective of this communicator completed too, it is running. False when unknown: no
+        mark for this collective (marks are rate-limited, ``groups.MARKS_ENV``), or its slot
+        since reused by a later one.
         """
-        if not self._marks or not 0 <= seq < self._seq or self._seq - seq > _SLOTS:
+        if not self._marks or not 0 <= seq < self._seq:
+            return False
+        slot = seq & _SLOT_MASK
+        if self._mark_seq[slot] != seq:
             return False
         try:
-            return bool(self._starts[seq & _SLOT_MASK].query())
+            return bool(self._starts[slot].query())
         except Exception:  # a CUDA error while reading: unknown, never claimed
             return False
 
@@ -463,16 +474,21 @@ class Comm:
             else:
                 seq = self._seq
                 self._seq = seq + 1
-        if self._marks and not p2p:
+        now = time.time_ns()
+        if self._marks and not p2p and (now - self._mark_ns >= self._mark_gap or now < self._mark_ns):
             # The start mark: fires once the issuing stream reached this collective, i.e. when
-            # its kernel can start (see started_mark). Slot reuse only ever reports too late.
-            _record_event(self._starts[seq & _SLOT_MASK],
-                          self._streams.get(_raw_stream(self._dev_idx)) or self._current_stream())
+            # its kernel can start (see started_mark). The slot is claimed for ``seq`` only
+            # after the record: a reader in between sees the slot's previous owner, never this
+            # collective with the previous owner's (fired) event.
+            slot = seq & _SLOT_MASK
+            _record_event(self._starts[slot], self._streams.get(_raw_stream(self._dev_idx)) or self._current_stream())
+            self._mark_seq[slot] = seq
+            self._mark_ns = now
         host = not self._is_cuda and not async_op
         if host:
             # gloo, sync: the op runs while this thread waits; in flight for health and the
             # stall check until it returns (gloo itself enforces the timeout, at this call).
-            self._host[(p2p, seq)] = (seq, op, time.time_ns(), p2p)
+            self._host[(p2p, seq)] = (seq, op, now, p2p)
         fn, args, kw = call
         try:
             work = fn(*args, **kw)
@@ -490,16 +506,16 @@ class Comm:
             if not async_op:
                 return None
             # gloo async: the work tells completion (and holds what gloo holds anyway).
-            self._pend_w.append((seq, op, time.time_ns(), p2p, work))
+            self._pend_w.append((seq, op, now, p2p, work))
             return BackedWork(self, op, seq, p2p, work)
         if p2p or self._had_p2p:
             if p2p:
                 self._had_p2p = True
-            self._pend_w.append((seq, op, time.time_ns(), p2p, work))
+            self._pend_w.append((seq, op, now, p2p, work))
         else:
             # No work kept: it holds the tensors, and a loop of sync ops on fresh tensors would
             # pile them up until the watchdog's next pass. c10d's pg_status says completion.
-            self._pend.append((seq, op, time.time_ns()))
+            self._pend.append((seq, op, now))
         if async_op:
             return BackedWork(self, op, seq, p2p, work)
         if self._broken is not None:  # c10d blocked the host (barrier) until we aborted

@@ -84,9 +84,29 @@ communicator's own start marks (one untimed event per op on the issuing stream, 
 
 
 MARKS_ENV = "DEBUG_SERVER_START_MARKS"
-"""``0``: c10d-backed CUDA communicators record no start marks (about 1.5 us of host time per
-collective on H200, ``benchmarks/bench_record_parts.py``); without c10d's timing events either,
-their ops then go from ``scheduled`` to ``completed`` without ``started``."""
+"""Start marks of c10d-backed CUDA communicators (see ``comms.Comm.started_mark``): ``1`` (the
+default) records one at most every ``MARK_GAP_US`` microseconds per communicator, ``all`` one per
+collective, ``0`` none. Every mark is an untimed CUDA event on the issuing stream, and each costs
+a launch-bound step more than its host time: on 2x H200 (torch 2.11), 200 x 4 KiB all_reduces
+per step ran 10-14 % slower with one mark per op (``benchmarks/bench_marks.py``,
+``bench_step.py``), so the default bounds their rate instead. An op without its own mark goes
+from ``scheduled`` to ``completed`` without ``started``, as c10d's own ops do without its timing
+events; a mark never reports a state its op has not reached."""
+MARK_GAP_US = 500
+"""The default's least time between two marks of one communicator: at most 2000 marks a second,
+whose cost is within 1 % of a step even at the per-op cost measured above."""
+
+
+def _mark_gap_ns() -> int | None:
+    """Nanoseconds between start marks (``MARKS_ENV``), or None for no marks."""
+    v = os.environ.get(MARKS_ENV, "1").strip().lower()
+    if v == "0":
+        return None
+    if v == "all":
+        return 0
+    if v not in ("", "1"):
+        raise ValueError(f"{MARKS_ENV}={v!r}: expected 0, 1 or all")
+    return MARK_GAP_US * 1000
 
 
 def _timing_wanted(backend: str) -> bool:
