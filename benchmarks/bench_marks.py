@@ -161,6 +161,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=21)
     ap.add_argument("--port", type=int, default=29631)
+    ap.add_argument("--max-ratio", type=float, default=None,
+                    help="exit 1 when the communicator's default (sparse) over no mark exceeds this")
     ap.add_argument("--matmuls", action="store_true", help="4 matmuls of 2048x2048 before the ops, as bench_step")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -182,6 +184,9 @@ def main() -> int:
         print(f"{k:>6}: {ms:7.3f} ms/step  paired vs none {out['paired'][k]:.3f}  "
               f"host {out['host_us'][k]:.2f} us per mark")
     print("write check (slots 0..5 after 5 writes):", out["write_check"])
+    if args.max_ratio is not None and out["paired"]["sparse"] > args.max_ratio:
+        print(f"OVER: sparse marks {out['paired']['sparse']:.3f} > {args.max_ratio}")
+        return 1
     return 0
 
 

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # GPU checks for a 2-GPU machine (device tool, kind nvidia-h100-x2), run from the source tree:
-#   PYTHONPATH=. bash scripts/gpu_checks.sh OUTDIR [all|bench|step|state|demo|preflight|nccllog|mismatch|native|ddp|profile]
+#   PYTHONPATH=. bash scripts/gpu_checks.sh OUTDIR [all|bench|marks|step|state|demo|preflight|nccllog|mismatch|native|ddp|profile]
 # bench:     recording cost per NCCL op, c10d FR off/on and ours side by side (bench_record, 1 rank)
 # step:      ms per training-like step, bare / c10d FR / ours (bench_step, 2 ranks; fails over 5 %)
+# marks:     what start marks cost a 200 x 4 KiB step, per kind (bench_marks; fails when the
+#            default, rate-limited marks cost over 5 %)
 # state:     stream-ordered ops, true states, flat memory over 2000 x 64 MiB, watchdog timeout
 # demo:      the reference demo on nccl/cuda: pages during the hang, dumps, both analyzers
 # preflight: busbw sweep up to 1 GiB
@@ -27,6 +29,12 @@ FAILED_CHECKS=""
 if want bench; then
 echo "=== bench_record (nccl, 1 rank): per-op cost, c10d FR off/on and ours side by side ==="
 timeout 300 python benchmarks/bench_record.py --device cuda --port 29610 2>&1 | grep -v Warning | tee "$OUT/bench_record.txt"
+fi
+
+if want marks; then
+echo "=== bench_marks (2 ranks): start marks per kind on a 4 matmuls + 200 x 4 KiB step; fails over 5 % ==="
+timeout 300 python benchmarks/bench_marks.py --matmuls --port 29631 --max-ratio 1.05 2>&1 | grep -v Warning | tee "$OUT/bench_marks.txt"
+[ "${PIPESTATUS[0]}" -eq 0 ] || FAILED_CHECKS="$FAILED_CHECKS marks"
 fi
 
 if want step; then
