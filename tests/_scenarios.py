@@ -9,7 +9,7 @@ import json
 import os
 from typing import Any
 
-from debug_server.rank.stacks import with_source
+from debug_server.stacks import with_source
 from debug_server.tools.synthetic import hang_job, make_dump, make_entry
 
 DATA = os.path.join(os.path.dirname(__file__), "data")
@@ -230,6 +230,6 @@ def stack_in_all_reduce(user_file: str = "/job/train.py", line: int = 148) -> st
 
 
 def stack_sleeping(user_file: str, line: int, func: str = "hang_phase") -> str:
-    # As a rank ships it (rank.stacks): each frame with its source line where ``user_file``
+    # As a rank ships it (debug_server.stacks): each frame with its source line where ``user_file``
     # exists when the text is made; the analysis itself reads no files.
     return with_source(faulthandler_text([(user_file, line, func), (user_file, 120, "<module>")]))

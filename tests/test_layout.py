@@ -1,6 +1,6 @@
 """The package's layout follows docs/architecture.md: which part may import which, and no cycles.
 
-The parts, lowest first: the common modules at the package top (config, auth, listen, dumpio, errors),
+The parts, lowest first: the common modules at the package top (config, auth, listen, dumpio, errors, stacks),
 then ``recording`` and ``analysis`` (neither knows the other), then ``rank``, then ``frontend``,
 then ``tools``. A module may import its own part and any part below it, never one above, and
 the recording side (the training hot path) is imported by ``rank`` only.
@@ -15,7 +15,7 @@ from pathlib import Path
 
 PKG = Path(__file__).resolve().parents[1] / "debug_server"
 PARTS = ("recording", "rank", "frontend", "analysis", "tools")
-COMMON = {"config", "auth", "listen", "dumpio", "errors"}
+COMMON = {"config", "auth", "listen", "dumpio", "errors", "stacks"}
 # The two-line modules that keep documented imports and commands at their old names.
 SHIMS = {"comms", "hooks", "fr_trace", "nccl_log", "preflight", "view"}
 # What each part may import (besides itself and the common modules).

@@ -13,7 +13,6 @@ import pytest
 
 from debug_server.analysis import stackparse
 from debug_server.dumpio import safe_loads
-from debug_server.rank.stacks import capture_stacks, with_source
 from debug_server.rank.worker import (
     HandlerError,
     HooksProvider,
@@ -21,6 +20,7 @@ from debug_server.rank.worker import (
     make_worker_app,
     start_worker_thread,
 )
+from debug_server.stacks import capture_stacks, with_source
 from debug_server.tools import synthetic
 
 HANDLER_NAMES = {"ping", "dump_traceback", "torchcomms_fr_trace_json", "fr_trace_json",

@@ -1,7 +1,7 @@
 """Parse faulthandler-style stack dumps and summarize where a rank is.
 
 Both our workers (``faulthandler.dump_traceback(all_threads=True)``) and PyTorch's C++ worker
-(``dump_traceback``) produce the same text; ours (``rank.stacks``) add each frame's source line
+(``dump_traceback``) produce the same text; ours (``debug_server.stacks``) add each frame's source line
 under it, indented deeper, as ``traceback`` does::
 
     Thread 0x00007f3c... (most recent call first):
@@ -64,7 +64,7 @@ class Frame:
     native: bool = False
     """A C/C++ frame (py-spy ``--native``): ``filename`` is the library or source file."""
     source: str | None = None
-    """The frame's source line as the rank read it (``rank.stacks``); None when not shipped."""
+    """The frame's source line as the rank read it (``debug_server.stacks``); None when not shipped."""
 
 
 @dataclass(slots=True)

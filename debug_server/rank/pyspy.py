@@ -55,7 +55,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from debug_server.rank.stacks import with_source
+from debug_server.stacks import with_source
 
 logger = logging.getLogger(__name__)
 
@@ -237,7 +237,7 @@ def read(pid: int, *, native: bool = False, subprocesses: bool = False,
     except ValueError:
         raise PySpyError(FAILED, f"py-spy output for pid {pid} is not JSON "
                                  f"({_first_error_line(stderr or proc.stdout.decode(errors='replace'))})") from None
-    # Read on the rank's own host: its source lines ship with the stack (rank.stacks).
+    # Read on the rank's own host: its source lines ship with the stack (debug_server.stacks).
     return with_source(to_text(data, pid))
 
 

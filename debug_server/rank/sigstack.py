@@ -37,7 +37,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from debug_server.rank.stacks import with_source
+from debug_server.stacks import with_source
 
 logger = logging.getLogger(__name__)
 
@@ -164,7 +164,7 @@ def capture(pid: int, meta: Mapping[str, Any], timeout: float = CAPTURE_TIMEOUT_
             text = f.read(4 * 1024 * 1024).decode("utf-8", errors="replace")
     except OSError:
         return None
-    # Read on the rank's own host: its source lines ship with the stack (rank.stacks).
+    # Read on the rank's own host: its source lines ship with the stack (debug_server.stacks).
     return with_source(text) if text else None
 
 

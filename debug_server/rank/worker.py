@@ -31,9 +31,9 @@ from debug_server.analysis import frwindow, members
 from debug_server.auth import TokenGate, auth_middleware
 from debug_server.listen import start_sites
 from debug_server.rank import pyspy, rank_capture
-from debug_server.rank.stacks import capture_stacks
 from debug_server.rank.wire import HandlerError, handler_routes
 from debug_server.recording.lazy import Cut, LazyDump
+from debug_server.stacks import capture_stacks
 
 logger = logging.getLogger(__name__)
 

@@ -14,7 +14,6 @@ The module also keeps the list of live hooks of this process, which the per-rank
 
 from __future__ import annotations
 
-import faulthandler
 import functools
 import itertools
 import logging
@@ -32,6 +31,7 @@ import torch
 from debug_server.dumpio import FR_VERSION, write_dump_atomic
 from debug_server.recording import stall
 from debug_server.recording.lazy import Cut, LazyDump, Source
+from debug_server.stacks import capture_stacks
 
 if TYPE_CHECKING:
     from debug_server.recording.comms import Comm, HookHandle, InFlight, OpRecord
@@ -430,7 +430,8 @@ class FlightRecorderHook:
         stacks_path = os.path.join(os.path.dirname(paths[0]), f"stalled_stacks_r{rank}.txt")
         tmp = stacks_path + ".part"
         with open(tmp, "w") as f:
-            faulthandler.dump_traceback(file=f, all_threads=True)
+            # Each frame with its source line, as the worker's /stacks shows it.
+            f.write(capture_stacks())
         os.replace(tmp, stacks_path)
         paths.append(stacks_path)
         return paths
