@@ -243,6 +243,19 @@ def test_worker_pool_gives_the_same_result_as_one_process(tmp_path):
     assert json.loads(one.stdout) == json.loads(two.stdout)
 
 
+def test_worker_pool_keeps_each_ranks_own_read_time_when_ranks_share_a_digest(tmp_path):
+    from debug_server.tools.synthetic import hang_job
+
+    dumps = hang_job(8, 20, missing_rank=5)
+    base = 1_700_000_000_000_000_000
+    for r, dump in dumps.items():
+        dump["dump_time_ns"] = base + r * 1_000_000_007  # a rank's own read time: not in the class key
+    d = Path(write(tmp_path / "d", dumps))
+    loaded = fr_trace._load_all({r: str(d / f"rank_{r}") for r in dumps}, jobs=2)
+    assert {rank: digest.snap_ns for rank, _, digest, _ in loaded} == {
+        r: base + r * 1_000_000_007 for r in dumps}
+
+
 def test_module_entry_point_exit_code_and_no_traceback(tmp_path):
     (tmp_path / "d").mkdir()
     p = run_sub(["-m", "debug_server.tools.fr_trace", str(tmp_path / "d")])

@@ -150,6 +150,7 @@ class _Ref(NamedTuple):
     n_entries: int
     notes: tuple[str, ...]
     pg_progress: tuple[tuple[str, int, int], ...]
+    snap_ns: int
 
 
 # Per worker process (set by _worker_init): digest key -> local id of the digest already sent,
@@ -182,7 +183,7 @@ def _load_one(rank: int, path: str) -> _Loaded:
         rank,
         version,
         _Ref((os.getpid(), local), rank, d.status, d.oldest_ns, d.n_entries, d.notes,
-             d.pg_progress),
+             d.pg_progress, d.snap_ns),
         None,
     )
 
@@ -223,7 +224,7 @@ def _load_all(
                 payload = rep._replace(
                     rank=payload.rank, status=payload.status, oldest_ns=payload.oldest_ns,
                     n_entries=payload.n_entries, notes=payload.notes,
-                    pg_progress=payload.pg_progress,
+                    pg_progress=payload.pg_progress, snap_ns=payload.snap_ns,
                 )  # fmt: skip
             elif payload is not None:
                 local = counters.get(pid, 0)
