@@ -86,6 +86,30 @@ async def test_newest_cycle_is_shown_by_default_with_the_missing_rank(aiohttp_cl
         ("missing_ranks", 4, [1])]
 
 
+LATER = "20240101_100030"
+RANK1_AFTER = """Thread 0x00007f0000000002 (most recent call first):
+  File "/job/train.py", line 99 in wait_for_all
+  File "/job/train.py", line 150 in <module>
+"""
+
+
+async def test_hang_reports_cycle_is_shown_by_default_over_newer_ones(aiohttp_client: Any,
+                                                                       dump_dir: Path) -> None:
+    # A timeout ended the hang after the report: the newest cycle has rank 1 past its hang line.
+    write_cycle(dump_dir, LATER, S.missing_rank(), {0: RANK0_STACK, 1: RANK1_AFTER})
+    client = await _client(aiohttp_client, dump_dir)
+    body = await (await client.get("/stacks", params={"format": "json"})).json()
+    assert body["postmortem"]["cycle"] == NEW
+    assert "line 66 in hang_phase" in body["ranks"][1]["stacks"]
+    assert body["postmortem"]["hang_note"].startswith(
+        f"Showing the first dump cycle after the hang report of {NEW}: the job as it was seen hung.")
+    html = await (await client.get("/", headers={"Accept": BROWSER})).text()
+    assert f'<option value="{NEW}" selected>' in html and "as it was seen hung" in html
+    later = await (await client.get("/stacks", params={"format": "json", "cycle": LATER})).json()
+    assert later["postmortem"]["hang_note"] is None
+    assert "wait_for_all" in later["ranks"][1]["stacks"]
+
+
 async def test_cycle_query_picks_the_older_clean_cycle(aiohttp_client: Any, dump_dir: Path) -> None:
     client = await _client(aiohttp_client, dump_dir)
     body = await (await client.get("/fr_trace", params={"format": "json", "cycle": OLD})).json()
@@ -172,7 +196,7 @@ async def test_per_rank_dumps_are_a_cycle_of_their_own(aiohttp_client: Any, dump
     write_dump_atomic(str(dump_dir / "per_rank" / "rank_0"), dumps[0])
     (dump_dir / "per_rank" / "rank_1.json").write_text(json.dumps(dumps[1]))
     client = await _client(aiohttp_client, dump_dir)
-    body = await (await client.get("/", params={"format": "json"})).json()
+    body = await (await client.get("/", params={"format": "json", "cycle": "per_rank"})).json()
     pm = body["postmortem"]
     assert pm["cycle"] == "per_rank" and [c["cycle"] for c in pm["cycles"]] == [OLD, NEW, "per_rank"]
     assert pm["sources"] == {"fr": "per-rank dumps", "stacks": f"stacks_{NEW}.txt"}

@@ -72,7 +72,13 @@ def test_overview_says_post_mortem_and_names_rank_1(viewer: str, browser: Any,
     pm = browser.find_element(By.ID, "postmortem")
     assert pm.text.startswith("Post-mortem: job ended; data from ")
     options = browser.find_elements(By.CSS_SELECTOR, "#cycle-picker option")
-    assert len(options) >= 3 and options[-1].get_attribute("selected")
+    selected = [o.get_attribute("value") for o in options if o.get_attribute("selected")]
+    assert len(options) >= 3 and len(selected) == 1 and selected[0] != options[-1].get_attribute("value")
+    # By default the cycle of the hang report, the job as it was seen hung: rank 1 in hang_phase
+    # (the demo's later cycles have it past the timeout).
+    assert "as it was seen hung" in pm.text
+    stacks = _get_json(f"{viewer}/stacks?format=json&cycle={selected[0]}")["ranks"][1]["stacks"]
+    assert "hang_phase" in (stacks or "")
     banner = browser.find_element(By.CSS_SELECTOR, ".banner.bad")
     assert "Rank 1 is missing from all_reduce #4 on main_comm" in banner.text
     _shot(browser, "view_overview.png", tmp_path)

@@ -11,8 +11,9 @@ from what a dump directory holds:
   files (``/postmortem/files/<name>``).
 
 Every page carries a banner ("job ended; data from <ts>") with a picker of the dump cycles;
-``?cycle=<ts>`` picks one (a cookie keeps the choice while you follow links), the newest by
-default. Nothing here talks to a job, a TCPStore or a GPU. Files are read the analyzer's way
+``?cycle=<ts>`` picks one (a cookie keeps the choice while you follow links); by default the
+first cycle written at or after the newest hang report (the job as it was seen hung: later
+cycles may show it after a timeout ended the hang), else the newest. Nothing here talks to a job, a TCPStore or a GPU. Files are read the analyzer's way
 (JSON, or pickles of plain containers only), so a hostile file is refused, never run; a file
 that cannot be used is one line on the page and in the log.
 
@@ -80,6 +81,8 @@ _BANNER = jinja2.Environment(autoescape=True).from_string("""\
 <span class="note">{{ cycles|length }} cycle{{ "s" if cycles|length != 1 }} in {{ dir }}{% if sources %}; showing {{ sources }}{% endif %}</span></form></div>
 {% for p in problems %}<div class="where bad">{{ p }}</div>
 {% endfor %}
+{% if hang_note %}<div class="where">{{ hang_note }}</div>
+{% endif %}
 {% if reports %}<div class="where">Hang reports: {% for h in reports %}{% if h.txt %}<a href="/postmortem/files/{{ h.txt }}">{{ h.stamp }}</a>{% else %}{{ h.stamp }}{% endif %}: {{ h.verdict }}{{ "; " if not loop.last }}{% endfor %}</div>{% endif %}
 {% if files %}<div class="full">Files of this cycle: {% for f in files %}<a href="/postmortem/files/{{ f }}">{{ f }}</a>{{ " " if not loop.last }}{% endfor %}</div>{% endif %}
 </div>
@@ -115,7 +118,8 @@ SOURCE = web.AppKey("postmortem_source", DumpSource)
 
 
 def _choose(request: web.Request, scan: Scan) -> tuple[Cycle | None, bool]:
-    """The cycle asked for (``?cycle=``, else the cookie, else the newest); 404 if unknown."""
+    """The cycle asked for (``?cycle=``, else the cookie, else the one of the newest hang
+    report, else the newest); 404 if unknown."""
     raw = request.query.get("cycle")
     if raw is not None:
         cycle = scan.find(raw) if (raw == PER_RANK or STAMP_RE.match(raw)) else None
@@ -127,7 +131,7 @@ def _choose(request: web.Request, scan: Scan) -> tuple[Cycle | None, bool]:
     cookie = request.cookies.get(COOKIE)
     if cookie and (cycle := scan.find(cookie)) is not None:
         return cycle, False
-    return (scan.cycles[-1] if scan.cycles else None), False
+    return (scan.hang_cycle() or (scan.cycles[-1] if scan.cycles else None)), False
 
 
 def scan_dir_name(request: web.Request) -> str:
@@ -173,7 +177,18 @@ def _info(source: DumpSource, scan: Scan, data: CycleData) -> dict[str, Any]:
         "hang_reports": [{"stamp": h.stamp, "file": h.txt, "verdict": h.verdict}
                          for h in scan.hang_reports],
         "problems": data.problems,
+        "hang_note": _hang_note(scan, c),
     }
+
+
+def _hang_note(scan: Scan, cycle: Cycle | None) -> str | None:
+    """Why this cycle, when it is the hang report's and newer ones exist."""
+    hung = scan.hang_cycle()
+    # By stamp: a cached cycle's data holds the Cycle of the scan that loaded it.
+    if cycle is None or hung is None or cycle.stamp != hung.stamp or cycle.stamp == scan.cycles[-1].stamp:
+        return None
+    return (f"Showing the first dump cycle after the hang report of {scan.hang_reports[-1].stamp}: "
+            f"the job as it was seen hung. Newer cycles (pick one above) show it afterwards.")
 
 
 def _decorate(resp: web.Response, source: DumpSource, scan: Scan, data: CycleData) -> None:
@@ -194,7 +209,7 @@ def _decorate(resp: web.Response, source: DumpSource, scan: Scan, data: CycleDat
         html = _BANNER.render(
             when=when, cycles=[{"stamp": x.stamp, "label": x.label()} for x in scan.cycles],
             chosen=info["cycle"], dir=source.path, problems=data.problems[:20],
-            reports=scan.hang_reports[-5:], files=files,
+            reports=scan.hang_reports[-5:], files=files, hang_note=info["hang_note"],
             sources=", ".join(s for s in (fr, f"stacks from {st}" if st else None) if s))
         at = body.find("</nav>")
         at = at + len("</nav>") if at >= 0 else 0
@@ -202,6 +217,7 @@ def _decorate(resp: web.Response, source: DumpSource, scan: Scan, data: CycleDat
         return
     head = [f"POST-MORTEM: job ended; data from {when} (cycle {info['cycle']}, "
             f"{len(scan.cycles)} in {source.path}; ?cycle=<ts> picks another)"]
+    head += [f"POST-MORTEM: {info['hang_note']}"] if info["hang_note"] else []
     head += [f"POST-MORTEM: {p}" for p in data.problems[:20]]
     resp.text = "\n".join(head) + "\n\n" + body
 

@@ -102,6 +102,15 @@ class Scan:
     def find(self, stamp: str) -> Cycle | None:
         return next((c for c in self.cycles if c.stamp == stamp), None)
 
+    def hang_cycle(self) -> Cycle | None:
+        """The first dump cycle written at or after the newest hang report: the job as it was
+        seen hung. Later cycles may show it after a timeout ended the hang (ranks moved on, or
+        gone); None without a report or a cycle after it."""
+        if not self.hang_reports:
+            return None
+        at = _stamp_key(self.hang_reports[-1].stamp)
+        return next((c for c in self.cycles if c.stamp != PER_RANK and _stamp_key(c.stamp) >= at), None)
+
 
 def _stamp_key(stamp: str) -> tuple[str, int]:
     base, n = stamp[:15], stamp[16:]
