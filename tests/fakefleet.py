@@ -11,7 +11,8 @@ benchmark puts this folder on ``sys.path`` and imports it as ``fakefleet``.
   (a few ranks) and a frontend process over them; everything ended on exit.
 - ``start_fleet(world, helpers)``: thousands of ranks, spread over a few helper processes
   (``python tests/fakefleet.py --serve FIRST LAST WORLD``), each serving its ranks from one
-  event loop; ``stop_fleet`` ends them. Other apps in helper processes (agents of fake hosts):
+  event loop; ``stop_fleet`` ends them. ``c10d=True``: ranks that answer as PyTorch's own C++
+  worker does (``c10d_dump``, ``make_c10d_worker_app``). Other apps in helper processes (agents of fake hosts):
   ``start_helpers(script, args)``, each helper ending in ``serve_apps(apps)``; ``split`` cuts
   the work between helpers.
 - ``/proc`` readings of a process (``status_kb``, ``open_fds``, ``cpu_s``) and the timing
@@ -26,6 +27,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import gc
 import json
 import os
 import statistics
@@ -153,6 +155,58 @@ def _memo_middleware(cache: dict[tuple[int, str], tuple[int, bytes, str]], key: 
     return memo
 
 
+def c10d_dump(dump: Mapping[str, Any]) -> dict[str, Any]:
+    """``dump`` in c10d's own schema, as torch's C++ worker serves it (checked against a real
+    ``_WorkerServer`` over gloo, torch 2.13): entries name their group by id
+    (``process_group: ["0", "main_comm"]``), ``pg_config`` sits under an empty name,
+    ``pg_status`` is keyed by id with counters as strings, ops are ``gloo:<op>``, ``state``
+    stays ``scheduled`` (``retired`` says an op finished) and discovery times are 0."""
+    ids = {name: str(i) for i, name in enumerate(dump["pg_config"])}
+    entries = []
+    for e in dump["entries"]:
+        done = e["state"] == "completed"
+        entries.append({
+            "collective_seq_id": e["collective_seq_id"], "frames": e["frames"],
+            "input_dtypes": e["input_dtypes"], "input_sizes": e["input_sizes"],
+            "is_p2p": e["is_p2p"], "op_id": e["op_id"], "output_dtypes": e["output_dtypes"],
+            "output_sizes": e["output_sizes"], "p2p_seq_id": e["p2p_seq_id"],
+            "pg_id": int(ids[e["process_group"][0]]),
+            "process_group": [ids[e["process_group"][0]], e["process_group"][0]],
+            "profiling_name": "gloo:" + e["profiling_name"].partition(":")[2],
+            "record_id": e["record_id"], "retired": done, "state": "scheduled",
+            "thread_id": "140401007201152", "thread_name": "python",
+            "time_created_ns": e["time_created_ns"], "time_discovered_completed_ns": 0,
+            "time_discovered_started_ns": 0, "timeout_ms": e["timeout_ms"]})
+    return {
+        "comm_lib_version": "", "entries": entries, "nccl_comm_state": {},
+        # gloo's default group as torch 2.13 writes it; the fleet's dumps have one group
+        "pg_config": {"": {"desc": "", "name": "",
+                           "ranks": next(iter(dump["pg_config"].values()))["ranks"]}},
+        "pg_status": {ids[name]: {k: str(v) for k, v in st.items()}
+                      for name, st in dump["pg_status"].items()},
+        "version": "2.10"}
+
+
+def make_c10d_worker_app(fr_json: bytes, stacks: str = STACK) -> Any:
+    """A worker that answers as torch's C++ ``WorkerServer``: no ``torchcomms_*`` handlers
+    (404), and c10d's ``fr_trace_json`` whole whatever the parameters (it ignores them)."""
+    from aiohttp import web
+
+    async def handler(request: web.Request) -> web.Response:
+        name = request.match_info["name"]
+        if name == "fr_trace_json":
+            return web.Response(body=fr_json, content_type="application/json")
+        if name == "dump_traceback":
+            return web.Response(text=stacks)
+        if name == "ping":
+            return web.Response(text="pong")
+        return web.Response(status=404, text=f"Handler {name} not found")
+
+    app = web.Application()
+    app.router.add_post("/handler/{name}", handler)
+    return app
+
+
 async def serve_apps(apps: Sequence[Any]) -> None:
     """The body of a helper process: each ``web.Application`` on its own port of 127.0.0.1, all
     on this loop; prints the ports as one JSON line, then serves until stdin is closed."""
@@ -167,15 +221,25 @@ async def serve_apps(apps: Sequence[Any]) -> None:
         await site.start()
         runners.append(runner)
         ports.append(runner.addresses[0][1])
+    # A real rank or agent is a process of its own with a small heap; here thousands share one,
+    # and each of Python's full collections would scan all of their apps and data again.
+    gc.freeze()
     print(json.dumps(ports), flush=True)
     await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)  # until closed
     for r in runners:
         await r.cleanup()
 
 
-async def serve_ranks(first: int, last: int, world: int, memo: bool = False) -> None:
-    """Ranks ``first``..``last - 1`` of a ``world``-rank hang, one worker app each (``serve_apps``)."""
+async def serve_ranks(first: int, last: int, world: int, memo: bool = False,
+                      c10d: bool = False) -> None:
+    """Ranks ``first``..``last - 1`` of a ``world``-rank hang, one worker app each (``serve_apps``);
+    ``c10d``: answering as torch's C++ worker (``make_c10d_worker_app``)."""
     full, missing = rank_dumps(world)
+    if c10d:
+        texts = [json.dumps(c10d_dump(d), separators=(",", ":")).encode() for d in (full, missing)]
+        await serve_apps([make_c10d_worker_app(texts[rank == world - 1])
+                          for rank in range(first, last)])
+        return
     cache: dict[tuple[int, str], tuple[int, bytes, str]] = {}
     apps = []
     for rank in range(first, last):
@@ -215,13 +279,14 @@ def split(n: int, parts: int) -> list[tuple[int, int]]:
     return [(lo, hi) for lo, hi in zip(bounds, bounds[1:], strict=False) if lo < hi]
 
 
-def start_fleet(world: int, helpers: int,
-                memo: bool = False) -> tuple[list[subprocess.Popen[str]], list[str]]:
+def start_fleet(world: int, helpers: int, memo: bool = False,
+                c10d: bool = False) -> tuple[list[subprocess.Popen[str]], list[str]]:
     """``world`` fake ranks (the last one never issued the newest all_reduce) spread over
     ``helpers`` processes; returns the processes and one URL per rank. ``memo``: see
-    ``_memo_middleware``."""
+    ``_memo_middleware``; ``c10d``: ranks that answer as torch's C++ worker (whole rings in
+    c10d's schema, already encoded once: no serving cost to memoise)."""
     return start_helpers(__file__, [["--serve", str(lo), str(hi), str(world),
-                                     *(["--memo"] if memo else [])]
+                                     *(["--memo"] if memo else []), *(["--c10d"] if c10d else [])]
                                     for lo, hi in split(world, helpers)])
 
 
@@ -284,8 +349,9 @@ def _main() -> None:
     p = argparse.ArgumentParser(description="A helper process of start_fleet.")
     p.add_argument("--serve", nargs=3, type=int, required=True, metavar=("FIRST", "LAST", "WORLD"))
     p.add_argument("--memo", action="store_true")
+    p.add_argument("--c10d", action="store_true")
     args = p.parse_args()
-    asyncio.run(serve_ranks(*args.serve, memo=args.memo))
+    asyncio.run(serve_ranks(*args.serve, memo=args.memo, c10d=args.c10d))
 
 
 if __name__ == "__main__":

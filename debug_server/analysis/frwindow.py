@@ -223,11 +223,18 @@ def frontier(dumps: Mapping[int, Mapping[str, Any]],
                 continue
             per = bound.setdefault(g, {})
             per[rank] = min(per.get(rank, -1), seq - 1) if rank in per else -1
-    members = {g: frozenset().union(*sets) for g, sets in member_sets.items()}
+    # One distinct set (the usual case) is used as it is: a union would copy 16384 members.
+    members = {g: next(iter(sets)) if len(sets) == 1 else frozenset().union(*sets)
+               for g, sets in member_sets.items()}
     out: dict[str, int] = {}
     for g, per in bound.items():
         # A member that answered but reports nothing for g may never have reached g's first op.
-        if any(r in dumps and r not in per for r in members.get(g, ())):
+        # Walk the smaller side: an agent's 8 dumps of a 16384-member group, or one rank's own
+        # cut, must not cost a pass over every member.
+        mg = members.get(g, frozenset())
+        answered = (r for r in dumps if r in mg) if len(dumps) < len(mg) else \
+            (r for r in mg if r in dumps)
+        if any(r not in per for r in answered):
             continue
         first = min(per.values()) - margin
         if first > 0:

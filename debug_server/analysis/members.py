@@ -20,6 +20,7 @@ always resolvable; it stops learning beyond :data:`MAX_LISTS` lists or :data:`MA
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import threading
 from collections.abc import Callable, Iterable, Mapping
@@ -45,7 +46,10 @@ _weight: dict[str, int] = {}  # digest -> characters it saved or would save (how
 _chars = 0
 
 
+@functools.lru_cache(maxsize=256)
 def digest(text: str) -> str:
+    # Cached: an agent references the same 100 KB world list in each of its ranks' dumps
+    # (blake2b over it is ~75 us; the lookup hashes the str once, then compares by identity).
     return hashlib.blake2b(text.encode(), digest_size=_DIGEST_CHARS // 2).hexdigest()
 
 

@@ -57,7 +57,14 @@ from aiohttp import web
 from debug_server import auth
 from debug_server.analysis import frwindow, members
 from debug_server.errors import first_line
-from debug_server.frontend.fanout import Collector, FrData, RankResult
+from debug_server.frontend.fanout import (
+    INLINE_DUMPS,
+    MAX_BODY_BYTES,
+    Collector,
+    FrData,
+    RankResult,
+)
+from debug_server.frontend.leanhttp import LeanClient
 from debug_server.listen import start_sites
 from debug_server.rank import discovery
 from debug_server.rank.agent_launch import (
@@ -330,7 +337,9 @@ async def _agent_fr(request: web.Request, q: Mapping[str, str]) -> web.Response:
             raise BadParam(f"bad parameter window={q['window'][:20]!r}: only "
                            f"{frwindow.LOCAL_SLACK} is supported")
         fr = await collector.fr(addrs=addrs)  # cut at this host's frontier
-    body = await loop.run_in_executor(None, _fr_reply, request.app, fr, known)
+    # A host's few ranks: encoded here (a thread hop would cost more than the work).
+    body = _fr_reply(request.app, fr, known) if len(fr.dumps) <= INLINE_DUMPS else \
+        await loop.run_in_executor(None, _fr_reply, request.app, fr, known)
     return web.Response(text=body, content_type="application/json")
 
 
@@ -396,10 +405,14 @@ async def _client_ctx(app: web.Application) -> AsyncIterator[None]:
     s = app[SETTINGS]
     connector = aiohttp.TCPConnector(limit=s["concurrency"], limit_per_host=4)
     headers = {auth.TOKEN_HEADER: s["token"]} if s["token"] else None
-    async with aiohttp.ClientSession(connector=connector, headers=headers) as session:
-        app[COLLECTOR] = Collector(session, app[REGISTRY], timeout=s["timeout"],
-                                   max_concurrency=s["concurrency"])
-        yield
+    http = LeanClient(headers, per_host=4, max_body=MAX_BODY_BYTES)  # as the frontend's (app.py)
+    try:
+        async with aiohttp.ClientSession(connector=connector, headers=headers) as session:
+            app[COLLECTOR] = Collector(session, app[REGISTRY], timeout=s["timeout"],
+                                       max_concurrency=s["concurrency"], http=http)
+            yield
+    finally:
+        http.close()
     app[REGISTRY].close()
 
 

@@ -28,7 +28,7 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -38,14 +38,16 @@ import aiohttp
 from debug_server.analysis import frwindow, members
 from debug_server.frontend import agent
 from debug_server.frontend.fanout import (
+    INLINE_BYTES,
     Collector,
     FrData,
     RankResult,
     Registry,
-    _cut_all,
+    cut_off_loop,
     fetch_one,
-    parse_dumps,
+    parse_off_loop,
 )
+from debug_server.frontend.leanhttp import LeanClient
 from debug_server.rank import discovery
 from debug_server.rank.discovery import NOT_REGISTERED, WorkerAddr
 
@@ -140,8 +142,10 @@ class AgentCollector(Collector):
     """A ``Collector`` that asks one agent per host (module doc); same results as its parent."""
 
     def __init__(self, session: aiohttp.ClientSession, registry: Registry,
-                 agents: AgentDirectory, *, timeout: float, max_concurrency: int = 64) -> None:
-        super().__init__(session, registry, timeout=timeout, max_concurrency=max_concurrency)
+                 agents: AgentDirectory, *, timeout: float, max_concurrency: int = 64,
+                 http: LeanClient | None = None) -> None:
+        super().__init__(session, registry, timeout=timeout, max_concurrency=max_concurrency,
+                         http=http)
         self.agents = agents
         self.agent_timeout = 2 * timeout + AGENT_SLACK_S
         self._down: dict[str, float] = {}
@@ -171,7 +175,7 @@ class AgentCollector(Collector):
     async def _ask(self, ag: AgentAddr, handler: str, params: Mapping[str, str]) -> str:
         async with self.semaphore:
             r = await fetch_one(self.session, WorkerAddr(-1, ag.url), handler, params,
-                                self.agent_timeout)
+                                self.agent_timeout, self.http)
         if not r.ok or r.body is None:
             self._fail(ag, r.error or r.status)
         return r.body or ""
@@ -182,7 +186,9 @@ class AgentCollector(Collector):
         None when the agent failed or its reply is unusable (then it is skipped a while)."""
         try:
             body = await self._ask(ag, handler, {**params, "ranks": _ranks(rs)})
-            out = await asyncio.get_running_loop().run_in_executor(None, parse, body, ag, rs)
+            # A host's reply is small (~20 KB for 8 ranks): parsed here, a thread hop costs more.
+            out = parse(body, ag, rs) if len(body) < INLINE_BYTES else \
+                await asyncio.get_running_loop().run_in_executor(None, parse, body, ag, rs)
         except AgentFailed:
             return None
         except ValueError as e:
@@ -208,9 +214,11 @@ class AgentCollector(Collector):
     # -- the three fan-outs -------------------------------------------------------------------
 
     async def fetch(self, handler: str, params: Mapping[str, str] | None = None,
-                    addrs: Sequence[WorkerAddr] | None = None) -> list[RankResult]:
-        if handler not in agent.FETCHABLE or params:
-            return await super().fetch(handler, params, addrs)
+                    addrs: Sequence[WorkerAddr] | None = None,
+                    each: Callable[[RankResult], Awaitable[None]] | None = None,
+                    ) -> list[RankResult]:
+        if handler not in agent.FETCHABLE or params or each is not None:
+            return await super().fetch(handler, params, addrs, each)
         if addrs is None:
             addrs = await self.registry.lookup()
         plan, direct = await self._plan(addrs)
@@ -296,7 +304,7 @@ class AgentCollector(Collector):
         again = [r for r in dumps if not frwindow.covers(dumps[r], since)]
         if again:
             results, dumps = await self._again(since, again, via, addrs, results, dumps)
-        dumps = await asyncio.get_running_loop().run_in_executor(None, _cut_all, dumps, since)
+        dumps = await cut_off_loop(dumps, since)
         self.states.update(results)
         return FrData(sorted(results, key=lambda r: r.rank), dumps, since)
 
@@ -348,7 +356,7 @@ class AgentCollector(Collector):
         if not addrs:
             return [], {}
         results = await self._fr_local_round(addrs)
-        dumps = await asyncio.get_running_loop().run_in_executor(None, parse_dumps, results)
+        dumps = await parse_off_loop(results)
         return results, dumps
 
     async def _direct_since(self, since: Mapping[str, int], addrs: Sequence[WorkerAddr],
@@ -357,7 +365,7 @@ class AgentCollector(Collector):
         if not addrs:
             return [], {}
         results = await self._fr_window_round(since, addrs, first)
-        dumps = await asyncio.get_running_loop().run_in_executor(None, parse_dumps, results)
+        dumps = await parse_off_loop(results)
         return results, dumps
 
     async def _agent_fr(self, ag: AgentAddr, rs: Sequence[WorkerAddr],
@@ -477,16 +485,18 @@ def _parse_fr(body: str, ag: AgentAddr,
 
 
 def collector_for(session: aiohttp.ClientSession, registry: Registry, *, timeout: float,
-                  max_concurrency: int) -> Collector:
+                  max_concurrency: int, http: LeanClient | None = None) -> Collector:
     """The frontend's collector: through the agents where the workers are found in a store
-    (rank 0's frontend and an attached one), the plain one for fixed URLs."""
+    (rank 0's frontend and an attached one), the plain one for fixed URLs; ``http``: the lean
+    client for the fan-outs (``fanout.fetch_one``)."""
     store = getattr(registry, "store_address", None)
     if not isinstance(store, tuple):
-        return Collector(session, registry, timeout=timeout, max_concurrency=max_concurrency)
+        return Collector(session, registry, timeout=timeout, max_concurrency=max_concurrency,
+                         http=http)
     directory = AgentDirectory(store[0], store[1], getattr(registry, "restart_count", 0),
                                timeout=getattr(registry, "store_timeout", 5.0))
     return AgentCollector(session, registry, directory, timeout=timeout,
-                          max_concurrency=max_concurrency)
+                          max_concurrency=max_concurrency, http=http)
 
 
 __all__ = ["AGENT_RETRY_S", "AgentAddr", "AgentCollector", "AgentDirectory", "collector_for"]

@@ -12,8 +12,9 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 from urllib.parse import urlencode
@@ -22,6 +23,7 @@ import aiohttp
 
 from debug_server.analysis import frwindow, members
 from debug_server.errors import first_line
+from debug_server.frontend.leanhttp import BodyTooLarge, LeanClient, ProtocolError
 from debug_server.rank import pyspy
 from debug_server.rank.discovery import NOT_REGISTERED, WorkerAddr
 from debug_server.rank.sigstack import SignalCapture
@@ -87,8 +89,13 @@ async def fetch_one(
     handler: str,
     params: Mapping[str, str] | None,
     timeout: float,
+    http: LeanClient | None = None,
 ) -> RankResult:
-    """POST one handler to one worker; every failure becomes a record, never an exception."""
+    """POST one handler to one worker; every failure becomes a record, never an exception.
+
+    ``http``: the lean client for plain-HTTP workers (``leanhttp``; a third of aiohttp's CPU per
+    request), else ``session``.
+    """
     if addr.url is None:
         return RankResult(addr.rank, None, NOT_REGISTERED, error=addr.error or NOT_REGISTERED)
     url = handler_url(addr.url, handler, params)
@@ -99,7 +106,10 @@ async def fetch_one(
         return RankResult(addr.rank, addr.url, status, body, error, time.monotonic() - start, code)
 
     try:
-        code, text = await asyncio.wait_for(_post(session, url), timeout)
+        if http is not None and http.handles(url):
+            code, text = await _within(_lean_post(http, url), timeout)
+        else:
+            code, text = await asyncio.wait_for(_post(session, url), timeout)
     except asyncio.TimeoutError:  # builtin TimeoutError only from 3.11 on
         return done(TIMED_OUT, f"timed out after {timeout:.1f} s")
     except (aiohttp.ClientConnectionError, OSError) as e:
@@ -107,9 +117,9 @@ async def fetch_one(
         detail = first_line(e, 200, empty='')
         return done(UNREACHABLE, f"unreachable after {elapsed:.1f} s"
                     + (f" ({detail})" if detail else ""))
-    except aiohttp.ClientError as e:
+    except (aiohttp.ClientError, ProtocolError) as e:
         return done(FAILED, f"request failed: {type(e).__name__}: {first_line(e, 200, empty='')}")
-    except _TooBig as e:
+    except (_TooBig, BodyTooLarge) as e:
         return done(FAILED, str(e))
     if code != 200:
         reason = (text.strip().splitlines() or [""])[0][:300]
@@ -119,6 +129,21 @@ async def fetch_one(
 
 class _TooBig(Exception):
     pass
+
+
+if sys.version_info >= (3, 11):
+    async def _within(coro: Any, timeout: float) -> Any:
+        # asyncio.timeout: no task per request, as wait_for makes (a fan-out sends thousands)
+        async with asyncio.timeout(timeout):
+            return await coro
+else:  # pragma: no cover - Python 3.10
+    async def _within(coro: Any, timeout: float) -> Any:
+        return await asyncio.wait_for(coro, timeout)
+
+
+async def _lean_post(http: LeanClient, url: str) -> tuple[int, str]:
+    code, raw = await http.post(url)
+    return code, raw.decode("utf-8", errors="replace")
 
 
 async def _post(session: aiohttp.ClientSession, url: str) -> tuple[int, str]:
@@ -137,18 +162,28 @@ async def fan_out(
     *,
     timeout: float,
     semaphore: asyncio.Semaphore | None = None,
+    http: LeanClient | None = None,
+    each: Callable[[RankResult], Awaitable[None]] | None = None,
 ) -> list[RankResult]:
     """Ask every worker at once; one record per rank, in rank order.
 
     ``timeout`` is per rank and starts when that rank's request starts, so waiting for the
-    ``semaphore`` (the bound on requests in flight) does not eat into it.
+    ``semaphore`` (the bound on requests in flight) does not eat into it. ``http``: see
+    ``fetch_one``. ``each``: awaited on every record as it arrives, still inside the
+    ``semaphore`` (so at most that many replies are held before it shrinks them).
     """
 
     async def one(addr: WorkerAddr) -> RankResult:
         if semaphore is None or addr.url is None:
-            return await fetch_one(session, addr, handler, params, timeout)
+            r = await fetch_one(session, addr, handler, params, timeout, http)
+            if each is not None:
+                await each(r)
+            return r
         async with semaphore:
-            return await fetch_one(session, addr, handler, params, timeout)
+            r = await fetch_one(session, addr, handler, params, timeout, http)
+            if each is not None:
+                await each(r)
+            return r
 
     results = await asyncio.gather(*(one(a) for a in addrs))
     return sorted(results, key=lambda r: r.rank)
@@ -223,9 +258,11 @@ class Collector:
 
     def __init__(
         self, session: aiohttp.ClientSession, registry: Registry, *, timeout: float,
-        max_concurrency: int = 64,
+        max_concurrency: int = 64, http: LeanClient | None = None,
     ) -> None:
         self.session = session
+        self.http = http
+        """The lean client for the fan-outs (``leanhttp``), else ``session``; its owner closes it."""
         self.registry = registry
         self.timeout = timeout
         self.semaphore = asyncio.Semaphore(max_concurrency)
@@ -249,11 +286,12 @@ class Collector:
     async def fetch(
         self, handler: str, params: Mapping[str, str] | None = None,
         addrs: Sequence[WorkerAddr] | None = None,
+        each: Callable[[RankResult], Awaitable[None]] | None = None,
     ) -> list[RankResult]:
         if addrs is None:
             addrs = await self.registry.lookup()
         results = await fan_out(self.session, addrs, handler, params, timeout=self.timeout,
-                                semaphore=self.semaphore)
+                                semaphore=self.semaphore, http=self.http, each=each)
         self.states.update(results)
         return results
 
@@ -277,12 +315,12 @@ class Collector:
         if whole or only_active:
             params = {"onlyactive": "true" if only_active and not whole else "false"}
             results = await self._fr_round(params, addrs)
-            dumps = await asyncio.get_running_loop().run_in_executor(None, parse_dumps, results)
+            dumps = await parse_off_loop(results)
             return FrData(results, dumps)
         # Round 1: each worker cuts at its own frontier less a slack; the replies' pg_status
         # and active entries fix each communicator's frontier over all ranks.
         first = await self._fr_local_round(addrs)
-        first_dumps = await asyncio.get_running_loop().run_in_executor(None, parse_dumps, first)
+        first_dumps = await parse_off_loop(first)
         since = frwindow.frontier(first_dumps)
         # Round 2, rarely: ranks whose own cut lies above the job's frontier (a rank that
         # timed out once is not asked again: that would cost a second timeout on one page).
@@ -292,11 +330,10 @@ class Collector:
         by_rank = {r.rank: r for r in second}
         results = [by_rank.get(r.rank, r) for r in first]
         if second:
-            redone = await asyncio.get_running_loop().run_in_executor(None, parse_dumps, second)
+            redone = await parse_off_loop(second)
             first_dumps = {r: redone.get(r, d) for r, d in first_dumps.items()
                            if r not in by_rank or r in redone}
-        dumps = await asyncio.get_running_loop().run_in_executor(
-            None, _cut_all, first_dumps, since)
+        dumps = await cut_off_loop(first_dumps, since)
         return FrData(results, dumps, since)
 
     async def fr_since(self, since: Mapping[str, int], addrs: Sequence[WorkerAddr],
@@ -306,31 +343,40 @@ class Collector:
         first = {a.rank: {"pg_status": dict.fromkeys(groups.get(a.rank, since), {})}
                  for a in addrs}
         results = await self._fr_window_round(since, addrs, first)
-        dumps = await asyncio.get_running_loop().run_in_executor(None, parse_dumps, results)
-        dumps = await asyncio.get_running_loop().run_in_executor(None, _cut_all, dumps, since)
+        dumps = await parse_off_loop(results)
+        dumps = await cut_off_loop(dumps, since)
         return FrData(results, dumps, dict(since))
 
-    async def _fr_round(self, params: Mapping[str, str],
-                        addrs: Sequence[WorkerAddr]) -> list[RankResult]:
-        """One FR fan-out; a 404 from our handler retries c10d's, and the winner is remembered."""
+    async def _fr_round(self, params: Mapping[str, str], addrs: Sequence[WorkerAddr],
+                        cut: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
+                        ) -> list[RankResult]:
+        """One FR fan-out; a 404 from our handler retries c10d's, and the winner is remembered.
+
+        ``cut``: the window these replies are for (default: the one ``params`` ask for). A reply
+        over ``CUT_ON_ARRIVAL_BYTES`` (a worker that ignores the window: torch's C++ worker sends
+        its whole ring, ~1.3 MB) is cut to it as it arrives, so a fan-out over thousands of such
+        workers never holds all their rings at once.
+        """
+        each = _cutter_on_arrival(cut or _param_cut(params))
         handlers = {a.rank: self._fr_handler.get(a.url or "", FR_HANDLER) for a in addrs}
         ours = [a for a in addrs if handlers[a.rank] == FR_HANDLER]
         theirs = [a for a in addrs if handlers[a.rank] != FR_HANDLER]
-        results = await self._fr_ours(params, ours) if ours else []
+        results = await self._fr_ours(params, ours, each) if ours else []
         retry = [a for a, r in zip(ours, results, strict=True) if r.http_status == 404]
         for a in retry:
             self._fr_handler[a.url or ""] = C10D_FR_HANDLER
         retry += theirs
         if retry:
-            done = {r.rank: r for r in await self.fetch(C10D_FR_HANDLER, params, retry)}
+            done = {r.rank: r for r in await self.fetch(C10D_FR_HANDLER, params, retry, each)}
             for a in theirs:  # a restarted worker on the same URL may be ours again
                 if done[a.rank].http_status == 404:
                     self._fr_handler.pop(a.url or "", None)
             results = [done.pop(r.rank, r) for r in results] + list(done.values())
         return sorted(results, key=lambda r: r.rank)
 
-    async def _fr_ours(self, params: Mapping[str, str],
-                       addrs: Sequence[WorkerAddr]) -> list[RankResult]:
+    async def _fr_ours(self, params: Mapping[str, str], addrs: Sequence[WorkerAddr],
+                       each: Callable[[RankResult], Awaitable[None]] | None = None,
+                       ) -> list[RankResult]:
         """Our handler, told which member lists this frontend holds (``members``); a worker
         that does not know that parameter (400 naming it) is asked without it, from then on.
 
@@ -346,7 +392,7 @@ class Collector:
                 # Briefly: a stuck first rank must not delay the page by a whole timeout.
                 async with self.semaphore:
                     r = await fetch_one(self.session, a, FR_HANDLER, params,
-                                        min(self.timeout, PRIME_TIMEOUT_S))
+                                        min(self.timeout, PRIME_TIMEOUT_S), self.http)
                 if r.ok:  # else it is asked again with the others
                     self.states.update([r])
                     by_rank[r.rank] = r
@@ -355,36 +401,39 @@ class Collector:
         told = [a for a in addrs if known and a.rank not in by_rank
                 and (a.url or "") not in self._no_members]
         if not told and not by_rank:
-            return await self.fetch(FR_HANDLER, params, addrs)
+            return await self.fetch(FR_HANDLER, params, addrs, each)
         told_ranks = {a.rank for a in told}
         untold = [a for a in addrs if a.rank not in by_rank and a.rank not in told_ranks]
-        results = await self.fetch(FR_HANDLER, {**params, members.PARAM: known or ""}, told) \
-            if told else []
+        results = await self.fetch(FR_HANDLER, {**params, members.PARAM: known or ""}, told,
+                                   each) if told else []
         refused = {r.rank for r in results
                    if r.http_status == 400 and members.PARAM in (r.error or "")}
         again = untold + [a for a in told if a.rank in refused]
         self._no_members.update(a.url or "" for a in told if a.rank in refused)
         by_rank.update((r.rank, r) for r in results)
         if again:
-            by_rank.update((r.rank, r) for r in await self.fetch(FR_HANDLER, params, again))
+            by_rank.update((r.rank, r) for r in await self.fetch(FR_HANDLER, params, again, each))
         return [by_rank[a.rank] for a in addrs]  # in ``addrs`` order, as fetch would be
 
     async def _fr_local_round(self, addrs: Sequence[WorkerAddr]) -> list[RankResult]:
         knows = [a for a in addrs if (a.url or "") not in self._no_since]
         whole = [a for a in addrs if (a.url or "") in self._no_since]
         results = await self._fr_round({"window": str(frwindow.LOCAL_SLACK)}, knows)
-        return await self._whole_for_refusers(results, knows, whole)
+        return await self._whole_for_refusers(results, knows, whole, frwindow.local_window)
 
     async def _whole_for_refusers(self, results: list[RankResult], asked: Sequence[WorkerAddr],
-                                  whole: list[WorkerAddr]) -> list[RankResult]:
-        """Workers that refused our window parameters (400) get whole rings, now and later."""
+                                  whole: list[WorkerAddr],
+                                  cut: Callable[[dict[str, Any]], dict[str, Any]],
+                                  ) -> list[RankResult]:
+        """Workers that refused our window parameters (400) get whole rings, now and later
+        (``cut`` to the window as they arrive, see ``_fr_round``)."""
         refused = {r.rank for r in results if r.http_status == 400}
         for a in asked:
             if a.rank in refused:
                 self._no_since.add(a.url or "")
         whole = whole + [a for a in asked if a.rank in refused]
         if whole:
-            more = {r.rank: r for r in await self._fr_round({"onlyactive": "false"}, whole)}
+            more = {r.rank: r for r in await self._fr_round({"onlyactive": "false"}, whole, cut)}
             results = [more.pop(r.rank, r) for r in results] + list(more.values())
         return sorted(results, key=lambda r: r.rank)
 
@@ -404,7 +453,8 @@ class Collector:
                                         for text, group in by_param.items()))
         results = [r for rs in rounds for r in rs]
         knows = [a for group in by_param.values() for a in group]
-        return await self._whole_for_refusers(results, knows, whole)
+        return await self._whole_for_refusers(results, knows, whole,
+                                              lambda d: frwindow.window(d, since))
 
     async def stacks(self, addrs: Sequence[WorkerAddr] | None = None, *, native: bool = False,
                      every: bool = False) -> list[RankResult]:
@@ -451,6 +501,69 @@ def parse_dumps(results: Sequence[RankResult]) -> dict[int, dict[str, Any]]:
         members.learn(dump)
         dumps[r.rank] = dump
     return dumps
+
+
+INLINE_BYTES = 256 * 1024
+"""Replies smaller than this in all are parsed on the event loop, not on a thread: the hop and
+the GIL hand-over between threads cost more than parsing them (an agent's 8 ranks' windows are
+about 20 KB; 1024 agents on one box spent 2x the CPU on their fr replies with the hops)."""
+INLINE_DUMPS = 64
+"""Up to this many dumps are cut to the window on the event loop (a few entries each)."""
+
+
+async def parse_off_loop(results: Sequence[RankResult]) -> dict[int, dict[str, Any]]:
+    """``parse_dumps`` on a thread where the bodies are big (``INLINE_BYTES``), else here."""
+    if sum(len(r.body) for r in results if r.body) < INLINE_BYTES:
+        return parse_dumps(results)
+    return await asyncio.get_running_loop().run_in_executor(None, parse_dumps, results)
+
+
+async def cut_off_loop(dumps: Mapping[int, dict[str, Any]],
+                       since: Mapping[str, int]) -> dict[int, dict[str, Any]]:
+    """``_cut_all`` on a thread for many dumps (``INLINE_DUMPS``), else here."""
+    if len(dumps) <= INLINE_DUMPS:
+        return _cut_all(dumps, since)
+    return await asyncio.get_running_loop().run_in_executor(None, _cut_all, dumps, since)
+
+
+CUT_ON_ARRIVAL_BYTES = 256 * 1024
+"""A windowed FR reply larger than this is cut to the window as it arrives (``_fr_round``)."""
+
+
+def _param_cut(params: Mapping[str, str]) -> Callable[[dict[str, Any]], dict[str, Any]] | None:
+    """The window an FR request's parameters ask for (None: whole rings or active entries)."""
+    if "since" in params:
+        since = frwindow.parse_since(params["since"])
+        return lambda d: frwindow.window(d, since)
+    if "window" in params:
+        slack = int(params["window"])
+        return lambda d: frwindow.local_window(d, slack)
+    return None
+
+
+def _cutter_on_arrival(cut: Callable[[dict[str, Any]], dict[str, Any]] | None
+                       ) -> Callable[[RankResult], Awaitable[None]] | None:
+    if cut is None:
+        return None
+
+    async def each(r: RankResult) -> None:
+        if r.ok and r.body is not None and len(r.body) > CUT_ON_ARRIVAL_BYTES:
+            r.body = await asyncio.get_running_loop().run_in_executor(None, _cut_body, r.body,
+                                                                      cut)
+
+    return each
+
+
+def _cut_body(body: str, cut: Callable[[dict[str, Any]], dict[str, Any]]) -> str:
+    """``body`` cut to the window and encoded again; unchanged when it is not a JSON object
+    (``parse_dumps`` reports that with its own line)."""
+    try:
+        dump = json.loads(body)
+    except ValueError:
+        return body
+    if not isinstance(dump, dict):
+        return body
+    return json.dumps(cut(dump), separators=(",", ":"), default=str)
 
 
 def _cut_all(dumps: Mapping[int, dict[str, Any]],
