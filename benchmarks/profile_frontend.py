@@ -8,6 +8,7 @@ helper processes as ``bench_frontend.py`` (``tests/fakefleet.py``: real worker a
 
     python benchmarks/profile_frontend.py --ranks 2048 --page /fr_trace --accept text/html
     python benchmarks/profile_frontend.py --ranks 4096 --page / --top 25
+    python benchmarks/profile_frontend.py --ranks 256 --c10d --reps 3
 """
 
 from __future__ import annotations
@@ -103,8 +104,10 @@ def main() -> None:
     p.add_argument("--sort", default="cumulative")
     p.add_argument("--out", help="write the raw pstats here")
     p.add_argument("--memo", action="store_true", help="fake ranks memoise replies (fakefleet)")
+    p.add_argument("--c10d", action="store_true",
+                   help="fake ranks answer as torch's C++ worker (whole rings, c10d schema)")
     args = p.parse_args()
-    fleet, urls = start_fleet(args.ranks, args.helpers, args.memo)
+    fleet, urls = start_fleet(args.ranks, args.helpers, args.memo, c10d=args.c10d)
     prof = cProfile.Profile()
     try:
         times = asyncio.run(_run(urls, args.page, args.accept, args.reps, prof))

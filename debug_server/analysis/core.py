@@ -29,7 +29,7 @@ import logging
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from debug_server.analysis.digest import STATES, RankDigest, digest_dump
+from debug_server.analysis.digest import STATES, DigestMemo, RankDigest, digest_dump
 from debug_server.analysis.groups import Group, resolve_groups
 from debug_server.analysis.match import match_collectives
 from debug_server.analysis.merge import FINDING_KINDS, NCCL_CALLS_FULL_LIMIT, Merge
@@ -50,6 +50,7 @@ def analyze(
     stacks: Mapping[int, str] | None = None,
     unavailable: Mapping[int, str] | None = None,
     pg_filters: Sequence[str] | None = None,
+    digest_memo: DigestMemo | None = None,
 ) -> dict[str, Any]:
     """Match every rank's Flight Recorder entries and say what hangs and why.
 
@@ -62,6 +63,8 @@ def analyze(
         unavailable: rank -> one-line reason for ranks that gave no data ("unreachable after
             2.0 s"); listed in ``ranks_without_data`` and named in the verdict.
         pg_filters: only analyze groups whose name or desc is in this list.
+        digest_memo: digests of the caller's last analysis, for dumps built of the same
+            objects (``digest.DigestMemo``); the result is the same as without it.
 
     Returns:
         The JSON-serializable result of DESIGN.md "Analysis result (JSON)": ``world_size``,
@@ -78,10 +81,13 @@ def analyze(
     notes: list[str] = []
     for rank, dump in sorted(dumps.items()):
         try:
-            digests.append(digest_dump(int(rank), dump))
+            digests.append(digest_memo.digest(int(rank), dump) if digest_memo is not None
+                           else digest_dump(int(rank), dump))
         except Exception as e:  # noqa: BLE001 - one unusable dump must not stop the analysis
             notes.append(f"rank {rank}: dump unusable ({type(e).__name__}: {str(e)[:80]})")
             logger.warning("rank %s: dump unusable: %s", rank, e)
+    if digest_memo is not None:
+        digest_memo.done()
     return analyze_digests(
         digests,
         world_size=world_size,

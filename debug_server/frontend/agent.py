@@ -15,7 +15,10 @@ already-digested reply for the host:
   each distinct call-site stack once per reply (entries name it by index: ``"frames"``),
   long member lists once per reply (``"lists"``, references in the dumps, and none the frontend
   already holds: ``pgknown``), and the host's **mismatch signatures**: per communicator and
-  sequence number, each distinct (op, sizes, dtypes) with the ranks that issued it;
+  sequence number, each distinct (op, sizes, dtypes) with the ranks that issued it. Every reply
+  has a ``tag`` (:func:`fr_tag`); asked again with ``tag=`` and nothing but the ranks' read
+  times changed since (a hung host), the reply is ``"unchanged": true`` with the rank records
+  and each rank's ``dump_time_ns`` only (the frontend uses the dumps it holds);
 - ``agent_stacks``: per-rank status and the stacks grouped by identity (each distinct text
   once, with the ranks that have it);
 - ``agent_fetch?handler=<name>``: the same grouping for ``ping``, the health check and the
@@ -40,9 +43,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import hashlib
 import json
 import logging
 import os
+import re
 import signal
 import socket
 import sys
@@ -56,6 +61,7 @@ from aiohttp import web
 
 from debug_server import auth
 from debug_server.analysis import frwindow, members
+from debug_server.analysis.digest import SNAPSHOT_TIME_KEY
 from debug_server.errors import first_line
 from debug_server.frontend.fanout import (
     INLINE_DUMPS,
@@ -89,6 +95,10 @@ FR = "agent_fr"
 STACKS = "agent_stacks"
 FETCH = "agent_fetch"
 INFO = "agent_info"
+TAG = "tag"
+"""``agent_fr``'s conditional ask: the ``tag`` of the asker's last reply for the same question;
+when nothing but the ranks' read times changed since, the reply is ``"unchanged": true`` with
+the rank records and each rank's ``dump_time_ns`` (``"snap"``) instead of the dumps."""
 FETCHABLE = frozenset({"ping", "torchcomms_health_check", "torchcomms_fr_dump_file"})
 """Worker handlers ``agent_fetch`` relays (no parameters; the frontend asks the rest directly)."""
 PARENT_POLL_S = 1.0
@@ -300,7 +310,37 @@ def share_frames(dumps: Mapping[str, Mapping[str, Any]]) -> tuple[dict[str, Any]
     return out, frame_sets
 
 
-def _fr_reply(app: web.Application, fr: FrData, known: frozenset[str]) -> str:
+_SNAP_RE = re.compile(r'"' + SNAPSHOT_TIME_KEY + r'"\s*:\s*-?\d+')
+
+
+def fr_tag(q: Mapping[str, str], results: Sequence[RankResult]) -> str:
+    """What one ``agent_fr`` reply for query ``q`` holds, as a short hash: the question, this
+    agent's member lists, and each rank's status and reply text less its read time
+    (``dump_time_ns`` changes on every ask of a live rank; a hung one's ring does not). For the
+    default ask, ``results`` are the first round's (the rest follows from them)."""
+    h = hashlib.blake2b(digest_size=12)
+    h.update(json.dumps(sorted((k, v) for k, v in q.items() if k != TAG),
+                        separators=(",", ":")).encode())
+    h.update((members.known_param() or "").encode())
+    for r in results:
+        h.update(f"\0{r.rank}\0{r.status}\0".encode())
+        h.update(_SNAP_RE.sub("", r.body or "").encode(errors="replace"))
+    return h.hexdigest()
+
+
+def _unchanged_reply(app: web.Application, results: Sequence[RankResult], tag: str) -> str:
+    """The records and each rank's read time, read off its reply text (no parse)."""
+    rows, _ = _records(results, with_body=False)
+    snap: dict[str, int | None] = {}
+    for r in results:
+        if r.ok:
+            m = _SNAP_RE.search(r.body or "")
+            snap[str(r.rank)] = int(m.group(0).rpartition(":")[2]) if m else None
+    return json.dumps({"host": app[HOST_ID], "ranks": rows, TAG: tag, "unchanged": True,
+                       "snap": snap}, separators=(",", ":"))
+
+
+def _fr_reply(app: web.Application, fr: FrData, known: frozenset[str], tag: str) -> str:
     for r, d in fr.dumps.items():
         app[GROUPS][r] = sorted(frwindow.rank_groups(d))
     rows, _ = _records(fr.results, with_body=False)
@@ -308,12 +348,12 @@ def _fr_reply(app: web.Application, fr: FrData, known: frozenset[str]) -> str:
     dumps, frame_sets = share_frames(dumps)
     return json.dumps({"host": app[HOST_ID], "ranks": rows, "dumps": dumps, "lists": lists,
                        "frames": frame_sets, "window": fr.window,
-                       "signatures": signatures(fr.dumps)},
+                       "signatures": signatures(fr.dumps), TAG: tag},
                       default=str, separators=(",", ":"))
 
 
 async def _agent_fr(request: web.Request, q: Mapping[str, str]) -> web.Response:
-    _only(q, {"ranks", "window", "since", "whole", "onlyactive", members.PARAM})
+    _only(q, {"ranks", "window", "since", "whole", "onlyactive", members.PARAM, TAG})
     collector = request.app[COLLECTOR]
     addrs = await _addrs(request, q)
     try:
@@ -321,6 +361,7 @@ async def _agent_fr(request: web.Request, q: Mapping[str, str]) -> web.Response:
     except ValueError as e:
         raise BadParam(f"bad parameter {members.PARAM}: {e}") from None
     loop = asyncio.get_running_loop()
+    tag: str | None = None
     if "since" in q:
         try:
             since = frwindow.parse_since(q["since"])
@@ -336,10 +377,22 @@ async def _agent_fr(request: web.Request, q: Mapping[str, str]) -> web.Response:
         if "window" in q and q["window"] != str(frwindow.LOCAL_SLACK):
             raise BadParam(f"bad parameter window={q['window'][:20]!r}: only "
                            f"{frwindow.LOCAL_SLACK} is supported")
-        fr = await collector.fr(addrs=addrs)  # cut at this host's frontier
+        # Cut at this host's frontier; a host whose ranks' windows did not change since the
+        # asker's tag is answered before any of them is parsed.
+        first = await collector.fr_first_round(addrs)
+        tag = fr_tag(q, first)
+        if q.get(TAG) == tag:
+            return web.Response(text=_unchanged_reply(request.app, first, tag),
+                                content_type="application/json")
+        fr = await collector.fr_after_first(addrs, first)
+    if tag is None:
+        tag = fr_tag(q, fr.results)
+        if q.get(TAG) == tag:
+            return web.Response(text=_unchanged_reply(request.app, fr.results, tag),
+                                content_type="application/json")
     # A host's few ranks: encoded here (a thread hop would cost more than the work).
-    body = _fr_reply(request.app, fr, known) if len(fr.dumps) <= INLINE_DUMPS else \
-        await loop.run_in_executor(None, _fr_reply, request.app, fr, known)
+    body = _fr_reply(request.app, fr, known, tag) if len(fr.dumps) <= INLINE_DUMPS \
+        else await loop.run_in_executor(None, _fr_reply, request.app, fr, known, tag)
     return web.Response(text=body, content_type="application/json")
 
 

@@ -18,7 +18,9 @@ The FR window keeps its protocol across agents: round 1 asks each agent for its 
 at the host's frontier (and the direct ranks for their own cut), the job's frontier comes from
 all replies, and only the ranks whose cut lies above it are asked again with ``since=``, through
 their agent. Long member lists come once per agent reply, and not at all when this frontend
-already holds them (``pgknown``).
+already holds them (``pgknown``). FR asks are conditional (``agent.TAG``): a host whose ranks'
+windows did not change since this frontend's last ask (the hung case) answers with its rank
+records and read times only, and the dumps held from its last reply are used again.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 import aiohttp
 
 from debug_server.analysis import frwindow, members
+from debug_server.analysis.digest import SNAPSHOT_TIME_KEY, DigestMemo
 from debug_server.frontend import agent
 from debug_server.frontend.fanout import (
     INLINE_BYTES,
@@ -151,6 +154,12 @@ class AgentCollector(Collector):
         self._down: dict[str, float] = {}
         self.agent_requests = 0
         """Agent requests that gave a usable reply (tests and benchmarks read it)."""
+        self.agent_unchanged = 0
+        """``agent_fr`` replies that said "unchanged since your tag" (``_agent_fr``)."""
+        self._held: dict[tuple[str, str], tuple[Any, str, dict[int, dict[str, Any]]]] = {}
+        """(agent id, kind of ask) -> (question, tag, dumps) of its last full ``agent_fr`` reply."""
+        self.digest_memo = DigestMemo()
+        """Held dumps come back as the same objects: their digests are used again (``fr``)."""
 
     # -- which rank goes where --------------------------------------------------------------
 
@@ -306,7 +315,8 @@ class AgentCollector(Collector):
             results, dumps = await self._again(since, again, via, addrs, results, dumps)
         dumps = await cut_off_loop(dumps, since)
         self.states.update(results)
-        return FrData(sorted(results, key=lambda r: r.rank), dumps, since)
+        return FrData(sorted(results, key=lambda r: r.rank), dumps, since,
+                      digest_memo=self.digest_memo)
 
     async def _again(self, since: dict[str, int], again: list[int], via: Mapping[int, AgentAddr],
                      addrs: Sequence[WorkerAddr], results: list[RankResult],
@@ -372,11 +382,51 @@ class AgentCollector(Collector):
                         params: Mapping[str, str]) -> tuple[list[RankResult],
                                                             dict[int, dict[str, Any]]] | None:
         """One agent's FR reply as records and parsed dumps; None when the agent failed (its
-        ranks are then asked directly). Ranks it reports as not registered are left out."""
-        reply = await self._reply(ag, rs, agent.FR, params, _parse_fr)
+        ranks are then asked directly). Ranks it reports as not registered are left out.
+
+        The ask is conditional (``agent.TAG``): where this frontend holds the agent's last
+        reply to the same question, it sends that reply's tag, and an agent whose ranks' windows
+        did not change since (the hung case) answers with the records and read times only; the
+        held dumps are used again (shallow copies with the new ``dump_time_ns``)."""
+        # Not for whole rings (``_fr_plain``): holding every rank's ring would double the
+        # frontend's memory for the pages that are asked least.
+        conditional = "whole" not in params
+        slot = (ag.id, "since" if "since" in params else "local")
+        question = (_ranks(rs), tuple(sorted((k, v) for k, v in params.items()
+                                             if k != members.PARAM)))
+        held = self._held.get(slot) if conditional else None
+        if held is not None and held[0] != question:
+            held = None
+        ask = {**params, agent.TAG: held[1]} if held is not None else params
+        reply = await self._reply(ag, rs, agent.FR, ask, _parse_fr)
         if reply is None:
             return None
-        recs, dumps = reply
+        recs, dumps, tag, snap = reply
+        if snap is not None:  # "unchanged": the held dumps again
+            if held is None or tag != held[1] or not all(
+                    r.rank in held[2] for r in recs if r.ok):
+                # Another page replaced what this one held meanwhile: ask once more, plainly.
+                reply = await self._reply(ag, rs, agent.FR, params, _parse_fr)
+                if reply is None or reply[3] is not None:
+                    return None
+                recs, dumps, tag, snap = reply
+                return self._held_reply(slot, question, conditional, recs, dumps, tag)
+            dumps = {}
+            for r in recs:
+                if r.ok:
+                    dumps[r.rank] = _with_snap(held[2][r.rank], snap.get(str(r.rank)))
+                    r.body = ""
+            self.agent_unchanged += 1
+            recs = [r for r in recs if r.status != NOT_REGISTERED]
+            return recs, {r.rank: dumps[r.rank] for r in recs if r.rank in dumps}
+        return self._held_reply(slot, question, conditional, recs, dumps, tag)
+
+    def _held_reply(self, slot: tuple[str, str], question: Any, conditional: bool,
+                    recs: list[RankResult], dumps: dict[int, dict[str, Any]],
+                    tag: str) -> tuple[list[RankResult], dict[int, dict[str, Any]]]:
+        """A full ``agent_fr`` reply, held (shallow copies) for the next conditional ask."""
+        if tag and conditional:
+            self._held[slot] = (question, tag, {r: dict(d) for r, d in dumps.items()})
         recs = [r for r in recs if r.status != NOT_REGISTERED]
         return recs, {r.rank: dumps[r.rank] for r in recs if r.rank in dumps}
 
@@ -448,10 +498,27 @@ def _parse_grouped(body: str, ag: AgentAddr,
     return out
 
 
-def _parse_fr(body: str, ag: AgentAddr,
-              rs: Sequence[WorkerAddr]) -> tuple[list[RankResult], dict[int, dict[str, Any]]]:
-    """``agent_fr``: records, and each rank's dump with its member lists put back."""
+def _with_snap(dump: Mapping[str, Any], snap: Any) -> dict[str, Any]:
+    out = dict(dump)
+    if type(snap) is int:
+        out[SNAPSHOT_TIME_KEY] = snap
+    else:
+        out.pop(SNAPSHOT_TIME_KEY, None)
+    return out
+
+
+def _parse_fr(body: str, ag: AgentAddr, rs: Sequence[WorkerAddr]) -> tuple[
+        list[RankResult], dict[int, dict[str, Any]], str, dict[str, Any] | None]:
+    """``agent_fr``: records, each rank's dump with its member lists put back, the reply's tag,
+    and for an "unchanged" reply (no dumps) each rank's read time (else None)."""
     obj = _load(body)
+    tag = obj.get(agent.TAG) if isinstance(obj.get(agent.TAG), str) else ""
+    if obj.get("unchanged") is True:
+        snap = obj.get("snap")
+        if not isinstance(snap, dict) or not tag:
+            raise ValueError("an unchanged reply without its tag or read times")
+        by_rank = {a.rank: a for a in rs}
+        return [_record(row, ag, by_rank, None) for row in obj["ranks"]], {}, tag, snap
     lists, raw = obj.get("lists", {}), obj.get("dumps", {})
     if not isinstance(lists, dict) or not isinstance(raw, dict):
         raise ValueError("lists or dumps is not an object")
@@ -481,7 +548,7 @@ def _parse_fr(body: str, ag: AgentAddr,
         members.learn(d)
         dumps[r.rank] = d
         r.body = ""  # answered (the dump is parsed already); the snapshot keys on a body
-    return recs, dumps
+    return recs, dumps, tag, None
 
 
 def collector_for(session: aiohttp.ClientSession, registry: Registry, *, timeout: float,

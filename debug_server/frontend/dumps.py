@@ -163,7 +163,7 @@ def analyze_fr(fr: FrData, stacks: Sequence[RankResult] | None, world_size: int)
     """The analyzer over one fan-out's records (what pages and dumps both show)."""
     stack_texts = {r.rank: r.body for r in stacks or () if r.ok and r.body is not None}
     return analysis.analyze(fr.dumps, world_size=world_size, stacks=stack_texts or None,
-                            unavailable=fr.unavailable())
+                            unavailable=fr.unavailable(), digest_memo=fr.digest_memo)
 
 
 # ---------------------------------------------------------------------------------------------

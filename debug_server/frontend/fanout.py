@@ -22,6 +22,7 @@ from urllib.parse import urlencode
 import aiohttp
 
 from debug_server.analysis import frwindow, members
+from debug_server.analysis.digest import DigestMemo
 from debug_server.errors import first_line
 from debug_server.frontend.leanhttp import BodyTooLarge, LeanClient, ProtocolError
 from debug_server.rank import pyspy
@@ -210,6 +211,9 @@ class FrData:
     scope: str | None = None
     """What the data is, where it is not a live fetch (the post-mortem viewer: "as the dumper
     wrote it"); the page shows it instead of the fetch window."""
+    digest_memo: DigestMemo | None = None
+    """The collector's digests of its last analysis (``analysis.digest.DigestMemo``), where its
+    dumps may be the same objects again (``agent_fanout``)."""
 
     def unavailable(self) -> dict[int, str]:
         return {r.rank: r.line() for r in self.results if r.rank not in self.dumps}
@@ -319,7 +323,16 @@ class Collector:
             return FrData(results, dumps)
         # Round 1: each worker cuts at its own frontier less a slack; the replies' pg_status
         # and active entries fix each communicator's frontier over all ranks.
-        first = await self._fr_local_round(addrs)
+        return await self.fr_after_first(addrs, await self.fr_first_round(addrs))
+
+    async def fr_first_round(self, addrs: Sequence[WorkerAddr]) -> list[RankResult]:
+        """The default ``fr``'s first round alone, bodies unparsed (an agent compares them with
+        its last ones before it parses them: ``agent.fr_tag``)."""
+        return await self._fr_local_round(addrs)
+
+    async def fr_after_first(self, addrs: Sequence[WorkerAddr],
+                             first: list[RankResult]) -> FrData:
+        """The default ``fr`` from its first round's records on."""
         first_dumps = await parse_off_loop(first)
         since = frwindow.frontier(first_dumps)
         # Round 2, rarely: ranks whose own cut lies above the job's frontier (a rank that

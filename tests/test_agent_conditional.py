@@ -1,0 +1,147 @@
+"""Conditional asks of a host's agent (``agent.TAG``): a hung host costs little on a second page.
+
+Real worker apps on port 0 (each stamping its dump with the time it was read, as a live rank's
+recorder does) behind real agent apps on port 0, read by the frontend's ``AgentCollector``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Mapping
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp import web
+from test_agent import _Directory, _Registry, _start  # the same fakes of a store
+
+from debug_server.analysis.core import analyze
+from debug_server.analysis.digest import SNAPSHOT_TIME_KEY, DigestMemo, digest_dump
+from debug_server.frontend import agent, agent_fanout
+from debug_server.frontend.dumps import analyze_fr
+from debug_server.rank.worker import StaticProvider, make_worker_app
+from debug_server.tools import synthetic
+
+WORLD, PER_HOST, MISSING = 8, 4, 6
+
+
+class LiveProvider(StaticProvider):
+    """A fixed ring whose every read is stamped with the time it was read (``dump_time_ns``)."""
+
+    def fr_snapshot(self, **kw: Any) -> Mapping[str, Any]:
+        return {**super().fr_snapshot(**kw), SNAPSHOT_TIME_KEY: time.time_ns()}
+
+
+@pytest.fixture
+async def fleet() -> AsyncIterator[dict[str, Any]]:
+    """8 live-stamped workers (rank 6 never issued the newest all_reduce), one agent per 4."""
+    dumps = synthetic.hang_job(WORLD, n_entries=200, missing_rank=MISSING)
+    runners: list[web.AppRunner] = []
+    providers = [LiveProvider(dumps[r]) for r in range(WORLD)]
+    urls = [await _start(make_worker_app(p), runners) for p in providers]
+    agents = {}
+    for h in range(WORLD // PER_HOST):
+        lo = h * PER_HOST
+        app = agent.make_agent_app(agent.StaticHostRegistry(urls[lo:lo + PER_HOST], lo, WORLD),
+                                   f"h{h}", fetch_timeout=3.0)
+        agents[f"h{h}"] = agent_fanout.AgentAddr(f"h{h}", await _start(app, runners),
+                                                 frozenset(range(lo, lo + PER_HOST)))
+    async with aiohttp.ClientSession() as session:
+        through = agent_fanout.AgentCollector(session, _Registry(urls, PER_HOST),  # type: ignore[arg-type]
+                                              _Directory(agents), timeout=3.0)
+        yield {"through": through, "providers": providers, "agents": agents}
+    for r in runners:
+        await r.cleanup()
+
+
+def _entries(dump: Mapping[str, Any]) -> list[tuple[Any, ...]]:
+    return [(e["record_id"], e["state"], e["frames"]) for e in dump["entries"]]
+
+
+async def _post(url: str) -> dict[str, Any]:
+    async with aiohttp.ClientSession() as s, s.post(url) as resp:
+        assert resp.status == 200, await resp.text()
+        return await resp.json()
+
+
+async def test_second_ask_of_a_hung_host_is_answered_unchanged_with_new_read_times(
+        fleet: dict[str, Any]) -> None:
+    through = fleet["through"]
+    first = await through.fr()
+    second = await through.fr()
+    assert through.agent_unchanged == WORLD // PER_HOST
+    for r in range(WORLD):
+        assert _entries(second.dumps[r]) == _entries(first.dumps[r]), r
+        assert second.dumps[r][SNAPSHOT_TIME_KEY] > first.dumps[r][SNAPSHOT_TIME_KEY], r
+    assert second.window == first.window
+    verdict = analyze_fr(second, None, WORLD)["verdict"]
+    assert verdict == analyze_fr(first, None, WORLD)["verdict"]
+    assert f"Rank {MISSING} never joined" in verdict
+
+
+async def test_a_changed_ring_gets_its_host_a_whole_reply_and_the_other_host_unchanged(
+        fleet: dict[str, Any]) -> None:
+    through = fleet["through"]
+    first = await through.fr()
+    p = fleet["providers"][1]
+    entries = [dict(e) for e in p.dump["entries"]]
+    newest = entries[-1]
+    newest["state"] = "started" if newest["state"] == "completed" else "completed"
+    p.dump = {**p.dump, "entries": entries}
+    second = await through.fr()
+    assert through.agent_unchanged == 1  # host h1 only
+    assert second.dumps[1]["entries"][-1]["record_id"] == newest["record_id"]
+    assert second.dumps[1]["entries"][-1]["state"] == newest["state"]
+    assert first.dumps[1]["entries"][-1]["state"] != newest["state"]
+    assert _entries(second.dumps[5]) == _entries(first.dumps[5])
+
+
+async def test_agent_answers_unchanged_only_to_the_tag_of_its_last_reply(
+        fleet: dict[str, Any]) -> None:
+    url = f"{fleet['agents']['h1'].url}/handler/agent_fr?window=4"
+    whole = await _post(url)
+    same = await _post(f"{url}&tag={whole['tag']}")
+    other = await _post(f"{url}&tag=0123456789abcdef01234567")
+    assert same["unchanged"] is True and "dumps" not in same and same["tag"] == whole["tag"]
+    assert sorted(same["snap"]) == ["4", "5", "6", "7"]
+    assert all(same["snap"][r] > whole["dumps"][r][SNAPSHOT_TIME_KEY] for r in same["snap"])
+    assert "unchanged" not in other and sorted(other["dumps"]) == ["4", "5", "6", "7"]
+
+
+async def test_an_unchanged_reply_for_dumps_no_longer_held_is_asked_again_plainly(
+        fleet: dict[str, Any]) -> None:
+    through = fleet["through"]
+    first = await through.fr()
+    # As if another page had replaced what was held after this ask's tag was sent.
+    through._held = {slot: (q, tag, {}) for slot, (q, tag, _) in through._held.items()}
+    second = await through.fr()
+    assert through.agent_unchanged == 0
+    assert sorted(second.dumps) == list(range(WORLD))
+    assert [r.note for r in second.results] == [f"via agent h{r // PER_HOST}" for r in range(WORLD)]
+    assert _entries(second.dumps[MISSING]) == _entries(first.dumps[MISSING])
+
+
+async def test_analysis_of_unchanged_hosts_reuses_each_digest_and_finds_the_same(
+        fleet: dict[str, Any]) -> None:
+    through = fleet["through"]
+    analyze_fr(await through.fr(), None, WORLD)
+    assert through.digest_memo.hits == 0
+    second = await through.fr()
+    reused = analyze_fr(second, None, WORLD)
+    assert through.digest_memo.hits == WORLD
+    fresh = analyze(second.dumps, world_size=WORLD, unavailable=second.unavailable())
+    assert reused == fresh and f"Rank {MISSING} never joined" in reused["verdict"]
+
+
+def test_digest_memo_digests_again_a_dump_with_one_new_entry_object() -> None:
+    dump = synthetic.hang_job(2, n_entries=20, missing_rank=1)[0]
+    memo = DigestMemo()
+    first = memo.digest(0, dump)
+    memo.done()
+    entries = list(dump["entries"])
+    entries[-1] = {**entries[-1], "state": "completed"}
+    again = memo.digest(0, {**dump, "entries": entries, SNAPSHOT_TIME_KEY: 7})
+    same = memo.digest(0, {**dump, SNAPSHOT_TIME_KEY: 9})
+    assert memo.hits == 1 and same == first._replace(snap_ns=9)
+    assert again == digest_dump(0, {**dump, "entries": entries, SNAPSHOT_TIME_KEY: 7})
+    assert again.colls != first.colls
