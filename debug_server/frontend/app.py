@@ -311,10 +311,15 @@ async def index(request: web.Request) -> web.Response:
         collector.fetch(HEALTH_HANDLER, None, addrs), collector.fr(addrs=addrs),
         collector.stacks(addrs))
     result = await _off_loop(analyze_fr, fr, stack_res, collector.world_size)
+    texts = {h.rank: h.text() for h in parse_health(health)}
+    if fmt == "html":  # the ranks table (views.overview_model) has its own rows
+        model = views.overview_model(result, stack_res, texts, collector.world_size)
+        html = await _off_loop(lambda: request.app[TEMPLATES].get_template("index.html").render(
+            title="Overview", failures=[], **model))
+        return _respond(fmt, html)
     reach = {r.rank: r for r in stack_res}
     rows = [{"rank": r.rank, "url": r.url or "", "status": reach[r.rank].status,
-             "line": reach[r.rank].line(), "health": h.text()}
-            for r, h in zip(health, parse_health(health), strict=True)]
+             "line": reach[r.rank].line(), "health": texts[r.rank]} for r in health]
     reachable = sum(1 for r in stack_res if r.ok)
     verdict = result.get("verdict", "")
     if fmt == "json":
@@ -323,17 +328,11 @@ async def index(request: web.Request) -> web.Response:
                               "next_step": result.get("next_step"),
                               "findings": result.get("findings", []),
                               "ranks": rows})
-    if fmt == "text":
-        lines = [f"debug_server: {reachable}/{collector.world_size} ranks reachable",
-                 f"Verdict: {verdict}", ""]
-        lines += [f"rank {r['rank']}: {r['status']}, {r['health']}  {r['url']}"
-                  if r["status"] == "ok" else f"{r['line']}" for r in rows]
-        return _respond(fmt, "\n".join(lines) + "\n")
-    model = views.overview_model(result, stack_res, {r["rank"]: r["health"] for r in rows},
-                                 collector.world_size)
-    html = await _off_loop(lambda: request.app[TEMPLATES].get_template("index.html").render(
-        title="Overview", failures=[], **model))
-    return _respond(fmt, html)
+    lines = [f"debug_server: {reachable}/{collector.world_size} ranks reachable",
+             f"Verdict: {verdict}", ""]
+    lines += [f"rank {r['rank']}: {r['status']}, {r['health']}  {r['url']}"
+              if r["status"] == "ok" else f"{r['line']}" for r in rows]
+    return _respond(fmt, "\n".join(lines) + "\n")
 
 
 # ---------------------------------------------------------------------------------------------
