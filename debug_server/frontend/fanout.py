@@ -174,17 +174,17 @@ async def fan_out(
     ``semaphore`` (so at most that many replies are held before it shrinks them).
     """
 
+    async def fetch(addr: WorkerAddr) -> RankResult:
+        r = await fetch_one(session, addr, handler, params, timeout, http)
+        if each is not None:
+            await each(r)
+        return r
+
     async def one(addr: WorkerAddr) -> RankResult:
         if semaphore is None or addr.url is None:
-            r = await fetch_one(session, addr, handler, params, timeout, http)
-            if each is not None:
-                await each(r)
-            return r
+            return await fetch(addr)
         async with semaphore:
-            r = await fetch_one(session, addr, handler, params, timeout, http)
-            if each is not None:
-                await each(r)
-            return r
+            return await fetch(addr)
 
     results = await asyncio.gather(*(one(a) for a in addrs))
     return sorted(results, key=lambda r: r.rank)
