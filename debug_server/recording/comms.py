@@ -22,9 +22,9 @@ Which recorder runs where:
   that group to the communicator (its name, sequence numbers from 0, stacks from the user's
   call site, c10d's states). c10d without its timing events never says ``started``; so a
   collective records one untimed CUDA event (a fixed slot, no allocation) on the issuing
-  stream just before the call, at most one per ``groups.MARK_GAP_US`` per communicator (see
-  ``groups.MARKS_ENV``: on the GPU an event between two small kernels costs more than its
-  host time). It fires when everything the stream did before the collective is done; the
+  stream just before the call (``groups.MARKS_ENV``: one per collective by default, or at
+  most one per ``groups.MARK_GAP_US``, or none; on the GPU an event between two small kernels
+  costs more than its host time). It fires when everything the stream did before the collective is done; the
   oldest collective c10d has not completed, whose mark fired, is ``started`` (``c10d_fr``
   applies this when it reads the recorder); one without a mark of its own is never called
   ``started``. ``DEBUG_SERVER_NCCL_TIMING=1`` makes
@@ -183,7 +183,8 @@ class Comm:
         # a pre/post hook asks for our records (_ensure_slots).
         self._backed = bool(c10d_backed) and self._c10d_name is not None
         # c10d-backed on CUDA without c10d's timing: start marks in the slots (see _issue), at
-        # most one per _mark_gap ns; _mark_seq[slot] is the collective whose mark the slot holds.
+        # most one per _mark_gap ns (0: every collective); _mark_seq[slot] is the collective
+        # whose mark the slot holds.
         gap = _mark_gap_ns() if self._is_cuda and self._backed and not _timing_wanted(self._backend) else None
         self._marks = gap is not None
         self._mark_gap = gap or 0
@@ -301,7 +302,7 @@ class Comm:
         True once the untimed event recorded just before the call fired: all the issuing
         stream's earlier work is done, so the collective's kernel could start; if every earlier
         collective of this communicator completed too, it is running. False when unknown: no
-        mark for this collective (marks are rate-limited, ``groups.MARKS_ENV``), or its slot
+        mark for this collective (marks may be rate-limited, ``groups.MARKS_ENV``), or its slot
         since reused by a later one.
         """
         if not self._marks or not 0 <= seq < self._seq:

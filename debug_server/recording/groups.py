@@ -84,29 +84,30 @@ communicator's own start marks (one untimed event per op on the issuing stream, 
 
 
 MARKS_ENV = "DEBUG_SERVER_START_MARKS"
-"""Start marks of c10d-backed CUDA communicators (see ``comms.Comm.started_mark``): ``1`` (the
-default) records one at most every ``MARK_GAP_US`` microseconds per communicator, ``all`` one per
-collective, ``0`` none. Every mark is an untimed CUDA event on the issuing stream, and each costs
-a launch-bound step more than its host time: on 2x H200 (torch 2.11), 200 x 4 KiB all_reduces
-per step ran 10-14 % slower with one mark per op (``benchmarks/bench_marks.py``,
-``bench_step.py``), so the default bounds their rate instead. An op without its own mark goes
-from ``scheduled`` to ``completed`` without ``started``, as c10d's own ops do without its timing
-events; a mark never reports a state its op has not reached."""
+"""Start marks of c10d-backed CUDA communicators (see ``comms.Comm.started_mark``): ``all``
+(the default) records one per collective, ``1`` one at most every ``MARK_GAP_US`` microseconds
+per communicator, ``0`` none. Every mark is an untimed CUDA event on the issuing stream, and
+costs a launch-bound step more than its host time. Steps of 200 x 4 KiB all_reduces on H200
+(torch 2.11, ``benchmarks/bench_step.py``, paired against bare torch): a mark per op 1.04-1.12
+on 2 ranks and 1.05-1.08 on 4; rate-limited marks 1.00-1.02 on 2 ranks but 1.36-1.37 on 4 (marks
+on different ops on different ranks; seq-aligned sparse marks measured 1.21); no marks
+0.95-1.00. Hence the default. An op without its own mark goes from ``scheduled`` to
+``completed`` without ``started``, as c10d's own ops do without its timing events; a mark never
+reports a state its op has not reached."""
 MARK_GAP_US = 500
-"""The default's least time between two marks of one communicator: at most 2000 marks a second,
-whose cost is within 1 % of a step even at the per-op cost measured above."""
+"""``1``'s least time between two marks of one communicator."""
 
 
 def _mark_gap_ns() -> int | None:
     """Nanoseconds between start marks (``MARKS_ENV``), or None for no marks."""
-    v = os.environ.get(MARKS_ENV, "1").strip().lower()
+    v = os.environ.get(MARKS_ENV, "all").strip().lower()
     if v == "0":
         return None
-    if v == "all":
-        return 0
-    if v not in ("", "1"):
-        raise ValueError(f"{MARKS_ENV}={v!r}: expected 0, 1 or all")
-    return MARK_GAP_US * 1000
+    if v == "1":
+        return MARK_GAP_US * 1000
+    if v not in ("", "all"):
+        raise ValueError(f"{MARKS_ENV}={v!r}: expected all, 1 or 0")
+    return 0
 
 
 def _timing_wanted(backend: str) -> bool:
