@@ -1,4 +1,4 @@
-"""Training-like steps, 2 ranks: bare torch vs bare torch with c10d's Flight Recorder vs ours.
+"""Training-like steps, 2 ranks (``--nproc``): bare torch vs bare torch with c10d's Flight Recorder vs ours.
 
 Each step is 4 matmuls, then collectives in one of four shapes:
 
@@ -22,8 +22,12 @@ GPUs:
 * ``timed``: bare torch on a group with c10d's timing (start) events, what a c10d-backed
   communicator's group records with ``DEBUG_SERVER_NCCL_TIMING=1``;
 * ``ours``: ``new_comm`` + ``FlightRecorderHook(2000)``, as configured by default;
-* ``rate_limited`` / ``unmarked`` (c10d-backed CUDA only): ours with at most one start mark per
-  0.5 ms / with none (``groups.MARKS_ENV``; ours records one per collective).
+* ``marks_all`` / ``unmarked`` (c10d-backed CUDA only): ours with a start mark on every
+  collective / with none (``groups.MARKS_ENV``; ours marks the first collective after a 0.5 ms pause);
+* with ``--control``: ``ours_own``, ours on a set of tensors of its own (the noise of where the
+  tensors lie), and ``ours_wrapped``, ours through the wrapper the two above use.
+
+Every variant but ``ours_own`` runs on one shared set of tensors (see ``Tensors``).
 
 Printed: medians of ms per step and the ratios; "ours / bare" compares ours with bare torch in
 the same job, so torch's default configuration (c10d FR on) is the headline.
@@ -72,19 +76,30 @@ def sizes(cuda: bool) -> dict[str, Any]:
     return {"mm": 256, "big": 1 * MIB, "mixed_big": 64 * KIB, "tiny": 4 * KIB, "bucket": 256 * KIB}
 
 
-class Step:
-    """The four step shapes over one issuing API (bare torch or ours)."""
+class Tensors:
+    """The tensors of the four shapes, one set shared by every variant: where a small tensor
+    lands in GPU memory can change NCCL's time for it (on 4 H200s one set of 200 x 4 KiB ran
+    1.49x another, same code path), so the variants differ only in how they issue the ops."""
 
-    def __init__(self, all_reduce: Callable[..., Any], dev: torch.device, cuda: bool) -> None:
+    def __init__(self, dev: torch.device, cuda: bool) -> None:
         n = sizes(cuda)
-        self.ar = all_reduce
-        self.sync = torch.cuda.synchronize if cuda else (lambda: None)
         self.a = torch.randn(n["mm"], n["mm"], device=dev)
         self.b = torch.randn(n["mm"], n["mm"], device=dev)
         self.big = torch.ones(n["big"], device=dev)
         self.mixed_big = torch.ones(n["mixed_big"], device=dev)
         self.tiny = [torch.ones(n["tiny"], device=dev) for _ in range(200)]
         self.buckets = [torch.ones(n["bucket"], device=dev) for _ in range(4)]
+
+
+class Step:
+    """The four step shapes over one issuing API (bare torch or ours)."""
+
+    def __init__(self, all_reduce: Callable[..., Any], data: Tensors, cuda: bool) -> None:
+        self.ar = all_reduce
+        self.issued_ms = 0.0
+        self.sync = torch.cuda.synchronize if cuda else (lambda: None)
+        self.a, self.b, self.big, self.mixed_big = data.a, data.b, data.big, data.mixed_big
+        self.tiny, self.buckets = data.tiny, data.buckets
 
     def matmuls(self) -> None:
         x = self.a
@@ -113,6 +128,7 @@ class Step:
             else:
                 for t in self.tiny:
                     self.ar(t)
+        self.issued_ms = (time.perf_counter() - t0) * 1e3  # the host's part: until the last op returned
         self.sync()
         return (time.perf_counter() - t0) * 1e3
 
@@ -161,31 +177,47 @@ def worker(args: argparse.Namespace) -> None:
         """ours with its start marks set to ``mode`` (as groups.MARKS_ENV would) for this variant."""
         def ar(t: torch.Tensor, async_op: bool = False) -> Any:
             comm._marks = mode != "0"
-            comm._mark_gap = MARK_GAP_US * 1000 if mode == "1" else 0
+            comm._mark_gap = MARK_GAP_US * 1000 if mode == "1" else 0  # "all": every collective
             try:
                 return comm.all_reduce(t, async_op=async_op)
             finally:
                 comm._marks, comm._mark_gap = True, default_gap
         return ar
 
-    steps = {"bare": Step(bare_ar, dev, cuda), "bare_group": Step(bare_group_ar, dev, cuda),
-             "timed": Step(timed_ar, dev, cuda), "ours": Step(comm.all_reduce, dev, cuda)}
-    if comm._marks:  # c10d-backed on CUDA: where ours' cost goes (ours: a mark per collective)
-        steps["rate_limited"] = Step(marks("1"), dev, cuda)
-        steps["unmarked"] = Step(marks("0"), dev, cuda)
+    data = Tensors(dev, cuda)
+    steps = {"bare": Step(bare_ar, data, cuda), "bare_group": Step(bare_group_ar, data, cuda),
+             "timed": Step(timed_ar, data, cuda), "ours": Step(comm.all_reduce, data, cuda)}
+    if comm._marks:  # c10d-backed on CUDA: where ours' cost goes (ours: rate-limited marks)
+        steps["marks_all"] = Step(marks("all"), data, cuda)
+        steps["unmarked"] = Step(marks("0"), data, cuda)
+    if args.control:  # the noise floor: ours on tensors of its own, and ours through the wrapper
+        steps["ours_own"] = Step(comm.all_reduce, Tensors(dev, cuda), cuda)
+        if comm._marks:
+            steps["ours_wrapped"] = Step(marks("1"), data, cuda)
     for shape in SHAPES:  # warm-up: NCCL channels, cuBLAS, event slots
         for s in steps.values():
             for _ in range(args.warmup):
                 s.run(shape)
     times: dict[str, dict[str, list[float]]] = {v: {sh: [] for sh in SHAPES} for v in steps}
+    issued: dict[str, dict[str, list[float]]] = {v: {sh: [] for sh in SHAPES} for v in steps}
+    raw: dict[str, dict[str, list[float]]] = {v: {sh: [] for sh in SHAPES} for v in steps}
     for rnd in range(args.rounds):
         for shape in SHAPES:
-            # Rotate which variant goes first, so none always follows another.
+            # The variants take turns step by step, in an order rotated every step, so that none
+            # always follows another: c10d's watchdog threads finish a variant's ops in the
+            # background (dearer on the timed group), on the rank's one core, during whatever
+            # runs next. In blocks of 10 steps per variant, whichever variant followed ``timed``
+            # ran the small shape 1.49x bare on 4 H200s; the same variant elsewhere 1.02-1.03.
             names = tuple(steps)
-            order = names[rnd % len(names):] + names[:rnd % len(names)]
-            for v in order:
-                per = [steps[v].run(shape) for _ in range(args.steps)]
-                times[v][shape].append(statistics.median(per))
+            per: dict[str, list[float]] = {v: [] for v in names}
+            for i in range(args.steps):
+                k = (rnd * args.steps + i) % len(names)
+                for v in names[k:] + names[:k]:
+                    per[v].append(steps[v].run(shape))
+                    issued[v][shape].append(steps[v].issued_ms)
+            for v in names:
+                times[v][shape].append(statistics.median(per[v]))
+                raw[v][shape].extend(per[v])
     dist.barrier()
     if rank == 0:
         out: dict[str, Any] = {v: {sh: statistics.median(ts) for sh, ts in d.items()} for v, d in times.items()}
@@ -197,6 +229,11 @@ def worker(args: argparse.Namespace) -> None:
                                                                              strict=True)) for sh in SHAPES}
                              for v in steps if v != "bare"}
         out["c10d_backed"] = comm.c10d_backed
+        # Every step's time, and the host's part of it, by variant: quartiles show a variant
+        # that is slow in some steps only.
+        out["quartiles"] = {v: {sh: statistics.quantiles(ts, n=4) for sh, ts in d.items() if len(ts) > 1}
+                            for v, d in raw.items()}
+        out["issued"] = {v: {sh: statistics.median(ts) for sh, ts in d.items()} for v, d in issued.items()}
         print("RESULT " + json.dumps(out), flush=True)
     dist.destroy_process_group()
 
@@ -210,6 +247,7 @@ def launch(args: argparse.Namespace, fr_entries: int, port: int) -> dict[str, di
         sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={args.nproc}",
         f"--master-port={port}", __file__, "--worker", "--device", args.device,
         "--rounds", str(args.rounds), "--steps", str(args.steps), "--warmup", str(args.warmup),
+        *(["--control"] if args.control else []),
     ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.job_timeout)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
@@ -230,6 +268,10 @@ def main() -> int:
     ap.add_argument("--max-ratio", type=float, default=None,
                     help="exit 1 when ours / bare (c10d FR on) exceeds this on some shape")
     ap.add_argument("--job-timeout", type=float, default=400.0)
+    ap.add_argument("--control", action="store_true",
+                    help="add ours_own (ours on tensors of its own) and ours_wrapped (ours' marks through the variants' wrapper)")
+    ap.add_argument("--fr-on-only", action="store_true",
+                    help="skip the run with c10d FR off (its columns then repeat the FR-on run's)")
     ap.add_argument("--json", default=None, help="also write the medians here")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -237,8 +279,10 @@ def main() -> int:
         worker(args)
         return 0
 
-    off = launch(args, 0, args.port)
     on = launch(args, 2000, args.port + 1)
+    off = on if args.fr_on_only else launch(args, 0, args.port)
+    if args.fr_on_only:
+        print("--fr-on-only: the FR-off columns repeat the FR-on run")
     print(f"torch {torch.__version__}, device {args.device}, {args.nproc} ranks, "
           f"{args.rounds} rounds x {args.steps} steps, medians in ms per step")
     print(f"ours with c10d FR on: {'c10d-backed' if on.get('c10d_backed') else 'Python recorder'}; "
@@ -261,10 +305,17 @@ def main() -> int:
               f"{bare_on / bare_off:>8.3f} {timed_on:>11.3f} {timed_on / bare_on:>11.3f} "
               f"{ours_off:>13.3f} {ours_off / bare_off:>18.3f}")
     print("paired against bare (c10d FR on, our communicator's group), every variant: bare_group = bare "
-          "torch on a group of its own, rate_limited = ours with at most one start mark per 0.5 ms, "
-          "unmarked = ours without start marks (ours: one per collective)")
+          "torch on a group of its own, marks_all = ours with a start mark on every collective, "
+          "unmarked = ours without start marks (ours: a mark after each 0.5 ms pause)")
     for v, d in on.get("paired_all", {}).items():
         print(f"  {v:>10}: " + "  ".join(f"{sh} {d[sh]:.3f}" for sh in SHAPES))
+    if args.control:
+        print("control: the small shape's step times (ms) by variant: quartiles over every step, and the "
+              "host's part (until the last op returned), median")
+        for v, q in on.get("quartiles", {}).items():
+            if "small" in q:
+                print(f"  {v:>12}: " + " / ".join(f"{x:.3f}" for x in q["small"])
+                      + f"   host {on['issued'][v]['small']:.3f}")
     if args.json:
         Path(args.json).write_text(json.dumps({"fr_off": off, "fr_on": on}, indent=1))
     if over:

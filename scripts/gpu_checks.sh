@@ -4,7 +4,7 @@
 # bench:     recording cost per NCCL op, c10d FR off/on and ours side by side (bench_record, 1 rank)
 # step:      ms per training-like step, bare / c10d FR / ours (bench_step, 2 ranks; fails over 5 %)
 # marks:     what start marks cost a 200 x 4 KiB step, per kind (bench_marks; fails when the
-#            rate-limited option, DEBUG_SERVER_START_MARKS=1, costs over 5 %)
+#            default marks, on the first collective after a 0.5 ms pause, cost over 5 %)
 # state:     stream-ordered ops, true states, flat memory over 2000 x 64 MiB, watchdog timeout
 # demo:      the reference demo on nccl/cuda: pages during the hang, dumps, both analyzers
 # preflight: busbw sweep up to 1 GiB

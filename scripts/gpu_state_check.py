@@ -6,9 +6,10 @@
    ``completed`` after ``wait()`` + synchronize.
 2. sync: ``all_reduce`` with ``async_op=False`` returns at once while rank 1 sleeps (the host
    does not wait), reads ``started``, and ``completed`` after a stream synchronize.
-   A burst of 200 back-to-back all_reduces after a pause gets a start mark on each (the
-   default; with ``DEBUG_SERVER_START_MARKS=1`` its first one and at most one per
-   ``groups.MARK_GAP_US``), each reading ``started``.
+   A burst of 200 back-to-back all_reduces after a pause gets a start mark on its first one
+   (the default marks a collective issued ``groups.MARK_GAP_US`` after the previous one: a
+   host stall inside the burst may add one, at most one per ``MARK_GAP_US``; every one with
+   ``DEBUG_SERVER_START_MARKS=all``), each reading ``started``.
 3. memory: 2000 all_reduces of fresh 64 MiB tensors that nobody waits on keep GPU memory flat
    (peak within a few tensors); 600 async ones whose works are dropped unwaited are back to the
    start after a synchronize, with a peak compared with bare torch's.
@@ -109,8 +110,8 @@ def main() -> int:
     dist.barrier()
 
     # 2b. start marks (groups.MARKS_ENV): a burst of 200 back-to-back collectives after a pause
-    # gets every one marked by default, and with DEBUG_SERVER_START_MARKS=1 its first one and
-    # at most one per MARK_GAP_US.
+    # gets its first one marked by default (plus one after any host stall of MARK_GAP_US inside
+    # it), every one with DEBUG_SERVER_START_MARKS=all.
     time.sleep(0.01)
     first = comm.next_seq
     t0 = time.monotonic()

@@ -22,8 +22,8 @@ Which recorder runs where:
   that group to the communicator (its name, sequence numbers from 0, stacks from the user's
   call site, c10d's states). c10d without its timing events never says ``started``; so a
   collective records one untimed CUDA event (a fixed slot, no allocation) on the issuing
-  stream just before the call (``groups.MARKS_ENV``: one per collective by default, or at
-  most one per ``groups.MARK_GAP_US``, or none; on the GPU an event between two small kernels
+  stream just before the call (``groups.MARKS_ENV``: at most one per ``groups.MARK_GAP_US``
+  by default, or one per collective, or none; on the GPU an event between two small kernels
   costs more than its host time). It fires when everything the stream did before the collective is done; the
   oldest collective c10d has not completed, whose mark fired, is ``started`` (``c10d_fr``
   applies this when it reads the recorder); one without a mark of its own is never called
@@ -182,13 +182,13 @@ class Comm:
         # counts and remembers what is in flight for the watchdog. The events are made only if
         # a pre/post hook asks for our records (_ensure_slots).
         self._backed = bool(c10d_backed) and self._c10d_name is not None
-        # c10d-backed on CUDA without c10d's timing: start marks in the slots (see _issue), at
-        # most one per _mark_gap ns (0: every collective); _mark_seq[slot] is the collective
-        # whose mark the slot holds.
+        # c10d-backed on CUDA without c10d's timing: start marks in the slots (see _issue) on
+        # each collective issued _mark_gap ns or more after the previous one (0: on every
+        # collective); _mark_seq[slot] is the collective whose mark the slot holds.
         gap = _mark_gap_ns() if self._is_cuda and self._backed and not _timing_wanted(self._backend) else None
         self._marks = gap is not None
         self._mark_gap = gap or 0
-        self._mark_ns = 0
+        self._last_ns = 0  # when the previous collective was issued
         self._mark_seq = [-1] * _SLOTS if self._marks else []
         if self._is_cuda and (self._marks or not self._backed):
             self._ensure_slots()
@@ -476,15 +476,17 @@ class Comm:
                 seq = self._seq
                 self._seq = seq + 1
         now = time.time_ns()
-        if self._marks and not p2p and (now - self._mark_ns >= self._mark_gap or now < self._mark_ns):
-            # The start mark: fires once the issuing stream reached this collective, i.e. when
-            # its kernel can start (see started_mark). The slot is claimed for ``seq`` only
-            # after the record: a reader in between sees the slot's previous owner, never this
-            # collective with the previous owner's (fired) event.
-            slot = seq & _SLOT_MASK
-            _record_event(self._starts[slot], self._streams.get(_raw_stream(self._dev_idx)) or self._current_stream())
-            self._mark_seq[slot] = seq
-            self._mark_ns = now
+        if self._marks and not p2p:
+            if now - self._last_ns >= self._mark_gap or now < self._last_ns:
+                # The start mark, on the first collective after a pause (groups.MARKS_ENV): it
+                # fires once the issuing stream reached this collective, i.e. when its kernel
+                # can start (see started_mark). The slot is claimed for ``seq`` only after the
+                # record: a reader in between sees the slot's previous owner, never this
+                # collective with the previous owner's (fired) event.
+                slot = seq & _SLOT_MASK
+                _record_event(self._starts[slot], self._streams.get(_raw_stream(self._dev_idx)) or self._current_stream())
+                self._mark_seq[slot] = seq
+            self._last_ns = now
         host = not self._is_cuda and not async_op
         if host:
             # gloo, sync: the op runs while this thread waits; in flight for health and the

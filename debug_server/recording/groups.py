@@ -84,30 +84,33 @@ communicator's own start marks (one untimed event per op on the issuing stream, 
 
 
 MARKS_ENV = "DEBUG_SERVER_START_MARKS"
-"""Start marks of c10d-backed CUDA communicators (see ``comms.Comm.started_mark``): ``all``
-(the default) records one per collective, ``1`` one at most every ``MARK_GAP_US`` microseconds
-per communicator, ``0`` none. Every mark is an untimed CUDA event on the issuing stream, and
-costs a launch-bound step more than its host time. Steps of 200 x 4 KiB all_reduces on H200
-(torch 2.11, ``benchmarks/bench_step.py``, paired against bare torch): a mark per op 1.04-1.12
-on 2 ranks and 1.05-1.08 on 4; rate-limited marks 1.00-1.02 on 2 ranks but 1.36-1.37 on 4 (marks
-on different ops on different ranks; seq-aligned sparse marks measured 1.21); no marks
-0.95-1.00. Hence the default. An op without its own mark goes from ``scheduled`` to
-``completed`` without ``started``, as c10d's own ops do without its timing events; a mark never
-reports a state its op has not reached."""
+"""Start marks of c10d-backed CUDA communicators (see ``comms.Comm.started_mark``): ``1`` (the
+default) marks each collective issued ``MARK_GAP_US`` or more after the communicator's previous
+one, i.e. the first of a burst; ``all`` every collective; ``0`` none. A mark is an untimed CUDA
+event on the issuing stream, and costs a launch-bound step more than its host time: the GPU runs
+it between two small kernels. Collectives further apart than ``MARK_GAP_US`` (a training step's
+buckets and layers usually are) are each marked, at a cost bounded by one mark per
+``MARK_GAP_US``; in a tight burst only the first is. An op without its own mark goes from
+``scheduled`` to ``completed`` without ``started``, as c10d's own ops do without its timing
+events; a mark never reports a state its op has not reached. Measured on H100 and H200 (torch
+2.11, ``benchmarks/bench_marks.py``, 200 x 4 KiB all_reduces per step on 2 and 4 ranks, over no
+mark): a mark on the first op of each step 1.000-1.017, one every 0.5 ms 1.01-1.06, one per op
+1.04-1.09 (``bench_step.py``: 1.01-1.40 over bare torch, varying from run to run)."""
 MARK_GAP_US = 500
-"""``1``'s least time between two marks of one communicator."""
+"""``1``: the pause (microseconds since the previous collective) after which a collective is marked."""
 
 
 def _mark_gap_ns() -> int | None:
-    """Nanoseconds between start marks (``MARKS_ENV``), or None for no marks."""
-    v = os.environ.get(MARKS_ENV, "all").strip().lower()
+    """The pause in nanoseconds after which a collective is marked (``MARKS_ENV``; 0: every
+    collective), or None for no marks."""
+    v = os.environ.get(MARKS_ENV, "1").strip().lower()
     if v == "0":
         return None
-    if v == "1":
-        return MARK_GAP_US * 1000
-    if v not in ("", "all"):
-        raise ValueError(f"{MARKS_ENV}={v!r}: expected all, 1 or 0")
-    return 0
+    if v == "all":
+        return 0
+    if v not in ("", "1"):
+        raise ValueError(f"{MARKS_ENV}={v!r}: expected 1, all or 0")
+    return MARK_GAP_US * 1000
 
 
 def _timing_wanted(backend: str) -> bool:
