@@ -25,7 +25,8 @@ GPUs:
 * ``marks_all`` / ``unmarked`` (c10d-backed CUDA only): ours with a start mark on every
   collective / with none (``groups.MARKS_ENV``; ours marks the first collective after a 0.5 ms pause);
 * with ``--control``: ``ours_own``, ours on a set of tensors of its own (the noise of where the
-  tensors lie), and ``ours_wrapped``, ours through the wrapper the two above use.
+  tensors lie), and ``ours_wrapped``, ours through the wrapper the two above use: on 4 H200s
+  the small shape's noise between identical configurations reached 0.76 against 0.99.
 
 Every variant but ``ours_own`` runs on one shared set of tensors (see ``Tensors``).
 
@@ -46,6 +47,7 @@ import argparse
 import datetime
 import json
 import os
+import random
 import statistics
 import subprocess
 import sys
@@ -140,7 +142,7 @@ def worker(args: argparse.Namespace) -> None:
     # and a rank moved between cores mid-round skews one variant of a pair.
     local = int(os.environ.get("LOCAL_RANK", rank))
     cores = sorted(os.sched_getaffinity(0))
-    if len(cores) >= 2 * args.nproc + 2:
+    if len(cores) >= 2 * args.nproc + 2 and not args.no_pin:
         os.sched_setaffinity(0, {cores[2 + 2 * local]})
     backend = "nccl" if cuda else "gloo"
     if cuda:
@@ -201,18 +203,21 @@ def worker(args: argparse.Namespace) -> None:
     times: dict[str, dict[str, list[float]]] = {v: {sh: [] for sh in SHAPES} for v in steps}
     issued: dict[str, dict[str, list[float]]] = {v: {sh: [] for sh in SHAPES} for v in steps}
     raw: dict[str, dict[str, list[float]]] = {v: {sh: [] for sh in SHAPES} for v in steps}
-    for rnd in range(args.rounds):
+    shuffle = random.Random(1126)
+    for _rnd in range(args.rounds):
         for shape in SHAPES:
-            # The variants take turns step by step, in an order rotated every step, so that none
-            # always follows another: c10d's watchdog threads finish a variant's ops in the
-            # background (dearer on the timed group), on the rank's one core, during whatever
-            # runs next. In blocks of 10 steps per variant, whichever variant followed ``timed``
-            # ran the small shape 1.49x bare on 4 H200s; the same variant elsewhere 1.02-1.03.
+            # The variants take turns step by step, in a shuffled order (the same on every rank:
+            # one seed), so that none always follows another: what a variant leaves behind
+            # (c10d's watchdog threads finishing its ops, dearer on the timed group) slows
+            # whatever runs next. In a fixed cyclic order, whichever variant followed ``timed``
+            # ran the small shape 1.17-1.49x bare on 4 H200s, pinned or not; the same
+            # configuration elsewhere 0.82-1.04.
             names = tuple(steps)
             per: dict[str, list[float]] = {v: [] for v in names}
-            for i in range(args.steps):
-                k = (rnd * args.steps + i) % len(names)
-                for v in names[k:] + names[:k]:
+            for _ in range(args.steps):
+                order = list(names)
+                shuffle.shuffle(order)
+                for v in order:
                     per[v].append(steps[v].run(shape))
                     issued[v][shape].append(steps[v].issued_ms)
             for v in names:
@@ -247,7 +252,7 @@ def launch(args: argparse.Namespace, fr_entries: int, port: int) -> dict[str, di
         sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={args.nproc}",
         f"--master-port={port}", __file__, "--worker", "--device", args.device,
         "--rounds", str(args.rounds), "--steps", str(args.steps), "--warmup", str(args.warmup),
-        *(["--control"] if args.control else []),
+        *(["--control"] if args.control else []), *(["--no-pin"] if args.no_pin else []),
     ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.job_timeout)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
@@ -270,6 +275,8 @@ def main() -> int:
     ap.add_argument("--job-timeout", type=float, default=400.0)
     ap.add_argument("--control", action="store_true",
                     help="add ours_own (ours on tensors of its own) and ours_wrapped (ours' marks through the variants' wrapper)")
+    ap.add_argument("--no-pin", action="store_true",
+                    help="leave each rank on every core (its main thread then shares none with NCCL's and c10d's threads)")
     ap.add_argument("--fr-on-only", action="store_true",
                     help="skip the run with c10d FR off (its columns then repeat the FR-on run's)")
     ap.add_argument("--json", default=None, help="also write the medians here")
