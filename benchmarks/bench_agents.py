@@ -15,7 +15,9 @@ agents / direct.
     python benchmarks/bench_agents.py --ranks 16384 --reps 1 --helpers 4 --idle-s 70
 
 The idle window should cover a few health polls: the poll interval grows past 1024 ranks
-(``hangreport.MAX_POLLS_PER_S``: 32 s at 16384). The CPU seconds per page of each kind of
+(``hangreport.MAX_POLLS_PER_S``: 32 s at 16384). Where it does, the timed pages wait for the hang
+watch's first poll (as on the frontend of a job that has run a while), since the overview then
+takes its health column from that poll (``frontend.health_held``); each row says which it used. The CPU seconds per page of each kind of
 process are printed too: on this box the fake ranks, the agents and the frontend share two
 cores, so end-to-end seconds include the agents' work, which a real job spreads over its hosts.
 """
@@ -26,6 +28,7 @@ import argparse
 import asyncio
 import datetime
 import json
+import re
 import subprocess
 import sys
 import time
@@ -37,6 +40,9 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tests"))
 
 import fakefleet as ff  # noqa: E402
+
+from debug_server.config import ServerConfig  # noqa: E402
+from debug_server.frontend import hangreport  # noqa: E402
 
 PER_HOST = 8
 PAGES = (("fr_s", "/fr_trace"), ("overview_s", "/"), ("stacks_s", "/stacks"))
@@ -70,6 +76,7 @@ def _cpu(pids: list[int]) -> float:
 
 def _measure(world: int, store_port: int, reps: int, idle_s: float,
              helpers: dict[str, list[int]]) -> dict[str, Any]:
+    started = time.monotonic()
     proc, port = ff.start_frontend(store=("127.0.0.1", store_port), world_size=world,
                                 fetch_timeout=120.0)
     base = f"http://127.0.0.1:{port}"
@@ -79,10 +86,20 @@ def _measure(world: int, store_port: int, reps: int, idle_s: float,
         # The first FR page: no agent reply held yet, so no conditional ask (agent.TAG) can be
         # answered "unchanged"; the timed pages after it can, as reloads of a hung job's are.
         row["first_fr_json_s"], _ = ff.timed_get(f"{base}/fr_trace?format=json")
+        # A frontend that has run a while holds its hang watch's last health poll, which the
+        # overview uses where the watch rations its polls (frontend.health_held): wait for the
+        # first one, as a user opening the page of a running job would find it.
+        poll_s = _poll_interval(world)
+        if poll_s > hangreport.MAX_POLL_INTERVAL:
+            time.sleep(max(0.0, started + poll_s + POLL_SETTLE_S - time.monotonic()))
         groups = {"frontend": [proc.pid], **helpers}
         for key, path in PAGES:
             before = {g: _cpu(p) for g, p in groups.items()}
-            row[key], _ = ff.median_of(lambda path=path: ff.timed_get(f"{base}{path}", "text/html"), reps)
+            row[key], body = ff.median_of(lambda path=path: ff.timed_get(f"{base}{path}", "text/html"), reps)
+            if path == "/":
+                m = re.search(rb"the hang watch&#39;s poll of (\d+) s ago", body)
+                row["overview_health"] = (f"held poll, {int(m.group(1))} s old" if m
+                                          else "fetched per page")
             # CPU seconds per page of each kind of process: on this box fakes, agents and the
             # frontend share 2 cores, so wall time includes work a real job spreads over hosts.
             row[key + "_cpu"] = {g: (_cpu(p) - before[g]) / reps for g, p in groups.items()}
@@ -97,6 +114,16 @@ def _measure(world: int, store_port: int, reps: int, idle_s: float,
         return row
     finally:
         ff.end_process(proc)
+
+
+POLL_SETTLE_S = 12.0
+"""Seconds after the hang watch's first poll is due by which it has come back (16384 ranks)."""
+
+
+def _poll_interval(world: int) -> float:
+    """The frontend's health poll interval at ``world`` ranks (``HangWatch.poll_interval``)."""
+    interval = min(ServerConfig().dump_interval, hangreport.MAX_POLL_INTERVAL)
+    return max(interval, world / hangreport.MAX_POLLS_PER_S)
 
 
 def bench(world: int, reps: int, helpers: int, idle_s: float, store_port: int,
@@ -140,6 +167,8 @@ def _print(row: dict[str, Any]) -> None:
               f"   CPU s/page: frontend {d[key + '_cpu']['frontend']:.2f} -> "
               f"{a[key + '_cpu']['frontend']:.2f}, fake ranks {d[key + '_cpu']['ranks']:.2f} -> "
               f"{a[key + '_cpu']['ranks']:.2f}, agents {a[key + '_cpu']['agents']:.2f}")
+    print(f"  {'':>12} overview's health column: direct {d['overview_health']}, "
+          f"agents {a['overview_health']}")
     print(f"  {'RSS peak':>12} {d['rss_mb']:>7.0f} MB {a['rss_mb']:>7.0f} MB "
           f"{a['rss_mb'] / d['rss_mb']:>13.2f}x")
     print(f"  {'first FR':>12} {d['first_fr_json_s']:>8.2f} s {a['first_fr_json_s']:>8.2f} s "

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU checks for a 2-GPU machine (device tool, kind nvidia-h100-x2), run from the source tree:
-#   PYTHONPATH=. bash scripts/gpu_checks.sh OUTDIR [all|bench|marks|step|state|demo|preflight|nccllog|mismatch|native|ddp|profile]
+#   PYTHONPATH=. bash scripts/gpu_checks.sh OUTDIR [all|bench|marks|step|state|demo|preflight|nccllog|mismatch|native|ddp|profile|c10dworkers]
 # bench:     recording cost per NCCL op, c10d FR off/on and ours side by side (bench_record, 1 rank)
 # step:      ms per training-like step, bare / c10d FR / ours (bench_step, 2 ranks; fails over 5 %)
 # marks:     what start marks cost a 200 x 4 KiB step, per kind (bench_marks; fails when the
@@ -16,6 +16,8 @@
 #            fr_trace from c10d's own FR (fails if not); per-op cost of the server, no hook
 # profile:   /profile of 2 NCCL ranks: merged trace, GPU comm/compute shares (fails if not);
 #            also /wait_counters and /tcpstore (scripts/gpu_profile_check.py)
+# c10dworkers: NCCL hang, torch's own C++ workers only, frontend attached by store: the
+#            verdict names rank 1 (c10d's NCCL recorder, dump_nccl_trace_json; fails if not)
 set -u
 OUT=${1:-/tmp/gpu_checks}
 WHAT=${2:-all}
@@ -143,6 +145,13 @@ timeout 300 torchrun --nproc_per_node=2 --master-port=29715 scripts/gpu_profile_
   > "$OUT/profile_full.txt" 2>&1
 [ $? -eq 0 ] || FAILED_CHECKS="$FAILED_CHECKS profile"
 grep -E "^(PASS|FAIL)" "$OUT/profile_full.txt" | tee "$OUT/profile.txt"
+fi
+
+if want c10dworkers; then
+echo "=== NCCL hang seen through torch's own C++ workers only (no sidecar): c10d's NCCL recorder ==="
+timeout 400 python scripts/gpu_check_c10d_workers.py "$OUT/c10dworkers" --master-port 29317 2>&1 \
+  | grep -v Warning | tee "$OUT/c10dworkers.txt"
+[ "${PIPESTATUS[0]}" -eq 0 ] || FAILED_CHECKS="$FAILED_CHECKS c10dworkers"
 fi
 
 if [ -n "$FAILED_CHECKS" ]; then

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import contextlib
 import gc
 import json
@@ -157,26 +158,15 @@ def _memo_middleware(cache: dict[tuple[int, str], tuple[int, bytes, str]], key: 
 
 def c10d_dump(dump: Mapping[str, Any]) -> dict[str, Any]:
     """``dump`` in c10d's own schema, as torch's C++ worker serves it (checked against a real
-    ``_WorkerServer`` over gloo, torch 2.13): entries name their group by id
-    (``process_group: ["0", "main_comm"]``), ``pg_config`` sits under an empty name,
+    ``_WorkerServer`` over gloo, torch 2.13: ``test_c10d_worker_params``): entries name their
+    group by id (``process_group: ["0", "main_comm"]``), ``pg_config`` sits under an empty name,
     ``pg_status`` is keyed by id with counters as strings, ops are ``gloo:<op>``, ``state``
-    stays ``scheduled`` (``retired`` says an op finished) and discovery times are 0."""
+    stays ``scheduled`` (``retired`` says an op finished), discovery times are 0, and entries
+    have no ``frames`` (c10d's JSON dump never writes stacks: a 2000-entry ring is ~0.9 MB)."""
     ids = {name: str(i) for i, name in enumerate(dump["pg_config"])}
-    entries = []
-    for e in dump["entries"]:
-        done = e["state"] == "completed"
-        entries.append({
-            "collective_seq_id": e["collective_seq_id"], "frames": e["frames"],
-            "input_dtypes": e["input_dtypes"], "input_sizes": e["input_sizes"],
-            "is_p2p": e["is_p2p"], "op_id": e["op_id"], "output_dtypes": e["output_dtypes"],
-            "output_sizes": e["output_sizes"], "p2p_seq_id": e["p2p_seq_id"],
-            "pg_id": int(ids[e["process_group"][0]]),
-            "process_group": [ids[e["process_group"][0]], e["process_group"][0]],
-            "profiling_name": "gloo:" + e["profiling_name"].partition(":")[2],
-            "record_id": e["record_id"], "retired": done, "state": "scheduled",
-            "thread_id": "140401007201152", "thread_name": "python",
-            "time_created_ns": e["time_created_ns"], "time_discovered_completed_ns": 0,
-            "time_discovered_started_ns": 0, "timeout_ms": e["timeout_ms"]})
+    entries = [_c10d_entry(e, ids, "gloo", retired=e["state"] == "completed", state="scheduled",
+                           time_discovered_completed_ns=0, time_discovered_started_ns=0)
+               for e in dump["entries"]]
     return {
         "comm_lib_version": "", "entries": entries, "nccl_comm_state": {},
         # gloo's default group as torch 2.13 writes it; the fleet's dumps have one group
@@ -187,15 +177,107 @@ def c10d_dump(dump: Mapping[str, Any]) -> dict[str, Any]:
         "version": "2.10"}
 
 
-def make_c10d_worker_app(fr_json: bytes, stacks: str = STACK) -> Any:
+def _c10d_entry(e: Mapping[str, Any], ids: Mapping[str, str], backend: str,
+                **states: Any) -> dict[str, Any]:
+    """One entry of ours as c10d writes it, keys in c10d's (sorted) order; ``states``: its
+    ``retired``, ``state`` and discovery times, which the two recorders write differently."""
+    out = {
+        "collective_seq_id": e["collective_seq_id"],
+        "input_dtypes": e["input_dtypes"], "input_sizes": e["input_sizes"],
+        "is_p2p": e["is_p2p"], "op_id": e["op_id"], "output_dtypes": e["output_dtypes"],
+        "output_sizes": e["output_sizes"], "p2p_seq_id": e["p2p_seq_id"],
+        "pg_id": int(ids[e["process_group"][0]]),
+        "process_group": [ids[e["process_group"][0]], e["process_group"][0]],
+        "profiling_name": f"{backend}:" + e["profiling_name"].partition(":")[2],
+        "record_id": e["record_id"], "retired": states["retired"], "state": states["state"],
+        "thread_id": "140401007201152", "thread_name": "python",
+        "time_created_ns": e["time_created_ns"],
+        "time_discovered_completed_ns": states["time_discovered_completed_ns"],
+        "time_discovered_started_ns": states["time_discovered_started_ns"],
+        "timeout_ms": e["timeout_ms"]}
+    return out
+
+
+def c10d_nccl_dump(dump: Mapping[str, Any]) -> dict[str, Any]:
+    """``dump`` as c10d's NCCL recorder writes it (``dump_nccl_trace_json``, CUDA builds only; as
+    read from torch's ``FlightRecorderDetail.hpp`` and ``FlightRecorderCuda.cpp``, not run here):
+    ops ``nccl:<op>``, ``state`` completed / started / scheduled from the op's CUDA events with
+    the discovery times set (0 where unknown), ``retired`` once the watchdog let the op go,
+    ``pg_config`` keyed by the group's name (here its id, ``"0"``) with its description, and
+    ``pg_status`` keyed by id with counters as strings; no ``frames``."""
+    ids = {name: str(i) for i, name in enumerate(dump["pg_config"])}
+    entries = []
+    for e in dump["entries"]:
+        t, state = e["time_created_ns"], e["state"]
+        entries.append(_c10d_entry(
+            e, ids, "nccl", retired=state == "completed", state=state,
+            time_discovered_completed_ns=t + 2000 if state == "completed" else 0,
+            time_discovered_started_ns=t + 1000 if state != "scheduled" else 0))
+    return {
+        "comm_lib_version": "2.27.5", "entries": entries, "nccl_comm_state": {},
+        "pg_config": {ids[name]: {"desc": name, "name": ids[name], "ranks": c["ranks"]}
+                      for name, c in dump["pg_config"].items()},
+        "pg_status": {ids[name]: {k: str(v) for k, v in st.items()}
+                      for name, st in dump["pg_status"].items()},
+        "version": "2.10"}
+
+
+def c10d_empty_dump() -> dict[str, Any]:
+    """A c10d recorder that recorded nothing (c10d writes no ``entries`` key then)."""
+    return {"comm_lib_version": "", "nccl_comm_state": {}, "pg_config": {}, "pg_status": {},
+            "version": "2.10"}
+
+
+def _nccl_handler(nccl: Mapping[str, Any]) -> Callable[[Mapping[str, str]], tuple[int, bytes]]:
+    """``dump_nccl_trace_json`` as ``FlightRecorderCuda.cpp`` registers it: ``includecollectives``
+    and ``onlyactive`` (``true``/``false``) and nothing else (400 otherwise); ``onlyactive``
+    leaves out every entry whose completion was discovered."""
+    whole = json.dumps(nccl, separators=(",", ":")).encode()
+    active = dict(nccl, entries=[e for e in nccl.get("entries", ())
+                                 if not e["time_discovered_completed_ns"]])
+    if not active["entries"]:
+        del active["entries"]
+    active_json = json.dumps(active, separators=(",", ":")).encode()
+    head = {k: v for k, v in nccl.items() if k != "entries"}
+    head_json = json.dumps(head, separators=(",", ":")).encode()
+
+    def answer(params: Mapping[str, str]) -> tuple[int, bytes]:
+        flags = {"includecollectives": True, "onlyactive": False}
+        for k, v in params.items():
+            if k not in flags:
+                return 400, b"Invalid parameters - unexpected param passed in"
+            if v not in ("true", "false"):
+                return 400, f"Invalid value for {k} valid values are true or false".encode()
+            flags[k] = v == "true"
+        if not flags["includecollectives"]:
+            return 200, head_json
+        return 200, active_json if flags["onlyactive"] else whole
+
+    return answer
+
+
+def make_c10d_worker_app(fr_json: bytes, stacks: str = STACK,
+                         asked: collections.Counter[str] | None = None,
+                         nccl: Mapping[str, Any] | None = None) -> Any:
     """A worker that answers as torch's C++ ``WorkerServer``: no ``torchcomms_*`` handlers
-    (404), and c10d's ``fr_trace_json`` whole whatever the parameters (it ignores them)."""
+    (404), and c10d's ``fr_trace_json`` (its CPU recorder) whole whatever the parameters (torch
+    2.13 ignores them, ``onlyactive`` included: ``test_c10d_worker_params``). ``nccl``: the
+    NCCL recorder's dump a CUDA build serves as ``dump_nccl_trace_json`` (``_nccl_handler``);
+    None: a CPU build, which has no such handler (404). ``asked``: counts each handler asked."""
     from aiohttp import web
+
+    nccl_answer = _nccl_handler(nccl) if nccl is not None else None
 
     async def handler(request: web.Request) -> web.Response:
         name = request.match_info["name"]
+        if asked is not None:
+            asked[name] += 1
         if name == "fr_trace_json":
             return web.Response(body=fr_json, content_type="application/json")
+        if name == "dump_nccl_trace_json" and nccl_answer is not None:
+            status, body = nccl_answer(request.query)
+            return web.Response(status=status, body=body,
+                                content_type="application/json" if status == 200 else "text/plain")
         if name == "dump_traceback":
             return web.Response(text=stacks)
         if name == "ping":

@@ -3,6 +3,7 @@ c10d's schema whatever the window asked for, cut by the frontend as each reply a
 
 from __future__ import annotations
 
+import collections
 import json
 from typing import Any
 
@@ -86,3 +87,34 @@ async def test_agent_collector_cuts_torch_rings_when_it_asks_the_ranks_directly(
         http.close()
     assert sorted(fr.dumps) == [0, 1, 2] and collector.agent_requests == 0
     assert all(len(d["entries"]) < 10 for d in fr.dumps.values())
+
+
+async def test_a_hung_fleet_of_torch_workers_needs_one_request_per_rank_per_page(
+        aiohttp_server: Any) -> None:
+    # The first page learns that torch's worker has only c10d's handler (ours answers 404) and
+    # no NCCL recorder (a CPU build: 404); from then on each page asks each rank once, and the
+    # window is cut from the whole ring it gets.
+    dumps = {r: c10d_dump(d) for r, d in synthetic.hang_job(3, n_entries=2000,
+                                                           missing_rank=2).items()}
+    asked: list[collections.Counter[str]] = [collections.Counter() for _ in range(3)]
+    urls = []
+    for r in range(3):
+        server = await aiohttp_server(make_c10d_worker_app(json.dumps(dumps[r]).encode(),
+                                                           asked=asked[r]))
+        urls.append(str(server.make_url("")).rstrip("/"))
+    http = LeanClient()
+    try:
+        async with aiohttp.ClientSession() as session:
+            collector = Collector(session, StaticRegistry(urls), timeout=10, http=http)
+            await collector.fr()
+            assert [dict(a) for a in asked] == [
+                {"torchcomms_fr_trace_json": 1, "fr_trace_json": 1, "dump_nccl_trace_json": 1}] * 3
+            for a in asked:
+                a.clear()
+            fr = await collector.fr()
+    finally:
+        http.close()
+    assert [dict(a) for a in asked] == [{"fr_trace_json": 1}] * 3
+    live = analyze_fr(fr, None, 3)
+    assert [(f["kind"], f["seq"], f["ranks"]) for f in live["findings"]] == [
+        ("missing_ranks", 1999, [2])]

@@ -40,10 +40,12 @@ from __future__ import annotations
 import functools
 import json
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["FRONTIER_MARGIN", "LOCAL_SLACK", "WINDOW_KEY", "covers", "cutter", "format_since",
-           "frontier", "local_window", "parse_since", "rank_groups", "since_for", "window"]
+__all__ = ["FRONTIER_MARGIN", "LOCAL_SLACK", "WINDOW_KEY", "Window", "covers", "cutter",
+           "format_since", "frontier", "local_window", "parse_since", "rank_groups", "since_for",
+           "window"]
 
 WINDOW_KEY = "fr_window"
 """Dump key of what the ring held before the cut: ``since``, ``ring_entries``, ``ring_oldest_ns``."""
@@ -212,8 +214,9 @@ def frontier(dumps: Mapping[int, Mapping[str, Any]],
                 bound.setdefault(str(g), {})[rank] = lc
         entries = d.get("entries")
         for e in entries if isinstance(entries, list) else ():
-            # Most entries are completed: one dict lookup each, the careful checks for the rest.
-            if type(e) is dict and e.get("state") == "completed":
+            # Most entries are done: a lookup or two each, the careful checks for the rest
+            # (c10d's gloo entries stay "scheduled" and say done by "retired": _done).
+            if type(e) is dict and (e.get("state") == "completed" or e.get("retired") is True):
                 continue
             if not isinstance(e, Mapping) or _done(e) or _is_p2p(e):
                 continue
@@ -316,6 +319,32 @@ def local_window(dump: Mapping[str, Any], slack: int = LOCAL_SLACK) -> dict[str,
     """``dump`` cut at this rank's own frontier less ``slack`` (one round trip for the frontend:
     other ranks' frontiers are rarely more than a seq or two lower, and the frontend checks)."""
     return window(dump, frontier({-1: dump}, margin=slack))
+
+
+@dataclass(frozen=True, slots=True)
+class Window:
+    """One window as a value: :func:`window` at ``since``, or :func:`local_window` at ``slack``
+    (exactly one). Called on a dump it cuts it; whoever holds the dump's JSON text instead can
+    read which window it is (``analysis.frtext`` cuts c10d's text without parsing all of it)."""
+
+    since: Mapping[str, int] | None = None
+    slack: int | None = None
+
+    def __post_init__(self) -> None:
+        if (self.since is None) == (self.slack is None):
+            raise ValueError("Window takes exactly one of since and slack")
+
+    def __call__(self, dump: Mapping[str, Any]) -> dict[str, Any]:
+        if self.since is not None:
+            return window(dump, self.since)
+        return local_window(dump, self.slack if self.slack is not None else LOCAL_SLACK)
+
+    def since_for(self, dump: Mapping[str, Any]) -> Mapping[str, int]:
+        """The cut this window makes of ``dump`` (``dump`` needs ``pg_config``, ``pg_status``
+        and at least the entries not done: :func:`frontier`)."""
+        if self.since is not None:
+            return self.since
+        return frontier({-1: dump}, margin=self.slack if self.slack is not None else LOCAL_SLACK)
 
 
 Cut = Callable[[Mapping[str, Any], Sequence[Mapping[str, Any]]],

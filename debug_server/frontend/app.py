@@ -43,7 +43,7 @@ from debug_server.config import (
     read_inherited,
 )
 from debug_server.errors import first_line
-from debug_server.frontend import agent_fanout, attach, export, snapshot, views
+from debug_server.frontend import agent_fanout, attach, export, health_held, snapshot, views
 from debug_server.frontend.dumps import Dumper, analyze_fr, fr_trace_text, stacks_report
 from debug_server.frontend.fanout import MAX_BODY_BYTES, Collector, RankResult, Registry
 from debug_server.frontend.hangreport import HEALTH_HANDLER, HangWatch, parse_health
@@ -307,13 +307,21 @@ async def index(request: web.Request) -> web.Response:
                     .get("format"))
     collector = request.app[COLLECTOR]
     addrs = await collector.registry.lookup()
-    health, fr, stack_res = await asyncio.gather(
-        collector.fetch(HEALTH_HANDLER, None, addrs), collector.fr(addrs=addrs),
-        collector.stacks(addrs))
+    # At scale the health column comes from the hang watch's last poll (health_held), not
+    # from one more fan-out over every rank; the page says how old it is.
+    held = health_held.held_health(request.app.get(HANG_WATCH))
+    if held is None:
+        health, fr, stack_res = await asyncio.gather(
+            collector.fetch(HEALTH_HANDLER, None, addrs), collector.fr(addrs=addrs),
+            collector.stacks(addrs))
+        texts = {h.rank: h.text() for h in parse_health(health)}
+    else:
+        fr, stack_res = await asyncio.gather(collector.fr(addrs=addrs), collector.stacks(addrs))
+        health, texts = stack_res, held.texts(stack_res)
     result = await _off_loop(analyze_fr, fr, stack_res, collector.world_size)
-    texts = {h.rank: h.text() for h in parse_health(health)}
     if fmt == "html":  # the ranks table (views.overview_model) has its own rows
-        model = views.overview_model(result, stack_res, texts, collector.world_size)
+        model = views.overview_model(result, stack_res, texts, collector.world_size,
+                                     held.note() if held else "")
         html = await _off_loop(lambda: request.app[TEMPLATES].get_template("index.html").render(
             title="Overview", failures=[], **model))
         return _respond(fmt, html)
@@ -327,9 +335,10 @@ async def index(request: web.Request) -> web.Response:
                               "verdict": verdict, "category": result.get("category"),
                               "next_step": result.get("next_step"),
                               "findings": result.get("findings", []),
-                              "ranks": rows})
+                              "ranks": rows,
+                              **({"health_age_s": round(held.age_s, 1)} if held else {})})
     lines = [f"debug_server: {reachable}/{collector.world_size} ranks reachable",
-             f"Verdict: {verdict}", ""]
+             f"Verdict: {verdict}", *([held.note()] if held else []), ""]
     lines += [f"rank {r['rank']}: {r['status']}, {r['health']}  {r['url']}"
               if r["status"] == "ok" else f"{r['line']}" for r in rows]
     return _respond(fmt, "\n".join(lines) + "\n")

@@ -21,9 +21,10 @@ from urllib.parse import urlencode
 
 import aiohttp
 
-from debug_server.analysis import frwindow, members
+from debug_server.analysis import frtext, frwindow, members
 from debug_server.analysis.digest import DigestMemo
 from debug_server.errors import first_line
+from debug_server.frontend import c10d_workers
 from debug_server.frontend.leanhttp import BodyTooLarge, LeanClient, ProtocolError
 from debug_server.rank import pyspy
 from debug_server.rank.discovery import NOT_REGISTERED, WorkerAddr
@@ -278,6 +279,10 @@ class Collector:
         self._fr_handler: dict[str, str] = {}
         self._no_since: set[str] = set()
         self._no_members: set[str] = set()  # workers that refused ``pgknown`` (older ours)
+        # torch's C++ workers (c10d_workers): those without c10d's NCCL handler (CPU builds),
+        # and the CPU recorder's groups renamed "<name>:gloo" in a worker's last merged dump.
+        self._no_nccl: set[str] = set()
+        self._gloo_renamed: dict[str, frozenset[str]] = {}
 
     @property
     def world_size(self) -> int:
@@ -311,7 +316,8 @@ class Collector:
         Usually one round trip: each worker cuts at its own frontier less a slack
         (``window=4``); a rank whose cut turns out above the job's frontier is asked again
         (``since=``). A rank that does not know ``torchcomms_fr_trace_json`` (torch's own C++
-        worker answers 404) is asked for c10d's built-in ``fr_trace_json`` instead; one that
+        worker answers 404) is asked for c10d's built-in ``fr_trace_json`` instead, and for its
+        NCCL recorder's ``dump_nccl_trace_json`` where it has one (``c10d_workers``); one that
         refuses these parameters (400) is sent whole rings, cut here to the same window.
         """
         if addrs is None:
@@ -367,7 +373,7 @@ class Collector:
 
         ``cut``: the window these replies are for (default: the one ``params`` ask for). A reply
         over ``CUT_ON_ARRIVAL_BYTES`` (a worker that ignores the window: torch's C++ worker sends
-        its whole ring, ~1.3 MB) is cut to it as it arrives, so a fan-out over thousands of such
+        its whole ring, ~0.9 MB) is cut to it as it arrives, so a fan-out over thousands of such
         workers never holds all their rings at once.
         """
         each = _cutter_on_arrival(cut or _param_cut(params))
@@ -380,12 +386,66 @@ class Collector:
             self._fr_handler[a.url or ""] = C10D_FR_HANDLER
         retry += theirs
         if retry:
-            done = {r.rank: r for r in await self.fetch(C10D_FR_HANDLER, params, retry, each)}
+            done = {r.rank: r for r in await self._c10d_round(params, retry,
+                                                              cut or _param_cut(params))}
             for a in theirs:  # a restarted worker on the same URL may be ours again
                 if done[a.rank].http_status == 404:
                     self._fr_handler.pop(a.url or "", None)
             results = [done.pop(r.rank, r) for r in results] + list(done.values())
         return sorted(results, key=lambda r: r.rank)
+
+    async def _c10d_round(self, params: Mapping[str, str], addrs: Sequence[WorkerAddr],
+                          cut: Callable[[dict[str, Any]], dict[str, Any]] | None,
+                          ) -> list[RankResult]:
+        """torch's C++ workers: c10d's CPU recorder (``fr_trace_json``) and, where the worker
+        has one, its NCCL recorder (``dump_nccl_trace_json``), one merged dump per rank
+        (``c10d_workers``); each ring cut to ``cut`` as it arrives. A worker without the NCCL
+        handler (404: a CPU build) is not asked for it again; one whose NCCL recorder does not
+        answer reads as failed, so its NCCL collectives are never silently missing."""
+
+        def cpu_cut(r: RankResult) -> Callable[[dict[str, Any]], dict[str, Any]] | None:
+            # The CPU ring arrives under c10d's names; the merge renames them afterwards.
+            names = self._gloo_renamed.get(r.url or "")
+            if cut is None or not names:
+                return cut
+            if isinstance(cut, frwindow.Window):
+                if cut.since is None:  # the ring's own frontier: its own names
+                    return cut
+                return frwindow.Window(since=c10d_workers.cpu_since(cut.since, names))
+            return None  # whole: cut after the merge (cut_off_loop)
+
+        nccl_addrs = [a for a in addrs if (a.url or "") not in self._no_nccl]
+        cpu, nccl = await asyncio.gather(
+            self.fetch(C10D_FR_HANDLER, params, addrs, _cutter_by_record(cpu_cut)),
+            self.fetch(c10d_workers.NCCL_HANDLER, c10d_workers.nccl_params(params), nccl_addrs,
+                       _cutter_on_arrival(cut)) if nccl_addrs else _no_results())
+        by_rank = {r.rank: r for r in nccl}
+        merging = []
+        for r in cpu:
+            n = by_rank.get(r.rank)
+            if n is None:
+                continue
+            if n.http_status == 404:
+                self._no_nccl.add(r.url or "")
+            elif not r.ok:
+                if r.http_status == 404 and n.ok:  # a torch whose worker has the NCCL one only
+                    r.status, r.http_status, r.error, r.body = OK, 200, None, n.body
+            elif not n.ok:
+                r.status, r.http_status = n.status, n.http_status
+                r.error, r.body = f"NCCL recorder ({c10d_workers.NCCL_HANDLER}): {n.error}", None
+            else:
+                merging.append((r, n))
+        if merging:
+            size = sum(len(r.body or "") + len(n.body or "") for r, n in merging)
+            merged = (_merge_bodies(merging) if size < INLINE_BYTES else await asyncio.
+                      get_running_loop().run_in_executor(None, _merge_bodies, merging))
+            for (r, _), (body, renamed) in zip(merging, merged, strict=True):
+                r.body = body
+                if renamed:
+                    self._gloo_renamed[r.url or ""] = renamed
+                else:
+                    self._gloo_renamed.pop(r.url or "", None)
+        return cpu
 
     async def _fr_ours(self, params: Mapping[str, str], addrs: Sequence[WorkerAddr],
                        each: Callable[[RankResult], Awaitable[None]] | None = None,
@@ -546,11 +606,9 @@ CUT_ON_ARRIVAL_BYTES = 256 * 1024
 def _param_cut(params: Mapping[str, str]) -> Callable[[dict[str, Any]], dict[str, Any]] | None:
     """The window an FR request's parameters ask for (None: whole rings or active entries)."""
     if "since" in params:
-        since = frwindow.parse_since(params["since"])
-        return lambda d: frwindow.window(d, since)
+        return frwindow.Window(since=frwindow.parse_since(params["since"]))
     if "window" in params:
-        slack = int(params["window"])
-        return lambda d: frwindow.local_window(d, slack)
+        return frwindow.Window(slack=int(params["window"]))
     return None
 
 
@@ -558,18 +616,55 @@ def _cutter_on_arrival(cut: Callable[[dict[str, Any]], dict[str, Any]] | None
                        ) -> Callable[[RankResult], Awaitable[None]] | None:
     if cut is None:
         return None
+    return _cutter_by_record(lambda r: cut)
+
+
+def _cutter_by_record(cut_for: Callable[[RankResult], Callable[[dict[str, Any]], dict[str, Any]]
+                                        | None]) -> Callable[[RankResult], Awaitable[None]]:
+    """``_cutter_on_arrival`` with a cut chosen per record (``cut_for``; None: left whole)."""
 
     async def each(r: RankResult) -> None:
         if r.ok and r.body is not None and len(r.body) > CUT_ON_ARRIVAL_BYTES:
-            r.body = await asyncio.get_running_loop().run_in_executor(None, _cut_body, r.body,
-                                                                      cut)
+            cut = cut_for(r)
+            if cut is not None:
+                r.body = await asyncio.get_running_loop().run_in_executor(None, _cut_body,
+                                                                          r.body, cut)
 
     return each
 
 
+async def _no_results() -> list[RankResult]:
+    return []
+
+
+def _merge_bodies(pairs: Sequence[tuple[RankResult, RankResult]]
+                  ) -> list[tuple[str | None, frozenset[str]]]:
+    """Each rank's CPU and NCCL recorder replies as one body (``c10d_workers.merge``), and the
+    CPU groups renamed. A reply that is not a JSON object, or an NCCL recorder that names no
+    group, leaves the CPU body as it is (``parse_dumps`` reports a bad one)."""
+    out: list[tuple[str | None, frozenset[str]]] = []
+    for cpu, nccl in pairs:
+        try:
+            a, b = json.loads(cpu.body or ""), json.loads(nccl.body or "")
+        except ValueError:
+            out.append((cpu.body, frozenset()))
+            continue
+        if not isinstance(a, dict) or not isinstance(b, dict) or not c10d_workers.has_groups(b):
+            out.append((cpu.body, frozenset()))
+            continue
+        merged, renamed = c10d_workers.merge(a, b)
+        out.append((json.dumps(merged, separators=(",", ":"), default=str), renamed))
+    return out
+
+
 def _cut_body(body: str, cut: Callable[[dict[str, Any]], dict[str, Any]]) -> str:
     """``body`` cut to the window and encoded again; unchanged when it is not a JSON object
-    (``parse_dumps`` reports that with its own line)."""
+    (``parse_dumps`` reports that with its own line). A whole c10d ring is cut from its text,
+    parsing only what the window keeps (``frtext``), where its text allows."""
+    if isinstance(cut, frwindow.Window):
+        fast = frtext.cut_text(body, cut)
+        if fast is not None:
+            return fast
     try:
         dump = json.loads(body)
     except ValueError:

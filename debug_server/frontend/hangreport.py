@@ -229,6 +229,8 @@ class HangWatch:
         self.reports: list[str] = []
         """Paths of the ``.txt`` reports written (or, without a dump_dir, their stamps)."""
         self.last: list[RankHealth] = []
+        self.last_at: float | None = None
+        """``time.monotonic()`` when ``last`` came in (the overview may use it: ``health_held``)."""
         self._timeouts: dict[int, int] = {}
 
     def poll_interval(self) -> float:
@@ -257,6 +259,7 @@ class HangWatch:
                 h.healthy = False
                 h.error = f"health check timed out {self._timeouts[r.rank]} times in a row"
         self.last = health
+        self.last_at = time.monotonic()
         bad = [h for h in health if h.healthy is False]
         if not bad:
             if self.unhealthy:

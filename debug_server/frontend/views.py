@@ -196,8 +196,10 @@ def _seq(n: int) -> str:
 
 
 def overview_model(result: Mapping[str, Any], stacks: Sequence[RankResult],
-                   health: Mapping[int, str], world_size: int) -> dict[str, Any]:
-    """Everything ``index.html`` shows. ``health`` maps rank -> the health line of the page."""
+                   health: Mapping[int, str], world_size: int,
+                   health_note: str = "") -> dict[str, Any]:
+    """Everything ``index.html`` shows. ``health`` maps rank -> the health line of the page;
+    ``health_note``: where that column comes from, when not from this page's own fetch."""
     behind = {b["rank"]: b["groups"] for b in result.get("behind", [])}
     comm_rows, comm_classes = [], []
     for c in result.get("communicators", []):
@@ -251,6 +253,7 @@ def overview_model(result: Mapping[str, Any], stacks: Sequence[RankResult],
                              "behind / missing ranks"], comm_rows, comm_classes),
         "ranks_table": ranks_table,
         "ranks_open": world_size <= RANK_TABLE_OPEN,
+        "health_note": health_note,
         "downloads": nav_links(),
         "stamp": _stamp(),
     }

@@ -1,0 +1,80 @@
+"""The overview's health column from the hang watch's last poll, where a fresh one costs seconds.
+
+The overview shows every rank's health next to its reachability and the verdict. Asking every
+rank for its health on each overview is one more fan-out over the whole job: at 16384 ranks,
+through agents, that fan-out was most of what the overview cost over ``/fr_trace`` (the ranks
+and agents serving 16384 health requests). The hang watch (``hangreport.HangWatch``) already
+polls every rank's health, and above ``MAX_POLLS_PER_S x interval`` ranks it rations those polls
+for exactly that reason (every 32 s at 16384 ranks).
+
+So where the watch rations its polls, the overview takes the health column from the watch's
+last poll while that poll is younger than :data:`MAX_AGE_POLLS` poll intervals, and says so on
+the page with its age (``note``, JSON ``health_age_s``). Everything else on the page (the
+reachability of every rank, the FR data, the stacks, the verdict) is fetched fresh as before, and
+**a rank that does not answer now reads as not answering in the health column too**, whatever
+the held poll said. Below that size, or with no poll young enough, the overview asks every rank
+as before and its page is unchanged.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from debug_server.frontend.fanout import RankResult
+from debug_server.frontend.hangreport import HangWatch, RankHealth
+
+__all__ = ["MAX_AGE_POLLS", "HeldHealth", "held_health"]
+
+MAX_AGE_POLLS = 1.5
+"""A held poll is used while it is younger than this many of the watch's poll intervals (the
+watch's next poll is due within one; the half covers the poll's own duration)."""
+
+
+@dataclass(frozen=True, slots=True)
+class HeldHealth:
+    """The hang watch's last poll, as the overview uses it."""
+
+    health: Sequence[RankHealth]
+    age_s: float
+    """Seconds since that poll's replies came in."""
+    interval_s: float
+    """The watch's poll interval at this job size."""
+
+    def texts(self, reach: Sequence[RankResult]) -> dict[int, str]:
+        """Each rank's health line: the held one, unless the rank does not answer now.
+
+        ``reach``: this page's fresh records of every rank (its stacks fetch). A rank whose
+        worker gave no answer at all now (unreachable, timed out, not registered) gets the
+        line a fresh health fetch would give it, from that record, so a rank that died after
+        the poll never reads as healthy.
+        """
+        held = {h.rank: h.text() for h in self.health}
+        out: dict[int, str] = {}
+        for r in reach:
+            if not r.ok and r.http_status is None:
+                out[r.rank] = f"health unknown ({r.error or r.status})"
+            else:
+                out[r.rank] = held.get(r.rank, "health unknown (not in the hang watch's last poll)")
+        return out
+
+    def note(self) -> str:
+        """What the page says about the health column."""
+        return (f"Health column: the hang watch's poll of {self.age_s:.0f} s ago (at this job size "
+                f"it polls every {self.interval_s:.0f} s instead of asking every rank per page); "
+                "reachability, the verdict and everything else on this page are fresh.")
+
+
+def held_health(watch: HangWatch | None, now: float | None = None) -> HeldHealth | None:
+    """The watch's last poll where the overview should use it instead of asking every rank:
+    the watch rations its polls at this job size and its last poll is young enough."""
+    if watch is None or not watch.last or watch.last_at is None:
+        return None
+    interval = watch.poll_interval()
+    if interval <= watch.interval:  # not rationed: a health fan-out is cheap at this size
+        return None
+    age = (time.monotonic() if now is None else now) - watch.last_at
+    if not 0 <= age <= MAX_AGE_POLLS * interval:
+        return None
+    return HeldHealth(watch.last, age, interval)
