@@ -96,6 +96,40 @@ async def test_a_changed_ring_gets_its_host_a_whole_reply_and_the_other_host_unc
     assert _entries(second.dumps[5]) == _entries(first.dumps[5])
 
 
+async def test_a_page_of_hosts_that_all_answer_with_their_last_tags_reuses_the_window_and_cut(
+        fleet: dict[str, Any]) -> None:
+    through = fleet["through"]
+    first = await through.fr()
+    assert through.cuts_reused == 0
+    second = await through.fr()
+    assert through.cuts_reused == 1
+    assert second.window == first.window == {"main_comm": first.window["main_comm"]}
+    for r in range(WORLD):
+        # The same cut entry objects, with this page's read times (as a fresh cut gives).
+        assert [id(e) for e in second.dumps[r]["entries"]] == \
+            [id(e) for e in first.dumps[r]["entries"]], r
+        assert second.dumps[r][SNAPSHOT_TIME_KEY] > first.dumps[r][SNAPSHOT_TIME_KEY], r
+        assert {k: v for k, v in second.dumps[r].items() if k != SNAPSHOT_TIME_KEY} == \
+            {k: v for k, v in first.dumps[r].items() if k != SNAPSHOT_TIME_KEY}, r
+    assert analyze_fr(second, None, WORLD) == analyze_fr(first, None, WORLD)
+
+
+async def test_one_changed_host_makes_the_page_cut_again_and_see_the_change(
+        fleet: dict[str, Any]) -> None:
+    through = fleet["through"]
+    first = await through.fr()
+    p = fleet["providers"][MISSING]
+    entries = [dict(e) for e in p.dump["entries"]]
+    entries[-1]["state"] = "completed" if entries[-1]["state"] != "completed" else "started"
+    p.dump = {**p.dump, "entries": entries}
+    second = await through.fr()
+    assert through.cuts_reused == 0 and through.agent_unchanged == 1  # host h0 unchanged
+    assert second.dumps[MISSING]["entries"][-1]["state"] == entries[-1]["state"]
+    assert first.dumps[MISSING]["entries"][-1]["state"] != entries[-1]["state"]
+    await through.fr()
+    assert through.cuts_reused == 1  # and the page after it reuses the new cut
+
+
 async def test_agent_answers_unchanged_only_to_the_tag_of_its_last_reply(
         fleet: dict[str, Any]) -> None:
     url = f"{fleet['agents']['h1'].url}/handler/agent_fr?window=4"

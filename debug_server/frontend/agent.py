@@ -161,7 +161,10 @@ class HostRegistry:
             keys = [discovery.url_key(r) for r in self.ranks]
             present = self.ranks if store.check(keys) else [
                 r for r in self.ranks if store.check([discovery.url_key(r)])]
-            with_meta = [r for r in present if store.check([discovery.meta_key(r)])]
+            metas_keys = [discovery.meta_key(r) for r in present]
+            # One round trip to the job's store where every rank has its sidecar (ours do).
+            with_meta = present if present and store.check(metas_keys) else [
+                r for r in present if store.check([discovery.meta_key(r)])]
             urls = dict(zip(present, store.multi_get([discovery.url_key(r) for r in present]),
                             strict=True)) if present else {}
             metas = dict(zip(with_meta, store.multi_get([discovery.meta_key(r) for r in with_meta]),

@@ -10,6 +10,7 @@ rank reads as one line: ``rank 3: unreachable after 2.0 s``.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import sys
@@ -81,8 +82,19 @@ class RankResult:
 
 
 def handler_url(base: str, handler: str, params: Mapping[str, str] | None = None) -> str:
-    query = f"?{urlencode(params)}" if params else ""
-    return f"{base}/handler/{handler}{query}"
+    if not params:
+        return f"{base}/handler/{handler}"
+    items = tuple(params.items())
+    # Only text is cached (1 == True as keys, but "1" != "True" as queries).
+    query = _query(items) if all(type(k) is str and type(v) is str for k, v in items) \
+        else urlencode(params)
+    return f"{base}/handler/{handler}?{query}"
+
+
+@functools.lru_cache(maxsize=64)
+def _query(items: tuple[tuple[str, str], ...]) -> str:
+    # A fan-out sends every rank the same parameters (``pgknown`` is long): encoded once.
+    return urlencode(items)
 
 
 async def fetch_one(

@@ -1,0 +1,28 @@
+"""The query string of a fan-out's requests (``fanout.handler_url``): every rank of a fan-out is
+sent the same parameters, so their encoding is made once and reused; what is sent is unchanged."""
+
+from __future__ import annotations
+
+from urllib.parse import parse_qsl, urlencode
+
+from debug_server.frontend.fanout import handler_url
+
+
+def test_a_handlers_url_carries_its_parameters_encoded_as_urlencode_does() -> None:
+    params = {"window": "4", "pgknown": "a1b2,c3d4 e&f=g"}
+    for base in ("http://10.0.0.1:8000", "http://10.0.0.2:8001"):
+        url = handler_url(base, "torchcomms_fr_trace_json", params)
+        assert url == f"{base}/handler/torchcomms_fr_trace_json?{urlencode(params)}"
+        assert dict(parse_qsl(url.partition("?")[2])) == params
+
+
+def test_values_that_are_not_text_are_encoded_as_they_are_not_from_an_equal_key() -> None:
+    # 1 == True as dict keys would share one cached encoding; these must differ.
+    assert handler_url("http://h:1", "ping", {"a": 1}) == "http://h:1/handler/ping?a=1"  # type: ignore[dict-item]
+    assert handler_url("http://h:1", "ping", {"a": True}) == "http://h:1/handler/ping?a=True"  # type: ignore[dict-item]
+    assert handler_url("http://h:1", "ping", {"a": "1"}) == "http://h:1/handler/ping?a=1"
+
+
+def test_no_parameters_is_a_url_without_a_query() -> None:
+    assert handler_url("http://h:1", "dump_traceback", None) == "http://h:1/handler/dump_traceback"
+    assert handler_url("http://h:1", "dump_traceback", {}) == "http://h:1/handler/dump_traceback"
