@@ -60,6 +60,14 @@ def test_a_poll_older_than_the_bound_is_not_held() -> None:
     assert held_health(watch, now=100.0 + MAX_AGE_POLLS * 32.0 + 0.1) is None
 
 
+def test_a_poll_47_s_old_is_still_held_at_16384_ranks_as_pages_stretch_the_next_poll() -> None:
+    # Measured with pages back to back at 16384 via agents: polls 45-48 s apart (pagefirst).
+    watch = _watch()
+    _poll(watch, 100.0)
+    held = held_health(watch, now=147.0)
+    assert held is not None and held.age_s == 47.0
+
+
 def test_where_the_watch_polls_at_its_full_rate_the_overview_asks_every_rank() -> None:
     watch = _watch(world_size=1024)  # 1024 / 512 = 2 s: not rationed
     _poll(watch, 100.0)

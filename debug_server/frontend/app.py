@@ -49,6 +49,7 @@ from debug_server.frontend.fanout import MAX_BODY_BYTES, Collector, RankResult, 
 from debug_server.frontend.hangreport import HEALTH_HANDLER, HangWatch, parse_health
 from debug_server.frontend.leanhttp import LeanClient
 from debug_server.frontend.metrics import metrics_response
+from debug_server.frontend.pagefirst import in_background
 from debug_server.listen import own_server, start_sites, stop_on_signals
 from debug_server.rank.discovery import StaticRegistry, StoreRegistry
 
@@ -422,13 +423,15 @@ async def _background_ctx(app: web.Application) -> AsyncIterator[None]:
                         enabled=config.enabled_dumps, keep=config.keep_dumps,
                         keep_bytes=config.keep_bytes)
         app[DUMPER] = dumper
-        tasks.append(asyncio.create_task(dumper.run_forever(), name="debug_server.dumper"))
+        # Background work (this and the hang watch): its requests wait behind a page's, not
+        # the page behind them (pagefirst).
+        tasks.append(in_background(dumper.run_forever(), name="debug_server.dumper"))
     # Health is polled every min(dump_interval, 2 s) whatever the dump interval, so a hang
     # report lands seconds after a rank stalls (written only with a dump_dir, logged always).
     watch = HangWatch(app[COLLECTOR], config.dump_dir, interval=config.dump_interval,
                       keep=config.keep_dumps, per_rank="per_rank" in config.enabled_dumps)
     app[HANG_WATCH] = watch
-    tasks.append(asyncio.create_task(watch.run_forever(), name="debug_server.hang_watch"))
+    tasks.append(in_background(watch.run_forever(), name="debug_server.hang_watch"))
     if PARENT_PID in app:
         tasks.append(asyncio.create_task(_watch_parent(app), name="debug_server.parent"))
     yield

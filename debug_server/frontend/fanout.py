@@ -27,6 +27,7 @@ from debug_server.analysis.digest import DigestMemo
 from debug_server.errors import first_line
 from debug_server.frontend import c10d_workers
 from debug_server.frontend.leanhttp import BodyTooLarge, LeanClient, ProtocolError
+from debug_server.frontend.pagefirst import PageFirstSemaphore
 from debug_server.rank import pyspy
 from debug_server.rank.discovery import NOT_REGISTERED, WorkerAddr
 from debug_server.rank.sigstack import SignalCapture
@@ -175,7 +176,7 @@ async def fan_out(
     params: Mapping[str, str] | None = None,
     *,
     timeout: float,
-    semaphore: asyncio.Semaphore | None = None,
+    semaphore: asyncio.Semaphore | PageFirstSemaphore | None = None,
     http: LeanClient | None = None,
     each: Callable[[RankResult], Awaitable[None]] | None = None,
 ) -> list[RankResult]:
@@ -282,7 +283,8 @@ class Collector:
         """The lean client for the fan-outs (``leanhttp``), else ``session``; its owner closes it."""
         self.registry = registry
         self.timeout = timeout
-        self.semaphore = asyncio.Semaphore(max_concurrency)
+        # Shared by pages and the background polls; a page's requests get freed slots first.
+        self.semaphore = PageFirstSemaphore(max_concurrency)
         self.states = RankStates()
         self.signal_capture = SignalCapture()
         self.pyspy = pyspy.PySpyCapture()

@@ -27,9 +27,11 @@ from debug_server.frontend.hangreport import HangWatch, RankHealth
 
 __all__ = ["MAX_AGE_POLLS", "HeldHealth", "held_health"]
 
-MAX_AGE_POLLS = 1.5
+MAX_AGE_POLLS = 2.0
 """A held poll is used while it is younger than this many of the watch's poll intervals (the
-watch's next poll is due within one; the half covers the poll's own duration)."""
+watch's next poll is due within one; the other covers the poll's own duration, which includes
+the pages served meanwhile, since the poll's requests wait behind theirs (``pagefirst``): at
+16384 ranks with pages back to back, polls of 13-17 s every 32 s, so 45-48 s apart)."""
 
 
 @dataclass(frozen=True, slots=True)
