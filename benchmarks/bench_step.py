@@ -189,7 +189,7 @@ def worker(args: argparse.Namespace) -> None:
     data = Tensors(dev, cuda)
     steps = {"bare": Step(bare_ar, data, cuda), "bare_group": Step(bare_group_ar, data, cuda),
              "timed": Step(timed_ar, data, cuda), "ours": Step(comm.all_reduce, data, cuda)}
-    if comm._marks:  # c10d-backed on CUDA: where ours' cost goes (ours: rate-limited marks)
+    if comm._marks:  # c10d-backed on CUDA: where ours' cost goes (ours: a mark after each pause)
         steps["marks_all"] = Step(marks("all"), data, cuda)
         steps["unmarked"] = Step(marks("0"), data, cuda)
     if args.control:  # the noise floor: ours on tensors of its own, and ours through the wrapper

@@ -335,16 +335,16 @@ class Window:
             raise ValueError("Window takes exactly one of since and slack")
 
     def __call__(self, dump: Mapping[str, Any]) -> dict[str, Any]:
-        if self.since is not None:
-            return window(dump, self.since)
-        return local_window(dump, self.slack if self.slack is not None else LOCAL_SLACK)
+        return window(dump, self.since_for(dump))
 
     def since_for(self, dump: Mapping[str, Any]) -> Mapping[str, int]:
         """The cut this window makes of ``dump`` (``dump`` needs ``pg_config``, ``pg_status``
-        and at least the entries not done: :func:`frontier`)."""
+        and at least the entries not done: :func:`frontier`); with ``slack``, as
+        :func:`local_window` cuts."""
         if self.since is not None:
             return self.since
-        return frontier({-1: dump}, margin=self.slack if self.slack is not None else LOCAL_SLACK)
+        assert self.slack is not None  # __post_init__: exactly one of the two
+        return frontier({-1: dump}, margin=self.slack)
 
 
 Cut = Callable[[Mapping[str, Any], Sequence[Mapping[str, Any]]],

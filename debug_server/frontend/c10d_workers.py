@@ -22,12 +22,13 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from debug_server.analysis.frwindow import WINDOW_KEY as _WINDOW_KEY
+
 __all__ = ["GLOO_SUFFIX", "NCCL_HANDLER", "collisions", "cpu_since", "has_groups", "merge",
            "nccl_params", "rename"]
 
 NCCL_HANDLER = "dump_nccl_trace_json"
 GLOO_SUFFIX = ":gloo"
-_WINDOW_KEY = "fr_window"  # frwindow.WINDOW_KEY
 
 
 def nccl_params(params: Mapping[str, str]) -> dict[str, str]:

@@ -10,7 +10,6 @@ rank reads as one line: ``rank 3: unreachable after 2.0 s``.
 from __future__ import annotations
 
 import asyncio
-import functools
 import json
 import logging
 import sys
@@ -82,27 +81,20 @@ class RankResult:
         }
 
 
-def handler_url(base: str, handler: str, params: Mapping[str, str] | None = None) -> str:
+def handler_url(base: str, handler: str, params: Mapping[str, str] | str | None = None) -> str:
+    """``params``: a mapping, or its query string already encoded (``fan_out`` encodes once for
+    every rank: ``pgknown`` is long)."""
     if not params:
         return f"{base}/handler/{handler}"
-    items = tuple(params.items())
-    # Only text is cached (1 == True as keys, but "1" != "True" as queries).
-    query = _query(items) if all(type(k) is str and type(v) is str for k, v in items) \
-        else urlencode(params)
+    query = params if isinstance(params, str) else urlencode(params)
     return f"{base}/handler/{handler}?{query}"
-
-
-@functools.lru_cache(maxsize=64)
-def _query(items: tuple[tuple[str, str], ...]) -> str:
-    # A fan-out sends every rank the same parameters (``pgknown`` is long): encoded once.
-    return urlencode(items)
 
 
 async def fetch_one(
     session: aiohttp.ClientSession,
     addr: WorkerAddr,
     handler: str,
-    params: Mapping[str, str] | None,
+    params: Mapping[str, str] | str | None,
     timeout: float,
     http: LeanClient | None = None,
 ) -> RankResult:
@@ -188,8 +180,10 @@ async def fan_out(
     ``semaphore`` (so at most that many replies are held before it shrinks them).
     """
 
+    query = urlencode(params) if params else None  # the same for every rank: encoded once
+
     async def fetch(addr: WorkerAddr) -> RankResult:
-        r = await fetch_one(session, addr, handler, params, timeout, http)
+        r = await fetch_one(session, addr, handler, query, timeout, http)
         if each is not None:
             await each(r)
         return r

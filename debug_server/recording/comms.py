@@ -22,9 +22,10 @@ Which recorder runs where:
   that group to the communicator (its name, sequence numbers from 0, stacks from the user's
   call site, c10d's states). c10d without its timing events never says ``started``; so a
   collective records one untimed CUDA event (a fixed slot, no allocation) on the issuing
-  stream just before the call (``groups.MARKS_ENV``: at most one per ``groups.MARK_GAP_US``
-  by default, or one per collective, or none; on the GPU an event between two small kernels
-  costs more than its host time). It fires when everything the stream did before the collective is done; the
+  stream just before the call (``groups.MARKS_ENV``: by default on a collective issued
+  ``groups.MARK_GAP_US`` or more after the previous one, the first of a burst; or on every
+  collective, or none; on the GPU an event between two small kernels costs more than its host
+  time). It fires when everything the stream did before the collective is done; the
   oldest collective c10d has not completed, whose mark fired, is ``started`` (``c10d_fr``
   applies this when it reads the recorder); one without a mark of its own is never called
   ``started``. ``DEBUG_SERVER_NCCL_TIMING=1`` makes
@@ -302,7 +303,7 @@ class Comm:
         True once the untimed event recorded just before the call fired: all the issuing
         stream's earlier work is done, so the collective's kernel could start; if every earlier
         collective of this communicator completed too, it is running. False when unknown: no
-        mark for this collective (marks may be rate-limited, ``groups.MARKS_ENV``), or its slot
+        mark for this collective (by default only the first of a burst has one, ``groups.MARKS_ENV``), or its slot
         since reused by a later one.
         """
         if not self._marks or not 0 <= seq < self._seq:

@@ -95,7 +95,7 @@ buckets and layers usually are) are each marked, at a cost bounded by one mark p
 events; a mark never reports a state its op has not reached. Measured on H100 and H200 (torch
 2.11, ``benchmarks/bench_marks.py``, 200 x 4 KiB all_reduces per step on 2 and 4 ranks, over no
 mark): a mark on the first op of each step 1.000-1.017, one every 0.5 ms 1.01-1.06, one per op
-1.04-1.09 (``bench_step.py``: 1.01-1.40 over bare torch, varying from run to run)."""
+1.04-1.09 (``bench_step.py``: 1.01-1.35 over bare torch, varying from run to run)."""
 MARK_GAP_US = 500
 """``1``: the pause (microseconds since the previous collective) after which a collective is marked."""
 
