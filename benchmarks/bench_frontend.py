@@ -13,10 +13,14 @@ its ``/torchcomms_fr_trace`` page, called in-process on the very JSON bodies the
     python benchmarks/bench_frontend.py --ranks 8 64 --reps 5
     python benchmarks/bench_frontend.py --per-rank --ranks 512 2048 4096 16384 --helpers 4 --reps 1
     python benchmarks/bench_frontend.py --c10d --ranks 64 256 512 --reps 3
+    python benchmarks/bench_frontend.py --c10d-nccl --per-rank --ranks 256 4096 --reps 3
 
 ``--c10d``: the fake ranks answer as PyTorch's own C++ worker does (``fakefleet.c10d_dump``:
 c10d's schema, and the whole ring whatever the parameters, since that worker ignores them), so
 the frontend takes its fall-back path (our handler 404, then ``fr_trace_json``, cut here).
+``--c10d-nccl``: as that worker on a CUDA build, the ring in its NCCL recorder
+(``dump_nccl_trace_json``, which honours ``onlyactive``) and an empty CPU recorder; the frontend
+asks the NCCL recorder for active entries first (``analysis.activecover``).
 
 ``--per-rank`` prints, per row, each page's seconds, its cost per rank and that cost against the
 first row's (1.00x: linear in ranks; above: superlinear), the frontend's peak RSS and the CPU it
@@ -87,9 +91,11 @@ def _quiet_torch_logger() -> None:
             h.setStream(io.StringIO())
 
 
-def _fetch_bodies(urls: list[str], only_active: bool, c10d: bool = False) -> list[str]:
+def _fetch_bodies(urls: list[str], only_active: bool, c10d: bool = False,
+                  c10d_nccl: bool = False) -> list[str]:
     q = "true" if only_active else "false"
-    handler = "fr_trace_json" if c10d else "torchcomms_fr_trace_json"
+    handler = ("dump_nccl_trace_json" if c10d_nccl else "fr_trace_json" if c10d
+               else "torchcomms_fr_trace_json")
     out = []
     for u in urls:
         req = urllib.request.Request(f"{u}/handler/{handler}?onlyactive={q}", method="POST")
@@ -108,8 +114,9 @@ def _idle_cpu(pid: int, seconds: float) -> float | None:
 
 
 def bench(world: int, reps: int, helpers: int, whole_ring_max: int, *, idle_s: float = 0.0,
-          skip_torch: bool = False, memo: bool = False, c10d: bool = False) -> dict[str, Any]:
-    fleet, urls = start_fleet(world, helpers, memo, c10d)
+          skip_torch: bool = False, memo: bool = False, c10d: bool = False,
+          c10d_nccl: bool = False) -> dict[str, Any]:
+    fleet, urls = start_fleet(world, helpers, memo, c10d, c10d_nccl)
     frontend = None
     try:
         frontend, port = start_frontend(urls, fetch_timeout=120.0)
@@ -129,11 +136,12 @@ def bench(world: int, reps: int, helpers: int, whole_ring_max: int, *, idle_s: f
             row["torch_active_s"] = None
             row["verdict"] = verdict
             return row
-        row["torch_active_s"] = _torch_baseline(urls, _fetch_bodies(urls, True, c10d))
+        row["torch_active_s"] = _torch_baseline(urls, _fetch_bodies(urls, True, c10d, c10d_nccl))
         if world <= whole_ring_max:
             row["fr_whole_json_s"], _ = median_of(
                 lambda: timed_get(f"{base}/fr_trace?format=json&onlyactive=false"), max(1, reps // 2))
-            row["torch_whole_s"] = _torch_baseline(urls, _fetch_bodies(urls, False, c10d))
+            row["torch_whole_s"] = _torch_baseline(urls, _fetch_bodies(urls, False, c10d,
+                                                                       c10d_nccl))
         row["verdict"] = verdict
         return row
     finally:
@@ -187,17 +195,22 @@ def main() -> None:
                         "out of the page time: a real job spreads it over its hosts)")
     p.add_argument("--c10d", action="store_true",
                    help="fake ranks answer as torch's C++ worker (c10d schema, whole rings)")
+    p.add_argument("--c10d-nccl", action="store_true",
+                   help="fake ranks answer as torch's C++ worker on a CUDA build (the ring in "
+                        "its NCCL recorder, which honours onlyactive; an empty CPU recorder)")
     args = p.parse_args()
     print(f"fake ranks: {RING}-entry rings from synthetic.hang_job; last rank missing from the "
           f"newest all_reduce; {args.helpers} helper processes; medians of {args.reps}"
           + ("; replies memoised per helper (--memo)" if args.memo else "")
-          + ("; ranks answer as torch's C++ worker (--c10d)" if args.c10d else ""))
+          + ("; ranks answer as torch's C++ worker (--c10d)" if args.c10d else "")
+          + ("; ranks answer as torch's C++ worker on a CUDA build (--c10d-nccl)"
+             if args.c10d_nccl else ""))
     rows = []
     for n in args.ranks:
         reps = args.reps if n <= 64 or args.per_rank else max(3, args.reps // 2)
         row = bench(n, reps, args.helpers, 0 if args.per_rank else args.whole_ring_max,
                     idle_s=args.idle_s if args.per_rank else 0.0, skip_torch=args.per_rank,
-                    memo=args.memo, c10d=args.c10d)
+                    memo=args.memo, c10d=args.c10d, c10d_nccl=args.c10d_nccl)
         rows.append(row)
         print(f"\nN={n}: verdict: {row['verdict']}")
         if args.per_rank:

@@ -9,8 +9,9 @@ torch's ``_WorkerServer`` registered in the job's store as torch's server regist
 which rank 1 never joins (it sleeps). c10d keeps NCCL's ops in its NCCL recorder
 (``dump_nccl_trace_json``), not in the CPU one that ``fr_trace_json`` serves. A frontend attached
 by store (``python -m debug_server.frontend --store ...``) must name rank 1 missing from
-all_reduce #4 on pg 0 (``frontend.c10d_workers``), and each rank's dump must hold NCCL entries
-(``nccl:all_reduce``). Exits 1 naming what failed. ``--cpu``: gloo (only ``fr_trace_json``;
+all_reduce #4 on pg 0 (``frontend.c10d_workers``), and each rank's NCCL recorder, asked
+``onlyactive=true`` as the frontend's first round asks it, must vouch for its cut from #4 on
+(``analysis.activecover``; else every page reads whole rings). Exits 1 naming what failed. ``--cpu``: gloo (only ``fr_trace_json``;
 the NCCL handler answers 404), to try the check itself without GPUs.
 """
 
@@ -26,6 +27,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -99,7 +101,8 @@ def _attach(master_port: int, out: Path) -> tuple[subprocess.Popen[bytes], str]:
     return proc, m.group(1)
 
 
-def check(out: Path, job: subprocess.Popen[bytes], master_port: int) -> list[str]:
+def check(out: Path, job: subprocess.Popen[bytes], master_port: int,
+          cpu: bool = False) -> list[str]:
     failures: list[str] = []
     _wait(out / "ready0", job, 240)
     _wait(out / "ready1", job, 10)
@@ -125,9 +128,40 @@ def check(out: Path, job: subprocess.Popen[bytes], master_port: int) -> list[str
         bad = [r for r in result.get("ranks", []) if r["status"] != "ok"]
         if bad:
             failures.append(f"ranks not read: {bad}")
+        if not cpu:
+            failures += _active_replies(master_port)
     finally:
         os.killpg(frontend.pid, signal.SIGKILL)
         frontend.wait(timeout=30)
+    return failures
+
+
+def _active_replies(master_port: int) -> list[str]:
+    """Each rank's NCCL recorder asked ``onlyactive=true``, as the frontend's first round asks
+    it: the reply must vouch for its cut from #4 on (``analysis.activecover``: pg_status and
+    pg_config name the same groups, and it holds every op after the last completed one), or
+    every page would ask every rank for its whole ring again."""
+    from debug_server.analysis import activecover
+    from debug_server.rank.discovery import store_client, url_key
+
+    store = store_client("127.0.0.1", master_port, 30)
+    failures = []
+    for rank in (0, 1):
+        url = f"{store.get(url_key(rank)).decode()}/handler/dump_nccl_trace_json?onlyactive=true"
+        try:
+            with urllib.request.urlopen(urllib.request.Request(url, method="POST"),
+                                        timeout=30) as r:
+                reply = json.loads(r.read())
+        except (OSError, ValueError) as e:
+            failures.append(f"rank {rank}: {url}: {e}")
+            continue
+        facts = activecover.facts(reply)
+        print(f"rank {rank} onlyactive: pg_status {reply.get('pg_status')}, pg_config keys "
+              f"{sorted(reply.get('pg_config') or {})}, {len(reply.get('entries') or [])} "
+              f"entries -> since {facts['since']}")
+        if facts["since"] != {"0": 4}:
+            failures.append(f"rank {rank}: its onlyactive reply vouches for {facts['since']}, "
+                            "expected {'0': 4}")
     return failures
 
 
@@ -169,7 +203,7 @@ def main() -> int:
          *(["--cpu"] if args.cpu else [])],
         env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        failures = check(args.out, job, args.master_port)
+        failures = check(args.out, job, args.master_port, args.cpu)
     except Exception as e:  # the job died or never came up: say so, with its log
         failures = [f"{type(e).__name__}: {e}"]
     finally:

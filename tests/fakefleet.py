@@ -258,15 +258,20 @@ def _nccl_handler(nccl: Mapping[str, Any]) -> Callable[[Mapping[str, str]], tupl
 
 def make_c10d_worker_app(fr_json: bytes, stacks: str = STACK,
                          asked: collections.Counter[str] | None = None,
-                         nccl: Mapping[str, Any] | None = None) -> Any:
+                         nccl: Mapping[str, Any] | None = None,
+                         nccl_answer: Callable[[Mapping[str, str]], tuple[int, bytes]] | None
+                         = None) -> Any:
     """A worker that answers as torch's C++ ``WorkerServer``: no ``torchcomms_*`` handlers
     (404), and c10d's ``fr_trace_json`` (its CPU recorder) whole whatever the parameters (torch
     2.13 ignores them, ``onlyactive`` included: ``test_c10d_worker_params``). ``nccl``: the
     NCCL recorder's dump a CUDA build serves as ``dump_nccl_trace_json`` (``_nccl_handler``);
-    None: a CPU build, which has no such handler (404). ``asked``: counts each handler asked."""
+    None: a CPU build, which has no such handler (404). ``asked``: counts each handler asked.
+    ``nccl_answer``: instead of ``nccl``, a ``_nccl_handler`` shared by many fakes (its encoded
+    replies are held once)."""
     from aiohttp import web
 
-    nccl_answer = _nccl_handler(nccl) if nccl is not None else None
+    if nccl_answer is None and nccl is not None:
+        nccl_answer = _nccl_handler(nccl)
 
     async def handler(request: web.Request) -> web.Response:
         name = request.match_info["name"]
@@ -313,10 +318,18 @@ async def serve_apps(apps: Sequence[Any]) -> None:
 
 
 async def serve_ranks(first: int, last: int, world: int, memo: bool = False,
-                      c10d: bool = False) -> None:
+                      c10d: bool = False, c10d_nccl: bool = False) -> None:
     """Ranks ``first``..``last - 1`` of a ``world``-rank hang, one worker app each (``serve_apps``);
-    ``c10d``: answering as torch's C++ worker (``make_c10d_worker_app``)."""
+    ``c10d``: answering as torch's C++ worker (``make_c10d_worker_app``); ``c10d_nccl``: as that
+    worker on a CUDA build, the ring in its NCCL recorder (``dump_nccl_trace_json``, honouring
+    ``onlyactive``) and its CPU recorder empty."""
     full, missing = rank_dumps(world)
+    if c10d_nccl:
+        empty = json.dumps(c10d_empty_dump(), separators=(",", ":")).encode()
+        answers = [_nccl_handler(c10d_nccl_dump(d)) for d in (full, missing)]
+        await serve_apps([make_c10d_worker_app(empty, nccl_answer=answers[rank == world - 1])
+                          for rank in range(first, last)])
+        return
     if c10d:
         texts = [json.dumps(c10d_dump(d), separators=(",", ":")).encode() for d in (full, missing)]
         await serve_apps([make_c10d_worker_app(texts[rank == world - 1])
@@ -361,14 +374,16 @@ def split(n: int, parts: int) -> list[tuple[int, int]]:
     return [(lo, hi) for lo, hi in zip(bounds, bounds[1:], strict=False) if lo < hi]
 
 
-def start_fleet(world: int, helpers: int, memo: bool = False,
-                c10d: bool = False) -> tuple[list[subprocess.Popen[str]], list[str]]:
+def start_fleet(world: int, helpers: int, memo: bool = False, c10d: bool = False,
+                c10d_nccl: bool = False) -> tuple[list[subprocess.Popen[str]], list[str]]:
     """``world`` fake ranks (the last one never issued the newest all_reduce) spread over
     ``helpers`` processes; returns the processes and one URL per rank. ``memo``: see
     ``_memo_middleware``; ``c10d``: ranks that answer as torch's C++ worker (whole rings in
-    c10d's schema, already encoded once: no serving cost to memoise)."""
+    c10d's schema, already encoded once: no serving cost to memoise); ``c10d_nccl``: torch's
+    C++ worker on a CUDA build (``serve_ranks``)."""
     return start_helpers(__file__, [["--serve", str(lo), str(hi), str(world),
-                                     *(["--memo"] if memo else []), *(["--c10d"] if c10d else [])]
+                                     *(["--memo"] if memo else []), *(["--c10d"] if c10d else []),
+                                     *(["--c10d-nccl"] if c10d_nccl else [])]
                                     for lo, hi in split(world, helpers)])
 
 
@@ -432,8 +447,10 @@ def _main() -> None:
     p.add_argument("--serve", nargs=3, type=int, required=True, metavar=("FIRST", "LAST", "WORLD"))
     p.add_argument("--memo", action="store_true")
     p.add_argument("--c10d", action="store_true")
+    p.add_argument("--c10d-nccl", action="store_true")
     args = p.parse_args()
-    asyncio.run(serve_ranks(*args.serve, memo=args.memo, c10d=args.c10d))
+    asyncio.run(serve_ranks(*args.serve, memo=args.memo, c10d=args.c10d,
+                            c10d_nccl=args.c10d_nccl))
 
 
 if __name__ == "__main__":

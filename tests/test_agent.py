@@ -229,7 +229,7 @@ async def test_agent_refuses_an_unknown_parameter_in_one_line(fleet: dict[str, A
     async with aiohttp.ClientSession() as s, s.post(f"{url}/handler/agent_fr?rank=1") as resp:
         assert resp.status == 400
         assert (await resp.text()) == ("unknown parameter 'rank' (allowed: onlyactive, pgknown, "
-                                       "ranks, since, tag, whole, window)")
+                                       "ranks, since, stacks, tag, whole, window)")
 
 
 async def test_agent_relays_only_the_listed_handlers(fleet: dict[str, Any]) -> None:

@@ -326,6 +326,9 @@ class _StubCollector:
     async def stacks(self, addrs: Any = None) -> list[RankResult]:
         return []
 
+    async def fr_stacks(self, addrs: Any = None) -> tuple[FrData, list[RankResult]]:
+        return FrData([], {}), []
+
 
 async def test_rank_whose_health_check_keeps_timing_out_counts_as_unhealthy() -> None:
     polls = [[OK, TIMED_OUT], [OK, TIMED_OUT], [OK, OK], [OK, TIMED_OUT], [OK, TIMED_OUT],

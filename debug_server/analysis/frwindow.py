@@ -22,7 +22,9 @@ A worker cuts inside its recorders (:func:`cutter`, ``recording.lazy``): the win
 from each entry's few key fields and only the kept entries are built, never the whole ring on
 the rank's thread. Workers that know neither parameter (PyTorch's C++ worker: ``onlyactive``,
 ``includecollectives``, ``includestacktraces``) send whole rings, which :func:`window` cuts the
-same way on arrival.
+same way on arrival. Its NCCL recorder is asked ``onlyactive=true`` first instead: such a reply
+is a cut too (``analysis.activecover``: groups listed under :data:`ACTIVE_KEY`), and a group
+read so is cut without the margin (:func:`frontier`).
 
 P2P entries carry their own ``p2p_seq_id`` and only pending ones are ever compared, so a window
 keeps every pending P2P entry and drops completed ones (but the newest, so the group stays seen).
@@ -43,12 +45,15 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["FRONTIER_MARGIN", "LOCAL_SLACK", "WINDOW_KEY", "Window", "covers", "cutter",
-           "format_since", "frontier", "local_window", "parse_since", "rank_groups", "since_for",
-           "window"]
+__all__ = ["ACTIVE_KEY", "FRONTIER_MARGIN", "LOCAL_SLACK", "WINDOW_KEY", "Window", "covers",
+           "cutter", "format_since", "frontier", "local_window", "parse_since", "rank_groups",
+           "since_for", "window"]
 
 WINDOW_KEY = "fr_window"
 """Dump key of what the ring held before the cut: ``since``, ``ring_entries``, ``ring_oldest_ns``."""
+ACTIVE_KEY = "active"
+"""``fr_window`` key: the groups a dump holds only the not-completed entries of (an
+``onlyactive`` reply read as a cut: ``analysis.activecover``)."""
 FRONTIER_MARGIN = 2
 """Sequence numbers kept below the lowest last-completed one (ops may complete out of order)."""
 LOCAL_SLACK = 4
@@ -198,8 +203,12 @@ def frontier(dumps: Mapping[int, Mapping[str, Any]],
     """Per group, the first sequence number the live analysis needs (see the module doc).
 
     ``dumps``: rank -> that rank's dump with ``pg_status`` and at least its active entries.
-    Only groups with a frontier above 0 are returned; every other group is needed whole.
+    Only groups with a frontier above 0 are returned; every other group is needed whole. A group
+    that some dump holds only the active entries of (``fr_window`` lists it under
+    :data:`ACTIVE_KEY`) is cut at the first seq some member has not completed, without
+    ``margin``, and returned from 0 on (``analysis.activecover`` says why).
     """
+    active: set[str] = set()
     bound: dict[str, dict[int, int]] = {}
     # Distinct member sets per group (frozensets hash once): one union per distinct set at the
     # end, not one O(group size) update per rank.
@@ -207,6 +216,9 @@ def frontier(dumps: Mapping[int, Mapping[str, Any]],
     for rank, d in dumps.items():
         for name, rs in _config_members(d).items():
             member_sets.setdefault(name, set()).add(rs)
+        cut = d.get(WINDOW_KEY)
+        if type(cut) is dict and isinstance(cut.get(ACTIVE_KEY), list):
+            active.update(map(str, cut[ACTIVE_KEY]))
         status = d.get("pg_status")
         if isinstance(status, Mapping):
             for g, st in status.items():
@@ -238,6 +250,9 @@ def frontier(dumps: Mapping[int, Mapping[str, Any]],
         answered = (r for r in dumps if r in mg) if len(dumps) < len(mg) else \
             (r for r in mg if r in dumps)
         if any(r not in per for r in answered):
+            continue
+        if g in active:
+            out[g] = max(0, min(per.values()) + 1)
             continue
         first = min(per.values()) - margin
         if first > 0:

@@ -84,7 +84,7 @@ from debug_server.rank.agent_launch import (
     parse_ranks,
 )
 from debug_server.rank.discovery import NOT_REGISTERED, WorkerAddr
-from debug_server.rank.wire import HandlerError, handler_routes
+from debug_server.rank.wire import WITH_STACKS, HandlerError, handler_routes
 
 if TYPE_CHECKING:
     import torch.distributed as dist
@@ -322,7 +322,7 @@ def fr_tag(q: Mapping[str, str], results: Sequence[RankResult]) -> str:
     (``dump_time_ns`` changes on every ask of a live rank; a hung one's ring does not). For the
     default ask, ``results`` are the first round's (the rest follows from them)."""
     h = hashlib.blake2b(digest_size=12)
-    h.update(json.dumps(sorted((k, v) for k, v in q.items() if k != TAG),
+    h.update(json.dumps(sorted((k, v) for k, v in q.items() if k not in (TAG, WITH_STACKS)),
                         separators=(",", ":")).encode())
     h.update((members.known_param() or "").encode())
     for r in results:
@@ -331,7 +331,16 @@ def fr_tag(q: Mapping[str, str], results: Sequence[RankResult]) -> str:
     return h.hexdigest()
 
 
-def _unchanged_reply(app: web.Application, results: Sequence[RankResult], tag: str) -> str:
+def _stacks_part(stacks: Sequence[RankResult] | None) -> dict[str, Any]:
+    """``stacks=true``: the ranks' stacks as ``agent_stacks`` sends them, under ``"stacks"``."""
+    if stacks is None:
+        return {}
+    rows, texts = _records(stacks, with_body=True)
+    return {"stacks": {"ranks": rows, "bodies": texts}}
+
+
+def _unchanged_reply(app: web.Application, results: Sequence[RankResult], tag: str,
+                     stacks: Sequence[RankResult] | None = None) -> str:
     """The records and each rank's read time, read off its reply text (no parse)."""
     rows, _ = _records(results, with_body=False)
     snap: dict[str, int | None] = {}
@@ -340,10 +349,11 @@ def _unchanged_reply(app: web.Application, results: Sequence[RankResult], tag: s
             m = _SNAP_RE.search(r.body or "")
             snap[str(r.rank)] = int(m.group(0).rpartition(":")[2]) if m else None
     return json.dumps({"host": app[HOST_ID], "ranks": rows, TAG: tag, "unchanged": True,
-                       "snap": snap}, separators=(",", ":"))
+                       "snap": snap, **_stacks_part(stacks)}, separators=(",", ":"))
 
 
-def _fr_reply(app: web.Application, fr: FrData, known: frozenset[str], tag: str) -> str:
+def _fr_reply(app: web.Application, fr: FrData, known: frozenset[str], tag: str,
+              stacks: Sequence[RankResult] | None = None) -> str:
     for r, d in fr.dumps.items():
         app[GROUPS][r] = sorted(frwindow.rank_groups(d))
     rows, _ = _records(fr.results, with_body=False)
@@ -351,12 +361,17 @@ def _fr_reply(app: web.Application, fr: FrData, known: frozenset[str], tag: str)
     dumps, frame_sets = share_frames(dumps)
     return json.dumps({"host": app[HOST_ID], "ranks": rows, "dumps": dumps, "lists": lists,
                        "frames": frame_sets, "window": fr.window,
-                       "signatures": signatures(fr.dumps), TAG: tag},
+                       "signatures": signatures(fr.dumps), TAG: tag, **_stacks_part(stacks)},
                       default=str, separators=(",", ":"))
 
 
 async def _agent_fr(request: web.Request, q: Mapping[str, str]) -> web.Response:
-    _only(q, {"ranks", "window", "since", "whole", "onlyactive", members.PARAM, TAG})
+    _only(q, {"ranks", "window", "since", "whole", "onlyactive", members.PARAM, TAG,
+              WITH_STACKS})
+    want_stacks = _flag(q, WITH_STACKS)
+    if want_stacks and ("since" in q or _flag(q, "whole") or _flag(q, "onlyactive")):
+        raise BadParam(f"bad parameter {WITH_STACKS}=true: only with the default window "
+                       "(no since, whole or onlyactive)")
     collector = request.app[COLLECTOR]
     addrs = await _addrs(request, q)
     try:
@@ -365,6 +380,7 @@ async def _agent_fr(request: web.Request, q: Mapping[str, str]) -> web.Response:
         raise BadParam(f"bad parameter {members.PARAM}: {e}") from None
     loop = asyncio.get_running_loop()
     tag: str | None = None
+    stacks: Sequence[RankResult] | None = None
     if "since" in q:
         try:
             since = frwindow.parse_since(q["since"])
@@ -382,20 +398,27 @@ async def _agent_fr(request: web.Request, q: Mapping[str, str]) -> web.Response:
                            f"{frwindow.LOCAL_SLACK} is supported")
         # Cut at this host's frontier; a host whose ranks' windows did not change since the
         # asker's tag is answered before any of them is parsed.
-        first = await collector.fr_first_round(addrs)
+        # With stacks=true the ranks' stacks come in the same requests (Collector.fr_stacks),
+        # and go with every reply, "unchanged" ones too: stacks are always read fresh.
+        texts: dict[int, str] | None = {} if want_stacks else None
+        first = await collector.fr_first_round(addrs, texts)
+        stacks_read = (asyncio.ensure_future(collector.stacks_after_fr(addrs, first, texts))
+                       if texts is not None else None)
         tag = fr_tag(q, first)
         if q.get(TAG) == tag:
-            return web.Response(text=_unchanged_reply(request.app, first, tag),
+            stacks = await stacks_read if stacks_read is not None else None
+            return web.Response(text=_unchanged_reply(request.app, first, tag, stacks),
                                 content_type="application/json")
         fr = await collector.fr_after_first(addrs, first)
+        stacks = await stacks_read if stacks_read is not None else None
     if tag is None:
         tag = fr_tag(q, fr.results)
         if q.get(TAG) == tag:
             return web.Response(text=_unchanged_reply(request.app, fr.results, tag),
                                 content_type="application/json")
     # A host's few ranks: encoded here (a thread hop would cost more than the work).
-    body = _fr_reply(request.app, fr, known, tag) if len(fr.dumps) <= INLINE_DUMPS \
-        else await loop.run_in_executor(None, _fr_reply, request.app, fr, known, tag)
+    body = _fr_reply(request.app, fr, known, tag, stacks) if len(fr.dumps) <= INLINE_DUMPS \
+        else await loop.run_in_executor(None, _fr_reply, request.app, fr, known, tag, stacks)
     return web.Response(text=body, content_type="application/json")
 
 

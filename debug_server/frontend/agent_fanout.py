@@ -55,6 +55,7 @@ from debug_server.frontend.fanout import (
 from debug_server.frontend.leanhttp import LeanClient
 from debug_server.rank import discovery
 from debug_server.rank.discovery import NOT_REGISTERED, WorkerAddr
+from debug_server.rank.wire import WITH_STACKS
 
 if TYPE_CHECKING:
     import torch.distributed as dist
@@ -276,6 +277,26 @@ class AgentCollector(Collector):
         self.states.update(results)
         return sorted(results, key=lambda r: r.rank)
 
+    async def fr_stacks(self, addrs: Sequence[WorkerAddr] | None = None,
+                        ) -> tuple[FrData, list[RankResult]]:
+        """``Collector.fr_stacks`` through the agents: each agent is asked once for both
+        (``agent_fr?stacks=true``) and asks each of its ranks once; ranks asked directly get
+        theirs with their FR too (``Collector.stacks_after_fr``)."""
+        if addrs is None:
+            addrs = await self.registry.lookup()
+        plan, direct = await self._plan(addrs)
+        if not plan:
+            return await super().fr_stacks(addrs)
+        got: list[RankResult] = []
+        texts: dict[int, str] = {}
+        fr = await self._fr_window(plan, direct, (got, texts))
+        have = {r.rank for r in got}
+        rest = [a for a in addrs if a.rank not in have]
+        if rest:
+            got += await self.stacks_after_fr(rest, fr.results, texts)
+        self.states.update(fr.results)
+        return fr, sorted(got, key=lambda r: r.rank)
+
     async def fr(self, *, only_active: bool = False, whole: bool = False,
                  addrs: Sequence[WorkerAddr] | None = None) -> FrData:
         if addrs is None:
@@ -285,19 +306,30 @@ class AgentCollector(Collector):
             return await super().fr(only_active=only_active, whole=whole, addrs=addrs)
         if whole or only_active:
             return await self._fr_plain(plan, direct, only_active=only_active, whole=whole)
+        return await self._fr_window(plan, direct)
+
+    async def _fr_window(self, plan: list[tuple[AgentAddr, list[WorkerAddr]]],
+                         direct: list[WorkerAddr],
+                         stacks: tuple[list[RankResult], dict[int, str]] | None = None,
+                         ) -> FrData:
+        """The default ``fr`` through the agents; with ``stacks`` (records, texts) the ranks'
+        stacks come in the same requests: agents' records and direct ranks' texts go there."""
+        stacks_got, texts = stacks if stacks is not None else (None, None)
+        addrs = [a for _, rs in plan for a in rs] + list(direct)
         # Round 1: agents cut at their host's frontier, direct ranks at their own.
-        window = {"window": str(frwindow.LOCAL_SLACK)}
+        window = {"window": str(frwindow.LOCAL_SLACK),
+                  **({WITH_STACKS: "true"} if stacks is not None else {})}
         first: list[Any] = []
         tags: dict[str, str] = {}
         known = members.known_param()
         if known is None and len(plan) > 1:
             # This frontend holds no member list yet: one agent first, so the other agents'
             # replies do not each carry the world's list (2048 x 100 KB at 16384 ranks).
-            first = [await self._agent_fr(*plan[0], window, tags)]
+            first = [await self._agent_fr(*plan[0], window, tags, stacks_got)]
             known = members.known_param()
-        direct_round = self._direct_local(direct)
+        direct_round = self._direct_local(direct, texts)
         *rest_got, (direct_results, dumps) = await asyncio.gather(
-            *(self._agent_fr(ag, rs, {**window, members.PARAM: known or ""}, tags)
+            *(self._agent_fr(ag, rs, {**window, members.PARAM: known or ""}, tags, stacks_got)
               for ag, rs in plan[len(first):]), direct_round)
         got = first + rest_got
         results = list(direct_results)
@@ -314,7 +346,7 @@ class AgentCollector(Collector):
             via.update((r, ag) for r in served)
             rest += [a for a in rs if a.rank not in served]
         if rest:  # agents that failed: their ranks directly, in this page
-            more, more_dumps = await self._direct_local(rest)
+            more, more_dumps = await self._direct_local(rest, texts)
             results += more
             dumps.update(more_dumps)
         # Every rank through an agent whose reply carries the same tag as for the last window
@@ -383,11 +415,12 @@ class AgentCollector(Collector):
                 dumps.pop(r, None)
         return [redone.get(r.rank, r) for r in results], dumps
 
-    async def _direct_local(self, addrs: Sequence[WorkerAddr]) -> tuple[
+    async def _direct_local(self, addrs: Sequence[WorkerAddr],
+                            texts: dict[int, str] | None = None) -> tuple[
             list[RankResult], dict[int, dict[str, Any]]]:
         if not addrs:
             return [], {}
-        results = await self._fr_local_round(addrs)
+        results = await self._fr_local_round(addrs, texts)
         dumps = await parse_off_loop(results)
         return results, dumps
 
@@ -402,6 +435,7 @@ class AgentCollector(Collector):
 
     async def _agent_fr(self, ag: AgentAddr, rs: Sequence[WorkerAddr],
                         params: Mapping[str, str], tags: dict[str, str] | None = None,
+                        stacks: list[RankResult] | None = None,
                         ) -> tuple[list[RankResult], dict[int, dict[str, Any]]] | None:
         """One agent's FR reply as records and parsed dumps; None when the agent failed (its
         ranks are then asked directly). Ranks it reports as not registered are left out.
@@ -415,8 +449,9 @@ class AgentCollector(Collector):
         # frontend's memory for the pages that are asked least.
         conditional = "whole" not in params
         slot = (ag.id, "since" if "since" in params else "local")
+        # The FR part does not depend on stacks=true: both asks share what is held.
         question = (_ranks(rs), tuple(sorted((k, v) for k, v in params.items()
-                                             if k != members.PARAM)))
+                                             if k not in (members.PARAM, WITH_STACKS))))
         held = self._held.get(slot) if conditional else None
         if held is not None and held[0] != question:
             held = None
@@ -424,7 +459,7 @@ class AgentCollector(Collector):
         reply = await self._reply(ag, rs, agent.FR, ask, _parse_fr)
         if reply is None:
             return None
-        recs, dumps, tag, snap = reply
+        recs, dumps, tag, snap, stk = reply
         if snap is not None:  # "unchanged": the held dumps again
             if held is None or tag != held[1] or not all(
                     r.rank in held[2] for r in recs if r.ok):
@@ -432,8 +467,10 @@ class AgentCollector(Collector):
                 reply = await self._reply(ag, rs, agent.FR, params, _parse_fr)
                 if reply is None or reply[3] is not None:
                     return None
-                recs, dumps, tag, snap = reply
+                recs, dumps, tag, snap, stk = reply
+                _keep_stacks(stacks, stk)
                 return self._held_reply(slot, question, conditional, recs, dumps, tag, tags)
+            _keep_stacks(stacks, stk)
             if tags is not None:
                 tags[ag.id] = tag
             dumps = {}
@@ -444,6 +481,7 @@ class AgentCollector(Collector):
             self.agent_unchanged += 1
             recs = [r for r in recs if r.status != NOT_REGISTERED]
             return recs, {r.rank: dumps[r.rank] for r in recs if r.rank in dumps}
+        _keep_stacks(stacks, stk)
         return self._held_reply(slot, question, conditional, recs, dumps, tag, tags)
 
     def _held_reply(self, slot: tuple[str, str], question: Any, conditional: bool,
@@ -482,6 +520,13 @@ class AgentCollector(Collector):
         return FrData(sorted(results, key=lambda r: r.rank), dumps)
 
 
+def _keep_stacks(into: list[RankResult] | None, got: list[RankResult] | None) -> None:
+    """An agent's stacks records, where they were asked for (ranks it does not serve left out:
+    they are asked directly)."""
+    if into is not None and got is not None:
+        into.extend(r for r in got if r.status != NOT_REGISTERED)
+
+
 def _ranks(rs: Sequence[WorkerAddr]) -> str:
     return agent.format_ranks([a.rank for a in rs])
 
@@ -512,7 +557,13 @@ def _load(body: str) -> dict[str, Any]:
 def _parse_grouped(body: str, ag: AgentAddr,
                    rs: Sequence[WorkerAddr]) -> list[RankResult]:
     """``agent_stacks``/``agent_fetch``: records whose bodies are shared by index."""
-    obj = _load(body)
+    return _grouped_records(_load(body), ag, rs)
+
+
+def _grouped_records(obj: dict[str, Any], ag: AgentAddr,
+                     rs: Sequence[WorkerAddr]) -> list[RankResult]:
+    if not isinstance(obj.get("ranks"), list):
+        raise ValueError("not an agent reply (no ranks list)")
     texts = obj.get("bodies")
     if not isinstance(texts, list) or not all(isinstance(t, str) for t in texts):
         raise ValueError("bodies is not a list of texts")
@@ -535,18 +586,26 @@ def _with_snap(dump: Mapping[str, Any], snap: Any) -> dict[str, Any]:
     return out
 
 
-def _parse_fr(body: str, ag: AgentAddr, rs: Sequence[WorkerAddr]) -> tuple[
-        list[RankResult], dict[int, dict[str, Any]], str, dict[str, Any] | None]:
+_FrReply = tuple[list[RankResult], dict[int, dict[str, Any]], str, dict[str, Any] | None,
+                 list[RankResult] | None]
+
+
+def _parse_fr(body: str, ag: AgentAddr, rs: Sequence[WorkerAddr]) -> _FrReply:
     """``agent_fr``: records, each rank's dump with its member lists put back, the reply's tag,
-    and for an "unchanged" reply (no dumps) each rank's read time (else None)."""
+    for an "unchanged" reply (no dumps) each rank's read time (else None), and the ranks'
+    stacks records where it was asked ``stacks=true`` (else None)."""
     obj = _load(body)
     tag = obj.get(agent.TAG) if isinstance(obj.get(agent.TAG), str) else ""
+    part = obj.get("stacks")
+    if part is not None and not isinstance(part, dict):
+        raise ValueError("stacks is not an object")
+    stacks = _grouped_records(part, ag, rs) if part is not None else None
     if obj.get("unchanged") is True:
         snap = obj.get("snap")
         if not isinstance(snap, dict) or not tag:
             raise ValueError("an unchanged reply without its tag or read times")
         by_rank = {a.rank: a for a in rs}
-        return [_record(row, ag, by_rank, None) for row in obj["ranks"]], {}, tag, snap
+        return [_record(row, ag, by_rank, None) for row in obj["ranks"]], {}, tag, snap, stacks
     lists, raw = obj.get("lists", {}), obj.get("dumps", {})
     if not isinstance(lists, dict) or not isinstance(raw, dict):
         raise ValueError("lists or dumps is not an object")
@@ -576,7 +635,7 @@ def _parse_fr(body: str, ag: AgentAddr, rs: Sequence[WorkerAddr]) -> tuple[
         members.learn(d)
         dumps[r.rank] = d
         r.body = ""  # answered (the dump is parsed already); the snapshot keys on a body
-    return recs, dumps, tag, None
+    return recs, dumps, tag, None, stacks
 
 
 def collector_for(session: aiohttp.ClientSession, registry: Registry, *, timeout: float,

@@ -204,8 +204,10 @@ async def _fr_page(request: web.Request) -> web.Response:
     whole = not q.get("onlyactive", True)
     collector = request.app[COLLECTOR]
     addrs = await collector.registry.lookup()
-    fr, stacks = await asyncio.gather(collector.fr(whole=whole, addrs=addrs),
-                                      collector.stacks(addrs))
+    # One request per rank for both where it can (Collector.fr_stacks); whole rings apart.
+    fr, stacks = await (asyncio.gather(collector.fr(whole=True, addrs=addrs),
+                                       collector.stacks(addrs)) if whole
+                        else collector.fr_stacks(addrs))
     result = await _off_loop(analyze_fr, fr, stacks, collector.world_size)
     if fmt == "json":
         return _respond(fmt, {**result, "ranks": _rank_rows(fr.results), "fr_window": fr.window})
@@ -312,12 +314,11 @@ async def index(request: web.Request) -> web.Response:
     # from one more fan-out over every rank; the page says how old it is.
     held = health_held.held_health(request.app.get(HANG_WATCH))
     if held is None:
-        health, fr, stack_res = await asyncio.gather(
-            collector.fetch(HEALTH_HANDLER, None, addrs), collector.fr(addrs=addrs),
-            collector.stacks(addrs))
+        health, (fr, stack_res) = await asyncio.gather(
+            collector.fetch(HEALTH_HANDLER, None, addrs), collector.fr_stacks(addrs))
         texts = {h.rank: h.text() for h in parse_health(health)}
     else:
-        fr, stack_res = await asyncio.gather(collector.fr(addrs=addrs), collector.stacks(addrs))
+        fr, stack_res = await collector.fr_stacks(addrs)
         health, texts = stack_res, held.texts(stack_res)
     result = await _off_loop(analyze_fr, fr, stack_res, collector.world_size)
     if fmt == "html":  # the ranks table (views.overview_model) has its own rows

@@ -8,7 +8,9 @@ and they are two separate rings (``recording.c10d_fr`` reads the same two in-pro
 - ``dump_nccl_trace_json``: the NCCL recorder (CUDA builds only; 404 elsewhere). It takes
   ``includecollectives`` and ``onlyactive`` and answers 400 to any other parameter, so it is
   asked with at most ``onlyactive`` (:func:`nccl_params`) and, like the CPU ring, cut to the
-  window by the frontend as it arrives.
+  window by the frontend as it arrives. A windowed fetch's first round asks it
+  ``onlyactive=true`` instead, and only a rank that completed what another has not is asked
+  for its whole ring (``analysis.activecover``).
 
 Only ``fr_trace_json`` was asked before, so on an NCCL job every NCCL collective of such a rank
 was invisible. :func:`merge` makes one dump of the two replies. A group both recorders name (the
@@ -22,6 +24,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from debug_server.analysis.frwindow import ACTIVE_KEY as _ACTIVE_KEY
 from debug_server.analysis.frwindow import WINDOW_KEY as _WINDOW_KEY
 
 __all__ = ["GLOO_SUFFIX", "NCCL_HANDLER", "collisions", "cpu_since", "has_groups", "merge",
@@ -160,13 +163,21 @@ def _whole_facts(dump: Mapping[str, Any]) -> dict[str, Any]:
 
 def _merged_facts(a: Mapping[str, Any], b: Mapping[str, Any]) -> dict[str, Any] | None:
     """The window facts of the merged dump: None where neither was cut (whole rings); else the
-    union of the cuts, both rings' entry counts and the older of their oldest ops."""
+    union of the cuts, both rings' entry counts and the older of their oldest ops. Where one
+    side is an ``onlyactive`` reply (``analysis.activecover``: its ring's length and oldest op
+    unknown), so are the merged ring's, and its active groups stay listed."""
     fa, fb = _facts(a), _facts(b)
     if fa is None and fb is None:
         return None
     fa, fb = fa or _whole_facts(a), fb or _whole_facts(b)
+    active = sorted({str(g) for f in (fa, fb) if isinstance(f.get(_ACTIVE_KEY), list)
+                     for g in f[_ACTIVE_KEY]})
     oldest = [t for t in (fa.get("ring_oldest_ns"), fb.get("ring_oldest_ns"))
               if type(t) is int and t]
-    return {"since": {**(fa.get("since") or {}), **(fb.get("since") or {})},
-            "ring_entries": int(fa.get("ring_entries") or 0) + int(fb.get("ring_entries") or 0),
-            "ring_oldest_ns": min(oldest, default=0)}
+    counts = (fa.get("ring_entries"), fb.get("ring_entries"))
+    out = {"since": {**(fa.get("since") or {}), **(fb.get("since") or {})},
+           "ring_entries": None if None in counts else sum(int(n or 0) for n in counts),
+           "ring_oldest_ns": 0 if active else min(oldest, default=0)}
+    if active:
+        out[_ACTIVE_KEY] = active
+    return out

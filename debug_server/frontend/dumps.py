@@ -346,11 +346,17 @@ class Dumper:
         addrs = await c.registry.lookup()
         # asyncio.sleep(0) returns None: the gather's slot for what this cycle does not want.
         want_fr = bool(self.enabled & {"fr_trace", "snapshot"})
-        fr_task = c.fr(addrs=addrs) if want_fr else asyncio.sleep(0)
-        stacks_task = c.stacks(addrs) if self.enabled & {"stacks", "fr_trace"} else asyncio.sleep(0)
+        want_stacks = bool(self.enabled & {"stacks", "fr_trace"})
+
+        async def fr_and_stacks() -> tuple[FrData | None, list[RankResult] | None]:
+            if want_fr and want_stacks:  # one request per rank for both (fr_stacks)
+                return await c.fr_stacks(addrs)
+            return (await c.fr(addrs=addrs) if want_fr else None,
+                    await c.stacks(addrs) if want_stacks else None)
+
         dump_task = (c.fetch(DUMP_FILE_HANDLER, None, addrs) if "per_rank" in self.enabled
                      else asyncio.sleep(0))
-        fr, stacks, dumped = await asyncio.gather(fr_task, stacks_task, dump_task)
+        (fr, stacks), dumped = await asyncio.gather(fr_and_stacks(), dump_task)
         return await self.dir.run(self._write_cycle, fr, stacks, dumped)
 
     def _write_cycle(self, fr: FrData | None, stacks: list[RankResult] | None,

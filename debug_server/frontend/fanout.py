@@ -21,7 +21,7 @@ from urllib.parse import urlencode
 
 import aiohttp
 
-from debug_server.analysis import frtext, frwindow, members
+from debug_server.analysis import activecover, frtext, frwindow, members
 from debug_server.analysis.digest import DigestMemo
 from debug_server.errors import first_line
 from debug_server.frontend import c10d_workers
@@ -30,6 +30,7 @@ from debug_server.frontend.pagefirst import PageFirstSemaphore
 from debug_server.rank import pyspy
 from debug_server.rank.discovery import NOT_REGISTERED, WorkerAddr
 from debug_server.rank.sigstack import SignalCapture
+from debug_server.rank.wire import WITH_STACKS, split_stacks
 
 logger = logging.getLogger(__name__)
 
@@ -287,6 +288,7 @@ class Collector:
         self._fr_handler: dict[str, str] = {}
         self._no_since: set[str] = set()
         self._no_members: set[str] = set()  # workers that refused ``pgknown`` (older ours)
+        self._no_fr_stacks: set[str] = set()  # workers that refused ``stacks`` (older ours)
         # torch's C++ workers (c10d_workers): those without c10d's NCCL handler (CPU builds),
         # and the CPU recorder's groups renamed "<name>:gloo" in a worker's last merged dump.
         self._no_nccl: set[str] = set()
@@ -325,8 +327,10 @@ class Collector:
         (``window=4``); a rank whose cut turns out above the job's frontier is asked again
         (``since=``). A rank that does not know ``torchcomms_fr_trace_json`` (torch's own C++
         worker answers 404) is asked for c10d's built-in ``fr_trace_json`` instead, and for its
-        NCCL recorder's ``dump_nccl_trace_json`` where it has one (``c10d_workers``); one that
-        refuses these parameters (400) is sent whole rings, cut here to the same window.
+        NCCL recorder's ``dump_nccl_trace_json`` where it has one (``c10d_workers``: in round 1
+        only its active entries, and in round 2 the whole ring of a rank that completed what
+        another has not, ``analysis.activecover``); one that refuses these parameters (400) is
+        sent whole rings, cut here to the same window.
         """
         if addrs is None:
             addrs = await self.registry.lookup()
@@ -339,10 +343,49 @@ class Collector:
         # and active entries fix each communicator's frontier over all ranks.
         return await self.fr_after_first(addrs, await self.fr_first_round(addrs))
 
-    async def fr_first_round(self, addrs: Sequence[WorkerAddr]) -> list[RankResult]:
+    async def fr_first_round(self, addrs: Sequence[WorkerAddr],
+                             stacks: dict[int, str] | None = None) -> list[RankResult]:
         """The default ``fr``'s first round alone, bodies unparsed (an agent compares them with
-        its last ones before it parses them: ``agent.fr_tag``)."""
-        return await self._fr_local_round(addrs)
+        its last ones before it parses them: ``agent.fr_tag``). With ``stacks`` (a dict to
+        fill) our workers are asked for their stacks in the same request (``wire.WITH_STACKS``):
+        each rank's stacks text goes there, its FR JSON stays the body."""
+        return await self._fr_local_round(addrs, stacks)
+
+    async def fr_stacks(self, addrs: Sequence[WorkerAddr] | None = None,
+                        ) -> tuple[FrData, list[RankResult]]:
+        """``fr()`` and ``stacks()`` of the same ranks, for a page that shows both, in one
+        request per rank where the worker is ours (``wire.WITH_STACKS``): half the requests of
+        asking each. A rank whose worker timed out is read by py-spy as ``stacks`` reads it;
+        one that answered without stacks (torch's C++ worker) is asked for them apart."""
+        if addrs is None:
+            addrs = await self.registry.lookup()
+        texts: dict[int, str] = {}
+        first = await self.fr_first_round(addrs, texts)
+        fr, stacks = await asyncio.gather(self.fr_after_first(addrs, first),
+                                          self.stacks_after_fr(addrs, first, texts))
+        return fr, stacks
+
+    async def stacks_after_fr(self, addrs: Sequence[WorkerAddr], first: Sequence[RankResult],
+                              texts: Mapping[int, str]) -> list[RankResult]:
+        """``stacks()`` of ``addrs`` from an FR round that asked for them (``fr_first_round``):
+        the texts it brought; a rank whose worker timed out or is unreachable keeps that record
+        (then py-spy, as in ``stacks``); any other rank without a text is asked for it now."""
+        by_rank = {r.rank: r for r in first}
+        results: list[RankResult] = []
+        ask: list[WorkerAddr] = []
+        for a in addrs:
+            r = by_rank.get(a.rank)
+            text = texts.get(a.rank)
+            if r is not None and text is not None:
+                results.append(RankResult(a.rank, a.url, OK, text, None, r.elapsed_s, 200))
+            elif r is not None and r.status in (TIMED_OUT, UNREACHABLE, NOT_REGISTERED):
+                results.append(RankResult(a.rank, a.url, r.status, None, r.error, r.elapsed_s,
+                                          r.http_status))
+            else:
+                ask.append(a)
+        if ask:
+            results += await self.fetch(STACKS_HANDLER, None, ask)
+        return await self._stuck_stacks(sorted(results, key=lambda r: r.rank), addrs)
 
     async def fr_after_first(self, addrs: Sequence[WorkerAddr],
                              first: list[RankResult]) -> FrData:
@@ -376,15 +419,18 @@ class Collector:
 
     async def _fr_round(self, params: Mapping[str, str], addrs: Sequence[WorkerAddr],
                         cut: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
-                        ) -> list[RankResult]:
+                        stacks: dict[int, str] | None = None) -> list[RankResult]:
         """One FR fan-out; a 404 from our handler retries c10d's, and the winner is remembered.
 
         ``cut``: the window these replies are for (default: the one ``params`` ask for). A reply
         over ``CUT_ON_ARRIVAL_BYTES`` (a worker that ignores the window: torch's C++ worker sends
         its whole ring, ~0.9 MB) is cut to it as it arrives, so a fan-out over thousands of such
-        workers never holds all their rings at once.
+        workers never holds all their rings at once. ``stacks``: where ``params`` ask for them
+        (``wire.WITH_STACKS``), each reply's stacks text goes there as it arrives (before the cut).
         """
         each = _cutter_on_arrival(cut or _param_cut(params))
+        if stacks is not None:
+            each = _stacks_apart(stacks, each)
         handlers = {a.rank: self._fr_handler.get(a.url or "", FR_HANDLER) for a in addrs}
         ours = [a for a in addrs if handlers[a.rank] == FR_HANDLER]
         theirs = [a for a in addrs if handlers[a.rank] != FR_HANDLER]
@@ -394,7 +440,8 @@ class Collector:
             self._fr_handler[a.url or ""] = C10D_FR_HANDLER
         retry += theirs
         if retry:
-            done = {r.rank: r for r in await self._c10d_round(params, retry,
+            plain = {k: v for k, v in params.items() if k != WITH_STACKS}
+            done = {r.rank: r for r in await self._c10d_round(plain, retry,
                                                               cut or _param_cut(params))}
             for a in theirs:  # a restarted worker on the same URL may be ours again
                 if done[a.rank].http_status == 404:
@@ -409,7 +456,11 @@ class Collector:
         has one, its NCCL recorder (``dump_nccl_trace_json``), one merged dump per rank
         (``c10d_workers``); each ring cut to ``cut`` as it arrives. A worker without the NCCL
         handler (404: a CPU build) is not asked for it again; one whose NCCL recorder does not
-        answer reads as failed, so its NCCL collectives are never silently missing."""
+        answer reads as failed, so its NCCL collectives are never silently missing.
+
+        In a first round (``cut`` is each rank's own frontier: ``Window(slack=...)``) the NCCL
+        recorder is asked only its active entries, read as a cut (``analysis.activecover``);
+        round 2 asks the ranks that completed what another has not for their whole rings."""
 
         def cpu_cut(r: RankResult) -> Callable[[dict[str, Any]], dict[str, Any]] | None:
             # The CPU ring arrives under c10d's names; the merge renames them afterwards.
@@ -422,11 +473,14 @@ class Collector:
                 return frwindow.Window(since=c10d_workers.cpu_since(cut.since, names))
             return None  # whole: cut after the merge (cut_off_loop)
 
+        active = isinstance(cut, frwindow.Window) and cut.slack is not None
+        nccl_params = {"onlyactive": "true"} if active else c10d_workers.nccl_params(params)
         nccl_addrs = [a for a in addrs if (a.url or "") not in self._no_nccl]
         cpu, nccl = await asyncio.gather(
             self.fetch(C10D_FR_HANDLER, params, addrs, _cutter_by_record(cpu_cut)),
-            self.fetch(c10d_workers.NCCL_HANDLER, c10d_workers.nccl_params(params), nccl_addrs,
-                       _cutter_on_arrival(cut)) if nccl_addrs else _no_results())
+            self.fetch(c10d_workers.NCCL_HANDLER, nccl_params, nccl_addrs,
+                       None if active else _cutter_on_arrival(cut))
+            if nccl_addrs else _no_results())
         by_rank = {r.rank: r for r in nccl}
         merging = []
         for r in cpu:
@@ -437,7 +491,8 @@ class Collector:
                 self._no_nccl.add(r.url or "")
             elif not r.ok:
                 if r.http_status == 404 and n.ok:  # a torch whose worker has the NCCL one only
-                    r.status, r.http_status, r.error, r.body = OK, 200, None, n.body
+                    r.status, r.http_status, r.error = OK, 200, None
+                    r.body = _marked_active(n.body) if active else n.body
             elif not n.ok:
                 r.status, r.http_status = n.status, n.http_status
                 r.error, r.body = f"NCCL recorder ({c10d_workers.NCCL_HANDLER}): {n.error}", None
@@ -445,8 +500,8 @@ class Collector:
                 merging.append((r, n))
         if merging:
             size = sum(len(r.body or "") + len(n.body or "") for r, n in merging)
-            merged = (_merge_bodies(merging) if size < INLINE_BYTES else await asyncio.
-                      get_running_loop().run_in_executor(None, _merge_bodies, merging))
+            merged = (_merge_bodies(merging, active) if size < INLINE_BYTES else await asyncio.
+                      get_running_loop().run_in_executor(None, _merge_bodies, merging, active))
             for (r, _), (body, renamed) in zip(merging, merged, strict=True):
                 r.body = body
                 if renamed:
@@ -496,11 +551,36 @@ class Collector:
             by_rank.update((r.rank, r) for r in await self.fetch(FR_HANDLER, params, again, each))
         return [by_rank[a.rank] for a in addrs]  # in ``addrs`` order, as fetch would be
 
-    async def _fr_local_round(self, addrs: Sequence[WorkerAddr]) -> list[RankResult]:
+    async def _fr_local_round(self, addrs: Sequence[WorkerAddr],
+                              stacks: dict[int, str] | None = None) -> list[RankResult]:
         knows = [a for a in addrs if (a.url or "") not in self._no_since]
         whole = [a for a in addrs if (a.url or "") in self._no_since]
-        results = await self._fr_round({"window": str(frwindow.LOCAL_SLACK)}, knows)
-        return await self._whole_for_refusers(results, knows, whole, frwindow.local_window)
+        window = {"window": str(frwindow.LOCAL_SLACK)}
+        if stacks is None:
+            results = await self._fr_round(window, knows)
+        else:
+            results = await self._fr_round_with_stacks(window, knows, stacks)
+        return await self._whole_for_refusers(results, knows, whole,
+                                              frwindow.Window(slack=frwindow.LOCAL_SLACK))
+
+    async def _fr_round_with_stacks(self, params: Mapping[str, str], addrs: Sequence[WorkerAddr],
+                                    stacks: dict[int, str]) -> list[RankResult]:
+        """``_fr_round`` asking our workers for their stacks too; one that refuses the parameter
+        (an older worker: 400 naming it) is asked again without it, and from then on."""
+        asks = [a for a in addrs if (a.url or "") not in self._no_fr_stacks]
+        rest = [a for a in addrs if (a.url or "") in self._no_fr_stacks]
+        results = await self._fr_round({**params, WITH_STACKS: "true"}, asks, stacks=stacks)
+        refused = {r.rank for r in results if r.http_status == 400
+                   and f"parameter {WITH_STACKS!r}" in (r.error or "")}
+        for a in asks:
+            if a.rank in refused:
+                self._no_fr_stacks.add(a.url or "")
+        rest += [a for a in asks if a.rank in refused]
+        if not rest:
+            return results
+        again = {r.rank: r for r in await self._fr_round(params, rest)}
+        return sorted([again.pop(r.rank, r) for r in results] + list(again.values()),
+                      key=lambda r: r.rank)
 
     async def _whole_for_refusers(self, results: list[RankResult], asked: Sequence[WorkerAddr],
                                   whole: list[WorkerAddr],
@@ -552,6 +632,12 @@ class Collector:
         if addrs is None:
             addrs = await self.registry.lookup()
         results = await self.fetch(STACKS_HANDLER, None, addrs)
+        return await self._stuck_stacks(results, addrs, native=native, every=every)
+
+    async def _stuck_stacks(self, results: list[RankResult], addrs: Sequence[WorkerAddr], *,
+                            native: bool = False, every: bool = False) -> list[RankResult]:
+        """``stacks``' records completed: a rank whose worker timed out (a thread holding the
+        GIL) read by py-spy, else by signal where it opted in; ``native``/``every`` as there."""
 
         async def ask(helper: WorkerAddr, params: Mapping[str, str], timeout: float) -> RankResult:
             return await fetch_one(self.session, helper, pyspy.HANDLER, params, timeout)
@@ -641,15 +727,32 @@ def _cutter_by_record(cut_for: Callable[[RankResult], Callable[[dict[str, Any]],
     return each
 
 
+def _stacks_apart(stacks: dict[int, str], then: Callable[[RankResult], Awaitable[None]] | None,
+                  ) -> Callable[[RankResult], Awaitable[None]]:
+    """An ``each`` that moves a ``stacks=true`` reply's stacks text into ``stacks`` (its FR JSON
+    stays the body), then runs ``then``."""
+
+    async def each(r: RankResult) -> None:
+        if r.ok and r.body is not None:
+            r.body, text = split_stacks(r.body)
+            if text is not None:
+                stacks[r.rank] = text
+        if then is not None:
+            await then(r)
+
+    return each
+
+
 async def _no_results() -> list[RankResult]:
     return []
 
 
-def _merge_bodies(pairs: Sequence[tuple[RankResult, RankResult]]
+def _merge_bodies(pairs: Sequence[tuple[RankResult, RankResult]], active: bool = False,
                   ) -> list[tuple[str | None, frozenset[str]]]:
     """Each rank's CPU and NCCL recorder replies as one body (``c10d_workers.merge``), and the
     CPU groups renamed. A reply that is not a JSON object, or an NCCL recorder that names no
-    group, leaves the CPU body as it is (``parse_dumps`` reports a bad one)."""
+    group, leaves the CPU body as it is (``parse_dumps`` reports a bad one). ``active``: the
+    NCCL replies are ``onlyactive`` ones, marked as such a cut (``activecover.mark``)."""
     out: list[tuple[str | None, frozenset[str]]] = []
     for cpu, nccl in pairs:
         try:
@@ -660,9 +763,21 @@ def _merge_bodies(pairs: Sequence[tuple[RankResult, RankResult]]
         if not isinstance(a, dict) or not isinstance(b, dict) or not c10d_workers.has_groups(b):
             out.append((cpu.body, frozenset()))
             continue
-        merged, renamed = c10d_workers.merge(a, b)
+        merged, renamed = c10d_workers.merge(a, activecover.mark(b) if active else b)
         out.append((json.dumps(merged, separators=(",", ":"), default=str), renamed))
     return out
+
+
+def _marked_active(body: str | None) -> str | None:
+    """An ``onlyactive`` reply's body with its cut's facts (``activecover.mark``); unchanged
+    where it is not a JSON object (``parse_dumps`` reports that)."""
+    try:
+        dump = json.loads(body or "")
+    except ValueError:
+        return body
+    if not isinstance(dump, dict):
+        return body
+    return json.dumps(activecover.mark(dump), separators=(",", ":"), default=str)
 
 
 def _cut_body(body: str, cut: Callable[[dict[str, Any]], dict[str, Any]]) -> str:

@@ -280,8 +280,7 @@ class HangWatch:
         # asyncio.sleep(0) returns None: the gather's slot for the dumps when none are wanted.
         dump_task = (c.fetch(DUMP_FILE_HANDLER, None, addrs) if self.per_rank and self.dir
                      else asyncio.sleep(0))
-        fr, stacks, dumped = await asyncio.gather(c.fr(addrs=addrs),
-                                                  c.stacks(addrs), dump_task)
+        (fr, stacks), dumped = await asyncio.gather(c.fr_stacks(addrs), dump_task)
         loop = asyncio.get_running_loop()
         result = await loop.run_in_executor(None, analyze_fr, fr, stacks, c.world_size)
         stack_texts = {r.rank: r.body for r in stacks if r.ok and r.body is not None}

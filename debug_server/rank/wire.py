@@ -22,6 +22,21 @@ from debug_server.errors import first_line
 logger = logging.getLogger(__name__)
 
 
+WITH_STACKS = "stacks"
+"""Our FR handler's parameter (``stacks=true``): the reply carries this rank's thread stacks too,
+after the FR JSON and :data:`STACKS_SEP`, so one request per rank serves a page that shows both
+(``/fr_trace`` and the overview: half the requests per rank and per host agent)."""
+STACKS_SEP = "\n\x1e"
+"""Between the FR JSON and the stacks text of a ``stacks=true`` reply. JSON escapes every control
+character, so the first ``\\x1e`` of a reply is always this one."""
+
+
+def split_stacks(body: str) -> tuple[str, str | None]:
+    """A ``stacks=true`` reply as (FR JSON text, stacks text); (body, None) without stacks."""
+    fr, sep, stacks = body.partition(STACKS_SEP)
+    return (fr, stacks) if sep else (body, None)
+
+
 class HandlerError(Exception):
     """An error a handler reports with an HTTP status and a one-line reason."""
 
@@ -73,4 +88,4 @@ def handler_routes(handlers: Mapping[str, Callable[[Any, dict[str, str]], Any]],
     return table
 
 
-__all__ = ["HandlerError", "handler_routes"]
+__all__ = ["STACKS_SEP", "WITH_STACKS", "HandlerError", "handler_routes", "split_stacks"]

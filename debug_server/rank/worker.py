@@ -31,7 +31,7 @@ from debug_server.analysis import frwindow, members
 from debug_server.auth import TokenGate, auth_middleware
 from debug_server.listen import start_sites
 from debug_server.rank import pyspy, rank_capture
-from debug_server.rank.wire import HandlerError, handler_routes
+from debug_server.rank.wire import STACKS_SEP, WITH_STACKS, HandlerError, handler_routes
 from debug_server.recording.lazy import Cut, LazyDump
 from debug_server.stacks import capture_stacks
 
@@ -255,9 +255,16 @@ def _known_members(q: Mapping[str, str]) -> frozenset[str]:
         raise HandlerError(400, f"parameter {members.PARAM}: {e}") from None
 
 
-def _torchcomms_fr_trace_json(p: Provider, q: Mapping[str, str]) -> Mapping[str, Any]:
+def _torchcomms_fr_trace_json(p: Provider, q: Mapping[str, str]) -> Mapping[str, Any] | str:
+    """The FR dump; with ``stacks=true`` (``wire.WITH_STACKS``) this rank's thread stacks
+    follow it, taken right after it (``wire.split_stacks`` parts them)."""
+    with_stacks = _flag(q, WITH_STACKS, False)
+    q = {k: v for k, v in q.items() if k != WITH_STACKS}
     args, cut, known = _fr_args(q), _cut_arg(q), _known_members(q)
-    return members.share(p.fr_snapshot(**args, cut=cut), known)
+    dump = members.share(p.fr_snapshot(**args, cut=cut), known)
+    if not with_stacks:
+        return dump
+    return json.dumps(dump, default=str) + STACKS_SEP + p.stacks()
 
 
 def _fr_trace_json(p: Provider, q: Mapping[str, str]) -> web.Response | Mapping[str, Any]:

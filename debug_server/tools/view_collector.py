@@ -81,6 +81,11 @@ class DiskCollector:
         return [RankResult(r, None, FAILED, error=f"rank {r}: {handler} not recorded "
                            "(post-mortem)", http_status=404) for r in _ranks(addrs)]
 
+    async def fr_stacks(self, addrs: Sequence[WorkerAddr] | None = None,
+                        ) -> tuple[FrData, list[RankResult]]:
+        """The live collector's pair for a page that shows both (``Collector.fr_stacks``)."""
+        return await self.fr(addrs=addrs), await self.stacks(addrs)
+
     async def fr(self, *, only_active: bool = False, whole: bool = False,
                  addrs: Sequence[WorkerAddr] | None = None, **_: Any) -> FrData:
         """The recorded rings; ``only_active``: the ops not completed, as a worker would send.

@@ -1,0 +1,184 @@
+"""A page that shows FR and stacks asks each rank once for both (``Collector.fr_stacks``,
+``wire.WITH_STACKS``), directly and through the host agents, and gives what asking each apart
+gives. Real worker and agent apps on 127.0.0.1 port 0; each worker counts the requests it gets.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Mapping
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp import web
+from test_agent import _Directory, _Registry, _start  # the same fakes of a store
+
+from debug_server.frontend import agent, agent_fanout
+from debug_server.frontend.dumps import analyze_fr
+from debug_server.frontend.fanout import OK, Collector
+from debug_server.rank.discovery import StaticRegistry
+from debug_server.rank.wire import STACKS_SEP, split_stacks
+from debug_server.rank.worker import StaticProvider, make_worker_app
+from debug_server.tools import synthetic
+
+WORLD, PER_HOST, MISSING = 8, 4, 6
+
+
+def _stack_text(rank: int) -> str:
+    line = "time.sleep(60)" if rank == MISSING else "dist.all_reduce(t)"
+    return (f'Thread 0x1 (most recent call first):\n  File "train.py", line {100 + rank} '
+            f"in step\n    {line}\n")
+
+
+def _counting(seen: list[str]) -> Any:
+    @web.middleware
+    async def count(request: web.Request, handler: Any) -> web.StreamResponse:
+        seen.append(request.path_qs)
+        return await handler(request)
+    return count
+
+
+async def _refuses_stacks(request: web.Request, handler: Any) -> web.StreamResponse:
+    """An older worker of ours: its FR handler knows no ``stacks`` parameter."""
+    if "stacks" in request.query:
+        return web.Response(status=400, text="unknown parameter 'stacks' (allowed: "
+                                             "includecollectives, onlyactive, pgknown, since, window)")
+    return await handler(request)
+
+
+@pytest.fixture
+async def workers() -> AsyncIterator[dict[str, Any]]:
+    """8 worker apps (rank 6 never issued the newest all_reduce), each counting its requests;
+    rank 3 is an older worker that refuses ``stacks``."""
+    dumps = synthetic.hang_job(WORLD, n_entries=200, missing_rank=MISSING)
+    runners: list[web.AppRunner] = []
+    seen: dict[int, list[str]] = {r: [] for r in range(WORLD)}
+    urls = []
+    for r in range(WORLD):
+        app = make_worker_app(StaticProvider(dumps[r], stacks=_stack_text(r)))
+        app.middlewares.append(_counting(seen[r]))
+        if r == 3:
+            app.middlewares.append(web.middleware(_refuses_stacks))
+        urls.append(await _start(app, runners))
+    yield {"urls": urls, "seen": seen, "runners": runners}
+    for runner in runners:
+        await runner.cleanup()
+
+
+def _stack_bodies(results: list[Any]) -> dict[int, str]:
+    return {r.rank: r.body for r in results if r.status == OK}
+
+
+async def test_one_request_per_rank_brings_fr_and_stacks_equal_to_asking_each_apart(
+        workers: dict[str, Any]) -> None:
+    seen = workers["seen"]
+    async with aiohttp.ClientSession() as session:
+        c = Collector(session, StaticRegistry(workers["urls"]), timeout=5.0)
+        apart_fr, apart_stacks = await c.fr(), await c.stacks()
+        for r in seen:
+            seen[r].clear()
+        fr, stacks = await c.fr_stacks()
+    ours = [r for r in range(WORLD) if r != 3]
+    for r in ours:
+        assert len(seen[r]) == 1, seen[r]
+        assert seen[r][0].startswith("/handler/torchcomms_fr_trace_json?") and \
+            "stacks=true" in seen[r][0], seen[r]
+    # The older worker refuses the parameter once: FR again without it, stacks asked apart.
+    assert seen[3] == ["/handler/torchcomms_fr_trace_json?window=4&stacks=true",
+                       "/handler/torchcomms_fr_trace_json?window=4",
+                       "/handler/dump_traceback"], seen[3]
+    assert _stack_bodies(stacks) == _stack_bodies(apart_stacks) == \
+        {r: _stack_text(r) for r in range(WORLD)}
+    assert fr.dumps.keys() == apart_fr.dumps.keys() == set(range(WORLD))
+    for r in range(WORLD):
+        assert fr.dumps[r]["entries"] == apart_fr.dumps[r]["entries"], r
+    verdict = analyze_fr(fr, stacks, WORLD)["verdict"]
+    assert verdict == analyze_fr(apart_fr, apart_stacks, WORLD)["verdict"]
+    assert f"Rank {MISSING} never joined" in verdict and "train.py:106" in verdict
+
+
+async def test_a_worker_that_does_not_answer_keeps_its_record_in_both(
+        workers: dict[str, Any]) -> None:
+    urls = list(workers["urls"])
+    urls[5] = "http://127.0.0.1:9"  # nothing listens on the discard port
+    async with aiohttp.ClientSession() as session:
+        fr, stacks = await Collector(session, StaticRegistry(urls), timeout=5.0).fr_stacks()
+    by_rank = {r.rank: r for r in stacks}
+    assert by_rank[5].status == "unreachable" and by_rank[5].body is None
+    assert {r.rank for r in fr.results if r.status == "unreachable"} == {5}
+    assert 5 not in fr.dumps and {r for r in range(WORLD) if r != 5} <= fr.dumps.keys()
+    assert by_rank[4].body == _stack_text(4)
+
+
+async def test_the_worker_sends_its_stacks_after_the_fr_json_only_when_asked(
+        workers: dict[str, Any]) -> None:
+    base = workers["urls"][0]
+    async with aiohttp.ClientSession() as s:
+        async with s.post(f"{base}/handler/torchcomms_fr_trace_json?window=4&stacks=true") as r:
+            both = await r.text()
+        async with s.post(f"{base}/handler/torchcomms_fr_trace_json?window=4") as r:
+            plain = await r.text()
+        async with s.post(f"{base}/handler/torchcomms_fr_trace_json?stacks=maybe") as r:
+            bad = (r.status, await r.text())
+    fr_text, stacks = split_stacks(both)
+    assert stacks == _stack_text(0)
+    assert json.loads(fr_text) == json.loads(plain)
+    assert STACKS_SEP not in plain and split_stacks(plain) == (plain, None)
+    assert bad == (400, "parameter stacks='maybe' must be true or false")
+
+
+@pytest.fixture
+async def agents(workers: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+    urls, runners = workers["urls"], workers["runners"]
+    found = {}
+    for h in range(WORLD // PER_HOST):
+        lo = h * PER_HOST
+        app = agent.make_agent_app(agent.StaticHostRegistry(urls[lo:lo + PER_HOST], lo, WORLD),
+                                   f"h{h}", fetch_timeout=3.0)
+        found[f"h{h}"] = agent_fanout.AgentAddr(f"h{h}", await _start(app, runners),
+                                                frozenset(range(lo, lo + PER_HOST)))
+    yield {**workers, "agents": found}
+
+
+async def _agent_counts(agents: Mapping[str, agent_fanout.AgentAddr]) -> dict[str, dict[str, int]]:
+    out = {}
+    async with aiohttp.ClientSession() as s:
+        for aid, ag in agents.items():
+            async with s.post(f"{ag.url}/handler/{agent.INFO}") as resp:
+                out[aid] = (await resp.json())["requests"]
+    return out
+
+
+async def test_through_agents_each_agent_and_each_rank_is_asked_once_per_page(
+        agents: dict[str, Any]) -> None:
+    seen = agents["seen"]
+    async with aiohttp.ClientSession() as session:
+        through = agent_fanout.AgentCollector(
+            session, _Registry(agents["urls"], PER_HOST),  # type: ignore[arg-type]
+            _Directory(agents["agents"]), timeout=3.0)
+        pages = [await through.fr_stacks() for _ in range(2)]
+    counts = await _agent_counts(agents["agents"])
+    assert counts == {h: {agent.FR: 2, agent.INFO: 1} for h in counts}, counts
+    assert through.agent_unchanged == WORLD // PER_HOST  # the second page: a hung job
+    for r in range(WORLD):
+        if r == 3:  # the older worker: refused once, remembered on the second page
+            assert seen[r] == ["/handler/torchcomms_fr_trace_json?window=4&stacks=true"] + [
+                "/handler/torchcomms_fr_trace_json?window=4", "/handler/dump_traceback"] * 2
+        else:
+            assert [q.split("?")[0] for q in seen[r]] == \
+                ["/handler/torchcomms_fr_trace_json"] * 2, (r, seen[r])
+    for fr, stacks in pages:
+        assert _stack_bodies(stacks) == {r: _stack_text(r) for r in range(WORLD)}
+        assert all(s.note and "via agent" in s.note for s in stacks)
+        verdict = analyze_fr(fr, stacks, WORLD)["verdict"]
+        assert f"Rank {MISSING} never joined" in verdict and "train.py:106" in verdict
+
+
+async def test_an_agent_refuses_stacks_with_a_re_ask_in_one_line(agents: dict[str, Any]) -> None:
+    ag = agents["agents"]["h0"]
+    async with aiohttp.ClientSession() as s, \
+            s.post(f"{ag.url}/handler/{agent.FR}?stacks=true&since=%7B%7D") as resp:
+        assert resp.status == 400
+        assert await resp.text() == ("bad parameter stacks=true: only with the default window "
+                                     "(no since, whole or onlyactive)")
