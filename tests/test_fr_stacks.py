@@ -14,9 +14,10 @@ import pytest
 from aiohttp import web
 from test_agent import _Directory, _Registry, _start  # the same fakes of a store
 
+from debug_server.analysis import members
 from debug_server.frontend import agent, agent_fanout
 from debug_server.frontend.dumps import analyze_fr
-from debug_server.frontend.fanout import OK, Collector
+from debug_server.frontend.fanout import OK, PRIME_RANKS, Collector
 from debug_server.rank.discovery import StaticRegistry
 from debug_server.rank.wire import STACKS_SEP, split_stacks
 from debug_server.rank.worker import StaticProvider, make_worker_app
@@ -182,3 +183,32 @@ async def test_an_agent_refuses_stacks_with_a_re_ask_in_one_line(agents: dict[st
         assert resp.status == 400
         assert await resp.text() == ("bad parameter stacks=true: only with the default window "
                                      "(no since, whole or onlyactive)")
+
+
+async def test_a_big_job_s_first_rank_asked_alone_gets_its_stacks_apart_and_lists_learnt(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # From PRIME_RANKS ranks on, a frontend that holds no member list asks one rank first and
+    # learns its lists from the reply, so the others are asked with ``pgknown``.
+    world = PRIME_RANKS
+    dumps = synthetic.hang_job(world, n_entries=20, missing_rank=world - 1)
+    runners: list[web.AppRunner] = []
+    seen: dict[int, list[str]] = {r: [] for r in range(world)}
+    urls = []
+    for r in range(world):
+        app = make_worker_app(StaticProvider(dumps[r], stacks=_stack_text(r)))
+        app.middlewares.append(_counting(seen[r]))
+        urls.append(await _start(app, runners))
+    # A frontend that holds no list yet (this process may have learnt one in another test).
+    for name, empty in (("_text_of", {}), ("_digest_of", {}), ("_weight", {}), ("_chars", 0)):
+        monkeypatch.setattr(members, name, empty)
+    try:
+        async with aiohttp.ClientSession() as session:
+            fr, stacks = await Collector(session, StaticRegistry(urls), timeout=5.0).fr_stacks()
+    finally:
+        for runner in runners:
+            await runner.cleanup()
+    assert _stack_bodies(stacks) == {r: _stack_text(r) for r in range(world)}
+    assert fr.dumps.keys() == set(range(world))
+    asked_alone = [r for r in range(world) if members.PARAM not in seen[r][0]]
+    assert len(asked_alone) == 1, asked_alone
+    assert f"Rank {world - 1} never joined" in analyze_fr(fr, stacks, world)["verdict"]

@@ -529,6 +529,8 @@ class Collector:
                 async with self.semaphore:
                     r = await fetch_one(self.session, a, FR_HANDLER, params,
                                         min(self.timeout, PRIME_TIMEOUT_S), self.http)
+                    if each is not None:  # as every reply of the fan-out (stacks apart, cut)
+                        await each(r)
                 if r.ok:  # else it is asked again with the others
                     self.states.update([r])
                     by_rank[r.rank] = r
