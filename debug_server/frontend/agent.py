@@ -11,7 +11,9 @@ already-digested reply for the host:
 
 - ``agent_fr``: per-rank status and each rank's FR entries near every communicator's frontier
   (``frwindow``: the host's frontier; the frontend computes the job's and asks again with
-  ``since=`` only for the ranks whose cut lies above it, exactly its own re-ask protocol),
+  ``since=`` only for the ranks whose cut lies above it, exactly its own re-ask protocol;
+  ``stacks=true``: the ranks' stacks too, asked in the same request per rank and sent as
+  ``agent_stacks`` sends them, with every reply, "unchanged" ones included),
   each distinct call-site stack once per reply (entries name it by index: ``"frames"``),
   long member lists once per reply (``"lists"``, references in the dumps, and none the frontend
   already holds: ``pgknown``), and the host's **mismatch signatures**: per communicator and

@@ -9,6 +9,8 @@ The FR handlers take torch's ``onlyactive`` and ``includecollectives``, and two 
 live window (``frwindow``): ``since={"<group>": <seq>}`` keeps each named group from that seq on,
 ``window=<slack>`` cuts at this rank's own frontier less ``slack``. The window is cut inside the
 recorders (``frwindow.cutter``, ``recording.lazy``): only the entries it keeps are built.
+``torchcomms_fr_trace_json?stacks=true`` also sends this rank's thread stacks, after the FR JSON
+(``wire.WITH_STACKS``): a page that shows both asks each rank once.
 
 What the worker serves comes from a ``Provider``; ``HooksProvider`` reads this process's
 Flight Recorder hooks, ``StaticProvider`` serves fixed data (tests, benchmarks).
