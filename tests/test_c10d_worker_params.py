@@ -33,7 +33,7 @@ from debug_server.tools import synthetic
 REPO = Path(__file__).resolve().parent.parent
 
 PROBE = """
-import json, os, sys, urllib.error, urllib.request
+import json, os, sys, time, urllib.error, urllib.request
 import torch, torch.distributed as dist
 from torch._C._distributed_c10d import _WorkerServer
 dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{sys.argv[1]}", rank=0,
@@ -41,6 +41,15 @@ dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{sys.argv[1]}", ra
 for _ in range(5):
     dist.all_reduce(torch.ones(3))
 w = _WorkerServer("127.0.0.1", 0)
+# c10d's watchdog retires gloo work on its own thread: wait (10 s at most) until it counted all
+# five, so the answers below are of a settled ring (a loaded box read "4" once).
+for _ in range(200):
+    req = urllib.request.Request(f"http://127.0.0.1:{w.port}/handler/fr_trace_json", method="POST")
+    with urllib.request.urlopen(req, timeout=30) as r:
+        status = json.loads(r.read().decode()).get("pg_status", {}).get("0", {})
+    if status.get("last_completed_collective") == "5":
+        break
+    time.sleep(0.05)
 out = {}
 for name, query in [("fr_trace_json", ""), ("fr_trace_json", "onlyactive=true"),
                     ("fr_trace_json", "window=4"), ("fr_trace_json", "includecollectives=false"),
