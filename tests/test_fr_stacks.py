@@ -197,13 +197,17 @@ async def test_a_big_job_s_first_rank_asked_alone_gets_its_stacks_apart_and_list
     for r in range(world):
         app = make_worker_app(StaticProvider(dumps[r], stacks=_stack_text(r)))
         app.middlewares.append(_counting(seen[r]))
+        if r == 5:
+            app.middlewares.append(web.middleware(_refuses_stacks))
         urls.append(await _start(app, runners))
     # A frontend that holds no list yet (this process may have learnt one in another test).
     for name, empty in (("_text_of", {}), ("_digest_of", {}), ("_weight", {}), ("_chars", 0)):
         monkeypatch.setattr(members, name, empty)
     try:
         async with aiohttp.ClientSession() as session:
-            fr, stacks = await Collector(session, StaticRegistry(urls), timeout=5.0).fr_stacks()
+            c = Collector(session, StaticRegistry(urls), timeout=5.0)
+            fr, stacks = await c.fr_stacks()
+            await c.fr_stacks()
     finally:
         for runner in runners:
             await runner.cleanup()
@@ -211,4 +215,6 @@ async def test_a_big_job_s_first_rank_asked_alone_gets_its_stacks_apart_and_list
     assert fr.dumps.keys() == set(range(world))
     asked_alone = [r for r in range(world) if members.PARAM not in seen[r][0]]
     assert len(asked_alone) == 1, asked_alone
+    # The worker that refuses ``stacks`` (its 400 lists pgknown as allowed) still gets pgknown.
+    assert members.PARAM in seen[5][-2] and "stacks" not in seen[5][-2], seen[5]
     assert f"Rank {world - 1} never joined" in analyze_fr(fr, stacks, world)["verdict"]

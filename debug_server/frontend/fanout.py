@@ -545,7 +545,9 @@ class Collector:
         results = await self.fetch(FR_HANDLER, {**params, members.PARAM: known or ""}, told,
                                    each) if told else []
         refused = {r.rank for r in results
-                   if r.http_status == 400 and members.PARAM in (r.error or "")}
+                   # "unknown parameter 'pgknown'": not any 400 whose list of allowed names
+                   # has it (an older worker refusing ``stacks`` lists pgknown as allowed).
+                   if r.http_status == 400 and f"parameter {members.PARAM!r}" in (r.error or "")}
         again = untold + [a for a in told if a.rank in refused]
         self._no_members.update(a.url or "" for a in told if a.rank in refused)
         by_rank.update((r.rank, r) for r in results)
