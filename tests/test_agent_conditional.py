@@ -179,3 +179,42 @@ def test_digest_memo_digests_again_a_dump_with_one_new_entry_object() -> None:
     assert memo.hits == 1 and same == first._replace(snap_ns=9)
     assert again == digest_dump(0, {**dump, "entries": entries, SNAPSHOT_TIME_KEY: 7})
     assert again.colls != first.colls
+
+
+async def _restarted(fleet: dict[str, Any], session: aiohttp.ClientSession,
+                     ) -> agent_fanout.AgentCollector:
+    """A new frontend's collector (restarted, or attached from elsewhere): it holds no tag."""
+    urls = [a.url for a in fleet["through"].registry.addrs]
+    return agent_fanout.AgentCollector(session, _Registry(urls, PER_HOST),  # type: ignore[arg-type]
+                                       _Directory(fleet["agents"]), timeout=3.0)
+
+
+async def _from_last(fleet: dict[str, Any]) -> dict[str, int]:
+    return {h: (await _post(f"{ag.url}/handler/{agent.INFO}"))["requests"].get(
+        agent.FROM_LAST, 0) for h, ag in fleet["agents"].items()}
+
+
+async def test_a_restarted_frontend_gets_the_agents_last_full_replies_with_new_read_times(
+        fleet: dict[str, Any]) -> None:
+    first = await fleet["through"].fr()
+    async with aiohttp.ClientSession() as session:
+        again = await (await _restarted(fleet, session)).fr()
+    assert await _from_last(fleet) == {"h0": 1, "h1": 1}
+    for r in range(WORLD):
+        assert _entries(again.dumps[r]) == _entries(first.dumps[r]), r
+        assert again.dumps[r][SNAPSHOT_TIME_KEY] > first.dumps[r][SNAPSHOT_TIME_KEY], r
+    assert again.window == first.window
+    assert analyze_fr(again, None, WORLD)["verdict"] == analyze_fr(first, None, WORLD)["verdict"]
+
+
+async def test_a_host_whose_ring_changed_is_not_answered_from_its_last_full_reply(
+        fleet: dict[str, Any]) -> None:
+    await fleet["through"].fr()
+    p = fleet["providers"][5]
+    entries = [dict(e) for e in p.dump["entries"]]
+    entries[-1]["state"] = "started" if entries[-1]["state"] == "completed" else "completed"
+    p.dump = {**p.dump, "entries": entries}
+    async with aiohttp.ClientSession() as session:
+        again = await (await _restarted(fleet, session)).fr()
+    assert await _from_last(fleet) == {"h0": 1, "h1": 0}
+    assert again.dumps[5]["entries"][-1]["state"] == entries[-1]["state"]

@@ -20,7 +20,9 @@ already-digested reply for the host:
   sequence number, each distinct (op, sizes, dtypes) with the ranks that issued it. Every reply
   has a ``tag`` (:func:`fr_tag`); asked again with ``tag=`` and nothing but the ranks' read
   times changed since (a hung host), the reply is ``"unchanged": true`` with the rank records
-  and each rank's ``dump_time_ns`` only (the frontend uses the dumps it holds);
+  and each rank's ``dump_time_ns`` only (the frontend uses the dumps it holds); an asker
+  without that tag (a restarted or attached frontend) gets the agent's last full reply for the
+  same data again, with this ask's records and read times (``LAST_FULL``), not a new one;
 - ``agent_stacks``: per-rank status and the stacks grouped by identity (each distinct text
   once, with the ranks that have it);
 - ``agent_fetch?handler=<name>``: the same grouping for ``ping``, the health check and the
@@ -220,6 +222,11 @@ HOST_ID = web.AppKey("host_id", str)
 COUNTS = web.AppKey("counts", dict)
 SETTINGS = web.AppKey("settings", dict)
 GROUPS = web.AppKey("groups", dict)
+LAST_FULL = web.AppKey("last_full", dict)
+"""tag -> the data part of the last full ``agent_fr`` replies (:func:`_fr_part`), newest last."""
+LAST_FULL_KEPT = 4
+FROM_LAST = "agent_fr (from its last full reply)"
+"""``agent_info``'s count of full replies sent from :data:`LAST_FULL` (a new asker, same data)."""
 """rank -> the groups its last reply named (``since`` for a re-ask is cut to them)."""
 
 
@@ -341,30 +348,59 @@ def _stacks_part(stacks: Sequence[RankResult] | None) -> dict[str, Any]:
     return {"stacks": {"ranks": rows, "bodies": texts}}
 
 
-def _unchanged_reply(app: web.Application, results: Sequence[RankResult], tag: str,
-                     stacks: Sequence[RankResult] | None = None) -> str:
-    """The records and each rank's read time, read off its reply text (no parse)."""
-    rows, _ = _records(results, with_body=False)
+def _read_times(results: Sequence[RankResult]) -> dict[str, int | None]:
+    """Each answering rank's read time (``dump_time_ns``), read off its reply text (no parse)."""
     snap: dict[str, int | None] = {}
     for r in results:
         if r.ok:
             m = _SNAP_RE.search(r.body or "")
             snap[str(r.rank)] = int(m.group(0).rpartition(":")[2]) if m else None
+    return snap
+
+
+def _unchanged_reply(app: web.Application, results: Sequence[RankResult], tag: str,
+                     stacks: Sequence[RankResult] | None = None) -> str:
+    """The records and each rank's read time, read off its reply text (no parse)."""
+    rows, _ = _records(results, with_body=False)
     return json.dumps({"host": app[HOST_ID], "ranks": rows, TAG: tag, "unchanged": True,
-                       "snap": snap, **_stacks_part(stacks)}, separators=(",", ":"))
+                       "snap": _read_times(results), **_stacks_part(stacks)},
+                      separators=(",", ":"))
+
+
+def _fr_part(app: web.Application, fr: FrData, known: frozenset[str]) -> str:
+    """A full reply's data, as JSON text: what its tag stands for (the ranks' windows and the
+    asker's lists), so the same text serves any asker of the same tag (:data:`LAST_FULL`)."""
+    for r, d in fr.dumps.items():
+        app[GROUPS][r] = sorted(frwindow.rank_groups(d))
+    dumps, lists = _share_lists(fr.dumps, known)
+    dumps, frame_sets = share_frames(dumps)
+    return json.dumps({"dumps": dumps, "lists": lists, "frames": frame_sets,
+                       "window": fr.window, "signatures": signatures(fr.dumps)},
+                      default=str, separators=(",", ":"))
+
+
+def _with_part(app: web.Application, results: Sequence[RankResult], tag: str, part: str,
+               stacks: Sequence[RankResult] | None, snap: Mapping[str, int | None] | None,
+               ) -> str:
+    """A full reply: this ask's records (and stacks, and read times where the data part was
+    made for an earlier ask) around the data part's text."""
+    rows, _ = _records(results, with_body=False)
+    head = json.dumps({"host": app[HOST_ID], "ranks": rows, TAG: tag,
+                       **({"snap": snap} if snap is not None else {}), **_stacks_part(stacks)},
+                      default=str, separators=(",", ":"))
+    return head[:-1] + "," + part[1:]
 
 
 def _fr_reply(app: web.Application, fr: FrData, known: frozenset[str], tag: str,
-              stacks: Sequence[RankResult] | None = None) -> str:
-    for r, d in fr.dumps.items():
-        app[GROUPS][r] = sorted(frwindow.rank_groups(d))
-    rows, _ = _records(fr.results, with_body=False)
-    dumps, lists = _share_lists(fr.dumps, known)
-    dumps, frame_sets = share_frames(dumps)
-    return json.dumps({"host": app[HOST_ID], "ranks": rows, "dumps": dumps, "lists": lists,
-                       "frames": frame_sets, "window": fr.window,
-                       "signatures": signatures(fr.dumps), TAG: tag, **_stacks_part(stacks)},
-                      default=str, separators=(",", ":"))
+              stacks: Sequence[RankResult] | None = None, keep: bool = False) -> str:
+    part = _fr_part(app, fr, known)
+    if keep:  # the default ask's: a new asker of the same tag gets it again (LAST_FULL)
+        last = app[LAST_FULL]
+        last.pop(tag, None)
+        last[tag] = part
+        while len(last) > LAST_FULL_KEPT:
+            last.pop(next(iter(last)))
+    return _with_part(app, fr.results, tag, part, stacks, None)
 
 
 async def _agent_fr(request: web.Request, q: Mapping[str, str]) -> web.Response:
@@ -411,6 +447,15 @@ async def _agent_fr(request: web.Request, q: Mapping[str, str]) -> web.Response:
             stacks = await stacks_read if stacks_read is not None else None
             return web.Response(text=_unchanged_reply(request.app, first, tag, stacks),
                                 content_type="application/json")
+        part = request.app[LAST_FULL].get(tag)
+        if part is not None:
+            # Another asker (a restarted or attached frontend) of data this agent sent whole
+            # already: the same data part, this ask's records and read times.
+            stacks = await stacks_read if stacks_read is not None else None
+            request.app[COUNTS][FROM_LAST] = request.app[COUNTS].get(FROM_LAST, 0) + 1
+            return web.Response(text=_with_part(request.app, first, tag, part, stacks,
+                                                _read_times(first)),
+                                content_type="application/json")
         fr = await collector.fr_after_first(addrs, first)
         stacks = await stacks_read if stacks_read is not None else None
     if tag is None:
@@ -419,8 +464,10 @@ async def _agent_fr(request: web.Request, q: Mapping[str, str]) -> web.Response:
             return web.Response(text=_unchanged_reply(request.app, fr.results, tag),
                                 content_type="application/json")
     # A host's few ranks: encoded here (a thread hop would cost more than the work).
-    body = _fr_reply(request.app, fr, known, tag, stacks) if len(fr.dumps) <= INLINE_DUMPS \
-        else await loop.run_in_executor(None, _fr_reply, request.app, fr, known, tag, stacks)
+    keep = "since" not in q and not _flag(q, "whole") and not _flag(q, "onlyactive")
+    body = _fr_reply(request.app, fr, known, tag, stacks, keep) \
+        if len(fr.dumps) <= INLINE_DUMPS else await loop.run_in_executor(
+            None, _fr_reply, request.app, fr, known, tag, stacks, keep)
     return web.Response(text=body, content_type="application/json")
 
 
@@ -476,6 +523,7 @@ def make_agent_app(registry: Any, my_id: str, *, fetch_timeout: float,
     app[HOST_ID] = my_id
     app[COUNTS] = {}
     app[GROUPS] = {}
+    app[LAST_FULL] = {}
     app[SETTINGS] = {"timeout": fetch_timeout, "concurrency": max_concurrency, "token": token}
     app.cleanup_ctx.append(_client_ctx)
     app.add_routes(routes)

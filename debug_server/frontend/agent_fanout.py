@@ -615,6 +615,11 @@ def _parse_fr(body: str, ag: AgentAddr, rs: Sequence[WorkerAddr]) -> _FrReply:
     frame_sets = obj.get("frames", [])
     if not isinstance(frame_sets, list):
         raise ValueError("frames is not a list")
+    # A full reply the agent made for an earlier ask (agent.LAST_FULL) carries this ask's
+    # read times apart.
+    fresh = obj.get("snap")
+    if fresh is not None and not isinstance(fresh, dict):
+        raise ValueError("snap is not an object")
     by_rank = {a.rank: a for a in rs}
     recs = [_record(row, ag, by_rank, None) for row in obj["ranks"]]
     dumps: dict[int, dict[str, Any]] = {}
@@ -633,7 +638,7 @@ def _parse_fr(body: str, ag: AgentAddr, rs: Sequence[WorkerAddr]) -> _FrReply:
                 e["frames"] = frame_sets[i]
         members.inline(d)
         members.learn(d)
-        dumps[r.rank] = d
+        dumps[r.rank] = d if fresh is None else _with_snap(d, fresh.get(str(r.rank)))
         r.body = ""  # answered (the dump is parsed already); the snapshot keys on a body
     return recs, dumps, tag, None, stacks
 
