@@ -120,6 +120,20 @@ def _measure(world: int, store_port: int, reps: int, idle_s: float,
         ff.end_process(proc)
 
 
+def _first_page(world: int, store_port: int) -> float:
+    """A second frontend's first FR page (restarted, or attached from elsewhere): it holds no
+    agent reply, but the agents answered the first frontend already (``agent.LAST_FULL``)."""
+    proc, port = ff.start_frontend(store=("127.0.0.1", store_port), world_size=world,
+                                   fetch_timeout=120.0)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        ff.timed_get(f"{base}/stacks")  # warm as the first frontend was (_measure)
+        seconds, _ = ff.timed_get(f"{base}/fr_trace?format=json")
+        return seconds
+    finally:
+        ff.end_process(proc)
+
+
 POLL_SETTLE_S = 12.0
 """Seconds after the hang watch's first poll is due by which it has come back (16384 ranks)."""
 
@@ -153,6 +167,7 @@ def bench(world: int, reps: int, helpers: int, idle_s: float, store_port: int,
             ds.set(f"agent/fh{h}", json.dumps({"url": u, "ranks": f"{lo}-{lo + PER_HOST - 1}",
                                                "restart": 0, "pid": 0, "host": "fake"}))
         through = _measure(world, store_port, reps, idle_s, pids)
+        through["second_first_fr_s"] = _first_page(world, store_port)
         return {"ranks": world, "direct": direct, "agents": through}
     finally:
         ff.stop_fleet(agents)
@@ -178,6 +193,8 @@ def _print(row: dict[str, Any]) -> None:
     print(f"  {'first FR':>12} {d['first_fr_json_s']:>8.2f} s {a['first_fr_json_s']:>8.2f} s "
           f"{a['first_fr_json_s'] / d['first_fr_json_s']:>13.2f}x   (/fr_trace?format=json, "
           "cold: the frontend holds no agent reply to ask conditionally)")
+    print(f"  {'2nd frontend':>12} {'':>10} {a['second_first_fr_s']:>8.2f} s {'':>14}   (its first "
+          "/fr_trace?format=json: agents send their last full replies again)")
     ratio = f"{a['idle_cpu'] / d['idle_cpu']:.2f}x" if d["idle_cpu"] else "n/a"
     print(f"  {'idle CPU':>12} {d['idle_cpu']:>9.1%} {a['idle_cpu']:>9.1%} {ratio:>14}")
 
