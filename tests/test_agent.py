@@ -114,6 +114,20 @@ async def _start(app: web.Application, runners: list[web.AppRunner]) -> str:
     return f"http://127.0.0.1:{runner.addresses[0][1]}"
 
 
+async def _start_agents(urls: list[str], runners: list[web.AppRunner],
+                        per_host: int) -> dict[str, agent_fanout.AgentAddr]:
+    """One real agent app per ``per_host`` of the workers at ``urls``, hosts ``h0``, ``h1``..."""
+    found = {}
+    for h in range(len(urls) // per_host):
+        lo = h * per_host
+        app = agent.make_agent_app(agent.StaticHostRegistry(urls[lo:lo + per_host], lo,
+                                                            len(urls)),
+                                   f"h{h}", fetch_timeout=3.0)
+        found[f"h{h}"] = agent_fanout.AgentAddr(f"h{h}", await _start(app, runners),
+                                                frozenset(range(lo, lo + per_host)))
+    return found
+
+
 WORLD, PER_HOST, MISSING = 8, 4, 6
 
 

@@ -13,7 +13,7 @@ from typing import Any
 import aiohttp
 import pytest
 from aiohttp import web
-from test_agent import _Directory, _Registry, _start  # the same fakes of a store
+from test_agent import _Directory, _Registry, _start, _start_agents  # the same fakes
 
 from debug_server.analysis.core import analyze
 from debug_server.analysis.digest import SNAPSHOT_TIME_KEY, DigestMemo, digest_dump
@@ -39,13 +39,7 @@ async def fleet() -> AsyncIterator[dict[str, Any]]:
     runners: list[web.AppRunner] = []
     providers = [LiveProvider(dumps[r]) for r in range(WORLD)]
     urls = [await _start(make_worker_app(p), runners) for p in providers]
-    agents = {}
-    for h in range(WORLD // PER_HOST):
-        lo = h * PER_HOST
-        app = agent.make_agent_app(agent.StaticHostRegistry(urls[lo:lo + PER_HOST], lo, WORLD),
-                                   f"h{h}", fetch_timeout=3.0)
-        agents[f"h{h}"] = agent_fanout.AgentAddr(f"h{h}", await _start(app, runners),
-                                                 frozenset(range(lo, lo + PER_HOST)))
+    agents = await _start_agents(urls, runners, PER_HOST)
     async with aiohttp.ClientSession() as session:
         through = agent_fanout.AgentCollector(session, _Registry(urls, PER_HOST),  # type: ignore[arg-type]
                                               _Directory(agents), timeout=3.0)

@@ -12,7 +12,7 @@ from typing import Any
 import aiohttp
 import pytest
 from aiohttp import web
-from test_agent import _Directory, _Registry, _start  # the same fakes of a store
+from test_agent import _Directory, _Registry, _start, _start_agents  # the same fakes
 
 from debug_server.analysis import members
 from debug_server.frontend import agent, agent_fanout
@@ -48,20 +48,28 @@ async def _refuses_stacks(request: web.Request, handler: Any) -> web.StreamRespo
     return await handler(request)
 
 
+async def _counted_workers(dumps: Mapping[int, Mapping[str, Any]], older: int,
+                          runners: list[web.AppRunner]) -> tuple[list[str], dict[int, list[str]]]:
+    """A worker app per dump, each recording the requests it gets; rank ``older`` is an older
+    worker that refuses ``stacks``."""
+    seen: dict[int, list[str]] = {r: [] for r in dumps}
+    urls = []
+    for r in sorted(dumps):
+        app = make_worker_app(StaticProvider(dumps[r], stacks=_stack_text(r)))
+        app.middlewares.append(_counting(seen[r]))
+        if r == older:
+            app.middlewares.append(web.middleware(_refuses_stacks))
+        urls.append(await _start(app, runners))
+    return urls, seen
+
+
 @pytest.fixture
 async def workers() -> AsyncIterator[dict[str, Any]]:
     """8 worker apps (rank 6 never issued the newest all_reduce), each counting its requests;
     rank 3 is an older worker that refuses ``stacks``."""
-    dumps = synthetic.hang_job(WORLD, n_entries=200, missing_rank=MISSING)
     runners: list[web.AppRunner] = []
-    seen: dict[int, list[str]] = {r: [] for r in range(WORLD)}
-    urls = []
-    for r in range(WORLD):
-        app = make_worker_app(StaticProvider(dumps[r], stacks=_stack_text(r)))
-        app.middlewares.append(_counting(seen[r]))
-        if r == 3:
-            app.middlewares.append(web.middleware(_refuses_stacks))
-        urls.append(await _start(app, runners))
+    urls, seen = await _counted_workers(
+        synthetic.hang_job(WORLD, n_entries=200, missing_rank=MISSING), 3, runners)
     yield {"urls": urls, "seen": seen, "runners": runners}
     for runner in runners:
         await runner.cleanup()
@@ -131,15 +139,8 @@ async def test_the_worker_sends_its_stacks_after_the_fr_json_only_when_asked(
 
 @pytest.fixture
 async def agents(workers: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
-    urls, runners = workers["urls"], workers["runners"]
-    found = {}
-    for h in range(WORLD // PER_HOST):
-        lo = h * PER_HOST
-        app = agent.make_agent_app(agent.StaticHostRegistry(urls[lo:lo + PER_HOST], lo, WORLD),
-                                   f"h{h}", fetch_timeout=3.0)
-        found[f"h{h}"] = agent_fanout.AgentAddr(f"h{h}", await _start(app, runners),
-                                                frozenset(range(lo, lo + PER_HOST)))
-    yield {**workers, "agents": found}
+    yield {**workers, "agents": await _start_agents(workers["urls"], workers["runners"],
+                                                    PER_HOST)}
 
 
 async def _agent_counts(agents: Mapping[str, agent_fanout.AgentAddr]) -> dict[str, dict[str, int]]:
@@ -190,16 +191,9 @@ async def test_a_big_job_s_first_rank_asked_alone_gets_its_stacks_apart_and_list
     # From PRIME_RANKS ranks on, a frontend that holds no member list asks one rank first and
     # learns its lists from the reply, so the others are asked with ``pgknown``.
     world = PRIME_RANKS
-    dumps = synthetic.hang_job(world, n_entries=20, missing_rank=world - 1)
     runners: list[web.AppRunner] = []
-    seen: dict[int, list[str]] = {r: [] for r in range(world)}
-    urls = []
-    for r in range(world):
-        app = make_worker_app(StaticProvider(dumps[r], stacks=_stack_text(r)))
-        app.middlewares.append(_counting(seen[r]))
-        if r == 5:
-            app.middlewares.append(web.middleware(_refuses_stacks))
-        urls.append(await _start(app, runners))
+    urls, seen = await _counted_workers(
+        synthetic.hang_job(world, n_entries=20, missing_rank=world - 1), 5, runners)
     # A frontend that holds no list yet (this process may have learnt one in another test).
     for name, empty in (("_text_of", {}), ("_digest_of", {}), ("_weight", {}), ("_chars", 0)):
         monkeypatch.setattr(members, name, empty)

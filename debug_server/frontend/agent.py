@@ -222,12 +222,12 @@ HOST_ID = web.AppKey("host_id", str)
 COUNTS = web.AppKey("counts", dict)
 SETTINGS = web.AppKey("settings", dict)
 GROUPS = web.AppKey("groups", dict)
+"""rank -> the groups its last reply named (``since`` for a re-ask is cut to them)."""
 LAST_FULL = web.AppKey("last_full", dict)
 """tag -> the data part of the last full ``agent_fr`` replies (:func:`_fr_part`), newest last."""
 LAST_FULL_KEPT = 4
 FROM_LAST = "agent_fr (from its last full reply)"
 """``agent_info``'s count of full replies sent from :data:`LAST_FULL` (a new asker, same data)."""
-"""rank -> the groups its last reply named (``since`` for a re-ask is cut to them)."""
 
 
 async def _addrs(request: web.Request, q: Mapping[str, str]) -> list[WorkerAddr]:
@@ -394,7 +394,7 @@ def _with_part(app: web.Application, results: Sequence[RankResult], tag: str, pa
 def _fr_reply(app: web.Application, fr: FrData, known: frozenset[str], tag: str,
               stacks: Sequence[RankResult] | None = None, keep: bool = False) -> str:
     part = _fr_part(app, fr, known)
-    if keep:  # the default ask's: a new asker of the same tag gets it again (LAST_FULL)
+    if keep:  # a new asker of the same tag gets it again (LAST_FULL)
         last = app[LAST_FULL]
         last.pop(tag, None)
         last[tag] = part
@@ -419,6 +419,7 @@ async def _agent_fr(request: web.Request, q: Mapping[str, str]) -> web.Response:
     loop = asyncio.get_running_loop()
     tag: str | None = None
     stacks: Sequence[RankResult] | None = None
+    keep = False  # the default ask's full reply is kept for a new asker (LAST_FULL)
     if "since" in q:
         try:
             since = frwindow.parse_since(q["since"])
@@ -458,13 +459,13 @@ async def _agent_fr(request: web.Request, q: Mapping[str, str]) -> web.Response:
                                 content_type="application/json")
         fr = await collector.fr_after_first(addrs, first)
         stacks = await stacks_read if stacks_read is not None else None
+        keep = True
     if tag is None:
         tag = fr_tag(q, fr.results)
         if q.get(TAG) == tag:
             return web.Response(text=_unchanged_reply(request.app, fr.results, tag),
                                 content_type="application/json")
     # A host's few ranks: encoded here (a thread hop would cost more than the work).
-    keep = "since" not in q and not _flag(q, "whole") and not _flag(q, "onlyactive")
     body = _fr_reply(request.app, fr, known, tag, stacks, keep) \
         if len(fr.dumps) <= INLINE_DUMPS else await loop.run_in_executor(
             None, _fr_reply, request.app, fr, known, tag, stacks, keep)

@@ -294,7 +294,6 @@ class AgentCollector(Collector):
         rest = [a for a in addrs if a.rank not in have]
         if rest:
             got += await self.stacks_after_fr(rest, fr.results, texts)
-        self.states.update(fr.results)
         return fr, sorted(got, key=lambda r: r.rank)
 
     async def fr(self, *, only_active: bool = False, whole: bool = False,

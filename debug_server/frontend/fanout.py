@@ -759,29 +759,38 @@ def _merge_bodies(pairs: Sequence[tuple[RankResult, RankResult]], active: bool =
     NCCL replies are ``onlyactive`` ones, marked as such a cut (``activecover.mark``)."""
     out: list[tuple[str | None, frozenset[str]]] = []
     for cpu, nccl in pairs:
-        try:
-            a, b = json.loads(cpu.body or ""), json.loads(nccl.body or "")
-        except ValueError:
-            out.append((cpu.body, frozenset()))
-            continue
-        if not isinstance(a, dict) or not isinstance(b, dict) or not c10d_workers.has_groups(b):
+        a, b = _json_object(cpu.body), _json_object(nccl.body)
+        if a is None or b is None or not c10d_workers.has_groups(b):
             out.append((cpu.body, frozenset()))
             continue
         merged, renamed = c10d_workers.merge(a, activecover.mark(b) if active else b)
-        out.append((json.dumps(merged, separators=(",", ":"), default=str), renamed))
+        out.append((_encoded(merged), renamed))
     return out
 
 
-def _marked_active(body: str | None) -> str | None:
-    """An ``onlyactive`` reply's body with its cut's facts (``activecover.mark``); unchanged
-    where it is not a JSON object (``parse_dumps`` reports that)."""
+def _json_object(body: str | None) -> dict[str, Any] | None:
+    """``body`` parsed, where it is a JSON object (else None: ``parse_dumps`` reports it)."""
     try:
         dump = json.loads(body or "")
     except ValueError:
-        return body
-    if not isinstance(dump, dict):
-        return body
-    return json.dumps(activecover.mark(dump), separators=(",", ":"), default=str)
+        return None
+    return dump if isinstance(dump, dict) else None
+
+
+def _encoded(dump: Mapping[str, Any]) -> str:
+    return json.dumps(dump, separators=(",", ":"), default=str)
+
+
+def _rewritten(body: str | None, change: Callable[[dict[str, Any]], Mapping[str, Any]],
+               ) -> str | None:
+    """``body`` parsed, changed and encoded again; unchanged where it is not a JSON object."""
+    dump = _json_object(body)
+    return body if dump is None else _encoded(change(dump))
+
+
+def _marked_active(body: str | None) -> str | None:
+    """An ``onlyactive`` reply's body with its cut's facts (``activecover.mark``)."""
+    return _rewritten(body, activecover.mark)
 
 
 def _cut_body(body: str, cut: Callable[[dict[str, Any]], dict[str, Any]]) -> str:
@@ -792,13 +801,7 @@ def _cut_body(body: str, cut: Callable[[dict[str, Any]], dict[str, Any]]) -> str
         fast = frtext.cut_text(body, cut)
         if fast is not None:
             return fast
-    try:
-        dump = json.loads(body)
-    except ValueError:
-        return body
-    if not isinstance(dump, dict):
-        return body
-    return json.dumps(cut(dump), separators=(",", ":"), default=str)
+    return _rewritten(body, cut) or body
 
 
 def _cut_all(dumps: Mapping[int, dict[str, Any]],
