@@ -289,7 +289,10 @@ else:
     t0 = time.monotonic()
     work = comm.all_reduce(t, async_op=True)
     pickle_path = os.environ["TORCHCOMM_FR_DUMP_TEMP_FILE"] + "0"
-    while not os.path.exists(pickle_path) and time.monotonic() - t0 < 2.5:
+    # The stacks are written after the pickle: wait for them too, so they show this loop (on a
+    # loaded box the main thread once reached work.wait() before they were taken).
+    stacks_path = os.path.join(os.path.dirname(pickle_path), "stalled_stacks_r0.txt")
+    while not os.path.exists(stacks_path) and time.monotonic() - t0 < 2.5:
         time.sleep(0.05)
     h = health()
     print("STALL_SEEN", os.path.exists(pickle_path), round(time.monotonic() - t0, 1) < 2.5, h["healthy"], h["stalled_op"]["seq"], h["stalled_op"]["op"])
