@@ -1,5 +1,5 @@
 """The frontend's garbage-collector thresholds: fr + stacks fan-outs over N fake ranks, default
-thresholds and ``frontend.GC_THRESHOLDS`` interleaved in one process (same fakes, same load).
+thresholds and ``fanout.GC_THRESHOLDS`` interleaved in one process (same fakes, same load).
 
     python benchmarks/bench_frontend_gc.py --ranks 4096 --rounds 6
 """
@@ -21,8 +21,8 @@ sys.path.insert(0, str(REPO / "tests"))
 import aiohttp  # noqa: E402
 from fakefleet import start_fleet, stop_fleet  # noqa: E402
 
-from debug_server.frontend.app import CONNECTIONS_PER_RANK, GC_THRESHOLDS  # noqa: E402
-from debug_server.frontend.fanout import Collector  # noqa: E402
+from debug_server.frontend.app import CONNECTIONS_PER_RANK  # noqa: E402
+from debug_server.frontend.fanout import GC_THRESHOLDS, Collector  # noqa: E402
 from debug_server.rank.discovery import StaticRegistry  # noqa: E402
 
 DEFAULT = (700, 10, 10)

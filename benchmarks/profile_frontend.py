@@ -17,7 +17,6 @@ import argparse
 import asyncio
 import concurrent.futures
 import cProfile
-import gc
 import pstats
 import sys
 import threading
@@ -34,7 +33,8 @@ sys.path.insert(0, str(REPO / "tests"))
 from fakefleet import start_fleet, stop_fleet  # noqa: E402
 
 from debug_server.config import ServerConfig  # noqa: E402
-from debug_server.frontend.app import GC_THRESHOLDS, make_frontend_app  # noqa: E402
+from debug_server.frontend.app import make_frontend_app  # noqa: E402
+from debug_server.frontend.fanout import settle_gc  # noqa: E402
 from debug_server.rank.discovery import StaticRegistry  # noqa: E402
 
 
@@ -64,7 +64,7 @@ async def _run(urls: list[str], page: str, accept: str, reps: int, prof: cProfil
     from aiohttp import web
 
     asyncio.get_running_loop().set_default_executor(InlineExecutor())
-    gc.set_threshold(*GC_THRESHOLDS)  # as the frontend process sets them
+    settle_gc()  # as the frontend process does
     config = ServerConfig(port=0, host="127.0.0.1", fetch_timeout=120.0)
     app = make_frontend_app(config, StaticRegistry(list(urls)))
     runner = web.AppRunner(app, handle_signals=False, access_log=None)

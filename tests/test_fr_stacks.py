@@ -212,3 +212,63 @@ async def test_a_big_job_s_first_rank_asked_alone_gets_its_stacks_apart_and_list
     # The worker that refuses ``stacks`` (its 400 lists pgknown as allowed) still gets pgknown.
     assert members.PARAM in seen[5][-2] and "stacks" not in seen[5][-2], seen[5]
     assert f"Rank {world - 1} never joined" in analyze_fr(fr, stacks, world)["verdict"]
+
+
+async def test_an_agent_asks_one_of_its_ranks_first_then_tells_the_others_the_lists(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # A host's agent holds no member list on its first ask: one of its 8 ranks is asked alone
+    # and its lists learnt, so the other 7 send a reference, not the world's members each.
+    world = 512
+    dumps = synthetic.hang_job(world, n_entries=20, missing_rank=world - 1)
+    runners: list[web.AppRunner] = []
+    urls, seen = await _counted_workers({r: dumps[r] for r in range(8)}, -1, runners)
+    for name, empty in (("_text_of", {}), ("_digest_of", {}), ("_weight", {}), ("_chars", 0)):
+        monkeypatch.setattr(members, name, empty)
+    app = agent.make_agent_app(agent.StaticHostRegistry(urls, 0, world), "h0",
+                               fetch_timeout=5.0, max_concurrency=8)
+    try:
+        url = await _start(app, runners)
+        async with aiohttp.ClientSession() as s:
+            for _ in range(2):
+                async with s.post(f"{url}/handler/{agent.FR}?stacks=true") as resp:
+                    assert resp.status == 200, await resp.text()
+                    reply = await resp.json()
+    finally:
+        for runner in runners:
+            await runner.cleanup()
+    first = [r for r in range(8) if members.PARAM not in seen[r][0]]
+    assert len(first) == 1, seen
+    assert all(members.PARAM in seen[r][-1] for r in range(8)), seen  # told on the next ask
+    list_text = json.dumps(list(range(world)))
+    assert list(reply["lists"].values()) == [list_text]  # the asker holds none: sent once
+    assert {d["pg_config"]["main_comm"]["ranks"] for d in reply["dumps"].values()} == {
+        "@" + members.digest(list_text)}
+
+
+async def test_a_job_whose_lists_are_short_has_one_rank_asked_alone_once_not_every_page(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # Lists of 8 members are sent whole (members.MIN_CHARS): the first ask teaches nothing, and
+    # asking one rank first again would cost every page a round trip for nothing.
+    monkeypatch.setattr(members, "known_param", lambda budget=0: None)
+    runners: list[web.AppRunner] = []
+    urls, _ = await _counted_workers(synthetic.hang_job(WORLD, n_entries=20,
+                                                        missing_rank=MISSING), -1, runners)
+    fan_outs: list[int] = []
+    try:
+        async with aiohttp.ClientSession() as session:
+            c = Collector(session, StaticRegistry(urls), timeout=5.0, prime_ranks=2)
+            fetch = c.fetch
+
+            async def counted(handler: str, params: Any = None, addrs: Any = None,
+                              each: Any = None) -> Any:
+                fan_outs.append(len(addrs))
+                return await fetch(handler, params, addrs, each)
+
+            monkeypatch.setattr(c, "fetch", counted)
+            for _ in range(3):
+                fr = await c.fr()
+                assert fr.dumps.keys() == set(range(WORLD))
+    finally:
+        for runner in runners:
+            await runner.cleanup()
+    assert fan_outs == [WORLD - 1, WORLD, WORLD], fan_outs

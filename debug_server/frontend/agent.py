@@ -67,12 +67,14 @@ from debug_server import auth
 from debug_server.analysis import frwindow, members
 from debug_server.analysis.digest import SNAPSHOT_TIME_KEY
 from debug_server.errors import first_line
+from debug_server.frontend import fastjson
 from debug_server.frontend.fanout import (
     INLINE_DUMPS,
     MAX_BODY_BYTES,
     Collector,
     FrData,
     RankResult,
+    settle_gc,
 )
 from debug_server.frontend.leanhttp import LeanClient
 from debug_server.listen import start_sites
@@ -374,9 +376,8 @@ def _fr_part(app: web.Application, fr: FrData, known: frozenset[str]) -> str:
         app[GROUPS][r] = sorted(frwindow.rank_groups(d))
     dumps, lists = _share_lists(fr.dumps, known)
     dumps, frame_sets = share_frames(dumps)
-    return json.dumps({"dumps": dumps, "lists": lists, "frames": frame_sets,
-                       "window": fr.window, "signatures": signatures(fr.dumps)},
-                      default=str, separators=(",", ":"))
+    return fastjson.dumps({"dumps": dumps, "lists": lists, "frames": frame_sets,
+                           "window": fr.window, "signatures": signatures(fr.dumps)}, default=str)
 
 
 def _with_part(app: web.Application, results: Sequence[RankResult], tag: str, part: str,
@@ -538,8 +539,10 @@ async def _client_ctx(app: web.Application) -> AsyncIterator[None]:
     http = LeanClient(headers, per_host=4, max_body=MAX_BODY_BYTES)  # as the frontend's (app.py)
     try:
         async with aiohttp.ClientSession(connector=connector, headers=headers) as session:
+            # A host's few ranks: one asked first on the first FR ask (fanout.PRIME_RANKS).
             app[COLLECTOR] = Collector(session, app[REGISTRY], timeout=s["timeout"],
-                                       max_concurrency=s["concurrency"], http=http)
+                                       max_concurrency=s["concurrency"], http=http,
+                                       prime_ranks=2)
             yield
     finally:
         http.close()
@@ -632,6 +635,7 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the agent process."""
     args = _parser().parse_args(argv)
+    settle_gc()  # this process is the agent's own
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     args.host_id = args.host_id or host_id()
     try:

@@ -41,7 +41,7 @@ import aiohttp
 
 from debug_server.analysis import frwindow, members
 from debug_server.analysis.digest import SNAPSHOT_TIME_KEY, DigestMemo
-from debug_server.frontend import agent
+from debug_server.frontend import agent, fastjson
 from debug_server.frontend.fanout import (
     INLINE_BYTES,
     Collector,
@@ -547,7 +547,7 @@ def _record(row: Any, ag: AgentAddr, by_rank: Mapping[int, WorkerAddr],
 
 
 def _load(body: str) -> dict[str, Any]:
-    obj = json.loads(body)
+    obj = fastjson.loads(body)
     if not isinstance(obj, dict) or not isinstance(obj.get("ranks"), list):
         raise ValueError("not an agent reply (no ranks list)")
     return obj

@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
-import gc
 import importlib.resources
 import json
 import logging
@@ -45,7 +44,13 @@ from debug_server.config import (
 from debug_server.errors import first_line
 from debug_server.frontend import agent_fanout, attach, export, health_held, snapshot, views
 from debug_server.frontend.dumps import Dumper, analyze_fr, fr_trace_text, stacks_report
-from debug_server.frontend.fanout import MAX_BODY_BYTES, Collector, RankResult, Registry
+from debug_server.frontend.fanout import (
+    MAX_BODY_BYTES,
+    Collector,
+    RankResult,
+    Registry,
+    settle_gc,
+)
 from debug_server.frontend.hangreport import HEALTH_HANDLER, HangWatch, parse_health
 from debug_server.frontend.leanhttp import LeanClient
 from debug_server.frontend.metrics import metrics_response
@@ -63,8 +68,6 @@ PARENT_POLL_S = 1.0
 CONNECTIONS_PER_RANK = 8
 """Most connections the frontend holds to one worker (in use plus idle keep-alive)."""
 BIND_RETRY_S = 3.0
-GC_THRESHOLDS = (50_000, 20, 20)
-"""The frontend process's garbage-collector thresholds (see ``main``)."""
 TRACE_WHOLE_RANKS = 64
 """Up to this many ranks the Perfetto download holds whole rings; above, the live window."""
 TRACE_MAX_EVENTS = 1_000_000
@@ -578,11 +581,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """
     args = sys.argv[1:] if argv is None else list(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    # A fan-out allocates a few dozen short-lived objects per request, and with thousands of
-    # ranks the default thresholds (700, 10, 10) run a full collection over the whole heap every
-    # few hundred requests: fr + stacks over 4096 ranks took 1.7x as long
-    # (benchmarks/bench_frontend_gc.py). This process is the frontend's own.
-    gc.set_threshold(*GC_THRESHOLDS)
+    settle_gc()  # this process is the frontend's own
     _raise_nofile_limit()
     config: FrontendConfig | None = None
     try:

@@ -10,6 +10,7 @@ rank reads as one line: ``rank 3: unreachable after 2.0 s``.
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import logging
 import sys
@@ -24,7 +25,7 @@ import aiohttp
 from debug_server.analysis import activecover, frtext, frwindow, members
 from debug_server.analysis.digest import DigestMemo
 from debug_server.errors import first_line
-from debug_server.frontend import c10d_workers
+from debug_server.frontend import c10d_workers, fastjson
 from debug_server.frontend.leanhttp import BodyTooLarge, LeanClient, ProtocolError
 from debug_server.frontend.pagefirst import PageFirstSemaphore
 from debug_server.rank import pyspy
@@ -71,7 +72,7 @@ class RankResult:
         """The body parsed as JSON; raises ``ValueError`` when it is not."""
         if self.body is None:
             raise ValueError(f"rank {self.rank} has no body ({self.status})")
-        return json.loads(self.body)
+        return fastjson.loads(self.body)
 
     def summary(self) -> dict[str, Any]:
         """The record without its body (for JSON status lists)."""
@@ -228,8 +229,31 @@ class FrData:
         return {r.rank: r.line() for r in self.results if r.rank not in self.dumps}
 
 
+GC_THRESHOLDS = (50_000, 1000, 20)
+"""The garbage-collector thresholds of a process that fans out (``settle_gc``)."""
+
+
+def settle_gc() -> None:
+    """The cyclic collector of a process of its own that fans out (the frontend's, an agent's).
+
+    A fan-out allocates a few dozen short-lived objects per request, and a page holds every
+    rank's parsed reply (acyclic JSON, freed by reference counting when the page is done). With
+    the default thresholds (700, 10, 10) full collections ran every few hundred requests: fr +
+    stacks over 4096 ranks took 1.7x as long (``benchmarks/bench_frontend_gc.py``). A young
+    generation of 50 000 objects and a middle one collected after 1000 young passes (about 50
+    million allocations, dozens of 16384-rank pages) keep the collector from re-scanning a
+    page's replies while the page holds them: the first FR page at 16384 ranks through agents
+    spent 0.6 s of its 2.5 CPU-s there (``benchmarks/bench_agents.py``). What the process has
+    built by now (modules, torch's among them) is frozen out of every later collection.
+    """
+    gc.set_threshold(*GC_THRESHOLDS)
+    gc.freeze()
+
+
 PRIME_RANKS = 64
-"""From this many ranks on, a frontend's first FR fan-out asks one rank first (``members``)."""
+"""From this many ranks on, a frontend's first FR fan-out asks one rank first (``members``); a
+host's agent does from 2 (``Collector(prime_ranks=)``): its 8 ranks would otherwise each send
+the world's list on its first ask (8 x 108 KB at 16384 ranks, on every host at once)."""
 PRIME_TIMEOUT_S = 1.0
 FR_HANDLER = "torchcomms_fr_trace_json"
 C10D_FR_HANDLER = "fr_trace_json"
@@ -272,8 +296,14 @@ class Collector:
     def __init__(
         self, session: aiohttp.ClientSession, registry: Registry, *, timeout: float,
         max_concurrency: int = 64, http: LeanClient | None = None,
+        prime_ranks: int | None = None,
     ) -> None:
         self.session = session
+        self.prime_ranks = PRIME_RANKS if prime_ranks is None else prime_ranks
+        """From this many ranks on, an FR fan-out while no member list is held asks one rank
+        first (``_fr_ours``); once one such rank has answered, never again (a job whose lists
+        are all short teaches nothing, and would pay the extra round trip on every page)."""
+        self._primed = False
         self.http = http
         """The lean client for the fan-outs (``leanhttp``), else ``session``; its owner closes it."""
         self.registry = registry
@@ -523,7 +553,7 @@ class Collector:
         budget = min(members.MAX_PARAM_CHARS, 7000 - len(urlencode(params)))
         known = members.known_param(budget)
         by_rank: dict[int, RankResult] = {}
-        if known is None and budget > 0 and len(addrs) >= PRIME_RANKS:
+        if known is None and budget > 0 and len(addrs) >= self.prime_ranks and not self._primed:
             for a in [a for a in addrs if a.url][:1]:
                 # Briefly: a stuck first rank must not delay the page by a whole timeout.
                 async with self.semaphore:
@@ -532,6 +562,7 @@ class Collector:
                     if each is not None:  # as every reply of the fan-out (stacks apart, cut)
                         await each(r)
                 if r.ok:  # else it is asked again with the others
+                    self._primed = True
                     self.states.update([r])
                     by_rank[r.rank] = r
                     parse_dumps([RankResult(r.rank, r.url, r.status, r.body)])  # learns its lists
