@@ -72,6 +72,36 @@ def test_window_cuts_collectives_keeps_pending_p2p_and_records_the_ring() -> Non
     assert frwindow.window(cut, {"main_comm": 7}) == cut  # idempotent
 
 
+@pytest.mark.parametrize("since", [{"main_comm": 7}, {"main_comm": 7, "other_comm": 2}, {},
+                                   {"pp": 3}])
+def test_a_dump_cut_at_the_same_window_is_kept_as_it_is_and_equals_cutting_it_again(
+        since: dict[str, int], monkeypatch: pytest.MonkeyPatch) -> None:
+    # An agent cuts its ranks at the host's frontier, on most hosts the job's: the frontend
+    # keeps such a dump without a pass over its entries, and that is what the pass gives.
+    ents = _ring(9) + _ring(3, comm="other_comm") + [
+        make_entry(record_id=60 + i, comm="pp", seq=0, p2p_seq=i + 1, op="send", is_p2p=True,
+                   peer_desc="0->1", state="completed" if i < 4 else "started")
+        for i in range(6)]
+    cut = frwindow.window(make_dump(ents, {**GROUPS, "pp": [0, 1]}), since)
+    kept = frwindow.window(cut, since)
+    assert kept["entries"] is cut["entries"]  # no pass
+    monkeypatch.setattr(frwindow, "_cut_at", lambda dump, since: False)
+    assert frwindow.window(cut, since) == kept == cut
+
+
+def test_a_dump_cut_lower_than_the_window_is_cut_again() -> None:
+    cut = frwindow.window(make_dump(_ring(9) + _ring(3, comm="other_comm"), GROUPS),
+                          {"main_comm": 5})
+    again = frwindow.window(cut, {"main_comm": 7})
+    assert [e["collective_seq_id"] for e in again["entries"]
+            if e["process_group"][0] == "main_comm"] == [7, 8, 9]
+    assert again["fr_window"]["since"] == {"main_comm": 7}
+    # A group the first cut kept whole is cut now.
+    again = frwindow.window(cut, {"main_comm": 5, "other_comm": 2})
+    assert [e["collective_seq_id"] for e in again["entries"]
+            if e["process_group"][0] == "other_comm"] == [2, 3]
+
+
 def test_group_seen_only_through_completed_p2p_keeps_its_newest_op() -> None:
     ents = [make_entry(record_id=i, comm="pp", seq=0, p2p_seq=i + 1, op="send", is_p2p=True,
                        peer_desc="0->1") for i in range(5)]

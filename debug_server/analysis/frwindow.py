@@ -267,13 +267,22 @@ def window(dump: Mapping[str, Any], since: Mapping[str, int]) -> dict[str, Any]:
     report. Idempotent: cutting a cut dump again keeps the ring facts of the first cut.
     """
     entries = dump.get("entries")
-    if not isinstance(entries, list):
+    if not isinstance(entries, list) or _cut_at(dump, since):
         return dict(dump)
     picked, oldest = _pick(entries, since)
     out = dict(dump)
     out["entries"] = [entries[i] for i in picked]
     out[WINDOW_KEY] = _facts(dump.get(WINDOW_KEY), since, len(entries), oldest)
     return out
+
+
+def _cut_at(dump: Mapping[str, Any], since: Mapping[str, int]) -> bool:
+    """Whether ``dump`` is cut at ``since`` already, group for group (a host's agent cuts its
+    ranks at the host's frontier, which is the job's on most hosts): cutting it again would keep
+    every entry and the same facts."""
+    prior = dump.get(WINDOW_KEY)
+    cut = prior.get("since") if type(prior) is dict else None
+    return type(cut) is dict and all(cut.get(g) == s for g, s in since.items())
 
 
 def _pick(entries: list[Any], since: Mapping[str, int]) -> tuple[list[int], int]:

@@ -265,6 +265,7 @@ def signatures(dumps: Mapping[int, Mapping[str, Any]]) -> dict[str, dict[str, di
     """Per group and collective seq, each distinct ``op sizes dtypes`` with the ranks that issued
     it: the host's part of the mismatch check, in a few bytes per op."""
     out: dict[str, dict[str, dict[str, list[int]]]] = {}
+    texts: dict[str, str] = {}  # repr of the fields -> their JSON (one encode per distinct op)
     for rank, d in sorted(dumps.items()):
         entries = d.get("entries")
         for e in entries if isinstance(entries, list) else ():
@@ -276,8 +277,11 @@ def signatures(dumps: Mapping[int, Mapping[str, Any]]) -> dict[str, dict[str, di
                 continue
             if name.partition(" ")[0] in ("send", "recv"):
                 continue
-            sig = json.dumps([name, e.get("input_sizes"), e.get("input_dtypes"),
-                              e.get("output_sizes")], separators=(",", ":"))
+            fields = [name, e.get("input_sizes"), e.get("input_dtypes"), e.get("output_sizes")]
+            key = repr(fields)
+            sig = texts.get(key)
+            if sig is None:
+                sig = texts[key] = json.dumps(fields, separators=(",", ":"))
             out.setdefault(g, {}).setdefault(str(seq), {}).setdefault(sig, []).append(rank)
     return out
 
@@ -314,7 +318,7 @@ def share_frames(dumps: Mapping[str, Mapping[str, Any]]) -> tuple[dict[str, Any]
             if not isinstance(frames, list):
                 shared.append(e)
                 continue
-            key = json.dumps(frames, separators=(",", ":"), default=str)
+            key = repr(frames)  # equal stacks read from JSON print alike
             i = index.get(key)
             if i is None:
                 i = index[key] = len(frame_sets)

@@ -42,7 +42,15 @@ from debug_server.config import (
     read_inherited,
 )
 from debug_server.errors import first_line
-from debug_server.frontend import agent_fanout, attach, export, health_held, snapshot, views
+from debug_server.frontend import (
+    agent_fanout,
+    attach,
+    export,
+    fastjson,
+    health_held,
+    snapshot,
+    views,
+)
 from debug_server.frontend.dumps import Dumper, analyze_fr, fr_trace_text, stacks_report
 from debug_server.frontend.fanout import (
     MAX_BODY_BYTES,
@@ -177,7 +185,7 @@ def negotiate(request: web.Request, fmt: str | None) -> str:
 
 def _respond(fmt: str, body: str | Any) -> web.Response:
     if fmt == "json":
-        return web.Response(text=json.dumps(body, default=str), content_type="application/json")
+        return web.Response(text=fastjson.dumps(body, default=str), content_type="application/json")
     if fmt == "html":
         return web.Response(text=body, content_type="text/html")
     return web.Response(text=body, content_type="text/plain")
