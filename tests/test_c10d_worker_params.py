@@ -41,16 +41,19 @@ dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{sys.argv[1]}", ra
 for _ in range(5):
     dist.all_reduce(torch.ones(3))
 w = _WorkerServer("127.0.0.1", 0)
-# c10d's watchdog retires gloo work on its own thread: wait (10 s at most) until it counted all
-# five, so the answers below are of a settled ring (a loaded box read "4" once).
-for _ in range(200):
+# c10d's watchdog retires gloo work on its own thread: wait (30 s at most: the full suite on a
+# loaded 2-core box once ran past 10 s) until it counted all five, so the answers below are of a
+# settled ring; the fixture says so where it never settled.
+deadline = time.monotonic() + 30
+while True:
     req = urllib.request.Request(f"http://127.0.0.1:{w.port}/handler/fr_trace_json", method="POST")
     with urllib.request.urlopen(req, timeout=30) as r:
         status = json.loads(r.read().decode()).get("pg_status", {}).get("0", {})
-    if status.get("last_completed_collective") == "5":
+    settled = status.get("last_completed_collective") == "5"
+    if settled or time.monotonic() > deadline:
         break
     time.sleep(0.05)
-out = {}
+out = {"settled": settled}
 for name, query in [("fr_trace_json", ""), ("fr_trace_json", "onlyactive=true"),
                     ("fr_trace_json", "window=4"), ("fr_trace_json", "includecollectives=false"),
                     ("dump_nccl_trace_json", "onlyactive=true")]:
@@ -78,7 +81,9 @@ def answers() -> dict[str, Any]:
                          env=env, cwd=REPO, capture_output=True, text=True, timeout=90)
     line = next((x for x in out.stdout.splitlines() if x.startswith("RESULT ")), None)
     assert line is not None, out.stderr[-3000:]
-    return dict(json.loads(line[len("RESULT "):]))
+    got = dict(json.loads(line[len("RESULT "):]))
+    assert got.pop("settled"), "c10d's watchdog had not retired the 5th gloo op after 30 s"
+    return got
 
 
 def test_torchs_fr_trace_json_answers_the_whole_ring_whatever_the_parameters(

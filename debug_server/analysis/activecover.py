@@ -54,7 +54,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from debug_server.analysis.frwindow import ACTIVE_KEY, MAX_SEQ, WINDOW_KEY, _is_p2p
+from debug_server.analysis.frwindow import ACTIVE_KEY, MAX_SEQ, WINDOW_KEY, _group, _is_p2p
 
 __all__ = ["NOT_COVERED", "facts", "mark"]
 
@@ -73,11 +73,6 @@ def _count(v: Any) -> int | None:
     return n if -1 <= n <= MAX_SEQ else None
 
 
-def _group(e: Any) -> str | None:
-    pg = e.get("process_group") if isinstance(e, Mapping) else None
-    return str(pg[0]) if isinstance(pg, (list, tuple)) and pg else None
-
-
 def facts(dump: Mapping[str, Any]) -> dict[str, Any]:
     """The ``fr_window`` facts of ``dump``, an ``onlyactive`` reply (see the module doc)."""
     status = dump.get("pg_status")
@@ -87,7 +82,7 @@ def facts(dump: Mapping[str, Any]) -> dict[str, Any]:
     entries = dump.get("entries")
     held: dict[str, set[int]] = {}
     for e in entries if isinstance(entries, list) else ():
-        g = _group(e)
+        g = _group(e) if isinstance(e, Mapping) else None
         if g is None:
             continue
         seqs = held.setdefault(g, set())

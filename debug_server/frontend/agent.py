@@ -368,9 +368,8 @@ def _unchanged_reply(app: web.Application, results: Sequence[RankResult], tag: s
                      stacks: Sequence[RankResult] | None = None) -> str:
     """The records and each rank's read time, read off its reply text (no parse)."""
     rows, _ = _records(results, with_body=False)
-    return json.dumps({"host": app[HOST_ID], "ranks": rows, TAG: tag, "unchanged": True,
-                       "snap": _read_times(results), **_stacks_part(stacks)},
-                      separators=(",", ":"))
+    return fastjson.dumps({"host": app[HOST_ID], "ranks": rows, TAG: tag, "unchanged": True,
+                           "snap": _read_times(results), **_stacks_part(stacks)})
 
 
 def _fr_part(app: web.Application, fr: FrData, known: frozenset[str]) -> str:
@@ -390,9 +389,9 @@ def _with_part(app: web.Application, results: Sequence[RankResult], tag: str, pa
     """A full reply: this ask's records (and stacks, and read times where the data part was
     made for an earlier ask) around the data part's text."""
     rows, _ = _records(results, with_body=False)
-    head = json.dumps({"host": app[HOST_ID], "ranks": rows, TAG: tag,
-                       **({"snap": snap} if snap is not None else {}), **_stacks_part(stacks)},
-                      default=str, separators=(",", ":"))
+    head = fastjson.dumps({"host": app[HOST_ID], "ranks": rows, TAG: tag,
+                           **({"snap": snap} if snap is not None else {}),
+                           **_stacks_part(stacks)}, default=str)
     return head[:-1] + "," + part[1:]
 
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import gc
-import json
 import logging
 import sys
 import time
@@ -802,14 +801,14 @@ def _merge_bodies(pairs: Sequence[tuple[RankResult, RankResult]], active: bool =
 def _json_object(body: str | None) -> dict[str, Any] | None:
     """``body`` parsed, where it is a JSON object (else None: ``parse_dumps`` reports it)."""
     try:
-        dump = json.loads(body or "")
+        dump = fastjson.loads(body or "")
     except ValueError:
         return None
     return dump if isinstance(dump, dict) else None
 
 
 def _encoded(dump: Mapping[str, Any]) -> str:
-    return json.dumps(dump, separators=(",", ":"), default=str)
+    return fastjson.dumps(dump, default=str)
 
 
 def _rewritten(body: str | None, change: Callable[[dict[str, Any]], Mapping[str, Any]],
