@@ -25,7 +25,10 @@ class RankProcs:
     """``world_size`` processes running ``script`` (dedented) in ``tmp``; ``env(rank)`` each."""
 
     def __init__(self, tmp: Path, script: str, world_size: int,
-                 env: Callable[[int], dict[str, str]]) -> None:
+                 env: Callable[[int], dict[str, str]],
+                 wrap: Callable[[int, list[str]], list[str]] | None = None) -> None:
+        """``wrap(rank, argv)``: the command line that starts the rank (a wrapper around it:
+        ``bash -c``, ``timeout``); default ``argv`` itself."""
         self.tmp = tmp
         self.script = tmp / "rank_script.py"
         self.script.write_text(textwrap.dedent(script))
@@ -34,8 +37,9 @@ class RankProcs:
         self.procs: list[subprocess.Popen[bytes]] = []
         for r in range(world_size):
             with self.logs[r].open("wb") as out:
+                argv = [sys.executable, str(self.script)]
                 self.procs.append(subprocess.Popen(
-                    [sys.executable, str(self.script)], env=env(r), cwd=tmp, stdout=out,
+                    wrap(r, argv) if wrap is not None else argv, env=env(r), cwd=tmp, stdout=out,
                     stderr=subprocess.STDOUT, start_new_session=True))
 
     def wait_for(self, rank: int, pattern: str, timeout: float = 60) -> re.Match[str]:

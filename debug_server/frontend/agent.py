@@ -78,7 +78,7 @@ from debug_server.frontend.fanout import (
 )
 from debug_server.frontend.leanhttp import LeanClient
 from debug_server.listen import start_sites
-from debug_server.rank import discovery
+from debug_server.rank import discovery, jobpids
 from debug_server.rank.agent_launch import (
     AGENT_ENV,
     AGENT_ID_ENV,
@@ -560,7 +560,9 @@ def _register(store: dist.Store, my_id: str, url: str, ranks: Sequence[int],
               restart: int) -> None:
     store.set(agent_key(my_id), json.dumps({"url": url, "ranks": format_ranks(ranks),
                                             "restart": restart, "pid": os.getpid(),
-                                            "host": socket.gethostname()}))
+                                            "host": socket.gethostname(),
+                                            # ranks here name this pid their tracer (jobpids)
+                                            "start": jobpids.start_time(os.getpid())}))
 
 
 async def _serve(args: argparse.Namespace, registry: Any, token: str | None,

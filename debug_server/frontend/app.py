@@ -541,8 +541,11 @@ def frontend_registry(config: FrontendConfig) -> Registry:
     if config.worker_urls is not None:
         return StaticRegistry(list(config.worker_urls))
     assert config.store is not None  # FrontendConfig holds exactly one of the two
+    # Rank 0's own frontend (it has a parent) is its host's reader: it publishes itself so
+    # the ranks here let it ptrace them (jobpids); an attached one reads nothing locally.
     return StoreRegistry(config.store[0], config.store[1], config.world_size,
-                         config.restart_count, timeout=min(5.0, config.server.fetch_timeout))
+                         config.restart_count, timeout=min(5.0, config.server.fetch_timeout),
+                         announce=config.parent_pid is not None)
 
 
 async def serve(config: FrontendConfig, *, announce: bool = False) -> int:

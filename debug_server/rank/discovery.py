@@ -2,7 +2,7 @@
 
 Each worker writes ``debug_server/rank{R}`` = ``http://<host>:<port>`` (the key torch's own
 debug server uses, through the same ``PrefixStore``), then a sidecar ``debug_server/rank{R}_meta``
-= JSON ``{"restart", "pid", "run_id"}``. Readers never block on a missing key: they ``check``
+= JSON ``{"restart", "run_id", "pid", "host", "start", "uid", ...}``. Readers never block on a missing key: they ``check``
 first, so a rank that never registered is reported at once as "not registered". A key whose
 sidecar names another elastic restart is stale and not trusted; a key without a sidecar (torch's
 C++ worker) is trusted.
@@ -15,6 +15,7 @@ import json
 import logging
 import os
 import socket
+import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from debug_server.config import JobEnv, is_loopback
 from debug_server.errors import first_line
+from debug_server.rank import jobpids
 
 if TYPE_CHECKING:
     import torch.distributed as dist
@@ -180,10 +182,13 @@ def register_worker(store: dist.Store, job: JobEnv, url: str,
 
     URL first: a reader that sees the new URL with the old sidecar distrusts it for a moment,
     which is safer than trusting an old URL next to a new sidecar. The sidecar also carries the
-    pid and host, so a frontend on the same host can reach a rank by signal (``sigstack``).
+    rank's announcement (``jobpids.identity``: pid, host, start time, uid), so a reader on the
+    same host may read it with py-spy or by signal (``sigstack``).
     """
-    meta = {"restart": job.restart_count, "pid": os.getpid(), "run_id": job.run_id,
-            "host": socket.gethostname(), **(extra or {})}
+    # pid, host, start time and uid: the announcement that lets readers on this host read this
+    # process, and no other (jobpids.check).
+    meta = {"restart": job.restart_count, "run_id": job.run_id, **jobpids.identity(),
+            **(extra or {})}
     store.set(url_key(job.rank), url)
     store.set(meta_key(job.rank), json.dumps(meta))
 
@@ -252,43 +257,80 @@ class StoreRegistry:
 
     TCPStore calls block, so they run off the event loop, one at a time, on a single thread
     (the client connection is not shared between threads). The connection is made lazily and
-    remade after an error, so a store that comes up late or restarts is picked up.
+    remade after an error, so a store that comes up late or restarts is picked up. Once a
+    lookup has succeeded, a store that goes away (rank 0 hosted it and died) does not blank the
+    pages: lookups answer the last addresses at once (``store_lost_at`` says since when) while
+    one reconnect at a time is tried in the background, at most every ``RECONNECT_S`` s.
+    ``announce``: publish this process as its host's reader (rank 0's frontend: ``jobpids``).
     """
+
+    RECONNECT_S = 5.0
 
     def __init__(
         self, master_addr: str, master_port: int, world_size: int, restart_count: int,
-        timeout: float = 5.0,
+        timeout: float = 5.0, *, announce: bool = False,
     ) -> None:
         self.world_size = world_size
         self._addr = (master_addr, master_port)
         self._restart = restart_count
         self._timeout = timeout
+        self._announce = announce
         self._store: dist.Store | None = None
+        self._last: list[WorkerAddr] | None = None
+        self.store_ok_at: float | None = None
+        """``time.monotonic()`` of the last lookup the store answered."""
+        self.store_lost_at: float | None = None
+        """``time.time()`` when the store stopped answering (None while it answers)."""
+        self._retry: Any = None
+        self._retry_at = 0.0
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="debug_server.store")
         # Import torch and connect now, in the background: done lazily, the first page would
         # pay seconds for it, on top of a stuck rank's fetch_timeout.
         self._pool.submit(self._connect)
 
+    def _client(self) -> dist.Store:
+        if self._store is None:
+            self._store = store_client(*self._addr, timeout=self._timeout)
+            if self._announce:  # ranks here point PR_SET_PTRACER at this process
+                jobpids.publish_frontend(self._store, self._restart)
+        return self._store
+
     def _connect(self) -> None:
         try:
-            if self._store is None:
-                self._store = store_client(*self._addr, timeout=self._timeout)
+            self._client()
         except Exception:  # the lookup reports it, once, when a page asks
             self._store = None
 
     def _lookup_sync(self) -> list[WorkerAddr]:
         try:
-            if self._store is None:
-                self._store = store_client(*self._addr, timeout=self._timeout)
-            return lookup_workers(self._store, self.world_size, self._restart)
+            out = lookup_workers(self._client(), self.world_size, self._restart)
         except Exception as e:  # the store is down or gone: every rank is unknown, say why once
             self._store = None
             reason = f"{NOT_REGISTERED} (store {self._addr[0]}:{self._addr[1]} unavailable: {first_line(e)})"
-            logger.warning("debug_server: %s", reason)
+            if self.store_lost_at is None:
+                self.store_lost_at = time.time()
+                logger.warning("debug_server: %s%s", reason, "; serving the last addresses"
+                               if self._last is not None else "")
+            if self._last is not None:
+                return self._last
             return [WorkerAddr(r, None, reason) for r in range(self.world_size)]
+        self._last = out
+        self.store_ok_at = time.monotonic()
+        if self.store_lost_at is not None:
+            logger.warning("debug_server: store %s:%d answers again", *self._addr)
+        self.store_lost_at = None
+        return out
 
     async def lookup(self) -> list[WorkerAddr]:
-        return await asyncio.get_running_loop().run_in_executor(self._pool, self._lookup_sync)
+        loop = asyncio.get_running_loop()
+        if self.store_lost_at is not None and self._last is not None:
+            # Do not make a page wait out a reconnect to a store that is gone.
+            if (self._retry is None or self._retry.done()) and \
+                    time.monotonic() - self._retry_at > self.RECONNECT_S:
+                self._retry_at = time.monotonic()
+                self._retry = loop.run_in_executor(self._pool, self._lookup_sync)
+            return self._last
+        return await loop.run_in_executor(self._pool, self._lookup_sync)
 
     @property
     def store_address(self) -> tuple[str, int]:

@@ -10,21 +10,20 @@ frames are read only when asked for (``/stacks?native=1``, ``/pyspy_dump``).
 
 Who reads whom:
 
-- The frontend reads the ranks on its own host (pid and host from their registration).
+- The frontend (or its host's agent) reads the ranks on its own host (pid and host from their
+  registration).
 - A rank on another host is read by a worker on that host that still answers: the rank's
   own worker (``POST /handler/pyspy_dump``, torch's name and params: py-spy on itself from a
-  child process), or, when that rank holds the GIL, a sibling rank's worker
-  (``pyspy_dump?pid=<pid>``; only the worker's own process or a sibling, a child of the same
-  launcher, is accepted). A host where every rank holds the GIL has nobody left to ask.
+  child process), or, when that rank holds the GIL, another rank's worker on that host
+  (``pyspy_dump?pid=<pid>``). A host where every rank holds the GIL has nobody left to ask.
 
-Permissions: reading another process needs ptrace access. Under Yama ``ptrace_scope=1`` (the
-Ubuntu default) only ancestors may, so every rank calls ``prctl(PR_SET_PTRACER,
-PR_SET_PTRACER_ANY)`` at start (``allow_ptrace``): the frontend (a child of rank 0), a sibling's
-py-spy and a py-spy the user starts by hand from another shell are none of them ancestors.
-That lets any process of the same user read this rank, which ``ptrace_scope=0`` allows for
-every process anyway; ``DEBUG_SERVER_PTRACER=0`` skips it. ``ptrace_scope=2`` needs
-CAP_SYS_PTRACE, and a container needs it too (``--cap-add SYS_PTRACE``). Every failure is one
-line with its fix.
+Whom: only a pid that a rank of this job announced on this host, still the same process (start
+time) and of the same user (``jobpids.check``), whatever the process tree looks like (ranks
+under ``bash -c``, ``timeout``, ``numactl`` wrappers are cousins). Permissions: under Yama
+``ptrace_scope=1`` (the Ubuntu default) only ancestors may ptrace, so every rank names its
+host's reader as its tracer (``jobpids.PtracerKeeper``, ``prctl(PR_SET_PTRACER, pid)``);
+``DEBUG_SERVER_PTRACER=0`` skips it. ``ptrace_scope=2`` needs CAP_SYS_PTRACE, and a container
+needs it too (``--cap-add SYS_PTRACE``). Every failure is one line with its fix.
 
 The binary: ``$DEBUG_SERVER_PYSPY`` (a path; ``0`` turns py-spy off), else ``py-spy`` on PATH,
 else the one beside this interpreter (a venv's ``bin``, where ``pip install`` puts it).
@@ -41,7 +40,6 @@ summaries, the verdict) reads it unchanged; a native frame is a line of its own:
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import json
 import logging
 import os
@@ -55,14 +53,13 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from debug_server.rank import jobpids
 from debug_server.stacks import with_source
 
 logger = logging.getLogger(__name__)
 
 PYSPY_ENV = "DEBUG_SERVER_PYSPY"
 """Path of the py-spy binary to use; ``0`` turns py-spy off."""
-PTRACER_ENV = "DEBUG_SERVER_PTRACER"
-"""``0``: do not call ``prctl(PR_SET_PTRACER, PR_SET_PTRACER_ANY)`` at start."""
 HANDLER = "pyspy_dump"
 """The worker handler (torch's name): py-spy on this process, or on a sibling with ``pid=``."""
 TIMEOUT_S = 1.0
@@ -82,8 +79,6 @@ GONE = "gone"
 REFUSED = "refused"
 FAILED = "failed"
 
-PR_SET_PTRACER = 0x59616D61
-PR_SET_PTRACER_ANY = ctypes.c_ulong(-1).value
 _CAP_SYS_PTRACE = 19
 
 
@@ -94,29 +89,6 @@ class PySpyError(Exception):
         super().__init__(reason)
         self.kind = kind
         self.reason = reason
-
-
-# ---------------------------------------------------------------------------------------------
-# The rank's side: let py-spy in
-
-
-def allow_ptrace() -> bool:
-    """Let same-user processes read this one under Yama ``ptrace_scope=1``; True if it took.
-
-    Linux only; a kernel without Yama answers EINVAL (nothing to allow there), and
-    ``DEBUG_SERVER_PTRACER=0`` skips the call.
-    """
-    if not sys.platform.startswith("linux") or os.environ.get(PTRACER_ENV, "1") == "0":
-        return False
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        rc = libc.prctl(ctypes.c_int(PR_SET_PTRACER), ctypes.c_ulong(PR_SET_PTRACER_ANY),
-                        ctypes.c_ulong(0), ctypes.c_ulong(0), ctypes.c_ulong(0))
-    except (OSError, AttributeError):
-        return False
-    if rc != 0:
-        logger.debug("debug_server: prctl(PR_SET_PTRACER) failed: %s", os.strerror(ctypes.get_errno()))
-    return rc == 0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -177,7 +149,8 @@ def permission_fix(pid: int) -> str:
                 "CAP_SYS_PTRACE (in a container: --cap-add SYS_PTRACE)")
     if scope == 1:
         return (f"py-spy may not read pid {pid}: kernel.yama.ptrace_scope=1 and the rank did "
-                f"not allow it (prctl PR_SET_PTRACER; ${PTRACER_ENV}=0 or an older "
+                f"not name this reader as its tracer (prctl PR_SET_PTRACER; "
+                f"${jobpids.PTRACER_ENV}=0, a reader that restarted seconds ago, or an older "
                 "debug_server?): set kernel.yama.ptrace_scope=0 or grant CAP_SYS_PTRACE")
     return (f"py-spy may not read pid {pid}: ptrace not permitted (another user's process, or "
             "a container without CAP_SYS_PTRACE: --cap-add SYS_PTRACE; Kubernetes: "
@@ -307,42 +280,16 @@ def to_text(data: Any, pid: int | None = None) -> str:
 # Whom a py-spy read may target
 
 
-def _ppid(pid: int) -> int | None:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read().decode(errors="replace")
-        # "pid (comm) state ppid ...": comm may hold spaces and parentheses.
-        return int(stat.rsplit(")", 1)[1].split()[1])
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-def check_target(pid: int, *, frontend: bool = False) -> None:
-    """Raise ``PySpyError(REFUSED)`` unless ``pid`` is a process this one may read for a page.
-
-    A worker reads itself or a sibling (a child of the same launcher: torchrun's agent, the
-    Slurm step, the spawning parent). The frontend (a child of rank 0) reads its parent, its
-    parent's siblings (the other local ranks) and its own children. Either way the process
-    must belong to the same user, even when this one runs as root.
-    """
-    try:
-        uid = os.stat(f"/proc/{pid}").st_uid
-    except OSError:
-        raise PySpyError(GONE, f"pid {pid} does not exist on {socket.gethostname()}") from None
-    if uid != os.geteuid():
-        raise PySpyError(REFUSED, f"pid {pid} belongs to another user")
-    me, parent = os.getpid(), os.getppid()
-    ppid = _ppid(pid)
-    if pid == me or (ppid == parent and parent > 1):
+def check_target(pid: int, announced: Mapping[str, Any] | None) -> None:
+    """Raise ``PySpyError`` unless ``pid`` is a rank of this job that this process may read:
+    ``announced`` is the registration sidecar of the rank that claims it (``jobpids.check``).
+    ``GONE`` when there is no such process here, ``REFUSED`` otherwise."""
+    reason = jobpids.check(pid, announced)
+    if reason is None:
         return
-    if frontend:
-        grandparent = _ppid(parent)
-        if pid == parent or ppid == me or (grandparent is not None and grandparent > 1
-                                           and ppid == grandparent):
-            return
-    who = "the frontend" if frontend else "this worker"
-    raise PySpyError(REFUSED, f"pid {pid} is not a rank of this job related to {who} "
-                              f"(pid {me}) on this host")
+    if not os.path.exists(f"/proc/{pid}"):
+        raise PySpyError(GONE, f"pid {pid} does not exist on {socket.gethostname()}")
+    raise PySpyError(REFUSED, reason)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -385,8 +332,8 @@ class PySpyCapture:
     def _limit(self, native: bool) -> float:
         return self.native_timeout if native else self.timeout
 
-    async def read_local(self, pid: int, native: bool) -> str:
-        check_target(pid, frontend=True)
+    async def read_local(self, pid: int, native: bool, announced: Mapping[str, Any] | None) -> str:
+        check_target(pid, announced)
         if self._sem is None:
             self._sem = asyncio.Semaphore(self.max_parallel)
         async with self._sem:
@@ -417,7 +364,7 @@ class PySpyCapture:
         errors: list[PySpyError] = []
         if known and host == self.host:
             try:
-                return Outcome(await self.read_local(pid, native), "the frontend")
+                return Outcome(await self.read_local(pid, native, meta), "the frontend")
             except PySpyError as e:
                 if e.kind == GONE:
                     return Outcome(error=e)

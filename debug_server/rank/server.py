@@ -42,7 +42,7 @@ from debug_server.config import (
 )
 from debug_server.errors import first_line
 from debug_server.rank import agent_launch as host_agent
-from debug_server.rank import pyspy, sigstack
+from debug_server.rank import jobpids, sigstack
 from debug_server.rank.discovery import (
     HOST_ENV,
     Advertised,
@@ -76,8 +76,10 @@ class _Registration:
     """
 
     def __init__(self, job: JobEnv, url: str, *, gate: TokenGate | None = None,
-                 publish: str | None = None, extra: dict[str, object] | None = None) -> None:
+                 publish: str | None = None, extra: dict[str, object] | None = None,
+                 keeper: jobpids.PtracerKeeper | None = None) -> None:
         self.job = job
+        self.keeper = keeper
         self.url = url
         self.gate = gate
         self.publish = publish
@@ -97,6 +99,9 @@ class _Registration:
                 # worker while it still refuses everything.
                 self.gate.set(read_token(store, self.job.restart_count))
             register_worker(store, self.job, self.url, self.extra)
+            self.done.set()
+            if self.keeper is not None:  # from now on: PR_SET_PTRACER on this host's reader
+                self.keeper.run(store)
         except Exception as e:  # logged here: nobody may be waiting any more
             self.error = e
             logger.error("debug_server: rank %d could not register its worker %s in the store "
@@ -173,6 +178,8 @@ class DebugServer:
             _end_process(self.frontend, timeout)
         if self.agent is not None:
             _end_process(self.agent, timeout)
+        if self.registration.keeper is not None:
+            self.registration.keeper.stop.set()
         self.worker.stop(timeout)
         if self.sigstack is not None:
             self.sigstack.close()
@@ -336,16 +343,22 @@ def _start_parts(job: JobEnv, config: ServerConfig, required: bool,
     pending = _spawn_frontend(config, job) if job.rank == 0 else None
     worker: WorkerThread | None = None
     gate = TokenGate(config.auth_token) if required else None
-    # py-spy, run by the frontend or a sibling rank (neither is an ancestor), reads this
-    # process from outside when its worker cannot answer; Yama ptrace_scope=1 needs this.
-    pyspy.allow_ptrace()
+    # py-spy, run by the frontend or this host's agent (neither is an ancestor), reads this
+    # process from outside when its worker cannot answer; under Yama ptrace_scope=1 the rank
+    # must name that reader. Until the reader is known (the store may not be up yet), any
+    # process of this user may; then only the reader (jobpids.PtracerKeeper).
+    agent_id = host_agent.rank_meta(job).get(host_agent.META_KEY)
+    keeper = jobpids.PtracerKeeper(job, agent_id)
+    keeper.apply(None)
     # Stacks by signal: only where the rank opted in (a signal interrupts sleeps and polls).
     sig = sigstack.install(signal_stacks)
     try:
         # The stall timeout reaches health through the hooks' process default (set by the
         # caller), so a hook's own stall_timeout is not overridden by the worker.
-        worker = start_worker_thread(HooksProvider(job.rank), config.host, config.worker_port,
-                                     gate=gate)
+        provider = HooksProvider(job.rank)
+        # pyspy_dump?pid= reads only a rank this job announced on this host (jobpids).
+        provider.peers = jobpids.Peers(job).announced
+        worker = start_worker_thread(provider, config.host, config.worker_port, gate=gate)
         # Frontend and worker bind the same host, so this one address serves both links.
         advertised = advertise(config.host, job.master_addr, job.master_port)
         worker_url = f"http://{_url_host(advertised.host)}:{worker.port}"
@@ -353,7 +366,7 @@ def _start_parts(job: JobEnv, config: ServerConfig, required: bool,
             job, worker_url, gate=gate,
             publish=config.auth_token if required and job.rank == 0 else None,
             extra={**({sigstack.META_KEY: sig.meta()} if sig is not None else {}),
-                   **host_agent.rank_meta(job)} or None)
+                   **host_agent.rank_meta(job)} or None, keeper=keeper)
         registration.done.wait(REGISTER_WAIT)
         frontend_port = (wait_frontend_ready(pending, config.port) if pending is not None
                          else None)

@@ -32,7 +32,7 @@ from aiohttp import web
 from debug_server.analysis import frwindow, members
 from debug_server.auth import TokenGate, auth_middleware
 from debug_server.listen import start_sites
-from debug_server.rank import pyspy, rank_capture
+from debug_server.rank import jobpids, pyspy, rank_capture
 from debug_server.rank.wire import STACKS_SEP, WITH_STACKS, HandlerError, handler_routes
 from debug_server.recording.lazy import Cut, LazyDump
 from debug_server.stacks import capture_stacks
@@ -92,6 +92,8 @@ class HooksProvider:
         self.rank = rank
         self.stall_timeout = stall_timeout
         self._c10d_watch: Any = None  # stall.StallWatch, made at the first health check
+        self.peers: Callable[[int], Mapping[str, Any] | None] | None = None
+        """pid -> the sidecar of the rank of this job that announced it here (``jobpids.Peers``)."""
 
     def fr_snapshot(self, *, only_active: bool, include_collectives: bool,
                     cut: Cut | None = None) -> Mapping[str, Any]:
@@ -148,6 +150,7 @@ class StaticProvider:
         self.health_info = health if health is not None else {"healthy": True, "stalled_op": None}
         self.dump_path = dump_path
         self.dump_calls = 0
+        self.peers: Callable[[int], Mapping[str, Any] | None] | None = None
 
     def fr_snapshot(self, *, only_active: bool, include_collectives: bool,
                     cut: Cut | None = None) -> Mapping[str, Any]:
@@ -300,8 +303,9 @@ _BOOL01 = {"1": True, "0": False, "true": True, "false": False}
 
 
 def _pyspy_dump(p: Provider, q: Mapping[str, str]) -> str:
-    """py-spy of this process (torch's ``pyspy_dump``), or with ``pid=`` of a sibling rank
-    on this host: the way a stuck rank on a host without the frontend gets read."""
+    """py-spy of this process (torch's ``pyspy_dump``), or with ``pid=`` of another rank of this
+    job on this host (one it announced: ``jobpids``): the way a stuck rank on a host without
+    the frontend gets read."""
     _only(q, _PYSPY_PARAMS)
     flags = {}
     for name in ("native", "nonblocking", "subprocesses"):
@@ -317,8 +321,11 @@ def _pyspy_dump(p: Provider, q: Mapping[str, str]) -> str:
             pid = int(q["pid"])
         except ValueError:
             raise HandlerError(400, f"parameter pid={q['pid'][:20]!r} must be an integer") from None
+    peers = getattr(p, "peers", None)
+    announced = (jobpids.identity() if pid == os.getpid()
+                 else peers(pid) if peers is not None else None)
     try:
-        pyspy.check_target(pid)
+        pyspy.check_target(pid, announced)
         return pyspy.read(pid, native=flags["native"], subprocesses=flags["subprocesses"])
     except pyspy.PySpyError as e:
         code = 403 if e.kind == pyspy.REFUSED else 404 if e.kind == pyspy.GONE else 500

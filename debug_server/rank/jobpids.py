@@ -1,0 +1,295 @@
+"""Which processes the pages may read: the ranks this job announced, not the process tree.
+
+Clusters start ranks through wrappers (``srun bash -c '... python train.py'``, ``timeout 3600
+python ...``, ``numactl ... python ...``, ``nsys``), so the ranks of one host are cousins, not
+siblings, and no rule over the process tree tells a rank of this job from any other process.
+The job itself says who its ranks are:
+
+- **Announce.** Each rank's registration sidecar (``discovery.register_worker``) carries its
+  ``pid``, ``host``, process ``start`` time (``/proc/<pid>/stat`` field 22, clock ticks since
+  boot: a pid reused by another process has another start time) and ``uid``. Sidecars of
+  another elastic restart are not trusted (``discovery.lookup_workers``).
+- **Check.** A reader (the frontend, a host's agent, a worker asked ``pyspy_dump?pid=``) reads a
+  pid only if a rank of this job announced it on this host, its start time still matches, and
+  it belongs to this reader's user (``check``); anything else is refused in one line.
+- **Allow.** Under Yama ``ptrace_scope=1`` only a process's ancestors may ptrace it, unless it
+  names one tracer with ``prctl(PR_SET_PTRACER, pid)`` (that process and its children: py-spy
+  runs as one). Readers publish themselves in the store (the frontend under ``reader/frontend``,
+  a host's agent under ``agent/<host id>``, both with pid, host and start time), and every rank
+  keeps ``PR_SET_PTRACER`` pointed at its host's reader (``PtracerKeeper``): the agent where its
+  host has one, else the frontend when it runs on this host. The slot holds one pid, so a host
+  with neither (a multi-host job without agents) falls back to ``PR_SET_PTRACER_ANY`` there: its
+  ranks are read by their sibling workers, any of which may hold the GIL-free slot.
+  ``$DEBUG_SERVER_PTRACER=0`` leaves the setting alone.
+
+A rank that holds the GIL cannot run this thread, so the tracer is set ahead of time, when the
+rank starts and whenever a reader (re)publishes itself (checked every ``KEEP_POLL_S`` s).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import logging
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
+
+from debug_server.errors import first_line
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
+
+    from debug_server.config import JobEnv
+
+logger = logging.getLogger(__name__)
+
+PTRACER_ENV = "DEBUG_SERVER_PTRACER"
+"""``0``: never call ``prctl(PR_SET_PTRACER, ...)``."""
+PR_SET_PTRACER = 0x59616D61
+PR_SET_PTRACER_ANY = ctypes.c_ulong(-1).value
+FRONTEND_READER_KEY = "reader/frontend"
+"""Store key (under the ``debug_server`` prefix) where the frontend publishes itself."""
+KEEP_POLL_S = 2.0
+"""How often a rank re-reads which process reads it while it knows none."""
+KEEP_SETTLED_S = 20.0
+"""How often once it knows one (a restarted agent is picked up this late at worst; every rank
+asks the store, so 16384 ranks at 2 s would be 16000 store requests a second)."""
+PEERS_REFRESH_S = 1.0
+
+
+# ---------------------------------------------------------------------------------------------
+# A process's identity from /proc
+
+
+def _stat_fields(pid: int) -> list[str] | None:
+    """``/proc/<pid>/stat`` from field 3 (state) on: ``comm`` may hold spaces and parentheses."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            raw = f.read().decode(errors="replace")
+        return raw.rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
+def start_time(pid: int) -> int | None:
+    """The process's start time (field 22: clock ticks after boot), None if there is none."""
+    fields = _stat_fields(pid)
+    try:
+        return int(fields[19]) if fields is not None else None
+    except (ValueError, IndexError):
+        return None
+
+
+def identity(pid: int | None = None) -> dict[str, Any]:
+    """What a process announces about itself: pid, host, start time, uid."""
+    pid = os.getpid() if pid is None else pid
+    return {"pid": pid, "host": socket.gethostname(), "start": start_time(pid),
+            "uid": os.geteuid()}
+
+
+def fate(pid: int, start: int | None) -> str | None:
+    """None while ``pid`` still runs as the process that started at ``start``; else how it
+    ended, as far as ``/proc`` tells: a zombie (not yet reaped by its parent) still shows its
+    exit status (field 52)."""
+    fields = _stat_fields(pid)
+    if fields is None or (start is not None and _int(fields, 19) != start):
+        return "its process has ended"
+    if fields[0] not in ("Z", "X"):
+        return None
+    status = _int(fields, 49)
+    if status is None:
+        return "its process has ended"
+    if status & 0x7F:
+        sig = status & 0x7F
+        try:
+            name = signal.Signals(sig).name
+        except ValueError:
+            name = f"signal {sig}"
+        return f"killed by {name}"
+    return f"exited with code {(status >> 8) & 0xFF}"
+
+
+def _int(fields: list[str], i: int) -> int | None:
+    try:
+        return int(fields[i])
+    except (ValueError, IndexError):
+        return None
+
+
+# ---------------------------------------------------------------------------------------------
+# The check every reader makes
+
+
+def check(pid: int, announced: Mapping[str, Any] | None, host: str | None = None) -> str | None:
+    """None if ``pid`` may be read here, else the one-line reason.
+
+    ``announced``: the registration sidecar of the rank that claims ``pid`` (from a lookup of
+    this restart's keys), or None when no rank of this job announced it.
+    """
+    host = socket.gethostname() if host is None else host
+    if not isinstance(announced, Mapping) or announced.get("pid") != pid:
+        return f"pid {pid} was not announced by any rank of this job"
+    if announced.get("host") != host:
+        return f"pid {pid} was announced on host {announced.get('host')!s:.80}, not on {host}"
+    start = announced.get("start")
+    if not isinstance(start, int):
+        return (f"pid {pid}'s announcement carries no start time (a rank of an older "
+                "debug_server): it cannot be told from a reused pid")
+    now = start_time(pid)
+    if now is None:
+        return f"pid {pid} does not exist on {host}"
+    if now != start:
+        return f"pid {pid} is no longer the rank that announced it (started at another time)"
+    try:
+        uid = os.stat(f"/proc/{pid}").st_uid
+    except OSError:
+        return f"pid {pid} does not exist on {host}"
+    if uid != os.geteuid() or announced.get("uid") not in (None, uid):
+        return f"pid {pid} belongs to another user"
+    return None
+
+
+class Peers:
+    """A worker's view of its job's announced ranks (for ``pyspy_dump?pid=``), read from the
+    store on demand; the last view is kept when the store goes away (rank 0 hosted it)."""
+
+    def __init__(self, job: JobEnv, timeout: float = 2.0) -> None:
+        self._job = job
+        self._timeout = timeout
+        self._store: dist.Store | None = None
+        self._by_pid: dict[int, dict[str, Any]] = {}
+        self._read_at = 0.0
+        self._lock = threading.Lock()
+
+    def announced(self, pid: int) -> dict[str, Any] | None:
+        """The sidecar of the rank that announced ``pid`` on this host, or None."""
+        with self._lock:
+            if pid not in self._by_pid and time.monotonic() - self._read_at > PEERS_REFRESH_S:
+                self._refresh()
+            return self._by_pid.get(pid)
+
+    def _refresh(self) -> None:
+        from debug_server.rank import discovery
+
+        self._read_at = time.monotonic()
+        try:
+            if self._store is None:
+                self._store = discovery.store_client(self._job.master_addr,
+                                                     self._job.master_port, self._timeout)
+            addrs = discovery.lookup_workers(self._store, self._job.world_size,
+                                             self._job.restart_count)
+        except Exception as e:  # the store is gone: keep what was read before
+            self._store = None
+            logger.info("debug_server: announced ranks not re-read: %s", first_line(e))
+            return
+        host = socket.gethostname()
+        self._by_pid = {a.meta["pid"]: a.meta for a in addrs
+                        if a.meta is not None and isinstance(a.meta.get("pid"), int)
+                        and a.meta.get("host") == host}
+
+
+# ---------------------------------------------------------------------------------------------
+# The rank's side: let exactly its host's reader in
+
+
+def set_ptracer(pid: int | None, prctl: Callable[..., int] | None = None) -> bool:
+    """``prctl(PR_SET_PTRACER, pid)`` (None: ``PR_SET_PTRACER_ANY``); True if it took.
+
+    Linux only; a kernel without Yama answers EINVAL (nothing to allow there).
+    """
+    if prctl is None:
+        if not sys.platform.startswith("linux"):
+            return False
+        try:
+            prctl = ctypes.CDLL(None, use_errno=True).prctl
+        except (OSError, AttributeError):
+            return False
+    value = PR_SET_PTRACER_ANY if pid is None else pid
+    rc = prctl(ctypes.c_int(PR_SET_PTRACER), ctypes.c_ulong(value), ctypes.c_ulong(0),
+               ctypes.c_ulong(0), ctypes.c_ulong(0))
+    if rc != 0:
+        logger.debug("debug_server: prctl(PR_SET_PTRACER, %s) failed: %s", value,
+                     os.strerror(ctypes.get_errno()))
+    return rc == 0
+
+
+def publish_frontend(store: dist.Store, restart: int) -> None:
+    """The frontend's announcement, read by every rank's ``PtracerKeeper``."""
+    store.set(FRONTEND_READER_KEY, json.dumps({**identity(), "restart": restart}))
+
+
+def _reader(raw: bytes | None, restart: int, host: str) -> int | None:
+    """The pid a published reader record names, if it is of this restart, runs on this host and
+    still is the process that published it."""
+    try:
+        rec = json.loads(raw) if raw is not None else None
+    except ValueError:
+        return None
+    if not isinstance(rec, dict) or rec.get("host") != host or rec.get("restart") != restart:
+        return None
+    pid, start = rec.get("pid"), rec.get("start")
+    if not isinstance(pid, int) or start is None or start_time(pid) != start:
+        return None
+    return pid
+
+
+def choose_reader(store: dist.Store, restart: int, agent_id: str | None,
+                  host: str | None = None) -> int | None:
+    """The pid that should be this rank's tracer: its host's agent, else the frontend when it
+    runs on this host; None when neither does."""
+    from debug_server.rank.agent_launch import agent_key
+
+    host = socket.gethostname() if host is None else host
+    keys = ([agent_key(agent_id)] if agent_id else []) + [FRONTEND_READER_KEY]
+    for key in keys:
+        if store.check([key]):
+            pid = _reader(store.get(key), restart, host)
+            if pid is not None:
+                return pid
+    return None
+
+
+class PtracerKeeper:
+    """Keeps ``PR_SET_PTRACER`` on this rank's reader; runs in the registration thread."""
+
+    def __init__(self, job: JobEnv, agent_id: str | None,
+                 prctl: Callable[..., int] | None = None) -> None:
+        self.job = job
+        self.agent_id = agent_id
+        self.stop = threading.Event()
+        self.tracer: int | None | str = "unset"
+        """The pid last set (None: any), or "unset"."""
+        self._prctl = prctl
+        self.enabled = os.environ.get(PTRACER_ENV, "1") != "0"
+
+    def apply(self, pid: int | None) -> None:
+        if self.enabled and pid != self.tracer and set_ptracer(pid, self._prctl):
+            self.tracer = pid
+            logger.debug("debug_server: rank %d lets %s ptrace it", self.job.rank,
+                         "any process" if pid is None else f"pid {pid}")
+
+    def run(self, store: dist.Store) -> None:
+        """Until ``stop``: point the tracer at the host's reader whenever it changes."""
+        if not self.enabled:
+            return
+        while not self.stop.is_set():
+            try:
+                self.apply(choose_reader(store, self.job.restart_count, self.agent_id))
+            except Exception as e:  # the store is gone (rank 0 hosted it): keep the last one
+                logger.debug("debug_server: reader not re-read: %s", first_line(e))
+                if self.tracer == "unset":
+                    self.apply(None)
+                self.stop.wait(KEEP_POLL_S * 5)
+                continue
+            self.stop.wait(KEEP_SETTLED_S if isinstance(self.tracer, int) else KEEP_POLL_S)
+
+
+__all__ = ["FRONTEND_READER_KEY", "PTRACER_ENV", "Peers", "PtracerKeeper", "check",
+           "choose_reader", "fate", "identity", "publish_frontend", "set_ptracer",
+           "start_time"]
