@@ -13,7 +13,10 @@ from what a dump directory holds:
 Every page carries a banner ("job ended; data from <ts>") with a picker of the dump cycles;
 ``?cycle=<ts>`` picks one (a cookie keeps the choice while you follow links); by default the
 first cycle written at or after the newest hang report (the job as it was seen hung: later
-cycles may show it after a timeout ended the hang), else the newest. Nothing here talks to a job, a TCPStore or a GPU. Files are read the analyzer's way
+cycles may show it after a timeout ended the hang), else the newest with FR data and stacks (a
+cycle cut short by a frontend killed mid-cycle is passed over), else the newest. A cycle
+without a usable FR snapshot (or with ranks missing from it) takes those ranks' FR data from
+the per-rank dumps (``per_rank/``, ours or PyTorch's) and says so. Nothing here talks to a job, a TCPStore or a GPU. Files are read the analyzer's way
 (JSON, or pickles of plain containers only), so a hostile file is refused, never run; a file
 that cannot be used is one line on the page and in the log.
 
@@ -118,8 +121,8 @@ SOURCE = web.AppKey("postmortem_source", DumpSource)
 
 
 def _choose(request: web.Request, scan: Scan) -> tuple[Cycle | None, bool]:
-    """The cycle asked for (``?cycle=``, else the cookie, else the one of the newest hang
-    report, else the newest); 404 if unknown."""
+    """The cycle asked for (``?cycle=``, else the cookie, else ``Scan.best_cycle``: the one
+    of the newest hang report, else the newest with FR data and stacks); 404 if unknown."""
     raw = request.query.get("cycle")
     if raw is not None:
         cycle = scan.find(raw) if (raw == PER_RANK or STAMP_RE.match(raw)) else None
@@ -131,7 +134,7 @@ def _choose(request: web.Request, scan: Scan) -> tuple[Cycle | None, bool]:
     cookie = request.cookies.get(COOKIE)
     if cookie and (cycle := scan.find(cookie)) is not None:
         return cycle, False
-    return (scan.hang_cycle() or (scan.cycles[-1] if scan.cycles else None)), False
+    return scan.best_cycle(), False
 
 
 def scan_dir_name(request: web.Request) -> str:

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from debug_server.analysis import stackparse
+from debug_server.analysis.ranks import format_ranks
 from debug_server.dumpio import (
     MAX_RANK,
     DumpError,
@@ -110,6 +111,14 @@ class Scan:
             return None
         at = _stamp_key(self.hang_reports[-1].stamp)
         return next((c for c in self.cycles if c.stamp != PER_RANK and _stamp_key(c.stamp) >= at), None)
+
+
+    def best_cycle(self) -> Cycle | None:
+        """The default cycle: the hang report's; else the newest with FR data and stacks
+        (``complete``); else the newest."""
+        return self.hang_cycle() or next(
+            (c for c in reversed(self.cycles) if complete(c, self)),
+            self.cycles[-1] if self.cycles else None)
 
 
 def _stamp_key(stamp: str) -> tuple[str, int]:
@@ -217,12 +226,17 @@ class CycleData:
     problems: list[str] = field(default_factory=list)
     stacks_from: str | None = None
     """The stacks file used, when it is not the cycle's own (per-rank dumps)."""
+    filled: list[int] = field(default_factory=list)
+    """Ranks whose FR data came from the per-rank dumps, not this cycle's snapshot."""
     world_size: int = 0
 
     def sources(self) -> tuple[str, str]:
         c = self.cycle
         fr = (os.path.basename(c.snapshot) if c and c.snapshot
               else "per-rank dumps" if c and c.rank_files else "")
+        if self.filled:
+            per_rank = f"per-rank dumps (rank {format_ranks(self.filled)})"
+            fr = f"{fr} + {per_rank}" if fr else per_rank
         st = os.path.basename(self.stacks_from or (c.stacks if c and c.stacks else "") or "")
         return fr, st
 
@@ -292,6 +306,56 @@ def _load_stacks(path: str, data: CycleData) -> None:
             data.stacks[rank] = body
 
 
+def _fill_from_rank_files(cycle: Cycle, per_rank: Cycle, data: CycleData) -> None:
+    """A cycle without a (usable) snapshot, or with ranks it could not fetch, takes those ranks'
+    FR data from the per-rank dumps (written by each rank on a dump cycle or on its way out:
+    often the most authoritative post-mortem data), and says so."""
+    assert per_rank.rank_files is not None
+    wanted = {r: p for r, p in per_rank.rank_files.items() if r not in data.dumps}
+    if not wanted:
+        return
+    errors = {r: data.fr_errors.pop(r) for r in wanted if r in data.fr_errors}
+    _load_rank_files(wanted, data)
+    data.filled = sorted(r for r in wanted if r in data.dumps)
+    for r, err in errors.items():  # the snapshot's reason stays where the file did not help
+        if r not in data.dumps:
+            data.fr_errors[r] = err
+    if not data.filled:
+        return
+    where = os.path.dirname(next(iter(wanted.values())))
+    why = (f"no usable {SNAPSHOT_PREFIX}_{cycle.stamp}.json"
+           if len(data.dumps) == len(data.filled) else "ranks its snapshot lacks")
+    data.problems.append(
+        f"cycle {cycle.stamp}: {why}; Flight Recorder data of rank {format_ranks(data.filled)} "
+        f"taken from the per-rank dumps in {os.path.basename(where) or where} "
+        f"(written {per_rank.when()})")
+
+
+def complete(cycle: Cycle, scan: Scan) -> bool:
+    """Whether a cycle has FR data (a whole snapshot, or per-rank dumps to take it from) and
+    stacks: what the default cycle needs to say who hangs where."""
+    if cycle.stamp == PER_RANK:
+        return any(c.stacks for c in scan.cycles)
+    has_fr = (cycle.snapshot is not None and looks_whole(cycle.snapshot)) or \
+        scan.find(PER_RANK) is not None
+    return has_fr and cycle.stacks is not None and looks_whole(cycle.stacks, b"")
+
+
+def looks_whole(path: str, end: bytes = b"}") -> bool:
+    """A cheap look at a file's tail: not empty, and a JSON object's last byte where one is
+    expected (a frontend killed while writing leaves neither: files are renamed into place
+    whole, but a copy, a full disk or a filesystem without atomic rename may cut one)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            size = f.tell()
+            f.seek(max(0, size - 64))
+            tail = f.read().rstrip()
+    except OSError:
+        return False
+    return size > 0 and tail.endswith(end)
+
+
 def load_cycle(scan: Scan, cycle: Cycle | None) -> CycleData:
     """Read one cycle's files (restricted loading only); never raises."""
     data = CycleData(cycle, problems=list(scan.problems))
@@ -300,7 +364,10 @@ def load_cycle(scan: Scan, cycle: Cycle | None) -> CycleData:
             _load_snapshot(cycle.snapshot, data)
         elif cycle.rank_files:
             _load_rank_files(cycle.rank_files, data)
-        else:
+        per_rank = scan.find(PER_RANK)
+        if cycle.rank_files is None and per_rank is not None and per_rank.rank_files:
+            _fill_from_rank_files(cycle, per_rank, data)
+        if not cycle.snapshot and not cycle.rank_files and not data.filled:
             extra = (f"; its text report is {os.path.basename(cycle.fr_text)}"
                      if cycle.fr_text else "")
             data.problems.append(f"cycle {cycle.stamp} has no {SNAPSHOT_PREFIX}_{cycle.stamp}.json"
