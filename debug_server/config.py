@@ -216,7 +216,11 @@ class FrontendConfig:
     worker_urls: tuple[str | None, ...] | None = None
     """Each rank's worker URL (None: not registered), instead of the store."""
     parent_pid: int | None = None
-    """Exit when this process (the trainer's rank 0) is gone."""
+    """The trainer's rank 0; once it is gone, serve while the job lives (``orphan_exit_s``)."""
+    orphan_exit_s: float = 120.0
+    """Once ``parent_pid`` is gone: exit after this many seconds in which no rank answered, no
+    rank's process ran on this host and the store was unreachable
+    (``$DEBUG_SERVER_ORPHAN_EXIT_S`` in rank 0's environment)."""
     ready_fd: int | None = None
     """Inherited pipe on which the process writes ``ready <port>`` or ``error: <why>``."""
 
@@ -225,6 +229,8 @@ class FrontendConfig:
             raise ConfigError(f"world_size={self.world_size} must be >= 1")
         if (self.store is None) == (self.worker_urls is None):
             raise ConfigError("a frontend needs exactly one of store=(host, port) and worker_urls")
+        if not self.orphan_exit_s > 0:
+            raise ConfigError(f"orphan_exit_s={self.orphan_exit_s} must be > 0")
         if self.worker_urls is not None and len(self.worker_urls) != self.world_size:
             raise ConfigError(f"{len(self.worker_urls)} worker_urls for world_size="
                               f"{self.world_size}; give one per rank (None: not registered)")
@@ -245,6 +251,24 @@ class FrontendConfig:
             raise ConfigError("frontend config must be a JSON object with a 'server' object")
         return _build(cls, data, {"server": ServerConfig.from_dict, "store": _pair,
                                   "worker_urls": tuple})
+
+
+ORPHAN_EXIT_ENV = "DEBUG_SERVER_ORPHAN_EXIT_S"
+
+
+def orphan_exit_from_env(env: Mapping[str, str] | None = None) -> float:
+    """``FrontendConfig.orphan_exit_s`` as rank 0's environment sets it (default 120)."""
+    raw = (os.environ if env is None else env).get(ORPHAN_EXIT_ENV, "").strip()
+    if not raw:
+        return 120.0
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise ConfigError(f"environment variable {ORPHAN_EXIT_ENV}={raw[:40]!r} must be a "
+                          "number of seconds > 0")
+    return value
 
 
 def _pair(value: Sequence[Any] | None) -> tuple[str, int] | None:

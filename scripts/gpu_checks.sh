@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU checks for a 2-GPU machine (device tool, kind nvidia-h100-x2), run from the source tree:
-#   PYTHONPATH=. bash scripts/gpu_checks.sh OUTDIR [all|bench|marks|step|state|demo|preflight|nccllog|mismatch|native|ddp|profile|c10dworkers]
+#   PYTHONPATH=. bash scripts/gpu_checks.sh OUTDIR [all|bench|marks|step|state|demo|preflight|nccllog|mismatch|native|ddp|profile|c10dworkers|rank0gone]
 # bench:     recording cost per NCCL op, c10d FR off/on and ours side by side (bench_record, 1 rank)
 # step:      ms per training-like step, bare / c10d FR / ours (bench_step, 2 ranks; fails over 5 %)
 # marks:     what start marks cost a 200 x 4 KiB step, per kind (bench_marks; fails when the
@@ -18,6 +18,9 @@
 #            also /wait_counters and /tcpstore (scripts/gpu_profile_check.py)
 # c10dworkers: NCCL hang, torch's own C++ workers only, frontend attached by store: the
 #            verdict names rank 1 (c10d's NCCL recorder, dump_nccl_trace_json; fails if not)
+# rank0gone: 4 GPUs (nvidia-h100-x4): a 2x2 mesh, ranks 0 and 2 leave early (exit, then
+#            SIGKILL) while 1 and 3 hang on tp: the pages answer 8 s later, show them gone and
+#            name them; the frontend exits once the job is gone (fails if not; skipped on <4 GPUs)
 set -u
 OUT=${1:-/tmp/gpu_checks}
 WHAT=${2:-all}
@@ -152,6 +155,19 @@ echo "=== NCCL hang seen through torch's own C++ workers only (no sidecar): c10d
 timeout 400 python scripts/gpu_check_c10d_workers.py "$OUT/c10dworkers" --master-port 29317 2>&1 \
   | grep -v Warning | tee "$OUT/c10dworkers.txt"
 [ "${PIPESTATUS[0]}" -eq 0 ] || FAILED_CHECKS="$FAILED_CHECKS c10dworkers"
+fi
+
+if want rank0gone; then
+if [ "$(nvidia-smi -L | wc -l)" -ge 4 ]; then
+for how in exit kill; do
+echo "=== rank 0 (and 2) leave early by $how on 4 GPUs while ranks 1 and 3 hang: the pages stay ==="
+timeout 400 python scripts/gpu_check_rank0_gone.py "$OUT/rank0gone_$how" --rank0 "$how" --port 26410 --master-port 29410 2>&1 \
+  | grep -E "^(PASS|FAIL)|checks passed" | tee "$OUT/rank0gone_$how.txt"
+[ "${PIPESTATUS[0]}" -eq 0 ] || FAILED_CHECKS="$FAILED_CHECKS rank0gone-$how"
+done
+else
+echo "=== rank0gone skipped: needs 4 GPUs (device kind nvidia-h100-x4) ==="
+fi
 fi
 
 if [ -n "$FAILED_CHECKS" ]; then

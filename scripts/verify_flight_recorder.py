@@ -298,6 +298,10 @@ def report(dump_dir: str, timeout_at: float, world: int) -> None:
     print(f"  python -m torch.distributed.flight_recorder.fr_trace {per_rank} -p rank_ -j --print_stack_trace"
           f"{incomplete}")
     print(f"  python -m debug_server.view {dump_dir}   # the same pages, after the job, in a browser")
+    store = f"{os.environ.get('MASTER_ADDR', '<MASTER_ADDR>')}:{os.environ.get('MASTER_PORT', '<MASTER_PORT>')}"
+    print("While a job hangs and rank 0's host is gone (its frontend with it), attach the pages from "
+          "any host that reaches the job's store:")
+    print(f"  python -m debug_server.frontend --store {store} --world-size {world}")
     print("=" * 78, flush=True)
 
 

@@ -12,13 +12,8 @@ from conftest import MAIN_STACK, closed_port_url, make_job
 
 from debug_server.analysis import core as analysis
 from debug_server.config import ServerConfig
-from debug_server.frontend.app import (
-    PARENT_PID,
-    SHUTDOWN,
-    _watch_parent,
-    load_templates,
-    make_frontend_app,
-)
+from debug_server.frontend import departed
+from debug_server.frontend.app import load_templates, make_frontend_app
 from debug_server.frontend.views import fr_tables
 from debug_server.rank.discovery import StaticRegistry, StoreRegistry, register_worker, store_client
 from debug_server.tools import synthetic
@@ -202,20 +197,21 @@ def test_templates_load_with_autoescape() -> None:
     assert {"base.html", "index.html", "fr_trace.html", "stacks.html"} <= set(env.list_templates())
 
 
-async def test_frontend_shuts_down_when_parent_dies() -> None:
-    from aiohttp import web
-
+async def test_frontend_shuts_down_once_its_parent_and_every_rank_are_gone() -> None:
     proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
     try:
-        app = web.Application()
-        app[PARENT_PID] = proc.pid
-        app[SHUTDOWN] = asyncio.Event()
-        task = asyncio.create_task(_watch_parent(app))
-        await asyncio.sleep(0.2)
-        assert not app[SHUTDOWN].is_set()
+        shutdown = asyncio.Event()
+        departures = departed.Departures()
+        # A one-rank job (rank 0 is the parent): once it is gone nothing of the job is left.
+        task = asyncio.create_task(departed.watch(proc.pid, StaticRegistry([None]), departures,
+                                                  0.5, shutdown))
+        await asyncio.sleep(1.5)  # a poll has seen the parent alive
+        assert not shutdown.is_set() and departures.gone == {}
         proc.kill()
         proc.wait()
-        await asyncio.wait_for(app[SHUTDOWN].wait(), 3)
+        await asyncio.wait_for(shutdown.wait(), 5)
+        assert departures.line(0) is not None and f"parent process {proc.pid} ended" in \
+            departures.line(0)
         await task
     finally:
         if proc.poll() is None:

@@ -59,7 +59,7 @@ time.sleep(120)
 """
 
 
-async def test_sigkilled_rank_is_unreachable_on_every_page_and_logged_once(
+async def test_sigkilled_rank_is_gone_on_every_page_and_logged_once(
         aiohttp_client: Any, fake_rank: Any, tmp_path: Path, caplog: Any) -> None:
     url0 = await fake_rank(synthetic.hang_job(2, n_entries=5, missing_rank=1)[0])
     proc = subprocess.Popen([sys.executable, "-c", WORKER], stdout=subprocess.PIPE, text=True,
@@ -81,9 +81,11 @@ async def test_sigkilled_rank_is_unreachable_on_every_page_and_logged_once(
             resp = await client.get(path, headers={"Accept": accept})
             text = await resp.text()
             assert resp.status == 200 and time.monotonic() - t0 < 2.0, path
-            assert "rank 1: unreachable after" in text, (path, accept)
+            # Gone, and since when; its last FR data and stacks stay, marked with their age.
+            assert "rank 1: gone (unreachable since " in text, (path, accept)
         body = await (await client.get("/fr_trace?format=json")).json()
-        assert [r["status"] for r in body["ranks"]] == ["ok", "unreachable"]
+        assert [r["status"] for r in body["ranks"]] == ["ok", "gone"]
+        assert "its FR data and stacks are from " in body["ranks"][1]["note"]
         await client.app[DUMPER].run_cycle()
         lines = [r.getMessage() for r in caplog.records if "rank 1:" in r.getMessage()]
         assert len(lines) == 1, lines

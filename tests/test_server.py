@@ -28,7 +28,8 @@ from debug_server.config import (
     read_inherited,
     write_inherited,
 )
-from debug_server.frontend.app import PARENT_POLL_S, make_frontend_app
+from debug_server.frontend.app import make_frontend_app
+from debug_server.frontend.departed import POLL_S
 from debug_server.rank.discovery import StoreRegistry, register_worker, store_client
 from debug_server.rank.server import DUMP_PATH_ENV, start_debug_server, stop_debug_server
 from debug_server.rank.worker import HooksProvider, start_worker_thread
@@ -207,9 +208,11 @@ def _pid_gone(pid: int) -> bool:
 
 
 def test_frontend_exits_when_its_trainer_dies(tcp_store: Any, tmp_path: Path) -> None:
+    # A one-rank job: with its only rank gone nothing of the job is left to serve (the store,
+    # the test's, outlives it); the frontend exits after DEBUG_SERVER_ORPHAN_EXIT_S.
     env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(tcp_store.port),
-           "PYTHONPATH": str(REPO)}
+           "PYTHONPATH": str(REPO), "DEBUG_SERVER_ORPHAN_EXIT_S": "1"}
     out = (tmp_path / "out.txt").open("w+")
     trainer = subprocess.Popen([sys.executable, "-c", TRAINER], env=env, stdout=out,
                                stderr=subprocess.STDOUT, start_new_session=True)
@@ -223,10 +226,10 @@ def test_frontend_exits_when_its_trainer_dies(tcp_store: Any, tmp_path: Path) ->
         assert frontend_pid, (tmp_path / "out.txt").read_text()
         trainer.kill()
         trainer.wait()
-        # The frontend polls its parent every PARENT_POLL_S; well within 20 polls it is gone
+        # The frontend polls its parent every POLL_S; well within 20 polls it is gone
         # (a bound on liveness, not a speed figure: the box may be loaded).
         t0 = time.monotonic()
-        while not _pid_gone(frontend_pid) and time.monotonic() - t0 < 20 * PARENT_POLL_S:
+        while not _pid_gone(frontend_pid) and time.monotonic() - t0 < 20 * POLL_S:
             time.sleep(0.1)
         assert _pid_gone(frontend_pid), "frontend outlived its trainer"
     finally:

@@ -21,29 +21,17 @@ import pytest
 from httpget import timed_get
 from mpjob import REPO, descendants, free_port
 from rankprocs import RankProcs
+from test_pyspy import FETCH_TIMEOUT, HOLD_S
+from test_pyspy import RANK as PYSPY_RANK
 
-FETCH_TIMEOUT = 2.0
-HOLD_S = 8.0
-
-RANK = """
-import ctypes, os, time
-from debug_server import start_debug_server
-h = start_debug_server(port=0, fetch_timeout=FETCH_TIMEOUT)
-assert h.wait_registered(30)
-print("READY", os.environ["RANK"], os.getpid(), os.getppid(), h.frontend_url, h.worker_url,
-      flush=True)
-if os.environ["RANK"] != os.environ["HOLD_RANK"]:
-    time.sleep(120)
-libc = ctypes.PyDLL(None)  # PyDLL: the GIL stays held for the whole C call
-libc.usleep.argtypes = [ctypes.c_uint]
-while not os.path.exists("go"):  # the test starts the hold once the frontend is warm
-    time.sleep(0.02)
-print("HOLDING", flush=True)
-t0 = time.monotonic()
-libc.usleep(int(HOLD_S * 1e6))  # HOLD_LINE
-print("SLEPT", f"{time.monotonic() - t0:.4f}", flush=True)
-time.sleep(120)
-""".replace("FETCH_TIMEOUT", repr(FETCH_TIMEOUT)).replace("HOLD_S", repr(HOLD_S))
+# test_pyspy's rank (start_debug_server, then a 8 s usleep holding the GIL on HOLD_RANK), each
+# rank saying who it is, who its parent is and where its worker listens.
+RANK = PYSPY_RANK.replace(
+    'print("READY", os.getpid(), h.frontend_url, flush=True)',
+    'print("READY", os.environ["RANK"], os.getpid(), os.getppid(), h.frontend_url, '
+    'h.worker_url, flush=True)',
+).replace("FETCH_TIMEOUT", repr(FETCH_TIMEOUT)).replace("HOLD_S", repr(HOLD_S))
+assert "os.getppid()" in RANK
 
 READY = re.compile(r"^READY (\d+) (\d+) (\d+) (\S+) (\S+)$", re.M)
 

@@ -67,7 +67,7 @@ from debug_server import auth
 from debug_server.analysis import frwindow, members
 from debug_server.analysis.digest import SNAPSHOT_TIME_KEY
 from debug_server.errors import first_line
-from debug_server.frontend import fastjson
+from debug_server.frontend import departed, fastjson
 from debug_server.frontend.fanout import (
     INLINE_DUMPS,
     MAX_BODY_BYTES,
@@ -588,7 +588,7 @@ async def _serve(args: argparse.Namespace, registry: Any, token: str | None,
                 os.close(args.ready_fd)
         logger.info("debug_server agent %s at %s for ranks %s", args.host_id, url,
                     format_ranks(registry.ranks))
-        watch = (asyncio.create_task(_watch_parent(args.parent_pid, done))
+        watch = (asyncio.create_task(_watch_parent(args.parent_pid, done, registry))
                  if args.parent_pid else None)
         await done.wait()
         if watch is not None:
@@ -598,9 +598,13 @@ async def _serve(args: argparse.Namespace, registry: Any, token: str | None,
         await runner.cleanup()
 
 
-async def _watch_parent(pid: int, done: asyncio.Event) -> None:
-    # A stuck trainer keeps its agent (that is the point); a dead one does not.
+async def _watch_parent(pid: int, done: asyncio.Event, registry: Any = None) -> None:
+    """A stuck trainer keeps its agent (that is the point); so does a dead local rank 0 while
+    other ranks of this host still run (rank 0 finished early, or was killed, while they hang:
+    the frontend still asks through this agent); once none runs, the agent exits."""
     was_child = os.getppid() == pid
+    known: list[WorkerAddr] = []
+    polls = 0
     while True:
         await asyncio.sleep(PARENT_POLL_S)
         alive = True
@@ -610,10 +614,20 @@ async def _watch_parent(pid: int, done: asyncio.Event) -> None:
             alive = False
         except PermissionError:
             pass
-        if not alive or (was_child and os.getppid() != pid):
-            logger.warning("debug_server agent: parent process %d is gone; exiting", pid)
-            done.set()
-            return
+        parent_here = alive and not (was_child and os.getppid() != pid)
+        if registry is not None and (polls % 10 == 0 or not parent_here):
+            with contextlib.suppress(Exception):  # the store may be gone with rank 0
+                fresh = await registry.lookup()
+                known = fresh if any(a.meta for a in fresh) else known
+        polls += 1
+        if parent_here:
+            continue
+        if departed.running_here(known):
+            continue
+        logger.warning("debug_server agent: parent process %d is gone and no rank of this "
+                       "host runs; exiting", pid)
+        done.set()
+        return
 
 
 def _parser() -> argparse.ArgumentParser:

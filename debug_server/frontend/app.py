@@ -45,6 +45,7 @@ from debug_server.errors import first_line
 from debug_server.frontend import (
     agent_fanout,
     attach,
+    departed,
     export,
     fastjson,
     health_held,
@@ -53,6 +54,7 @@ from debug_server.frontend import (
 )
 from debug_server.frontend.dumps import Dumper, analyze_fr, fr_trace_text, stacks_report
 from debug_server.frontend.fanout import (
+    GONE,
     MAX_BODY_BYTES,
     Collector,
     RankResult,
@@ -72,7 +74,6 @@ FORMATS = ("html", "text", "json")
 PAGE_ROWS = 1000
 """Rows per page of the ``?full=1`` HTML view."""
 MAX_PAGE = 100_000
-PARENT_POLL_S = 1.0
 CONNECTIONS_PER_RANK = 8
 """Most connections the frontend holds to one worker (in use plus idle keep-alive)."""
 BIND_RETRY_S = 3.0
@@ -89,6 +90,8 @@ COLLECTOR = web.AppKey("collector", Collector)
 TEMPLATES = web.AppKey("templates", jinja2.Environment)
 PARENT_PID = web.AppKey("parent_pid", int)
 SHUTDOWN = web.AppKey("shutdown", asyncio.Event)
+DEPARTURES = web.AppKey("departures", departed.Departures)
+ORPHAN_EXIT_S = web.AppKey("orphan_exit_s", float)
 DUMPER = web.AppKey("dumper", Dumper)
 HANG_WATCH = web.AppKey("hang_watch", HangWatch)
 
@@ -341,7 +344,7 @@ async def index(request: web.Request) -> web.Response:
     reach = {r.rank: r for r in stack_res}
     rows = [{"rank": r.rank, "url": r.url or "", "status": reach[r.rank].status,
              "line": reach[r.rank].line(), "health": texts[r.rank]} for r in health]
-    reachable = sum(1 for r in stack_res if r.ok)
+    reachable = sum(1 for r in stack_res if r.ok and r.status != GONE)
     verdict = result.get("verdict", "")
     if fmt == "json":
         return _respond(fmt, {"world_size": collector.world_size, "reachable": reachable,
@@ -417,10 +420,12 @@ async def _client_ctx(app: web.Application) -> AsyncIterator[None]:
     try:
         async with aiohttp.ClientSession(connector=connector, headers=headers) as session:
             # Through each host's agent where the store names one (agent_fanout), else per rank.
-            app[COLLECTOR] = agent_fanout.collector_for(session, app[REGISTRY],
-                                                        timeout=config.fetch_timeout,
-                                                        max_concurrency=config.max_concurrency,
-                                                        http=http)
+            collector = agent_fanout.collector_for(session, app[REGISTRY],
+                                                   timeout=config.fetch_timeout,
+                                                   max_concurrency=config.max_concurrency,
+                                                   http=http)
+            # A rank that is gone keeps its last data on every page, dump and report (departed).
+            app[COLLECTOR] = departed.KeepLast(collector, app[DEPARTURES])
             yield
     finally:
         http.close()
@@ -444,8 +449,10 @@ async def _background_ctx(app: web.Application) -> AsyncIterator[None]:
                       keep=config.keep_dumps, per_rank="per_rank" in config.enabled_dumps)
     app[HANG_WATCH] = watch
     tasks.append(in_background(watch.run_forever(), name="debug_server.hang_watch"))
-    if PARENT_PID in app:
-        tasks.append(asyncio.create_task(_watch_parent(app), name="debug_server.parent"))
+    if PARENT_PID in app:  # rank 0's frontend outlives rank 0 while the job lives (departed)
+        tasks.append(asyncio.create_task(departed.watch(
+            app[PARENT_PID], app[REGISTRY], app[DEPARTURES], app[ORPHAN_EXIT_S], app[SHUTDOWN]),
+            name="debug_server.parent"))
     yield
     for t in tasks:
         t.cancel()
@@ -454,32 +461,10 @@ async def _background_ctx(app: web.Application) -> AsyncIterator[None]:
             await t
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-async def _watch_parent(app: web.Application) -> None:
-    """Exit with the trainer: a frontend outliving rank 0 would hold the port for nothing."""
-    pid = app[PARENT_PID]
-    was_child = os.getppid() == pid
-    while True:
-        await asyncio.sleep(PARENT_POLL_S)
-        # getppid() changes when the parent dies (re-parenting); it also guards against pid reuse.
-        if (was_child and os.getppid() != pid) or not _pid_alive(pid):
-            logger.warning("debug_server frontend: parent process %d is gone; exiting", pid)
-            app[SHUTDOWN].set()
-            return
-
-
 def make_frontend_app(config: ServerConfig, registry: Registry,
                       *, parent_pid: int | None = None, collector: Any = None,
-                      middlewares: Sequence[Any] = ()) -> web.Application:
+                      middlewares: Sequence[Any] = (),
+                      orphan_exit_s: float = 120.0) -> web.Application:
     """The frontend app over ``registry``'s workers (and, with ``config.dump_dir``, the dumper).
 
     With ``config.auth_token`` every page requires it (header, cookie, or ``/?token=`` once)
@@ -494,6 +479,8 @@ def make_frontend_app(config: ServerConfig, registry: Registry,
     app[REGISTRY] = registry
     app[TEMPLATES] = load_templates()
     app[SHUTDOWN] = asyncio.Event()
+    app[DEPARTURES] = departed.Departures()
+    app[ORPHAN_EXIT_S] = orphan_exit_s
     if parent_pid is not None:
         app[PARENT_PID] = parent_pid
     if collector is None:
@@ -556,7 +543,8 @@ async def serve(config: FrontendConfig, *, announce: bool = False) -> int:
     """
     server, ready_fd = config.server, config.ready_fd
     registry = frontend_registry(config)
-    app = make_frontend_app(server, registry, parent_pid=config.parent_pid)
+    app = make_frontend_app(server, registry, parent_pid=config.parent_pid,
+                            orphan_exit_s=config.orphan_exit_s)
     async with own_server(app) as runner:
         try:
             port = await _bind(runner, server, BIND_RETRY_S)

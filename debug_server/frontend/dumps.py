@@ -39,7 +39,7 @@ from debug_server.analysis.stackgroups import stack_groups
 from debug_server.config import ALL_DUMPS
 from debug_server.dumpio import write_atomic
 from debug_server.frontend import snapshot
-from debug_server.frontend.fanout import Collector, FrData, RankResult
+from debug_server.frontend.fanout import GONE, Collector, FrData, RankResult
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -63,7 +63,7 @@ _CYCLE_FILE = re.compile(
 
 def status_block(results: Sequence[RankResult]) -> str:
     """``PARTIAL DATA: 6/8 ranks answered`` and one line per failed rank; empty when all did."""
-    failed = [r for r in results if not r.ok]
+    failed = [r for r in results if not r.ok or r.status == GONE]  # gone: its kept data, aged
     if not failed:
         return ""
     lines = [f"PARTIAL DATA: {len(results) - len(failed)}/{len(results)} ranks answered"]

@@ -38,6 +38,9 @@ OK = "ok"
 UNREACHABLE = "unreachable"
 TIMED_OUT = "timed out"
 FAILED = "failed"
+GONE = "gone"
+"""A rank that disappeared; its record holds its last data, its note says how and how old
+(``departed.KeepLast``)."""
 
 MAX_BODY_BYTES = 256 * 1024 * 1024
 """A worker reply larger than this is refused (a 2000-entry ring is ~1.5 MB)."""
@@ -59,10 +62,13 @@ class RankResult:
 
     @property
     def ok(self) -> bool:
-        return self.status == OK
+        """The record holds data: the rank answered, or (``GONE``) its last answer was kept."""
+        return self.status == OK or self.status == GONE
 
     def line(self) -> str:
         """One line for people: ``rank 3: OK`` or ``rank 3: unreachable after 2.0 s (...)``."""
+        if self.status == GONE:
+            return f"rank {self.rank}: {self.note}"
         if self.ok:
             return f"rank {self.rank}: OK ({self.elapsed_s:.2f} s{'; ' + self.note if self.note else ''})"
         return f"rank {self.rank}: {self.error or self.status}"

@@ -23,7 +23,7 @@ from markupsafe import Markup, escape
 
 from debug_server.analysis import report, stackparse
 from debug_server.analysis.verdict import CATEGORY_MEANING
-from debug_server.frontend.fanout import FrData, RankResult
+from debug_server.frontend.fanout import GONE, FrData, RankResult
 from debug_server.rank.discovery import NOT_REGISTERED
 
 logger = logging.getLogger(__name__)
@@ -220,8 +220,8 @@ def overview_model(result: Mapping[str, Any], stacks: Sequence[RankResult],
         where = f"; at {at['summary']}" if at else ""
         if rec is None or rec.status == NOT_REGISTERED:
             state, detail = UNREGISTERED, (rec.error or rec.status) if rec else "no record"
-        elif not rec.ok:
-            state, detail = UNREACHABLE, rec.error or rec.status
+        elif not rec.ok or rec.status == GONE:  # gone: its note says how, and how old its data is
+            state, detail = UNREACHABLE, rec.error or rec.note or rec.status
         elif rank in behind:
             state, detail = BEHIND, f"behind on {', '.join(behind[rank])}{where}"
         elif h.startswith("UNHEALTHY"):
@@ -242,7 +242,7 @@ def overview_model(result: Mapping[str, Any], stacks: Sequence[RankResult],
         [_ROW_CLASS.get(c["state"], "") for c in cells])
     return {
         "banner": banner(result, world_size),
-        "reachable": sum(1 for r in stacks if r.ok),
+        "reachable": sum(1 for r in stacks if r.ok and r.status != GONE),
         "world_size": world_size,
         "counts": [(s, counts[s]) for s in RANK_STATES],
         "cells": cells,
@@ -362,7 +362,7 @@ def render_fr_html(env: jinja2.Environment, result: Mapping[str, Any], fr: FrDat
         title="Flight Recorder",
         banner=banner(result, len(fr.results)),
         findings=_findings(result),
-        failures=[r.line() for r in fr.results if not r.ok],
+        failures=[r.line() for r in fr.results if not r.ok or r.status == GONE],
         ranks_answered=len(fr.dumps), world_size=len(fr.results),
         groups=html_table(*report.groups_table(dict(result))),
         collectives=coll.html, collectives_note=coll.note,

@@ -264,7 +264,7 @@ class StoreRegistry:
     ``announce``: publish this process as its host's reader (rank 0's frontend: ``jobpids``).
     """
 
-    RECONNECT_S = 5.0
+    RECONNECT_S = 15.0
 
     def __init__(
         self, master_addr: str, master_port: int, world_size: int, restart_count: int,

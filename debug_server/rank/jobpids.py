@@ -281,12 +281,14 @@ class PtracerKeeper:
         while not self.stop.is_set():
             try:
                 self.apply(choose_reader(store, self.job.restart_count, self.agent_id))
-            except Exception as e:  # the store is gone (rank 0 hosted it): keep the last one
-                logger.debug("debug_server: reader not re-read: %s", first_line(e))
+            except Exception as e:
+                # The store is gone (rank 0 hosted it and ended): no reader can publish itself
+                # any more, so the last tracer stays; asking again would only log errors.
+                logger.info("debug_server: rank %d stops following its readers: %s",
+                            self.job.rank, first_line(e))
                 if self.tracer == "unset":
                     self.apply(None)
-                self.stop.wait(KEEP_POLL_S * 5)
-                continue
+                return
             self.stop.wait(KEEP_SETTLED_S if isinstance(self.tracer, int) else KEEP_POLL_S)
 
 

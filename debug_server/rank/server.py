@@ -6,7 +6,6 @@ arguments, its whole ``config.FrontendConfig`` in an inherited unnamed file.
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import dataclasses
 import errno
@@ -38,6 +37,7 @@ from debug_server.config import (
     JobEnv,
     ServerConfig,
     default_bind_host,
+    orphan_exit_from_env,
     write_inherited,
 )
 from debug_server.errors import first_line
@@ -173,7 +173,6 @@ class DebugServer:
         if self._stopped:
             return
         self._stopped = True
-        atexit.unregister(self._terminate_at_exit)
         if self.frontend is not None:
             _end_process(self.frontend, timeout)
         if self.agent is not None:
@@ -192,13 +191,6 @@ class DebugServer:
             if _CURRENT is self:
                 _CURRENT = None
                 _set_stall_default(None)
-
-    def _terminate_at_exit(self) -> None:
-        # At interpreter exit: signal the frontend and move on (it also notices our death
-        # within a second); never make the trainer wait.
-        if not self._stopped and self.frontend is not None and self.frontend.poll() is None:
-            with contextlib.suppress(OSError):
-                self.frontend.terminate()
 
 
 def start_debug_server(
@@ -316,7 +308,10 @@ def start_debug_server(
         handle.agent = host_agent.start_for_rank(config, job, advertised.host, required)
         _CURRENT = handle
         _set_stall_default(config.stall_timeout)
-    atexit.register(handle._terminate_at_exit)
+    # No exit hook ends the frontend: rank 0 may finish first (uneven data) while the other
+    # ranks hang, which is when the pages are needed. It notices this process's end within a
+    # second and exits by itself once every rank is gone, or after orphan_exit_s without a
+    # sign of the job (frontend/departed.py). Only an explicit stop() ends it.
     _log_started(handle, advertised, pg_existed)
     return handle
 
@@ -433,7 +428,7 @@ def _spawn_frontend(config: ServerConfig, job: JobEnv) -> tuple[subprocess.Popen
     return spawn_frontend(FrontendConfig(
         server=dataclasses.replace(config, dump_dir=dump_dir), world_size=job.world_size,
         store=(job.master_addr, job.master_port), restart_count=job.restart_count,
-        parent_pid=os.getpid()))
+        parent_pid=os.getpid(), orphan_exit_s=orphan_exit_from_env()))
 
 
 def spawn_frontend(config: FrontendConfig, *, env: Mapping[str, str] | None = None,

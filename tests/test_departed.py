@@ -1,0 +1,80 @@
+"""A rank that disappeared keeps its last FR data and stacks on the pages, marked gone with how
+and how old the data is; a rank that answers again is back."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from debug_server.frontend import departed
+from debug_server.frontend.fanout import GONE, OK, UNREACHABLE, FrData, RankResult
+
+STACK = 'Thread 0x1 (most recent call first):\n  File "/job/train.py", line 7 in step\n'
+
+
+class Fleet:
+    """A collector whose ranks answer or not as the test says (the records are the real type)."""
+
+    def __init__(self) -> None:
+        self.down: set[int] = set()
+        self.registry = "the registry"
+
+    def _rec(self, rank: int, body: str) -> RankResult:
+        if rank in self.down:
+            return RankResult(rank, f"u{rank}", UNREACHABLE,
+                              error=f"unreachable after 0.0 s (rank {rank})")
+        return RankResult(rank, f"u{rank}", OK, body)
+
+    async def fr(self, **_: Any) -> FrData:
+        results = [self._rec(r, '{"entries": []}') for r in range(2)]
+        return FrData(results, {r.rank: {"entries": [], "rank": r.rank} for r in results if r.ok})
+
+    async def stacks(self, addrs: Any = None, **_: Any) -> list[RankResult]:
+        return [self._rec(r, STACK) for r in range(2)]
+
+    async def fetch(self, handler: str, params: Any = None, addrs: Any = None,
+                    each: Any = None) -> list[RankResult]:
+        return [self._rec(r, "{}") for r in range(2)]
+
+
+async def test_a_rank_that_became_unreachable_keeps_its_last_data_marked_gone() -> None:
+    fleet = Fleet()
+    keep = departed.KeepLast(fleet, departed.Departures())
+    await keep.fr()
+    await keep.stacks()
+    fleet.down.add(1)
+    fr = await keep.fr()
+    assert fr.dumps[1] == {"entries": [], "rank": 1}
+    rec = fr.results[1]
+    assert rec.status == GONE and rec.note is not None
+    assert rec.line().startswith("rank 1: gone (unreachable since ")
+    assert "its FR data and stacks are from 0 s ago" in rec.note
+    stacks = await keep.stacks()
+    assert stacks[1].body is not None and stacks[1].body.endswith(STACK)
+    assert stacks[1].status == GONE and stacks[1].ok  # ok: it holds data to show
+    # Its health record keeps its own line: unreachable is a guess, not a known end.
+    assert (await keep.fetch("h"))[1].error == "unreachable after 0.0 s (rank 1)"
+    assert keep.registry == "the registry"  # everything else passes through
+
+
+async def test_a_rank_known_to_have_ended_says_how_on_every_record() -> None:
+    fleet = Fleet()
+    departures = departed.Departures()
+    keep = departed.KeepLast(fleet, departures)
+    fleet.down.add(1)
+    departures.mark(1, "unreachable since 10:00:00")
+    departures.mark(1, "killed by SIGKILL")  # /proc knows better than a refused connection
+    departures.mark(1, "its process has ended")  # ... and does not forget it
+    assert (await keep.fetch("h"))[1].error.startswith("gone (killed by SIGKILL at ")
+    # Never reached before it died: nothing to keep, the record says why.
+    assert not (await keep.fr()).results[1].ok
+
+
+async def test_a_rank_that_answers_again_is_back() -> None:
+    fleet = Fleet()
+    keep = departed.KeepLast(fleet, departed.Departures())
+    await keep.fr()
+    fleet.down.add(1)
+    await keep.fr()
+    fleet.down.clear()
+    fr = await keep.fr()
+    assert fr.results[1].note is None and keep.departures.gone == {}
