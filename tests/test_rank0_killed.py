@@ -94,7 +94,7 @@ def test_pages_outlive_rank_0_and_the_frontend_exits_once_the_job_is_gone(tmp_pa
         assert _json(f"{base}/?format=json")["reachable"] == 3
 
         os.kill(rank0, signal.SIGKILL)  # the OOM killer; the store it hosted goes with it
-        killed_at = time.monotonic()
+        killed_at, killed_wall = time.monotonic(), time.time()
         time.sleep(8.0)  # the claim: the pages still answer 8 s after rank 0 is gone
         assert job.procs[1].poll() is None and job.procs[2].poll() is None
         assert _missing_rank_2(base)
@@ -111,6 +111,10 @@ def test_pages_outlive_rank_0_and_the_frontend_exits_once_the_job_is_gone(tmp_pa
         assert f"line {job.line_of('WAIT_LINE')}" in section1, section1
         assert "gone (killed by SIGKILL" in stacks.split("=== Rank 0 ===", 1)[1].split(
             "=== Rank 1", 1)[0]
+        # The dumper kept writing cycles (every 2 s), rank 0 in them as gone.
+        after = sorted(p for p in (tmp_path / "dumps").glob("stacks_*.txt")
+                       if p.stat().st_mtime > killed_wall + 1)
+        assert after and "rank 0: gone (" in after[-1].read_text(), after
         print(f"pages answered {time.monotonic() - killed_at:.1f} s after rank 0 was killed")
 
         # The rest of the job ends: the frontend follows within its bound, by itself.

@@ -20,7 +20,8 @@ The job itself says who its ranks are:
   host has one, else the frontend when it runs on this host. The slot holds one pid, so a host
   with neither (a multi-host job without agents) falls back to ``PR_SET_PTRACER_ANY`` there: its
   ranks are read by their sibling workers, any of which may hold the GIL-free slot.
-  ``$DEBUG_SERVER_PTRACER=0`` leaves the setting alone.
+  ``$DEBUG_SERVER_PTRACER=0`` leaves the setting alone; ``=any`` lets every process of the
+  user in (a ``py-spy`` started by hand from another shell), as ``ptrace_scope=0`` does.
 
 A rank that holds the GIL cannot run this thread, so the tracer is set ahead of time, when the
 rank starts and whenever a reader (re)publishes itself (checked every ``KEEP_POLL_S`` s).
@@ -50,7 +51,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 PTRACER_ENV = "DEBUG_SERVER_PTRACER"
-"""``0``: never call ``prctl(PR_SET_PTRACER, ...)``."""
+"""``0``: never call ``prctl(PR_SET_PTRACER, ...)``; ``any``: let every process of this user
+trace the rank (``PR_SET_PTRACER_ANY``: a py-spy started by hand from another shell)."""
 PR_SET_PTRACER = 0x59616D61
 PR_SET_PTRACER_ANY = ctypes.c_ulong(-1).value
 FRONTEND_READER_KEY = "reader/frontend"
@@ -266,7 +268,9 @@ class PtracerKeeper:
         self.tracer: int | None | str = "unset"
         """The pid last set (None: any), or "unset"."""
         self._prctl = prctl
-        self.enabled = os.environ.get(PTRACER_ENV, "1") != "0"
+        setting = os.environ.get(PTRACER_ENV, "1").strip().lower()
+        self.enabled = setting != "0"
+        self.anyone = setting == "any"
 
     def apply(self, pid: int | None) -> None:
         if self.enabled and pid != self.tracer and set_ptracer(pid, self._prctl):
@@ -276,7 +280,7 @@ class PtracerKeeper:
 
     def run(self, store: dist.Store) -> None:
         """Until ``stop``: point the tracer at the host's reader whenever it changes."""
-        if not self.enabled:
+        if not self.enabled or self.anyone:  # apply(None) at start already let anyone in
             return
         while not self.stop.is_set():
             try:
