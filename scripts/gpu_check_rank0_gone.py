@@ -39,6 +39,9 @@ from typing import Any
 from _gpu_common import get
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))  # the package of this source tree, as the ranks import it
+from debug_server.rank.jobpids import fate  # noqa: E402
+
 WORLD = 4
 ORPHAN_EXIT_S = 5.0
 
@@ -48,7 +51,6 @@ def rank_main(backend: str, port: int, dump_dir: str, mode: str) -> int:
 
     import torch
 
-    sys.path.insert(0, str(REPO))
     from debug_server import start_debug_server
     from debug_server.recording.comms import new_comm
     from debug_server.recording.hooks import FlightRecorderHook
@@ -104,11 +106,8 @@ def _children(pid: int) -> list[int]:
 
 
 def _gone(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
-    except OSError:
-        return True
+    """Ended (a zombie counts: its parent has not reaped it yet)."""
+    return fate(pid, None) is not None
 
 
 def _wait_line(log: Path, prefix: str, proc: subprocess.Popen[bytes], limit: float) -> str | None:

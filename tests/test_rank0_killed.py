@@ -21,6 +21,8 @@ from httpget import timed_get
 from mpjob import REPO, descendants, free_port
 from rankprocs import RankProcs
 
+from debug_server.rank.jobpids import fate
+
 ORPHAN_EXIT_S = 3.0
 
 RANK = """
@@ -50,11 +52,8 @@ else:
 
 
 def _gone(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
-    except OSError:
-        return True
+    """Ended (a zombie counts: its parent has not reaped it yet)."""
+    return fate(pid, None) is not None
 
 
 def _json(url: str) -> Any:
