@@ -3,10 +3,15 @@ and how old the data is; a rank that answers again is back."""
 
 from __future__ import annotations
 
+import asyncio
+import subprocess
+import sys
 from typing import Any
 
-from debug_server.frontend import departed
+from debug_server.frontend import agent, departed
 from debug_server.frontend.fanout import GONE, OK, UNREACHABLE, FrData, RankResult
+from debug_server.rank import jobpids
+from debug_server.rank.discovery import WorkerAddr
 
 STACK = 'Thread 0x1 (most recent call first):\n  File "/job/train.py", line 7 in step\n'
 
@@ -78,3 +83,37 @@ async def test_a_rank_that_answers_again_is_back() -> None:
     fleet.down.clear()
     fr = await keep.fr()
     assert fr.results[1].note is None and keep.departures.gone == {}
+
+
+class _HostRanks:
+    """An agent's registry: its host's ranks as the store announced them."""
+
+    def __init__(self, pids: list[int]) -> None:
+        self.addrs = [WorkerAddr(r, f"http://h:{r}", meta=jobpids.identity(pid))
+                      for r, pid in enumerate(pids)]
+
+    async def lookup(self) -> list[WorkerAddr]:
+        return self.addrs
+
+
+async def test_agent_outlives_its_local_rank_0_while_a_rank_of_its_host_runs() -> None:
+    sleep = [sys.executable, "-c", "import time; time.sleep(60)"]
+    parent, rank1 = subprocess.Popen(sleep), subprocess.Popen(sleep)
+    done = asyncio.Event()
+    try:
+        watch = asyncio.create_task(
+            agent._watch_parent(parent.pid, done, _HostRanks([parent.pid, rank1.pid])))
+        await asyncio.sleep(1.5)  # a poll has read the host's ranks
+        parent.kill()
+        parent.wait()
+        await asyncio.sleep(2.5)  # two polls with local rank 0 gone
+        assert not done.is_set()  # rank 1 still runs (and may hang): the agent stays
+        rank1.kill()
+        rank1.wait()
+        await asyncio.wait_for(done.wait(), 10)
+        await watch
+    finally:
+        for p in (parent, rank1):
+            if p.poll() is None:
+                p.kill()
+                p.wait()
