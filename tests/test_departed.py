@@ -117,3 +117,32 @@ async def test_agent_outlives_its_local_rank_0_while_a_rank_of_its_host_runs() -
             if p.poll() is None:
                 p.kill()
                 p.wait()
+
+
+async def test_agents_found_before_stay_when_the_store_dies_with_rank_0(monkeypatch: Any) -> None:
+    import gc
+    import json
+    from datetime import timedelta
+
+    import torch.distributed as dist
+    from mpjob import free_port
+
+    from debug_server.frontend import agent_fanout
+    from debug_server.rank.agent_launch import agent_key
+    from debug_server.rank.discovery import store_client
+
+    port = free_port()
+    master = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
+                           timeout=timedelta(seconds=5))
+    store_client("127.0.0.1", port, 5).set(agent_key("h1"), json.dumps(
+        {"url": "http://h1:1", "ranks": "0-1", "restart": 0}))
+    monkeypatch.setattr(agent_fanout, "AGENT_TTL_S", 0.0)  # read it again on every lookup
+    directory = agent_fanout.AgentDirectory("127.0.0.1", port, 0, timeout=1.0)
+    try:
+        assert set(await directory.lookup({"h1"})) == {"h1"}
+        del master  # rank 0 hosted the store: it is gone with it
+        gc.collect()
+        for _ in range(2):  # the failed read, then the backoff: the agent stays, no page waits
+            assert set(await directory.lookup({"h1"})) == {"h1"}
+    finally:
+        directory.close()

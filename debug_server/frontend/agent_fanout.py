@@ -67,6 +67,8 @@ AGENT_RETRY_S = 30.0
 AGENT_TTL_S = 5.0
 """How long an agent's registration read from the store is trusted before it is read again."""
 MISSING_TTL_S = 1.0
+STORE_RETRY_S = 15.0
+"""After the store failed to answer, how long the agents found before are used without asking."""
 AGENT_SLACK_S = 2.0
 
 
@@ -89,9 +91,10 @@ class AgentDirectory:
         self._timeout = timeout
         self._store: dist.Store | None = None
         self._cache: dict[str, tuple[float, AgentAddr | None]] = {}
+        self._retry_at = 0.0
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="debug_server.agents")
 
-    def _read(self, ids: list[str]) -> dict[str, AgentAddr | None]:
+    def _read(self, ids: list[str]) -> dict[str, AgentAddr | None] | None:
         try:
             if self._store is None:
                 self._store = discovery.store_client(*self._addr, timeout=self._timeout)
@@ -101,11 +104,11 @@ class AgentDirectory:
                                                      if store.check([agent.agent_key(i)])]
             raw = dict(zip(present, store.multi_get([agent.agent_key(i) for i in present]),
                            strict=True)) if present else {}
-        except Exception as e:  # no store: no agents, every rank asked directly
+        except Exception as e:  # no store: the agents found before, else every rank directly
             self._store = None
             logger.warning("debug_server: agents not readable from the store: %s",
                            (str(e).splitlines() or [type(e).__name__])[0][:200])
-            return dict.fromkeys(ids)
+            return None
         return {i: _agent_addr(i, raw.get(i), self._restart) for i in ids}
 
     async def lookup(self, ids: set[str]) -> dict[str, AgentAddr]:
@@ -114,8 +117,14 @@ class AgentDirectory:
         # one is trusted for AGENT_TTL_S (a dead one is noticed by its requests, not here).
         stale = sorted(i for i in ids if i not in self._cache or now - self._cache[i][0] > (
             AGENT_TTL_S if self._cache[i][1] is not None else MISSING_TTL_S))
-        if stale:
+        if stale and now >= self._retry_at:
             got = await asyncio.get_running_loop().run_in_executor(self._pool, self._read, stale)
+            if got is None:
+                # The store is gone (rank 0 hosted it and died): keep the agents found before
+                # (a dead one is noticed by its requests), and let pages not wait on a
+                # reconnect more often than every STORE_RETRY_S.
+                self._retry_at = now + STORE_RETRY_S
+                got = {i: self._cache.get(i, (0.0, None))[1] for i in stale}
             for i, a in got.items():
                 self._cache[i] = (now, a)
         return {i: a for i in ids if (a := self._cache.get(i, (0.0, None))[1]) is not None}
