@@ -69,7 +69,9 @@ class Departures:
             return
         at = old[0] if old is not None else time.time() if since is None else since
         self.gone[rank] = (at, how)
-        logger.warning("debug_server frontend: rank %d is gone (%s)", rank, how)
+        # An unreachable rank is already logged by the fan-out (RankStates): once is enough.
+        logger.log(logging.INFO if self._certainty(how) == 0 else logging.WARNING,
+                   "debug_server frontend: rank %d is gone (%s)", rank, how)
 
     def ended(self, rank: int) -> bool:
         """Whether the rank is known to have ended (not only unreachable)."""
@@ -89,7 +91,8 @@ class Departures:
             self.last_answer = time.monotonic()
 
     def line(self, rank: int, age_s: float | None = None) -> str | None:
-        """``rank 0: gone (killed by SIGKILL at 23:41:07); last data 12 s old``, or None."""
+        """``rank 0: gone (killed by SIGKILL at 23:41:07); its FR data and stacks are from 12 s
+        ago`` (with ``age_s``), or None while the rank is not gone."""
         if rank not in self.gone:
             return None
         at, how = self.gone[rank]
