@@ -266,7 +266,9 @@ def test_pending_send_without_receive_is_unmatched():
         )
     )
     r = analyze(dumps)
-    assert kinds(r) == [("unmatched_p2p", "main_comm", None, "send", [0])]
+    # ranks: the peer at fault (rank 1 posted no recv); waiting: the rank left in its send.
+    assert kinds(r) == [("unmatched_p2p", "main_comm", None, "send", [1])]
+    assert r["findings"][0]["waiting"] == [0]
 
 
 def test_matched_pending_send_and_recv_is_not_a_finding():
@@ -379,7 +381,10 @@ def test_unavailable_ranks_are_listed_and_named_in_verdict():
     assert r["ranks_without_data"] == [1]
     assert r["unavailable"] == [{"rank": 1, "reason": "unreachable after 2.0 s"}]
     assert "rank 1 (unreachable after 2.0 s)" in r["verdict"]
-    assert "rank 1 gave no data and may be the ones missing" in r["verdict"]
+    # Never "No hang" while a rank waits and another gave no data (issue 33).
+    assert r["verdict"].startswith("Rank 0 waits in all_reduce #4 on main_comm and rank 1 gave "
+                                   "no data: it may be the one missing.")
+    assert "No hang" not in r["verdict"]
     assert r["findings"] == []  # absence of data is not evidence of absence
 
 

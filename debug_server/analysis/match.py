@@ -214,7 +214,7 @@ class _GroupScan:
         for f in self.mismatch_seen.values():
             n = f.pop("_count")
             if n:
-                f["detail"] += f" (and {n} later sequence number{'s' if n > 1 else ''} on {g.id})"
+                f["detail"] += f" (and {n} later sequence number{'s' if n > 1 else ''} on {g.label})"
         if self.lost_union:
             lost = sorted(self.lost_union)
             n = self.lost_count

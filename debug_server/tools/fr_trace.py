@@ -458,8 +458,10 @@ def run(args: argparse.Namespace) -> int:
         sys.stdout.write("\n")
     else:
         sys.stdout.write(report.fr_trace_text(result))
+    # Non-zero whenever the verdict names a problem: an error finding, or (category "unknown")
+    # ranks that wait while others gave no data, even under --allow-incomplete-ranks.
     errors = [f for f in result["findings"] if f.get("severity") != "info"]
-    return EXIT_FINDINGS if errors else EXIT_OK
+    return EXIT_FINDINGS if errors or result.get("category") else EXIT_OK
 
 
 def main(argv: Sequence[str] | None = None) -> int:
