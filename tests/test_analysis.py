@@ -311,7 +311,8 @@ def test_pytorch_gloo_dump_with_empty_pg_config_is_repaired():
     r = analyze(S.load_fixture("c10d_gloo_hang.json"))
     assert kinds(r) == [("missing_ranks", "0", 5, "all_reduce", [1])]
     assert r["groups"] == [
-        {"id": "0", "name": "0", "desc": "default_pg", "ranks": [0, 1], "inferred": True}
+        {"id": "0", "name": "0", "desc": "default_pg", "ranks": [0, 1], "inferred": True,
+         "label": "pg 0 (default_pg)"}
     ]
     # gloo never leaves "scheduled": retired entries count as completed.
     assert [c["state"] for c in r["collectives"]] == ["completed"] * 4 + ["scheduled"]

@@ -129,7 +129,8 @@ def analyze_digests(
             {"rank": r, "reason": m.unavailable.get(r, "no data")} for r in sorted(no_data)
         ],
         "groups": [
-            {"id": g.id, "name": g.name, "desc": g.desc, "ranks": g.ranks, "inferred": g.inferred}
+            {"id": g.id, "name": g.name, "desc": g.desc, "ranks": g.ranks, "inferred": g.inferred,
+             "label": g.label}
             for g in shown
         ],
         "collectives": m.collectives,

@@ -69,8 +69,8 @@ def group_label(gid: str, name: str, desc: str, ranks: tuple[int, ...], *,
     # is "0:gloo" (c10d_fr).
     if name.removesuffix(":gloo").isdigit():
         if not _user_desc(desc):
-            return f"pg {gid}"
-        return f"pg {gid} ({desc} {rs})" if desc_shared else f"pg {gid} ({desc})"
+            return f"pg {name} {rs}" if name_shared else f"pg {name}"
+        return f"pg {name} ({desc} {rs})" if desc_shared or name_shared else f"pg {name} ({desc})"
     if _is_hash(name):
         return f"{desc} {rs}" if _user_desc(desc) else f"group {rs}"
     return f"{name} {rs}" if name_shared else (gid or "?")
