@@ -37,6 +37,7 @@ OpKey = tuple[str, bool, int]
 """(group id, is P2P, seq): a collective's ``collective_seq_id`` or a P2P op's ``p2p_seq_id``."""
 
 _UNKNOWN_T = 1 << 62  # an op without time_created_ns sorts after every timed one
+_WALK_LIMIT = 10_000  # ops visited per finding when explaining through ops without findings
 
 
 def _preference(f: Mapping[str, Any]) -> int:
@@ -61,13 +62,14 @@ class Edge(NamedTuple):
 class _ClassOps:
     """One class's ops: seqs and issue times per group, pending P2P times, incomplete ops."""
 
-    __slots__ = ("colls", "p2p", "blocked")
+    __slots__ = ("colls", "p2p", "blocked", "pending")
 
     def __init__(self) -> None:
         self.colls: dict[str, tuple[list[int], Sequence[int]]] = {}
         self.p2p: dict[OpKey, int] = {}
         self.blocked: list[tuple[int, OpKey, int, int]] = []
         """(issue time, op, signature id, frames id) of every op not completed, oldest first."""
+        self.pending: set[OpKey] = set()
 
     def time(self, k: OpKey) -> int:
         """When this class issued op ``k``; :data:`_UNKNOWN_T` when it did not or nobody knows."""
@@ -135,13 +137,60 @@ class Causes:
                 held.p2p[k] = t
                 held.blocked.append((t or _UNKNOWN_T, k, c.sig_g[p[1]], c.fr_g[p[3]] if p[3] >= 0 else -1))
         held.blocked.sort()
+        held.pending = {x[1] for x in held.blocked}
         self._class_ops[c.idx] = held
         return held
 
     def _finding_of(self, rank: int, k: OpKey) -> Finding | None:
+        """The finding about op ``k`` of ``rank`` itself, if any."""
         if k[1]:
             return self.p2p_owner.get((k[0], rank, k[2]))
         return self.owner.get(k)
+
+    def _blockers(self, r: int, k: OpKey, t_k: int, seen: set[tuple[int, OpKey]]) -> list[Edge]:
+        """What keeps op ``k`` (issued by ``r`` at ``t_k``) from completing: the findings of the
+        earlier incomplete ops of the ranks that issued it, through ops without a finding of
+        their own (a group is reported once, where it stops; its earlier ops wait with it)."""
+        out: list[Edge] = []
+        for rank in self._issuers(r, k):
+            c = self.m.class_of.get(rank)
+            if c is None:
+                continue
+            ops = self._ops(c)
+            t_mine = ops.time(k) if rank != r else t_k
+            if t_mine == _UNKNOWN_T:
+                continue
+            for t, y, sig, _ in ops.blocked:
+                if t >= t_mine:
+                    break
+                out.extend(self._covering(rank, y, t, sig, seen))
+        return out
+
+    def _covering(self, rank: int, y: OpKey, t: int, sig: int,
+                  seen: set[tuple[int, OpKey]]) -> list[Edge]:
+        """The findings that cover op ``y`` of ``rank``: its own, else what blocks it."""
+        fy = self._finding_of(rank, y)
+        if fy is not None:
+            return [Edge(fy, rank, y, self.m.sigs[sig][1])]
+        if (rank, y) in seen or len(seen) > _WALK_LIMIT:
+            return []
+        seen.add((rank, y))
+        return self._blockers(rank, y, t, seen)
+
+    def _issuers(self, r: int, k: OpKey) -> list[int]:
+        """Ranks (one per class) that have op ``k`` pending: ``r`` for a P2P op."""
+        if k[1]:
+            return [r]
+        g = self.by_id.get(k[0])
+        if g is None:
+            return [r]
+        out = []
+        for c in self.m.class_list:
+            if k in self._ops(c).pending:
+                rank = next((x for x in c.ranks if x in g.rank_set), None)
+                if rank is not None:
+                    out.append(rank)
+        return out
 
     def op_time(self, f: Mapping[str, Any]) -> int:
         """When the finding's op was first issued (the earliest issuing rank), or a large value."""
@@ -161,38 +210,28 @@ class Causes:
         """The findings that explain ``f`` (none for a root), each with the rank through which
         it does and that rank's op (None: the same op)."""
         out: list[Edge] = []
+        seen: set[tuple[int, OpKey]] = set()
         if f["kind"] == "stuck_everywhere":
             k = (f["group"], False, f["seq"])
             same = self.owner.get(k)
             if same is not None and same is not f:
                 out.append(Edge(same, None, None, None))
-            for r in f["ranks"]:
-                c = self.m.class_of.get(r)
-                if c is None:
-                    continue
-                ops = self._ops(c)
-                t_f = ops.time(k)
-                if t_f == _UNKNOWN_T:
-                    continue
-                for t, x, sig, _ in ops.blocked:
-                    if t >= t_f:
-                        break
-                    fx = self._finding_of(r, x)
-                    if fx is not None and fx is not f:
-                        out.append(Edge(fx, r, x, self.m.sigs[sig][1]))
+            r0 = next((r for r in f["ranks"] if r in self.m.class_of), None)
+            if r0 is not None:
+                out.extend(self._blockers(r0, k, self._ops(self.m.class_of[r0]).time(k), seen))
         elif f["kind"] in ("missing_ranks", "unmatched_p2p"):
             for r in f["ranks"]:
                 pos = self.positions.get(r)
                 c = self.m.class_of.get(r)
                 if c is None or (pos is not None and not pos.in_collective):
                     continue
-                for _, x, sig, _ in self._ops(c).blocked:
-                    fx = self._finding_of(r, x)
-                    if fx is not None:
-                        if fx is not f:
-                            out.append(Edge(fx, r, x, self.m.sigs[sig][1]))
+                # The op it is blocked in: its oldest pending op that some finding covers.
+                for t, x, sig, _ in self._ops(c).blocked:
+                    cover = self._covering(r, x, t, sig, seen)
+                    if cover:
+                        out.extend(cover)
                         break
-        return out
+        return [e for e in out if e.cause is not f]
 
     def blocked_in(self, r: int, f: Mapping[str, Any]) -> tuple[str, str | None] | None:
         """Rank ``r``'s oldest incomplete op other than ``f``'s: (``barrier #3 on pg 0
