@@ -45,10 +45,12 @@ class JobSim:
     """Groups, per-rank programs, and the streams' outcome as per-rank dumps."""
 
     def __init__(self, world: int, groups: Mapping[str, tuple[str, Sequence[int]]], *,
-                 hashed: bool = False) -> None:
+                 hashed: bool = False, delay_ns: Mapping[int, int] | None = None) -> None:
         """``groups``: key -> (desc, member ranks); names are c10d's numbers ("1", "2"...) in
-        this order, or 40-hex hashes (DeviceMesh, split groups) with ``hashed``."""
+        this order, or 40-hex hashes (DeviceMesh, split groups) with ``hashed``. ``delay_ns``:
+        ranks whose CPU runs behind by that much (their ops' issue times)."""
         self.world = world
+        self.delay = dict(delay_ns or {})
         self.groups = {k: (d, sorted(rs)) for k, (d, rs) in groups.items()}
         self.names = {
             k: hashlib.sha1(f"{k}{sorted(rs)}".encode()).hexdigest() if hashed else str(i)
@@ -126,7 +128,7 @@ class JobSim:
                     if last is not None and last.blocking and not last.done:
                         break
                     it = self.prog[r][len(issued[r])]
-                    it.t = T0 + it.call * 1_000_000 + r * 1000
+                    it.t = T0 + it.call * 1_000_000 + r * 1000 + self.delay.get(r, 0)
                     if it.p2p:
                         it.p2p_seq = pseqs.get((r, it.group), 0)
                         pseqs[(r, it.group)] = it.p2p_seq + 1

@@ -245,20 +245,22 @@ MESH_GROUPS = {"world": ("default_pg", [0, 1, 2, 3]), "tp0": ("mesh_tp", [0, 1])
                "tp1": ("mesh_tp", [2, 3]), "dp0": ("mesh_dp", [0, 2]), "dp1": ("mesh_dp", [1, 3])}
 
 
-def mesh_tp_skip(*, hashed: bool = True, skip: int | None = 2) -> JobSim:
+def mesh_tp_skip(*, hashed: bool = True, skip: int | None = 2, blocking: bool = False,
+                 delay_ns: dict[int, int] | None = None) -> JobSim:
     """2x2 mesh (dp [0, 2], [1, 3]; tp [0, 1], [2, 3]), 6 steps of 4 tp all_reduces and one dp
-    all_reduce; then tp #24 (line 55), which rank ``skip`` leaves out, dp #6, a final barrier."""
-    sim = JobSim(4, MESH_GROUPS, hashed=hashed)
+    all_reduce; then tp #24 (line 55), which rank ``skip`` leaves out, dp #6, a final barrier.
+    ``blocking``: every op blocks the CPU (gloo) instead of only the barrier (NCCL)."""
+    sim = JobSim(4, MESH_GROUPS, hashed=hashed, delay_ns=delay_ns)
     for _ in range(6):
         for _ in range(4):
-            sim.coll("tp0", line=50)
-            sim.coll("tp1", line=50)
-        sim.coll("dp0", line=60)
-        sim.coll("dp1", line=60)
-    sim.coll("tp0", line=55)
-    sim.coll("tp1", line=55, skip=[skip] if skip is not None else [])
-    sim.coll("dp0", line=60)
-    sim.coll("dp1", line=60)
+            sim.coll("tp0", line=50, blocking=blocking)
+            sim.coll("tp1", line=50, blocking=blocking)
+        sim.coll("dp0", line=60, blocking=blocking)
+        sim.coll("dp1", line=60, blocking=blocking)
+    sim.coll("tp0", line=55, blocking=blocking)
+    sim.coll("tp1", line=55, skip=[skip] if skip is not None else [], blocking=blocking)
+    sim.coll("dp0", line=60, blocking=blocking)
+    sim.coll("dp1", line=60, blocking=blocking)
     sim.coll("world", "barrier", line=90, blocking=True)
     return sim
 

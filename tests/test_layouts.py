@@ -15,7 +15,7 @@ from typing import Any
 import _scenarios as S
 import pytest
 
-from debug_server.analysis import report
+from debug_server.analysis import frwindow, report
 from debug_server.analysis.core import analyze
 from debug_server.dumpio import write_dump_atomic
 from debug_server.tools import fr_trace
@@ -164,3 +164,36 @@ def test_stuck_with_no_earlier_blocked_op_anywhere_is_gpu_or_network() -> None:
     assert [(f["kind"], f["group_label"]) for f in r["findings"]] == [
         ("stuck_everywhere", "mesh_dp [1, 3]")]
     assert r["category"] == "gpu_or_network"
+
+
+@pytest.mark.parametrize("scenario", ["mesh", "pipeline"])
+def test_live_window_cut_keeps_the_same_root(scenario: str) -> None:
+    # The live pages analyse each ring cut at the job's frontier (analysis.frwindow), with
+    # stacks and every unfinished op "scheduled": the root must not move.
+    sim = S.mesh_tp_skip(hashed=True) if scenario == "mesh" else S.pipeline_skip()
+    dumps = sim.dumps(states="scheduled")
+    since = frwindow.frontier(dumps)
+    assert since, "the cut must really drop entries for this test to mean anything"
+    cut = {r: frwindow.window(d, since) for r, d in dumps.items()}
+    assert sum(len(d["entries"]) for d in cut.values()) < sum(len(d["entries"]) for d in dumps.values())
+    full, live = analyze(dumps), analyze(cut, stacks=sim.stacks())
+    for r in (full, live):
+        f = _first(r)
+        assert (f["kind"], f["ranks"], f["group"], f["seq"], f.get("p2p_seq")) == (
+            _first(full)["kind"], [2], _first(full)["group"], _first(full)["seq"],
+            _first(full).get("p2p_seq"))
+    assert live["category"] == full["category"] == "cpu_divergence"
+
+
+@pytest.mark.parametrize("delay_ms", [0, 5])
+def test_mesh_tp_skip_on_gloo_leads_with_rank_2_even_when_rank_3_runs_late(delay_ms: int) -> None:
+    # gloo: every op blocks the CPU, so rank 1 waits in dp #6 for rank 3 (in tp #24) and ranks
+    # 1, 3 never reach the barrier; with rank 3 late, rank 1's dp #6 is issued before rank 3's
+    # tp #24: the root is still the op the others end up behind.
+    sim = S.mesh_tp_skip(blocking=True, delay_ns={3: delay_ms * 1_000_000})
+    for states in ("true", "scheduled"):
+        r = analyze(sim.dumps(states=states), stacks=sim.stacks())
+        f = _first(r)
+        assert (f["kind"], f["ranks"], f["group_label"], f["seq"]) == (
+            "missing_ranks", [2], "mesh_tp [2, 3]", 24), r["verdict"]
+        assert r["category"] == "cpu_divergence"

@@ -265,9 +265,16 @@ def cause_order(causes: Causes) -> tuple[list[Finding], list[Finding]]:
         if any(comp[j] != comp[i] for j in adj[i]):
             sink[comp[i]] = False
     times = [causes.op_time(f) for f in errors]
+    # Within a cycle (ranks blocked in each other's ops), the finding that explains the most
+    # others of its cycle leads: the skipped op everyone else ends up behind.
+    explains = [0] * n
+    for i, js in enumerate(adj):
+        for j in js:
+            if comp[j] == comp[i] and j != i:
+                explains[j] += 1
 
-    def key(i: int) -> tuple[int, int, int]:
-        return (_preference(errors[i]), times[i], i)
+    def key(i: int) -> tuple[int, int, int, int]:
+        return (_preference(errors[i]), -explains[i], times[i], i)
 
     members: dict[int, list[int]] = {}
     for i in range(n):
