@@ -197,3 +197,25 @@ def test_mesh_tp_skip_on_gloo_leads_with_rank_2_even_when_rank_3_runs_late(delay
         assert (f["kind"], f["ranks"], f["group_label"], f["seq"]) == (
             "missing_ranks", [2], "mesh_tp [2, 3]", 24), r["verdict"]
         assert r["category"] == "cpu_divergence"
+
+
+def test_hang_report_lists_the_root_culprit_first_by_group_label() -> None:
+    from debug_server.frontend.hangreport import culprits_of
+
+    sim = S.mesh_tp_skip(blocking=True)
+    rows = culprits_of(analyze(sim.dumps(), stacks=sim.stacks()), sim.stacks())
+    assert [(c["rank"], c["group_label"], c["seq"]) for c in rows][:1] == [(2, "mesh_tp [2, 3]", 24)]
+    assert rows[0]["where"]["line"] == 90  # rank 2 waits in the final barrier
+
+
+def test_batch_closer_without_is_p2p_is_not_taken_for_a_collective() -> None:
+    # Older dumps carry no is_p2p: the closer right after the batch's sends/recvs is still
+    # the batch's, not a collective sharing an all_reduce's number (rank 2, which posted no
+    # batch, would otherwise disagree with the others about that all_reduce).
+    dumps = S.batched_p2p(skip=2).dumps()
+    for d in dumps.values():
+        for e in d["entries"]:
+            e.pop("is_p2p", None)
+    r = analyze(dumps)
+    assert [(f["kind"], f["ranks"]) for f in r["findings"]] == [
+        ("unmatched_p2p", [2]), ("stuck_everywhere", [0, 1, 2, 3])]

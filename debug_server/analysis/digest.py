@@ -260,6 +260,7 @@ class _Builder:
         lst: list[Cell] = []
         tl: list[int] = []
         oldest = 0
+        after_p2p = False  # the previous entry was a send/recv (a batch's closer may follow)
         for e in entries:
             try:
                 k = _MAIN_FIELDS(e)
@@ -298,13 +299,15 @@ class _Builder:
                 pp = sig_p2p[sidx]
                 if pp is not None:
                     if pp[0] == "coalesced":
-                        if e.get("is_p2p"):
+                        if after_p2p or e.get("is_p2p"):
                             # The entry that closes a batch of sends/recvs (batch_isend_irecv)
-                            # carries the last collective's number: it is no collective.
+                            # carries a collective's number: it is no collective.
                             continue
                     else:
+                        after_p2p = True
                         self._add_p2p(gk, e, (sidx, st, fidx, *pp), t)
                         continue
+                after_p2p = False
                 seq = e["collective_seq_id"]
                 if type(seq) is not int:
                     seq = int(seq)
