@@ -14,6 +14,7 @@ from typing import Any
 
 import _scenarios as S
 import pytest
+from _jobsim import JobSim
 
 from debug_server.analysis import frwindow, report
 from debug_server.analysis.core import analyze
@@ -219,3 +220,26 @@ def test_batch_closer_without_is_p2p_is_not_taken_for_a_collective() -> None:
     r = analyze(dumps)
     assert [(f["kind"], f["ranks"]) for f in r["findings"]] == [
         ("unmatched_p2p", [2]), ("stuck_everywhere", [0, 1, 2, 3])]
+
+
+def test_ranks_that_each_skipped_their_own_groups_op_are_independent_roots() -> None:
+    # Four pairs; in each the odd rank skips the pair's all_reduce #1 and goes on to the world
+    # all_reduce, which its partner issued after the pair's op: each skip is its own root, the
+    # world op (stuck behind all four) is their consequence.
+    groups = {"world": ("default_pg", list(range(8))),
+              **{f"p{i}": ("pair", [2 * i, 2 * i + 1]) for i in range(4)}}
+    sim = JobSim(8, groups)
+    for i in range(4):
+        sim.coll(f"p{i}", line=10)
+    for i in range(4):
+        sim.coll(f"p{i}", line=11, skip=[2 * i + 1])
+    sim.coll("world", line=12)
+    r = analyze(sim.dumps(states="scheduled"))
+    missing = [f for f in r["findings"] if f["kind"] == "missing_ranks"]
+    assert sorted(f["ranks"][0] for f in missing) == [1, 3, 5, 7]
+    assert all("explained_by" not in f for f in missing)
+    stuck = next(f for f in r["findings"] if f["kind"] == "stuck_everywhere")
+    assert stuck["explained_by"]["kind"] == "missing_ranks"
+    assert r["verdict"].startswith("Rank 1 never joined all_reduce #1 on pg 1 (pair [0, 1])")
+    assert "Rank 3 never joined all_reduce #1 on pg 2 (pair [2, 3])" in r["verdict"]
+    assert r["category"] == "cpu_divergence"

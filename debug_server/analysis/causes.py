@@ -9,8 +9,9 @@ findings this module builds a graph, ``F -> F'`` meaning "F is explained by F'":
   at (G, s) itself;
 * a **missing_ranks** or **unmatched_p2p** finding is explained by the finding of the op each
   missing rank is blocked in (its earliest incomplete op that some finding covers), unless that
-  rank's stack shows it outside any collective: then it is away on the CPU, the finding's own
-  cause;
+  rank's stack shows it outside any collective (it is away on the CPU) or the ranks that issued
+  the finding's op issued that op after it (the rank went past the finding's op: it skipped
+  it); either way the rank's absence is the finding's own cause;
 * a mismatch is explained by nothing: the calls disagree whatever else happens.
 
 The roots are the findings of sink strongly connected components (no edge leaves them); within
@@ -225,13 +226,36 @@ class Causes:
                 c = self.m.class_of.get(r)
                 if c is None or (pos is not None and not pos.in_collective):
                     continue
-                # The op it is blocked in: its oldest pending op that some finding covers.
+                # The op it is blocked in: its oldest pending op that some finding covers;
+                # unless the ranks that issued f's op issued that one after it: then the rank
+                # went past f's op (skipped it), and its absence is its own doing.
                 for t, x, sig, _ in self._ops(c).blocked:
                     cover = self._covering(r, x, t, sig, seen)
                     if cover:
-                        out.extend(cover)
+                        if not self._went_past(f, x):
+                            out.extend(cover)
                         break
         return [e for e in out if e.cause is not f]
+
+    def _went_past(self, f: Mapping[str, Any], y: OpKey) -> bool:
+        """Some rank that issued ``f``'s op issued collective ``y`` after it: in program order
+        ``y`` comes after ``f``'s op, so a rank blocked in ``y`` skipped ``f``'s op."""
+        if y[1]:
+            return False  # P2P numbers are per rank: no common order to compare
+        if f["kind"] == "unmatched_p2p":
+            sides = [(self.m.class_of.get(u["rank"]), (f["group"], True, u["p2p_seq"]))
+                     for u in f.get("unmatched") or ()]
+        else:
+            k = (f["group"], False, f["seq"])
+            sides = [(c, k) for c in self.m.class_list]
+        for c, x in sides:
+            if c is None:
+                continue
+            ops = self._ops(c)
+            t_x, t_y = ops.time(x), ops.time(y)
+            if t_x != _UNKNOWN_T and t_y != _UNKNOWN_T and t_y > t_x:
+                return True
+        return False
 
     def blocked_in(self, r: int, f: Mapping[str, Any]) -> tuple[str, str | None] | None:
         """Rank ``r``'s oldest incomplete op other than ``f``'s: (``barrier #3 on pg 0
