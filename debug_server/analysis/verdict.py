@@ -193,7 +193,7 @@ def _consequence_sentences(root: Finding, ordered: list[Finding], explained: set
         return []
     phrases = [_consequence_phrase(f) for f in under[:CONSEQUENCES_SHOWN]]
     more = len(under) - CONSEQUENCES_SHOWN
-    return ["It explains the rest: " + "; ".join(phrases)
+    return ["Because of it: " + "; ".join(phrases)
             + (f"; and {more} more" if more > 0 else "") + "."]
 
 
@@ -203,9 +203,8 @@ def _consequence_phrase(f: Finding) -> str:
     if cause and cause.get("rank") is None:
         why = " (the calls disagree)"
     elif cause:
-        why = f" ({'rank ' + str(cause['rank']) + ' ' if cause.get('rank') is not None else ''}"
-        why += f"waits in {_op_text(cause)})" if f["kind"] != "stuck_everywhere" else \
-            f"has {_op_text(cause)} ahead of it)"
+        how = "has {} ahead of it" if f["kind"] == "stuck_everywhere" else "waits in {}"
+        why = f" (rank {cause['rank']} {how.format(_op_text(cause))})"
     if f["kind"] == "stuck_everywhere":
         return f"{_op_text(f)} does not complete on any rank{why}"
     if f["kind"] == "missing_ranks":
