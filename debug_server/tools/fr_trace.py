@@ -81,7 +81,8 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m debug_server.fr_trace",
         description="Match per-rank Flight Recorder dumps and say which rank hangs where.",
-        epilog="exit status: 0 clean, 2 hang or mismatch found, 1 unusable input",
+        epilog="exit status: 0 clean, 2 hang or mismatch found (also ranks waiting while others "
+               "gave no data), 1 unusable input",
     )
     p.add_argument(
         "trace_dir", nargs="?", help="directory with one dump per rank, named <prefix><rank>[.json]"
