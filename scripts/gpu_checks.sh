@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU checks for a 2-GPU machine (device tool, kind nvidia-h100-x2), run from the source tree:
-#   PYTHONPATH=. bash scripts/gpu_checks.sh OUTDIR [all|bench|marks|step|state|demo|preflight|nccllog|mismatch|native|ddp|profile|c10dworkers|rank0gone]
+#   PYTHONPATH=. bash scripts/gpu_checks.sh OUTDIR [all|bench|marks|step|state|demo|preflight|nccllog|mismatch|native|ddp|profile|c10dworkers|rank0gone|layouts]
 # bench:     recording cost per NCCL op, c10d FR off/on and ours side by side (bench_record, 1 rank)
 # step:      ms per training-like step, bare / c10d FR / ours (bench_step, 2 ranks; fails over 5 %)
 # marks:     what start marks cost a 200 x 4 KiB step, per kind (bench_marks; fails when the
@@ -21,6 +21,10 @@
 # rank0gone: 4 GPUs (nvidia-h100-x4): a 2x2 mesh, ranks 0 and 2 leave early (exit, then
 #            SIGKILL) while 1 and 3 hang on tp: the pages answer 8 s later, show them gone and
 #            name them; the frontend exits once the job is gone (fails if not; skipped on <4 GPUs)
+# layouts:   needs 4 GPUs (kind nvidia-h100-x4; skipped by `all` on fewer): FSDP2 with a stalled
+#            rank, a 2-D mesh TP skip, a pipeline skip; the live verdict, the hang report and
+#            our CLI on c10d's dumps (TORCH_NCCL_DUMP_ON_TIMEOUT=1) name rank 2, its group by
+#            desc and its line (scripts/gpu_check_layouts.py; fails if not)
 set -u
 OUT=${1:-/tmp/gpu_checks}
 WHAT=${2:-all}
@@ -167,6 +171,19 @@ timeout 400 python scripts/gpu_check_rank0_gone.py "$OUT/rank0gone_$how" --rank0
 done
 else
 echo "=== rank0gone skipped: needs 4 GPUs (device kind nvidia-h100-x4) ==="
+fi
+fi
+
+if want layouts; then
+echo "=== layouts (4 GPUs): FSDP2 stall, 2-D mesh TP skip, pipeline skip: rank 2, its group, its line ==="
+NGPU=$(nvidia-smi -L | wc -l)
+if [ "$NGPU" -lt 4 ]; then
+  echo "layouts needs 4 GPUs, this machine has $NGPU"
+  [ "$WHAT" = all ] || FAILED_CHECKS="$FAILED_CHECKS layouts"
+else
+  DEBUG_SERVER_PORT=26400 MASTER_PORT=29400 READ_AT=12 COMM_TIMEOUT=45 \
+    timeout 1200 python scripts/gpu_check_layouts.py "$OUT/layouts" 2>&1 | grep -v Warning | tee "$OUT/layouts.txt"
+  [ "${PIPESTATUS[0]}" -eq 0 ] || FAILED_CHECKS="$FAILED_CHECKS layouts"
 fi
 fi
 

@@ -9,6 +9,8 @@ import json
 import os
 from typing import Any
 
+from _jobsim import JobSim
+
 from debug_server.stacks import with_source
 from debug_server.tools.synthetic import hang_job, make_dump, make_entry
 
@@ -233,3 +235,113 @@ def stack_sleeping(user_file: str, line: int, func: str = "hang_phase") -> str:
     # As a rank ships it (debug_server.stacks): each frame with its source line where ``user_file``
     # exists when the text is made; the analysis itself reads no files.
     return with_source(faulthandler_text([(user_file, line, func), (user_file, 120, "<module>")]))
+
+
+# ---------------------------------------------------------------------------------------------
+# Real layouts (issue 33), built with the stream model of _jobsim: 2-D meshes, pipelines, FSDP,
+# uneven and coalesced collectives, batched P2P, split groups with equal names.
+
+MESH_GROUPS = {"world": ("default_pg", [0, 1, 2, 3]), "tp0": ("mesh_tp", [0, 1]),
+               "tp1": ("mesh_tp", [2, 3]), "dp0": ("mesh_dp", [0, 2]), "dp1": ("mesh_dp", [1, 3])}
+
+
+def mesh_tp_skip(*, hashed: bool = True, skip: int | None = 2, blocking: bool = False,
+                 delay_ns: dict[int, int] | None = None) -> JobSim:
+    """2x2 mesh (dp [0, 2], [1, 3]; tp [0, 1], [2, 3]), 6 steps of 4 tp all_reduces and one dp
+    all_reduce; then tp #24 (line 55), which rank ``skip`` leaves out, dp #6, a final barrier.
+    ``blocking``: every op blocks the CPU (gloo) instead of only the barrier (NCCL)."""
+    sim = JobSim(4, MESH_GROUPS, hashed=hashed, delay_ns=delay_ns)
+    for _ in range(6):
+        for _ in range(4):
+            sim.coll("tp0", line=50, blocking=blocking)
+            sim.coll("tp1", line=50, blocking=blocking)
+        sim.coll("dp0", line=60, blocking=blocking)
+        sim.coll("dp1", line=60, blocking=blocking)
+    sim.coll("tp0", line=55, blocking=blocking)
+    sim.coll("tp1", line=55, skip=[skip] if skip is not None else [], blocking=blocking)
+    sim.coll("dp0", line=60, blocking=blocking)
+    sim.coll("dp1", line=60, blocking=blocking)
+    sim.coll("world", "barrier", line=90, blocking=True)
+    return sim
+
+
+def pipeline_skip(*, skip_step: int | None = 3) -> JobSim:
+    """4 stages (pp = all 4 ranks) sending activations forward (blocking recvs), dp groups
+    [0, 1] and [2, 3]; at ``skip_step`` stage 2 never sends to stage 3 and goes on to its dp
+    all_reduce, where rank 3 (still in the recv) is missing."""
+    sim = JobSim(4, {"pp": ("pp", [0, 1, 2, 3]), "dp0": ("dp", [0, 1]), "dp1": ("dp", [2, 3])})
+    for step in range(5):
+        for s in range(3):
+            skip = [2] if (step == skip_step and s == 2) else []
+            sim.p2p("pp", [(s, s + 1)], skip=skip, blocking_recv=True, line=40 + s)
+        sim.coll("dp0", line=70, blocking=True)
+        sim.coll("dp1", line=70, blocking=True)
+    return sim
+
+
+def fsdp(*, layers: int = 4, steps: int = 3, stall: int | None = None, world: int = 4) -> JobSim:
+    """FSDP: per layer an all_gather_into_tensor (``_all_gather_base``) forward, and per layer a
+    reduce_scatter_tensor (``_reduce_scatter_base``) backward on the default group. With
+    ``stall``, that rank stops in its data loader before the last step's first all_gather."""
+    sim = JobSim(world, {"world": ("default_pg", list(range(world)))})
+    shard = 4096
+    for step in range(steps):
+        for _ in range(layers):
+            skip = [stall] if (stall is not None and step == steps - 1) else []
+            sim.coll("world", "_all_gather_base", ins=((shard,),), outs=((shard * world,),),
+                     skip=skip, line=30)
+        for _ in range(layers):
+            skip = [stall] if (stall is not None and step == steps - 1) else []
+            sim.coll("world", "_reduce_scatter_base", ins=((shard * world,),), outs=((shard,),),
+                     skip=skip, line=35, blocking=True)
+    return sim
+
+
+def uneven(kind: str, *, missing: int | None = None, world: int = 4,
+           bad: int | None = None) -> JobSim:
+    """c10d on NCCL: an uneven all_gather is a run of ``_broadcast_oop`` closed by
+    ``ALLGATHER_coalesced``; an uneven reduce_scatter a run of ``_reduce_oop`` closed by
+    ``REDUCE_SCATTER_coalesced`` (one seq for the run). Two all_reduces before, one after; rank
+    ``missing`` stops before the run, rank ``bad`` gives its second tensor another size."""
+    sim = JobSim(world, {"world": ("default_pg", list(range(world)))})
+    inner, closer = (("_broadcast_oop", "ALLGATHER_coalesced") if kind == "all_gather"
+                     else ("_reduce_oop", "REDUCE_SCATTER_coalesced"))
+    sizes = [(5 + 3 * i, 2) for i in range(world)]  # 10, 16, 22, 28 elements: uneven
+    for _ in range(2):
+        sim.coll("world", line=20)
+    run = [(inner, ((a, b),), ((a, b),)) for a, b in sizes] + [(closer, (), ())]
+    odd = {bad: [*run[:1], (inner, ((7, 7),), ((7, 7),)), *run[2:]]} if bad is not None else {}
+    sim.coll("world", parts=run, odd_parts=odd, line=25, blocking=True,
+             skip=[missing] if missing is not None else [])
+    sim.coll("world", line=28, blocking=True, skip=[missing] if missing is not None else [])
+    return sim
+
+
+def batched_p2p(*, skip: int | None = None, world: int = 4, steps: int = 3) -> JobSim:
+    """A ring exchange by ``batch_isend_irecv`` (each rank sends to r+1, receives from r-1, as
+    one batch closed by a P2P ``coalesced`` entry), then an all_reduce, per step; rank ``skip``
+    posts no batch in the last step."""
+    sim = JobSim(world, {"world": ("default_pg", list(range(world)))})
+    ring = [(r, (r + 1) % world) for r in range(world)]
+    for step in range(steps):
+        sim.p2p("world", ring, batch=True, skip=[skip] if skip is not None and step == steps - 1
+                else [], line=45)
+        sim.coll("world", line=48, blocking=True)
+    return sim
+
+
+def split_equal_names(*, skip: int | None = 3) -> dict[int, dict[str, Any]]:
+    """Our communicators split twice with one name: ``sub`` [0, 1] and ``sub`` [2, 3]; rank
+    ``skip`` never issues sub #2 (ranks 2 and 3's), which its partner waits in."""
+    groups = {"main_comm": [0, 1, 2, 3], "sub": [0, 1]}
+    dumps = {}
+    for r in range(4):
+        mine = dict(groups) if r < 2 else {"main_comm": [0, 1, 2, 3], "sub": [2, 3]}
+        ents = [make_entry(record_id=s, seq=s) for s in range(2)]
+        n = 2 if r == skip else 3
+        for s in range(n):
+            hang = r >= 2 and s == 2
+            ents.append(make_entry(record_id=2 + s, comm="sub", seq=s,
+                                   state="started" if hang else "completed"))
+        dumps[r] = make_dump(ents, mine)
+    return dumps

@@ -266,7 +266,9 @@ def test_pending_send_without_receive_is_unmatched():
         )
     )
     r = analyze(dumps)
-    assert kinds(r) == [("unmatched_p2p", "main_comm", None, "send", [0])]
+    # ranks: the peer at fault (rank 1 posted no recv); waiting: the rank left in its send.
+    assert kinds(r) == [("unmatched_p2p", "main_comm", None, "send", [1])]
+    assert r["findings"][0]["waiting"] == [0]
 
 
 def test_matched_pending_send_and_recv_is_not_a_finding():
@@ -309,7 +311,8 @@ def test_pytorch_gloo_dump_with_empty_pg_config_is_repaired():
     r = analyze(S.load_fixture("c10d_gloo_hang.json"))
     assert kinds(r) == [("missing_ranks", "0", 5, "all_reduce", [1])]
     assert r["groups"] == [
-        {"id": "0", "name": "0", "desc": "default_pg", "ranks": [0, 1], "inferred": True}
+        {"id": "0", "name": "0", "desc": "default_pg", "ranks": [0, 1], "inferred": True,
+         "label": "pg 0 (default_pg)"}
     ]
     # gloo never leaves "scheduled": retired entries count as completed.
     assert [c["state"] for c in r["collectives"]] == ["completed"] * 4 + ["scheduled"]
@@ -379,7 +382,10 @@ def test_unavailable_ranks_are_listed_and_named_in_verdict():
     assert r["ranks_without_data"] == [1]
     assert r["unavailable"] == [{"rank": 1, "reason": "unreachable after 2.0 s"}]
     assert "rank 1 (unreachable after 2.0 s)" in r["verdict"]
-    assert "rank 1 gave no data and may be the ones missing" in r["verdict"]
+    # Never "No hang" while a rank waits and another gave no data (issue 33).
+    assert r["verdict"].startswith("Rank 0 waits in all_reduce #4 on main_comm and rank 1 gave "
+                                   "no data: it may be the one missing.")
+    assert "No hang" not in r["verdict"]
     assert r["findings"] == []  # absence of data is not evidence of absence
 
 

@@ -173,7 +173,8 @@ def test_bad_file_with_allow_incomplete_becomes_rank_without_data(tmp_path, caps
     d = tmp_path / "d"
     write(d, S.missing_rank())
     (d / "rank_1").write_bytes(b"junk")
-    assert fr_trace.main([str(d), "--allow-incomplete-ranks", "--json"]) == 0
+    # Rank 0 waits in #4 and rank 1 gave no data: a problem, so exit 2 (issue 33), not 0.
+    assert fr_trace.main([str(d), "--allow-incomplete-ranks", "--json"]) == 2
     cap = capsys.readouterr()
     r = json.loads(cap.out)
     assert r["ranks_without_data"] == [1]
@@ -217,7 +218,8 @@ def test_missing_dump_file_of_a_member_exits_1_unless_allowed(tmp_path, capsys):
     d = write(tmp_path / "d", dumps)
     assert fr_trace.main([d]) == 1
     assert err_lines(capsys)[0].startswith("error: no dump file for rank {1}")
-    assert fr_trace.main([d, "--allow-incomplete-ranks", "--json"]) == 0
+    # Rank 0 waits in #4 and rank 1's dump is absent: exit 2 (issue 33), not 0.
+    assert fr_trace.main([d, "--allow-incomplete-ranks", "--json"]) == 2
     r = json.loads(capsys.readouterr().out)
     assert r["unavailable"] == [{"rank": 1, "reason": "no dump file"}]
 

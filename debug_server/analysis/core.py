@@ -129,7 +129,8 @@ def analyze_digests(
             {"rank": r, "reason": m.unavailable.get(r, "no data")} for r in sorted(no_data)
         ],
         "groups": [
-            {"id": g.id, "name": g.name, "desc": g.desc, "ranks": g.ranks, "inferred": g.inferred}
+            {"id": g.id, "name": g.name, "desc": g.desc, "ranks": g.ranks, "inferred": g.inferred,
+             "label": g.label}
             for g in shown
         ],
         "collectives": m.collectives,
@@ -150,7 +151,8 @@ def analyze_digests(
 def _match_groups(m: Merge, pg_filters: set[str] | None) -> list[Group]:
     """Match every group the filters let through; one broken group must not lose the others."""
     shown = []
-    for gkey, g in resolve_groups(m.class_list, m.world_size, m.notes).items():
+    m.groups = resolve_groups(m.class_list, m.world_size, m.notes)
+    for gkey, g in m.groups.items():
         if pg_filters is not None and not pg_filters & {g.name, g.desc, g.id}:
             continue
         shown.append(g)

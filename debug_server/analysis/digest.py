@@ -260,6 +260,7 @@ class _Builder:
         lst: list[Cell] = []
         tl: list[int] = []
         oldest = 0
+        after_p2p = False  # the previous entry was a send/recv (a batch's closer may follow)
         for e in entries:
             try:
                 k = _MAIN_FIELDS(e)
@@ -297,8 +298,16 @@ class _Builder:
                     oldest = t
                 pp = sig_p2p[sidx]
                 if pp is not None:
-                    self._add_p2p(gk, e, (sidx, st, fidx, *pp), t)
-                    continue
+                    if pp[0] == "coalesced":
+                        if after_p2p or e.get("is_p2p"):
+                            # The entry that closes a batch of sends/recvs (batch_isend_irecv)
+                            # carries a collective's number: it is no collective.
+                            continue
+                    else:
+                        after_p2p = True
+                        self._add_p2p(gk, e, (sidx, st, fidx, *pp), t)
+                        continue
+                after_p2p = False
                 seq = e["collective_seq_id"]
                 if type(seq) is not int:
                     seq = int(seq)
@@ -327,6 +336,8 @@ class _Builder:
         sig = (str(pname), parsed[0], _tt(ins), _tt(outs), tuple(map(str, ind)),
                tuple(map(str, outd)))  # fmt: skip
         p2p = (parsed[1], parsed[2], parsed[3]) if parsed[1] is not None else None
+        if parsed[0] == "coalesced":
+            p2p = ("coalesced", -1, -1)  # a marker: is_p2p on the entry decides (feed)
         sidx = self._intern_sig(sig, p2p)
         self.recent_k.insert(0, (k, sidx, gk))
         del self.recent_k[8:]

@@ -11,7 +11,7 @@ from __future__ import annotations
 from debug_server.analysis.digest import RankDigest
 from debug_server.analysis.ranks import format_ranks
 
-__all__ = ["Group", "GroupKey", "RankClass", "resolve_groups"]
+__all__ = ["Group", "GroupKey", "RankClass", "group_label", "rank_list_text", "resolve_groups"]
 
 GroupKey = tuple[str, tuple[int, ...]]
 """(name, member ranks): two groups may share a name but not both."""
@@ -23,7 +23,8 @@ class Group:
     __slots__ = ("id", "name", "desc", "ranks", "inferred", "rank_set", "label")
 
     def __init__(
-        self, gid: str, name: str, desc: str, ranks: tuple[int, ...], inferred: bool
+        self, gid: str, name: str, desc: str, ranks: tuple[int, ...], inferred: bool,
+        label: str | None = None,
     ) -> None:
         self.id = gid
         self.name = name
@@ -31,13 +32,48 @@ class Group:
         self.ranks = list(ranks)
         self.rank_set = frozenset(ranks)
         self.inferred = inferred
-        # PyTorch's own groups are named "0", "1"...: "on pg 0 (default_pg)" reads better. The
-        # gloo side of a "cpu:gloo,cuda:nccl" group is "0:gloo" (c10d_fr).
-        self.label = (
-            gid
-            if not name.removesuffix(":gloo").isdigit()
-            else (f"pg {gid} ({desc})" if desc and desc != "undefined" else f"pg {gid}")
-        )
+        self.label = label if label is not None else group_label(gid, name, desc, ranks)
+
+
+def _user_desc(desc: str) -> bool:
+    return desc not in ("", "undefined")
+
+
+def _is_hash(name: str) -> bool:
+    """DeviceMesh and split groups get hashed names (40 hex digits): nobody reads those."""
+    return len(name) >= 16 and all(ch in "0123456789abcdef" for ch in name.lower())
+
+
+def rank_list_text(ranks: tuple[int, ...] | list[int]) -> str:
+    """``[2, 3]``; long lists collapsed (``[0-63]``, ``[0, 8, 16, ..., 56] (8 ranks)``)."""
+    rs = sorted(ranks)
+    if len(rs) <= 6:
+        return str(rs)
+    text = format_ranks(rs)
+    if text.count(",") < 6:
+        return f"[{text}]"
+    return f"[{rs[0]}, {rs[1]}, {rs[2]}, ..., {rs[-1]}] ({len(rs)} ranks)"
+
+
+def group_label(gid: str, name: str, desc: str, ranks: tuple[int, ...], *,
+                desc_shared: bool = False, name_shared: bool = False) -> str:
+    """How a person reads a group: the name the user gave it, and its ranks where that is needed.
+
+    ``main_comm`` (a communicator's own name); ``pg 2 (mesh_tp)`` for c10d's numbered groups
+    (``pg 2 (mesh_tp [2, 3])`` when another group has that desc); ``mesh_tp [2, 3]`` for a group
+    with a hashed name; ``main_comm [0, 1]`` when two groups share a name. The id itself stays in
+    the result's ``group`` fields and tooltips.
+    """
+    rs = rank_list_text(ranks)
+    # PyTorch's own groups are named "0", "1"...; the gloo side of a "cpu:gloo,cuda:nccl" group
+    # is "0:gloo" (c10d_fr).
+    if name.removesuffix(":gloo").isdigit():
+        if not _user_desc(desc):
+            return f"pg {name} {rs}" if name_shared else f"pg {name}"
+        return f"pg {name} ({desc} {rs})" if desc_shared or name_shared else f"pg {name} ({desc})"
+    if _is_hash(name):
+        return f"{desc} {rs}" if _user_desc(desc) else f"group {rs}"
+    return f"{name} {rs}" if name_shared else (gid or "?")
 
 
 class RankClass:
@@ -71,12 +107,16 @@ def resolve_groups(
             c.gkeys[(name, desc)] = (name, rs)
             keys.setdefault((name, rs), (shown, inferred))
     by_name: dict[str, int] = {}
-    for name, _ in keys:
+    by_desc: dict[str, int] = {}
+    for (name, _), (desc, _) in keys.items():
         by_name[name] = by_name.get(name, 0) + 1
+        by_desc[desc] = by_desc.get(desc, 0) + 1
     groups: dict[GroupKey, Group] = {}
     for (name, rs), (desc, inferred) in sorted(keys.items(), key=lambda kv: kv[0]):
         gid = name if by_name[name] == 1 else f"{name}[{format_ranks(rs)}]"
-        groups[(name, rs)] = Group(gid or "?", name, desc, rs, inferred)
+        label = group_label(gid or "?", name, desc, rs, desc_shared=by_desc[desc] > 1,
+                            name_shared=by_name[name] > 1)
+        groups[(name, rs)] = Group(gid or "?", name, desc, rs, inferred, label)
     return groups
 
 

@@ -12,7 +12,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 from debug_server.analysis.digest import STATES, RankDigest
-from debug_server.analysis.groups import Group, RankClass
+from debug_server.analysis.groups import Group, GroupKey, RankClass
 
 __all__ = ["FINDING_KINDS", "INFO_KINDS", "MISMATCH_KINDS", "Merge"]
 
@@ -81,6 +81,8 @@ class Merge:
         self.findings: list[dict[str, Any]] = []
         self.calls_src: list[tuple[dict[str, Any], list[tuple[int, int]]]] = []
         self.waiting: list[dict[str, Any]] = []
+        self.groups: dict[GroupKey, Group] = {}
+        """Every group the entries name (``groups.resolve_groups``), filled before matching."""
 
     def _add(self, d: RankDigest) -> int:
         """Fold one digest in; the largest rank it names (-1 for a duplicate)."""

@@ -23,29 +23,38 @@ Side = tuple[int, int, int, int, int, int]
 def match_p2p(m: Merge, g: Group, gkey: GroupKey) -> None:
     """Append ``g``'s P2P rows, NCCL call sources and findings to ``m``."""
     sends, recvs = _pending(m, g, gkey)
-    unmatched: list[str] = []
-    unmatched_ranks: set[int] = set()
-    first: list[Any] = []  # (p2p_seq, op) of the first unmatched op
+    unmatched: list[dict[str, Any]] = []
+    times: list[int] = []
     for pair in sorted(set(sends) | set(recvs)):
         s_list = sorted(sends.get(pair, []))
         r_list = sorted(recvs.get(pair, []))
         for k in range(max(len(s_list), len(r_list))):
             s = s_list[k] if k < len(s_list) else None
             r = r_list[k] if k < len(r_list) else None
-            line = _match_one(m, g, pair, s, r)
-            if line:
-                unmatched.append(line)
-                ref = s or r
-                assert ref is not None
-                unmatched_ranks.add(pair[0] if r is None else pair[1])
-                if not first:
-                    first = [ref[0], m.sigs[ref[1]][1]]
+            u = _match_one(m, g, pair, s, r)
+            if u is not None:
+                unmatched.append(u)
+                times.append((s or r)[5] or (1 << 62))  # type: ignore[index]
     if unmatched:
-        more = f"; and {len(unmatched) - 4} more" if len(unmatched) > 4 else ""
+        # The op waited in longest first: later ones are often consequences of it.
+        unmatched = [u for _, _, u in sorted(zip(times, range(len(times)), unmatched,
+                                                 strict=True), key=lambda x: x[:2])]
+        lines = [_unmatched_text(u, g) for u in unmatched]
+        more = f"; and {len(lines) - 4} more" if len(lines) > 4 else ""
         m.finding(
-            "unmatched_p2p", g, None, first[1], sorted(unmatched_ranks),
-            f"{g.id}: " + "; ".join(unmatched[:4]) + more, p2p_seq=first[0],
+            "unmatched_p2p", g, None, unmatched[0]["op"], sorted({u["peer"] for u in unmatched}),
+            "; ".join(lines[:4]) + more, p2p_seq=unmatched[0]["p2p_seq"],
+            waiting=sorted({u["rank"] for u in unmatched}), unmatched=unmatched[:64],
         )  # fmt: skip
+
+
+def _unmatched_text(u: dict[str, Any], g: Group) -> str:
+    """``rank 3 waits in recv from rank 2 (p2p #3 on pp [2, 3]) but rank 2 has no matching send``."""
+    peer, holder = u["peer"], u["rank"]
+    verb = "send to" if u["op"] == "send" else "recv from"
+    need = "receive" if u["op"] == "send" else "send"
+    return (f"rank {holder} waits in {verb} rank {peer} (p2p #{u['p2p_seq']} on {g.label}) but "
+            f"rank {peer} has no matching {need}")
 
 
 def _pending(
@@ -84,8 +93,8 @@ def _pending(
 
 def _match_one(
     m: Merge, g: Group, pair: tuple[int, int], s: Side | None, r: Side | None
-) -> str:
-    """Append the row of one send/recv pairing; the unmatched line, or "" when matched."""
+) -> dict[str, Any] | None:
+    """Append the row of one send/recv pairing; the side left without a partner, if any."""
     src, dst = pair
     ref = s or r
     assert ref is not None
@@ -93,13 +102,13 @@ def _match_one(
     missing: list[int] = []
     in_flight: list[int] = []
     mismatch = None
-    line = ""
+    unmatched = None
     if s is None or r is None:
         holder, peer = (src, dst) if r is None else (dst, src)
         peer_read = m.digest_of[peer].snap_ns if peer in m.digest_of else 0
         if peer not in m.digest_of:
             m.notes.append(
-                f"{g.id}: rank {holder} waits in {sig[1]} with rank {peer}, which gave no data"
+                f"{g.label}: rank {holder} waits in {sig[1]} with rank {peer}, which gave no data"
             )
         elif peer_read and ref[5] and peer_read - ref[5] < skew.IN_FLIGHT_GRACE_NS:
             # The peer was read before (or just after) this op was posted: it may post its side
@@ -107,17 +116,15 @@ def _match_one(
             in_flight = [peer]
         else:
             missing = [peer]
-            verb = "send to" if r is None else "recv from"
-            need = "receive" if r is None else "send"
-            line = (f"rank {holder} waits in {verb} rank {peer} (p2p #{ref[0]}) but rank {peer} "
-                    f"has no matching {need}")  # fmt: skip
+            unmatched = {"rank": holder, "peer": peer, "op": "send" if r is None else "recv",
+                         "p2p_seq": ref[0]}  # fmt: skip
     elif m.sigs[s[1]][2] != m.sigs[r[1]][3]:
         mismatch = (
             f"size mismatch: send {fmt_sizes(m.sigs[s[1]][2])} on rank {src} vs "
             f"recv {fmt_sizes(m.sigs[r[1]][3])} on rank {dst}"
         )
         m.finding("size_mismatch", g, None, "send/recv", [src, dst],
-                  f"{g.id} p2p #{s[0]}: {mismatch}", p2p_seq=s[0])  # fmt: skip
+                  f"p2p #{s[0]} on {g.label}: {mismatch}", p2p_seq=s[0])  # fmt: skip
     sides = [x for x in (s, r) if x is not None]
     row = m.add_row(
         g, ref[1], ref[3], seq=None, p2p_seq=ref[0], state=min(x[2] for x in sides),
@@ -125,4 +132,4 @@ def _match_one(
         lost=[], in_flight=in_flight, mismatch=mismatch,
     )
     m.calls_src.append((row, [(x[4], x[2]) for x in sides]))
-    return line
+    return unmatched

@@ -65,13 +65,22 @@ def _selected_collectives(result: dict[str, Any]) -> tuple[list[dict[str, Any]],
     return shown, len(rows) - len(shown)
 
 
+def _labels(result: dict[str, Any]) -> dict[str, str]:
+    """Group id -> the name a person reads (``mesh_tp [2, 3]``); the id where there is none."""
+    return {g.get("id", g["name"]): g.get("label") or g.get("id", g["name"])
+            for g in result.get("groups", [])}
+
+
 def collectives_table(result: dict[str, Any]) -> tuple[list[str], list[list[Any]]]:
-    """Headers and rows of the Collectives table (elided to failing + newest passing rows)."""
+    """Headers and rows of the Collectives table (elided to failing + newest passing rows).
+
+    The group column shows each group as the user named it (the id is in the JSON)."""
     shown, _ = _selected_collectives(result)
+    labels = _labels(result)
     rows = [
         [
             c["id"],
-            c["group"],
+            labels.get(c["group"], c["group"]),
             c["pass_check"],
             "" if c.get("seq") is None else c["seq"],
             "" if c.get("p2p_seq") is None else c["p2p_seq"],
@@ -98,11 +107,12 @@ def nccl_calls_table(result: dict[str, Any]) -> tuple[list[str], list[list[Any]]
     if len(chosen) < NCCL_ROWS_SHOWN:
         chosen += rest[-(NCCL_ROWS_SHOWN - len(chosen)) :]
     chosen.sort(key=lambda c: c["id"])
+    labels = _labels(result)
     rows = [
         [
             c["id"],
             c["collective_id"],
-            c["group"],
+            labels.get(c["group"], c["group"]),
             c["global_rank"],
             c["collective_type"],
             c["state"],
@@ -120,7 +130,8 @@ def findings_lines(result: dict[str, Any]) -> list[str]:
         if f.get("p2p_seq") is not None and f.get("seq") is None:
             seq = f"p2p #{f['p2p_seq']}"
         op = f.get("op") or ""
-        head = " ".join(x for x in (f"[{f['kind']}]", f.get("group") or "", seq, op) if x)
+        group = f.get("group_label") or f.get("group") or ""
+        head = " ".join(x for x in (f"[{f['kind']}]", group, seq, op) if x)
         out.append(
             f"{head} ranks {format_rank_set(f.get('ranks', ())) or '{}'}: {f.get('detail', '')}"
         )
@@ -131,10 +142,10 @@ def groups_table(result: dict[str, Any]) -> tuple[list[str], list[list[Any]]]:
     """Headers and rows of the Groups table."""
     rows = [
         [g.get("id", g["name"]), g.get("desc", ""), len(g["ranks"]), format_rank_set(g["ranks"]),
-         "inferred" if g.get("inferred") else ""]
+         "inferred" if g.get("inferred") else "", g.get("label", "")]
         for g in result.get("groups", [])
     ]  # fmt: skip
-    return ["group_id", "desc", "size", "ranks", "note"], rows
+    return ["group_id", "desc", "size", "ranks", "note", "shown as"], rows
 
 
 def stack_groups_lines(result: dict[str, Any]) -> list[str]:

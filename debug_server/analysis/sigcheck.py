@@ -14,21 +14,25 @@ from typing import Any
 from debug_server.analysis.merge import Merge
 from debug_server.analysis.ranks import ranks_phrase
 
-__all__ = ["compare", "fmt_sizes", "intrinsic_problem", "signatures"]
+__all__ = ["compare", "fmt_sizes", "intrinsic_problem", "signatures", "user_line"]
 
 _ALL_GATHER = frozenset(
     {
         "all_gather", "_all_gather_base", "all_gather_base", "all_gather_into_tensor",
         "all_gather_single", "allgather", "allgather_base", "all_gather_into_tensor_coalesced",
-        "ALLGATHER_coalesced",
     }
 )  # fmt: skip
 _REDUCE_SCATTER = frozenset(
     {
         "reduce_scatter", "_reduce_scatter_base", "reduce_scatter_base", "reduce_scatter_tensor",
-        "reduce_scatter_single", "reduce_scatter_tensor_coalesced", "REDUCE_SCATTER_coalesced",
+        "reduce_scatter_single", "reduce_scatter_tensor_coalesced",
     }
 )  # fmt: skip
+# Not in the two sets above: c10d closes an uneven all_gather (a run of ``_broadcast_oop``) with
+# ``ALLGATHER_coalesced`` and an uneven reduce_scatter (``_reduce_oop``) with
+# ``REDUCE_SCATTER_coalesced``; the digest folds the run into one signature whose sizes are the
+# broadcasts' (input = output), so the all_gather / reduce_scatter size rules do not apply to it.
+# The ranks' runs are still compared with each other (op, every size, dtypes).
 _ALL_TO_ALL = frozenset(
     {
         "all_to_all",
@@ -56,21 +60,36 @@ def fmt_sizes(sizes: tuple[tuple[int, ...], ...]) -> str:
     return str([list(s) for s in sizes])
 
 
+def _uneven_list(ins: tuple[tuple[int, ...], ...], outs: tuple[tuple[int, ...], ...],
+                 group_size: int) -> bool:
+    """One tensor on one side, one per rank on the other: the list form, which may be uneven."""
+    return group_size > 1 and len(ins) == 1 and len(outs) == group_size
+
+
 def intrinsic_problem(sig: tuple[Any, ...], group_size: int) -> str | None:
     """A size rule one rank's op breaks on its own (e.g. all_gather output != input x size)."""
     op, ins, outs = sig[1], sig[2], sig[3]
     if not ins or not outs:
         return None
-    if op in _ALL_GATHER and _numel(outs) != _numel(ins) * group_size:
-        return f"output numel {_numel(outs)} != input numel {_numel(ins)} x group size {group_size}"
-    if op in _REDUCE_SCATTER and _numel(ins) != _numel(outs) * group_size:
-        return f"input numel {_numel(ins)} != output numel {_numel(outs)} x group size {group_size}"
+    if op in _ALL_GATHER:
+        if _uneven_list(ins, outs, group_size):
+            # all_gather into a list: this rank's input fills one slot; slots may differ.
+            if _numel(ins) not in {math.prod(o) for o in outs}:
+                return f"input numel {_numel(ins)} fits none of the {group_size} output slots"
+        elif _numel(outs) != _numel(ins) * group_size:
+            return f"output numel {_numel(outs)} != input numel {_numel(ins)} x group size {group_size}"
+    if op in _REDUCE_SCATTER:
+        if _uneven_list(outs, ins, group_size):
+            if _numel(outs) not in {math.prod(i) for i in ins}:
+                return f"output numel {_numel(outs)} fits none of the {group_size} input slots"
+        elif _numel(ins) != _numel(outs) * group_size:
+            return f"input numel {_numel(ins)} != output numel {_numel(outs)} x group size {group_size}"
     if op in _ALL_REDUCE and ins != outs:
         return f"input sizes {fmt_sizes(ins)} != output sizes {fmt_sizes(outs)}"
     return None
 
 
-def _user_line(frames: Sequence[Mapping[str, Any]]) -> str | None:
+def user_line(frames: Sequence[Mapping[str, Any]]) -> str | None:
     """``train.py:148 in step``: the innermost frame outside torch and this package."""
     def inside(f: Mapping[str, Any]) -> bool:
         fn = str(f.get("filename", ""))
@@ -90,6 +109,12 @@ def _size_key(sig: tuple[Any, ...]) -> Any:
         return sig[3]
     if op == "gather":
         return sig[2]
+    # The list forms of all_gather / reduce_scatter may be uneven: each rank's own tensor differs,
+    # the per-rank list must not.
+    if op in _ALL_GATHER and len(sig[2]) == 1 and len(sig[3]) > 1:
+        return ("out", sig[3])
+    if op in _REDUCE_SCATTER and len(sig[3]) == 1 and len(sig[2]) > 1:
+        return ("in", sig[2])
     return (sig[2], sig[3])
 
 
@@ -117,6 +142,8 @@ def _describe(label: str, key: Any) -> str:
         return "/".join(key) or "no tensors"
     if key is None:
         return "?"
+    if isinstance(key, tuple) and len(key) == 2 and key[0] in ("in", "out"):
+        return f"{key[0]} {fmt_sizes(key[1])}"
     if isinstance(key, tuple) and len(key) == 2 and all(isinstance(k, tuple) for k in key):
         return f"in {fmt_sizes(key[0])} out {fmt_sizes(key[1])}"
     return fmt_sizes(key)
@@ -138,7 +165,7 @@ def signatures(
             "ranks": sorted(rs), "op": sig[1],
             "input_sizes": [list(x) for x in sig[2]], "output_sizes": [list(x) for x in sig[3]],
             "dtypes": sorted(set(sig[4]) | set(sig[5])),
-            "line": _user_line(m.frames[fr]) if fr >= 0 else None,
+            "line": user_line(m.frames[fr]) if fr >= 0 else None,
         })  # fmt: skip
     return out
 

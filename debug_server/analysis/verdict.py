@@ -1,9 +1,10 @@
 """The verdict: which finding is the root cause, its category, the next step, and the prose.
 
-Precedence: a mismatch (op, size, dtype) explains a stuck-everywhere at its seq, and ranks missing
-from later ops because they still wait in it; then ranks missing from a collective (CPU-side
-divergence); then unmatched P2P; only a stuck-everywhere nothing explains points at the GPU, the
-network or NCCL. The result carries that order (``finding_order``) and the banner's pick
+:mod:`.causes` decides what explains what across groups (a rank's stream runs its ops in issue
+order whatever the group, so an op a peer never joined blocks everything after it). The roots
+come first, each followed by the findings it explains; the category and the next step follow
+the first root. Only a stuck-everywhere that nothing explains points at the GPU, the network or
+NCCL. The result carries that order (``finding_order``) and the banner's pick
 (``headline_findings``), so no renderer decides it again.
 """
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
+from debug_server.analysis.causes import Causes, cause_order
 from debug_server.analysis.merge import MISMATCH_KINDS, Merge
 from debug_server.analysis.ranks import format_ranks, ranks_phrase
 from debug_server.analysis.stackparse import Position
@@ -36,6 +38,10 @@ CATEGORY_MEANING = {
 HEADLINES_MAX = 4
 """The banner names at most this many problems (more only before the first missing rank)."""
 HEADLINE_MISSING_MAX = 3
+HEADLINE_ROOTS_MAX = 3
+"""The verdict tells at most this many independent problems (roots) in full."""
+CONSEQUENCES_SHOWN = 3
+"""Consequences named under each root in the prose (all of them are in ``finding_order``)."""
 
 Positions = Mapping[int, Position]
 Finding = dict[str, Any]
@@ -62,47 +68,54 @@ def category_line(result: Mapping[str, Any]) -> str:
 
 
 def verdict(m: Merge, stack_groups: list[dict[str, Any]], positions: Positions) -> Verdict:
-    """The verdict over ``m``'s findings (sorted by kind already), joined with the stacks."""
-    errors = [f for f in m.findings if f["severity"] == "error"]
-    mismatches = [f for f in errors if f["kind"] in MISMATCH_KINDS]
-    missing = [f for f in errors if f["kind"] == "missing_ranks"]
-    p2p = [f for f in errors if f["kind"] == "unmatched_p2p"]
-    stuck = [f for f in errors if f["kind"] == "stuck_everywhere"]
-    # A rank missing from one group because it waits in another group's collective is a
-    # consequence; the root is a missing rank that is not waiting in any collective.
-    waiting_ranks = {r for w in m.waiting for r in w["ranks"]}
+    """The verdict over ``m``'s findings (sorted by kind already), joined with the stacks.
 
-    def is_root(f: Finding) -> bool:
-        rs = f["ranks"]
-        if any(r in positions for r in rs):
-            return any(not positions[r].in_collective for r in rs if r in positions)
-        return not all(r in waiting_ranks for r in rs)
-
-    missing.sort(key=lambda f: (not is_root(f), len(f["ranks"])))
-    roots = [f for f in missing if is_root(f)]
-    category, step = _category(
-        m, errors, mismatches, roots or ([] if stuck else missing), p2p, stuck, positions
-    )
-    said = {
-        "mismatch": _mismatch_sentences(mismatches, stuck, positions),
-        "missing": _missing_sentences(missing, positions),
-        "p2p": [f"P2P deadlock or missing peer: {p2p[0]['detail']}."] if p2p else [],
-        "stuck": _stuck_sentences(stuck, mismatches, category),
-    }
-    kinds = (["stuck", "missing", "mismatch", "p2p"] if category == "gpu_or_network"
-             else ["mismatch", "missing", "p2p", "stuck"])  # fmt: skip
-    parts = [s for k in kinds for s in said[k]]
-    if not errors:
+    The root cause comes first, each with the findings it explains after it (:mod:`.causes`):
+    category and next step follow the first root.
+    """
+    causes = Causes(m, m.groups, positions)
+    roots, ordered = cause_order(causes)
+    _mark_consequences(causes, roots, ordered)
+    root = roots[0] if roots else None
+    category, step = _category(m, root, causes, positions)
+    parts: list[str] = []
+    explained = {id(f) for f in ordered} - {id(f) for f in roots}
+    for f in roots[:HEADLINE_ROOTS_MAX]:
+        parts.extend(_root_sentences(f, m, positions, category if f is root else None))
+        parts.extend(_consequence_sentences(f, ordered, explained))
+    if len(roots) > HEADLINE_ROOTS_MAX:
+        parts.append(f"And {len(roots) - HEADLINE_ROOTS_MAX} more independent problems (see the findings).")
+    if root is None:
         parts.extend(_clean_sentences(m))
     if step:
         parts.append(f"Next step: {step}")
     parts.extend(_context_sentences(m, stack_groups))
-    by_kind = {"mismatch": mismatches, "missing": missing, "p2p": p2p, "stuck": stuck}
-    ordered = [f for k in kinds for f in by_kind[k]]
     ids = {id(f) for f in ordered}
-    ordered += [f for f in m.findings if id(f) not in ids]
+    ordered = ordered + [f for f in m.findings if id(f) not in ids]
     index = {id(f): i for i, f in enumerate(m.findings)}
     return Verdict(" ".join(parts), category, step, [index[id(f)] for f in ordered])
+
+
+def _mark_consequences(causes: Causes, roots: list[Finding], ordered: list[Finding]) -> None:
+    """Each consequence says what explains it (``explained_by``: the rank through which it does,
+    that rank's op, and the finding that covers it), so renderers can show it under its cause."""
+    root_ids = {id(f) for f in roots}
+    for f in ordered:
+        if id(f) in root_ids:
+            continue
+        edges = causes.edges(f)
+        if not edges:
+            continue
+        e = next((e for e in edges if id(e.cause) in root_ids), edges[0])
+        c = e.cause
+        by = {"kind": c["kind"], "group": c["group"], "group_label": c["group_label"],
+              "seq": c["seq"], "p2p_seq": c.get("p2p_seq"), "op": c["op"], "rank": e.rank}
+        if e.op is not None:
+            g = causes.by_id.get(e.op[0])
+            by.update(group=e.op[0], group_label=g.label if g is not None else e.op[0],
+                      op=e.op_name, seq=None if e.op[1] else e.op[2],
+                      p2p_seq=e.op[2] if e.op[1] else None)
+        f["explained_by"] = by
 
 
 def headlines(findings: Sequence[Mapping[str, Any]], order: Sequence[int]) -> list[int]:
@@ -119,70 +132,109 @@ def headlines(findings: Sequence[Mapping[str, Any]], order: Sequence[int]) -> li
     return heads
 
 
-def _mismatch_sentences(
-    mismatches: list[Finding], stuck: list[Finding], positions: Positions
+def _op_text(f: Mapping[str, Any]) -> str:
+    """``all_reduce #24 on mesh_tp [2, 3]``, ``recv p2p #3 on pp [2, 3]``."""
+    if f.get("seq") is None and f.get("p2p_seq") is not None:
+        return f"{f['op']} p2p #{f['p2p_seq']} on {f['group_label']}"
+    return f"{f['op']} #{f['seq']} on {f['group_label']}"
+
+
+def _root_sentences(
+    f: Finding, m: Merge, positions: Positions, category: str | None
 ) -> list[str]:
-    if not mismatches:
-        return []
-    f = mismatches[0]
-    out = [f"Mismatch in {f['detail']}."]
-    out.extend(_position_sentences(f["ranks"][:3], positions))
-    if (f["group"], f["seq"]) in {(s["group"], s["seq"]) for s in stuck}:
-        out.append(
-            f"The mismatch is why no rank completes {f['op']} #{f['seq']}: the GPU and "
-            "the network are not to blame."
-        )
-    return out
-
-
-def _missing_sentences(missing: list[Finding], positions: Positions) -> list[str]:
-    out = []
-    for f in missing[:2]:
+    """What one root finding says, with where its ranks are."""
+    kind = f["kind"]
+    if kind in MISMATCH_KINDS:
+        out = [f"Mismatch in {f['detail']}."]
+        out.extend(_position_sentences(f["ranks"][:3], positions))
+        if any(s["kind"] == "stuck_everywhere" and (s["group"], s["seq"]) == (f["group"], f["seq"])
+               for s in m.findings):
+            out.append(f"The mismatch is why no rank completes {f['op']} #{f['seq']}: the GPU and "
+                       "the network are not to blame.")
+        return out
+    if kind == "missing_ranks":
         rs = f["ranks"]
         subj = "Rank" if len(rs) == 1 else "Ranks"
         waiting = f.get("waiting") or []
         verb = "waits" if len(waiting) == 1 else "wait"
         tail = f" ({ranks_phrase(waiting)} {verb} in it)" if waiting else ""
-        out.append(
-            f"{subj} {format_ranks(rs)} never joined {f['op']} #{f['seq']} on {f['group_label']}{tail}."
-        )
-        out.extend(_position_sentences(rs, positions))
-    return out
-
-
-def _stuck_sentences(
-    stuck: list[Finding], mismatches: list[Finding], category: str | None
-) -> list[str]:
-    explained = {(f["group"], f["seq"]) for f in mismatches}
-    for f in stuck:
-        if (f["group"], f["seq"]) in explained:
-            continue
+        return [f"{subj} {format_ranks(rs)} never joined {_op_text(f)}{tail}.",
+                *_position_sentences(rs, positions)]
+    if kind == "unmatched_p2p":
+        out = []
+        for u in (f.get("unmatched") or [])[:2]:
+            need = "recv" if u["op"] == "send" else "send"
+            verb = "send to" if u["op"] == "send" else "recv from"
+            out.append(f"Rank {u['peer']} never posted the {need} that rank {u['rank']} waits for "
+                       f"({verb} rank {u['peer']}, p2p #{u['p2p_seq']} on {f['group_label']}).")
+        if not out:
+            out.append(f"P2P deadlock or missing peer: {f['detail']}.")
+        out.extend(_position_sentences(f["ranks"][:3], positions))
+        return out
+    if kind == "stuck_everywhere":
         return [
             f"All {len(f['ranks'])} ranks of {f['group_label']} issued {f['op']} #{f['seq']} and "
             "none completed it"
             + ("; no rank is missing and no mismatch explains it, so suspect the GPU, the "
                "network or the NCCL transport." if category == "gpu_or_network" else ".")
         ]
-    return []
+    return [f"{f['detail']}."]
+
+
+def _consequence_sentences(root: Finding, ordered: list[Finding], explained: set[int]) -> list[str]:
+    """The findings listed under ``root`` (up to the next root), as one sentence."""
+    start = next(i for i, f in enumerate(ordered) if f is root)
+    under: list[Finding] = []
+    for f in ordered[start + 1:]:
+        if id(f) not in explained:
+            break
+        under.append(f)
+    if not under:
+        return []
+    phrases = [_consequence_phrase(f) for f in under[:CONSEQUENCES_SHOWN]]
+    more = len(under) - CONSEQUENCES_SHOWN
+    return ["Because of it: " + "; ".join(phrases)
+            + (f"; and {more} more" if more > 0 else "") + "."]
+
+
+def _consequence_phrase(f: Finding) -> str:
+    cause = f.get("explained_by")
+    why = ""
+    if cause and cause.get("rank") is None:
+        why = " (the calls disagree)"
+    elif cause:
+        how = "has {} ahead of it" if f["kind"] == "stuck_everywhere" else "waits in {}"
+        why = f" (rank {cause['rank']} {how.format(_op_text(cause))})"
+    if f["kind"] == "stuck_everywhere":
+        return f"{_op_text(f)} does not complete on any rank{why}"
+    if f["kind"] == "missing_ranks":
+        return f"{ranks_phrase(f['ranks'])} never joined {_op_text(f)}{why}"
+    if f["kind"] == "unmatched_p2p":
+        return f"{ranks_phrase(f['ranks'])} never posted the peer side of {_op_text(f)}{why}"
+    return f"{f['detail']}{why}"
 
 
 def _clean_sentences(m: Merge) -> list[str]:
-    """No error found: how much was checked, and who might be missing for lack of data."""
+    """No error found: how much was checked, and who might be missing for lack of data.
+
+    Never "no hang" while ranks wait and others gave no data: those may be the missing ones.
+    """
     n = sum(1 for c in m.collectives if c["seq"] is not None)
     nr = len(m.data_ranks)
-    out = [
-        f"No hang or mismatch found in the Flight Recorder data "
-        f"({nr} rank{'s' if nr != 1 else ''}, {n} collectives checked)."
-        if m.data_ranks else "No Flight Recorder data from any rank; nothing to match."
-    ]
+    checked = f"({nr} rank{'s' if nr != 1 else ''}, {n} collectives checked)"
     no_data = m.no_data()
     if m.waiting and no_data:
         w = m.waiting[0]
-        out.append(
-            f"{ranks_phrase(w['ranks']).capitalize()} wait in {w['op']} #{w['seq']} on {w['label']}; "
-            f"{ranks_phrase(no_data)} gave no data and may be the ones missing."
-        )
-    return out
+        return [
+            f"{ranks_phrase(w['ranks']).capitalize()} wait{'s' if len(set(w['ranks'])) == 1 else ''} "
+            f"in {w['op']} #{w['seq']} on {w['label']} "
+            f"and {ranks_phrase(no_data)} gave no data: {'it' if len(no_data) == 1 else 'they'} "
+            f"may be the one{'s' if len(no_data) > 1 else ''} missing. The ranks with data agree "
+            f"{checked}."
+        ]
+    if not m.data_ranks:
+        return ["No Flight Recorder data from any rank; nothing to match."]
+    return [f"No hang or mismatch found in the Flight Recorder data {checked}."]
 
 
 def _context_sentences(m: Merge, stack_groups: list[dict[str, Any]]) -> list[str]:
@@ -211,60 +263,73 @@ def _context_sentences(m: Merge, stack_groups: list[dict[str, Any]]) -> list[str
 
 
 def _category(
-    m: Merge,
-    errors: list[Finding],
-    mismatches: list[Finding],
-    missing: list[Finding],
-    p2p: list[Finding],
-    stuck: list[Finding],
-    positions: Positions,
+    m: Merge, root: Finding | None, causes: Causes, positions: Positions
 ) -> tuple[str | None, str | None]:
-    """One of :data:`CATEGORIES` and its one-line next step; (None, None) when clean."""
-    if mismatches:
-        return "misconfigured_collective", _mismatch_step(mismatches[0])
-    if missing:
-        return "cpu_divergence", _missing_step(missing[0], positions)
-    if p2p:
-        return _p2p_step(m, p2p[0], positions)
-    if stuck:
-        return "gpu_or_network", (
-            "run `python -m debug_server.preflight` on these hosts (or nccl-tests' "
-            "all_reduce_perf), then read the NCCL_DEBUG=INFO logs with "
-            "`python -m debug_server.nccl_log`."
-        )
-    no_data = m.no_data()
-    if errors or (m.waiting and no_data):
-        return "unknown", (
-            f"find out why {ranks_phrase(no_data) if no_data else 'some ranks'} gave no "
-            "Flight Recorder data, and compare every rank's stack on /stacks."
-        )
-    return None, None
+    """One of :data:`CATEGORIES` and its one-line next step, from the root; (None, None) when clean."""
+    if root is None:
+        no_data = m.no_data()
+        if m.waiting and no_data:
+            return "unknown", (
+                f"find out why {ranks_phrase(no_data)} gave no Flight Recorder data, and compare "
+                "every rank's stack on /stacks."
+            )
+        return None, None
+    kind = root["kind"]
+    if kind in MISMATCH_KINDS:
+        return "misconfigured_collective", _mismatch_step(root)
+    if kind == "missing_ranks":
+        return "cpu_divergence", _missing_step(root, causes, positions)
+    if kind == "unmatched_p2p":
+        return _p2p_step(root, causes, positions)
+    return "gpu_or_network", (
+        "run `python -m debug_server.preflight` on these hosts (or nccl-tests' "
+        "all_reduce_perf), then read the NCCL_DEBUG=INFO logs with "
+        "`python -m debug_server.nccl_log`."
+    )
 
 
-def _missing_step(f: Finding, positions: Positions) -> str:
+def _elsewhere(causes: Causes, r: int, f: Finding) -> str:
+    """`` and went on to barrier #3 on pg 0 (default_pg) at train.py:90`` when the FR shows
+    where rank ``r`` is blocked instead; else ``""``."""
+    held = causes.blocked_in(r, f)
+    if held is None:
+        return ""
+    what, line = held
+    return f"; it went on to {what}" + (f" at {line}" if line else "") + " instead"
+
+
+def _missing_step(f: Finding, causes: Causes, positions: Positions) -> str:
     r = next((r for r in f["ranks"] if r in positions), f["ranks"][0])
     pos = positions.get(r)
-    what = f"{f['op']} #{f['seq']} on {f['group_label']}"
+    what = _op_text(f)
     if pos is not None:
         loc = pos.summary if pos.in_collective else pos.position.replace(" ", " in ", 1)
         return (f"find out why rank {r} never reached {what}: its main thread is at {loc} "
                 "(/stacks shows every rank).")  # fmt: skip
-    return f"look at rank {r}'s stack (/stacks, or stacks_<ts>.txt): it never issued {what}."
+    return (f"look at rank {r}'s stack (/stacks, or stacks_<ts>.txt): it never issued "
+            f"{what}{_elsewhere(causes, r, f)}.")
 
 
-def _p2p_step(m: Merge, f: Finding, positions: Positions) -> tuple[str, str]:
-    peers = sorted({
-        r for c in m.collectives
-        if c["group"] == f["group"] and c["p2p_seq"] is not None
-        for r in c["missing_ranks"]
-    })  # fmt: skip
-    away = [r for r in peers if r in positions and not positions[r].in_collective]
-    if away:
-        return "cpu_divergence", (
-            f"find out why rank {away[0]} never posted its side of the P2P op: its main "
-            f"thread is at {positions[away[0]].position.replace(' ', ' in ', 1)} "
-            "(/stacks shows every rank)."
-        )
+def _p2p_step(f: Finding, causes: Causes, positions: Positions) -> tuple[str, str]:
+    """A peer that is elsewhere (its stack, or blocked in another op) diverged on the CPU; peers
+    that both wait for each other posted their P2P ops in an order that cannot match."""
+    for r in f["ranks"]:
+        pos = positions.get(r)
+        if pos is not None and not pos.in_collective:
+            return "cpu_divergence", (
+                f"find out why rank {r} never posted its side of the P2P op: its main "
+                f"thread is at {pos.position.replace(' ', ' in ', 1)} (/stacks shows every rank)."
+            )
+        away = _elsewhere(causes, r, f)
+        if away:
+            u = next((u for u in f.get("unmatched") or () if u["peer"] == r), None)
+            need = ("recv" if u["op"] == "send" else "send") if u else "side"
+            waiter = f" for rank {u['rank']}" if u else ""
+            where = f" (its main thread is at {pos.summary})" if pos is not None else ""
+            return "cpu_divergence", (
+                f"find out why rank {r} never posted its {need}{waiter} on "
+                f"{f['group_label']}{away}{where}."
+            )
     return "misconfigured_collective", (
         "post the matching send/recv on the peer, in the same order on both sides "
         f"({f['detail'].split('; ')[0]})."

@@ -175,11 +175,15 @@ def _where(stack_text: str | None) -> dict[str, Any] | None:
 def culprits_of(result: Mapping[str, Any], stacks: Mapping[int, str]) -> list[dict[str, Any]]:
     """One row per (finding, culprit rank): the collective and where that rank is now."""
     rows = []
-    for f in result.get("findings", []):
+    findings = result.get("findings", [])
+    # The analysis' order: the root cause first, its consequences after it.
+    order = result.get("finding_order") or range(len(findings))
+    for f in (findings[i] for i in order if 0 <= i < len(findings)):
         if f.get("severity", "error") != "error":
             continue
         for rank in f.get("ranks", []):
             rows.append({"rank": rank, "kind": f.get("kind"), "group": f.get("group"),
+                         "group_label": f.get("group_label") or f.get("group"),
                          "seq": f.get("seq"), "op": f.get("op"), "detail": f.get("detail", ""),
                          "where": _where(stacks.get(rank))})
     return rows
@@ -203,7 +207,8 @@ def render_text(rep: HangReport, fr: FrData, stacks: Mapping[int, str],
         w = c["where"]
         at = (f"{w['file']}:{w['line']} in {w['function']} ({w['summary']})" if w
               else "stack unavailable")
-        lines.append(f"rank {c['rank']}: {c['kind']} {c['group']} seq {c['seq']} {c['op']}; "
+        lines.append(f"rank {c['rank']}: {c['kind']} {c.get('group_label') or c['group']} "
+                     f"seq {c['seq']} {c['op']}; "
                      f"now at {at}")
     shown = sorted({c["rank"] for c in rep.culprits} | {h.rank for h in rep.trigger})
     for rank in shown:

@@ -29,7 +29,8 @@ from tabulate import tabulate
 from debug_server.analysis import report, stackparse
 from debug_server.analysis.core import analyze_digests
 from debug_server.analysis.digest import RankDigest, digest_dump
-from debug_server.dumpio import DumpError, load_dump, rank_files
+from debug_server.analysis.groups import group_label
+from debug_server.dumpio import DumpError, group_members, load_dump, rank_files
 
 logger = logging.getLogger(__name__)
 
@@ -80,7 +81,8 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m debug_server.fr_trace",
         description="Match per-rank Flight Recorder dumps and say which rank hangs where.",
-        epilog="exit status: 0 clean, 2 hang or mismatch found, 1 unusable input",
+        epilog="exit status: 0 clean, 2 hang or mismatch found (also ranks waiting while others "
+               "gave no data), 1 unusable input",
     )
     p.add_argument(
         "trace_dir", nargs="?", help="directory with one dump per rank, named <prefix><rank>[.json]"
@@ -336,6 +338,28 @@ def _entry_cell(e: dict[str, Any], stack_ids: dict[str, tuple[int, list[str]]] |
     return cell
 
 
+def _group_labels(dumps: dict[int, dict[str, Any]]) -> dict[str, str]:
+    """Group name -> how a person reads it (``mesh_tp [2, 3]``), from the dumps' pg_config."""
+    cfg: dict[str, tuple[str, tuple[int, ...]]] = {}
+    for d in dumps.values():
+        pgc = d.get("pg_config")
+        if not isinstance(pgc, dict):
+            continue
+        for key, c in pgc.items():
+            if not isinstance(c, dict):
+                continue
+            try:
+                rs = group_members(c.get("ranks", "[]"))
+            except DumpError:
+                continue
+            cfg.setdefault(str(c.get("name", key)), (str(c.get("desc", "") or ""), tuple(rs)))
+    descs: dict[str, int] = {}
+    for desc, _ in cfg.values():
+        descs[desc] = descs.get(desc, 0) + 1
+    return {name: group_label(name, name, desc, rs, desc_shared=descs[desc] > 1)
+            for name, (desc, rs) in cfg.items()}
+
+
 def just_print_entries(dumps: dict[int, dict[str, Any]], args: argparse.Namespace) -> str:
     """Entries of every rank side by side, rows aligned by (group, seq) and P2P by p2p_seq."""
     ranks = [r for r in sorted(dumps) if args.selected_ranks is None or r in args.selected_ranks]
@@ -358,10 +382,11 @@ def just_print_entries(dumps: dict[int, dict[str, Any]], args: argparse.Namespac
             key = (gi, gname, int(p2p), seq)
             cells.setdefault(key, {}).setdefault(r, []).append(_entry_cell(e, stack_ids))
     headers = ["group", "seq"] + [f"Rank {r}" for r in ranks]
+    labels = _group_labels(dumps)
     rows = []
     for key in sorted(cells):
         _, gname, p2p, seq = key
-        row = [gname, f"p2p {seq}" if p2p else str(seq)]
+        row = [labels.get(gname, gname), f"p2p {seq}" if p2p else str(seq)]
         row += ["; ".join(cells[key].get(r, [])) for r in ranks]
         rows.append(row)
     out = (
@@ -458,8 +483,10 @@ def run(args: argparse.Namespace) -> int:
         sys.stdout.write("\n")
     else:
         sys.stdout.write(report.fr_trace_text(result))
+    # Non-zero whenever the verdict names a problem: an error finding, or (category "unknown")
+    # ranks that wait while others gave no data, even under --allow-incomplete-ranks.
     errors = [f for f in result["findings"] if f.get("severity") != "info"]
-    return EXIT_FINDINGS if errors else EXIT_OK
+    return EXIT_FINDINGS if errors or result.get("category") else EXIT_OK
 
 
 def main(argv: Sequence[str] | None = None) -> int:

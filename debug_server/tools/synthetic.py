@@ -75,8 +75,11 @@ def make_dump(
     groups: dict[str, Sequence[int]],
     backend: str = "gloo",
     status: Mapping[str, Mapping[str, int]] | None = None,
+    descs: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
     """A whole per-rank dump around ``entries``; ``groups`` maps communicator name to ranks.
+
+    ``descs`` gives a group's ``desc`` (c10d's ``group_desc``: ``mesh_tp``); default ``backend``.
 
     ``pg_status`` is derived from the entries as the recorder does (highest collective seq
     issued, started, completed per group); ``status`` overrides it per group, e.g. for a group
@@ -86,7 +89,7 @@ def make_dump(
         "version": FR_VERSION,
         "comm_lib_version": "synthetic",
         "pg_config": {
-            name: {"name": name, "desc": backend, "ranks": str(list(ranks))}
+            name: {"name": name, "desc": (descs or {}).get(name, backend), "ranks": str(list(ranks))}
             for name, ranks in groups.items()
         },
         "pg_status": {name: dict((status or {}).get(name) or _status(entries, name))
