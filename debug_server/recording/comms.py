@@ -662,6 +662,10 @@ def new_comm(
         store: a ``torch.distributed.Store`` for the rendezvous when the default group is not
             initialised yet; otherwise torchrun's ``env://`` variables are used.
 
+    When the default group is not initialised yet, ``new_comm`` initialises it, on CUDA bound
+    to ``device`` (``device_id``): every group made after it is then split from one NCCL
+    communicator, the user's own included (``_init_default_group`` says why).
+
     All ranks must call ``new_comm`` in the same order (it creates a process group).
     """
     dev = torch.device(device)
