@@ -26,9 +26,10 @@ from typing import Any
 
 from debug_server.analysis.frwindow import ACTIVE_KEY as _ACTIVE_KEY
 from debug_server.analysis.frwindow import WINDOW_KEY as _WINDOW_KEY
+from debug_server.frontend import fastjson
 
-__all__ = ["GLOO_SUFFIX", "NCCL_HANDLER", "collisions", "cpu_since", "has_groups", "merge",
-           "nccl_params", "rename"]
+__all__ = ["EMPTY_CPU_BODY", "GLOO_SUFFIX", "NCCL_HANDLER", "collisions", "cpu_since", "has_groups",
+           "is_empty_body", "merge", "nccl_params", "rename"]
 
 NCCL_HANDLER = "dump_nccl_trace_json"
 GLOO_SUFFIX = ":gloo"
@@ -64,6 +65,20 @@ def _empty(dump: Mapping[str, Any]) -> bool:
     """A recorder that recorded nothing and names no group (the CPU recorder of an NCCL-only
     job): merging it changes nothing but the work done."""
     return not dump.get("entries") and _WINDOW_KEY not in dump and not _names(dump)
+
+
+EMPTY_CPU_BODY = ('{"comm_lib_version":"","nccl_comm_state":{},"pg_config":{},"pg_status":{},'
+                  '"version":"2.10"}')
+"""What an empty CPU recorder answers (torch 2.11-2.13: ``tests/data/c10d_nccl_worker.json``)."""
+
+
+def is_empty_body(body: str) -> bool:
+    """Whether ``body`` is a recorder's reply that names no group and holds no entry."""
+    try:
+        dump = fastjson.loads(body)
+    except ValueError:
+        return False
+    return isinstance(dump, dict) and _empty(dump)
 
 
 def has_groups(dump: Mapping[str, Any]) -> bool:
