@@ -56,9 +56,6 @@ class RankResult:
     http_status: int | None = None
     note: str | None = None
     """How an OK body came other than from the worker itself (``stacks read by py-spy ...``)."""
-    parsed: tuple[str, dict[str, Any]] | None = None
-    """``(text, dump)``: ``dump`` is ``text`` parsed, made where the body was built from parsed
-    replies (torch's two recorders merged); ``parse_dumps`` uses it while ``body is text``."""
 
     @property
     def ok(self) -> bool:
@@ -545,11 +542,8 @@ class Collector:
             size = sum(len(r.body or "") + len(n.body or "") for r, n in merging)
             merged = (_merge_bodies(merging, active) if size < INLINE_BYTES else await asyncio.
                       get_running_loop().run_in_executor(None, _merge_bodies, merging, active))
-            for (r, _), (body, renamed, dump) in zip(merging, merged, strict=True):
+            for (r, _), (body, renamed) in zip(merging, merged, strict=True):
                 r.body = body
-                # Parsed once: at 4096 ranks each reply carries the world's member list (24 KB)
-                # and parsing it again was a third of the page (issue 31).
-                r.parsed = None if dump is None or body is None else (body, dump)
                 if renamed:
                     self._gloo_renamed[r.url or ""] = renamed
                 else:
@@ -717,9 +711,8 @@ def parse_dumps(results: Sequence[RankResult]) -> dict[int, dict[str, Any]]:
     for r in results:
         if not r.ok:
             continue
-        pre = r.parsed
         try:
-            dump = pre[1] if pre is not None and pre[0] is r.body else r.json()
+            dump = r.json()
         except ValueError as e:
             r.status, r.error = FAILED, f"reply is not JSON ({first_line(e, 200, empty='')})"
             continue
@@ -815,20 +808,19 @@ async def _no_results() -> list[RankResult]:
 
 
 def _merge_bodies(pairs: Sequence[tuple[RankResult, RankResult]], active: bool = False,
-                  ) -> list[tuple[str | None, frozenset[str], dict[str, Any] | None]]:
+                  ) -> list[tuple[str | None, frozenset[str]]]:
     """Each rank's CPU and NCCL recorder replies as one body (``c10d_workers.merge``), and the
     CPU groups renamed. A reply that is not a JSON object, or an NCCL recorder that names no
     group, leaves the CPU body as it is (``parse_dumps`` reports a bad one). ``active``: the
-    NCCL replies are ``onlyactive`` ones, marked as such a cut (``activecover.mark``). Each
-    merged body comes with its dump (``RankResult.parsed``)."""
-    out: list[tuple[str | None, frozenset[str], dict[str, Any] | None]] = []
+    NCCL replies are ``onlyactive`` ones, marked as such a cut (``activecover.mark``)."""
+    out: list[tuple[str | None, frozenset[str]]] = []
     for cpu, nccl in pairs:
         a, b = _json_object(cpu.body), _json_object(nccl.body)
         if a is None or b is None or not c10d_workers.has_groups(b):
-            out.append((cpu.body, frozenset(), None))
+            out.append((cpu.body, frozenset()))
             continue
         merged, renamed = c10d_workers.merge(a, activecover.mark(b) if active else b)
-        out.append((_encoded(merged), renamed, merged))
+        out.append((_encoded(merged), renamed))
     return out
 
 
