@@ -34,6 +34,8 @@ import argparse
 import io
 import json
 import logging
+import os
+import statistics
 import sys
 import time
 import urllib.request
@@ -45,6 +47,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tests"))
 
 from fakefleet import (  # noqa: E402
+    NCCL_TIMING_ENV,
     RING,
     cpu_s,
     end_process,
@@ -123,13 +126,25 @@ def bench(world: int, reps: int, helpers: int, whole_ring_max: int, *, idle_s: f
         base = f"http://127.0.0.1:{port}"
         timed_get(f"{base}/stacks")  # warm connections
         row: dict[str, Any] = {"ranks": world}
-        row["fr_json_s"], body = median_of(lambda: timed_get(f"{base}/fr_trace?format=json"), reps)
+        pid = frontend.pid
+        cpu: dict[str, list[float]] = {}
+
+        def page(key: str, url: str, accept: str = "*/*") -> tuple[float, Any]:
+            # The frontend's own CPU seconds for the page too: on a shared box the wall time
+            # counts whatever else ran (the fakes, other jobs), the frontend's CPU does not.
+            c0 = cpu_s(pid)
+            out = timed_get(url, accept)
+            cpu.setdefault(key, []).append(cpu_s(pid) - c0)
+            return out
+
+        row["fr_json_s"], body = median_of(lambda: page("fr_json_s", f"{base}/fr_trace?format=json"), reps)
         verdict = json.loads(body)["verdict"]
-        row["fr_html_s"], html = median_of(lambda: timed_get(f"{base}/fr_trace", "text/html"), reps)
+        row["fr_html_s"], html = median_of(lambda: page("fr_html_s", f"{base}/fr_trace", "text/html"), reps)
         row["html_bytes"] = len(html)
-        row["fr_text_s"], _ = median_of(lambda: timed_get(f"{base}/fr_trace"), reps)
-        row["stacks_s"], _ = median_of(lambda: timed_get(f"{base}/stacks"), reps)
-        row["overview_s"], _ = median_of(lambda: timed_get(f"{base}/", "text/html"), reps)
+        row["fr_text_s"], _ = median_of(lambda: page("fr_text_s", f"{base}/fr_trace"), reps)
+        row["stacks_s"], _ = median_of(lambda: page("stacks_s", f"{base}/stacks"), reps)
+        row["overview_s"], _ = median_of(lambda: page("overview_s", f"{base}/", "text/html"), reps)
+        row["cpu"] = {k: statistics.median(v) for k, v in cpu.items()}
         row["rss_mb"] = status_kb(frontend.pid, "VmHWM") / 1024
         row["idle_cpu"] = _idle_cpu(frontend.pid, idle_s)
         if skip_torch:
@@ -176,6 +191,8 @@ def _print_per_rank(rows: list[dict[str, Any]]) -> None:
         idle = r.get("idle_cpu")
         print(f"  {r['ranks']:>6}  " + "  ".join(f"{c:>28}" for c in cells)
               + f"  {r['rss_mb']:>11.0f}  {'n/a' if idle is None else f'{idle:.1%}':>8}")
+        print(f"  {'':>6}  " + "  ".join(f"{'frontend CPU ' + format(r['cpu'][key], '.2f') + ' s':>28}"
+                                         for key, _ in PER_RANK_PAGES))
 
 
 def main() -> None:
@@ -198,7 +215,12 @@ def main() -> None:
     p.add_argument("--c10d-nccl", action="store_true",
                    help="fake ranks answer as torch's C++ worker on a CUDA build (the ring in "
                         "its NCCL recorder, which honours onlyactive; an empty CPU recorder)")
+    p.add_argument("--nccl-timing", action="store_true",
+                   help="with --c10d-nccl: the fakes' groups record c10d's start events (ops "
+                        "'started'), as the fakes wrote before issue 31; default: torch's default, none")
     args = p.parse_args()
+    if args.nccl_timing:
+        os.environ[NCCL_TIMING_ENV] = "1"  # read by the fake ranks' helper processes
     print(f"fake ranks: {RING}-entry rings from synthetic.hang_job; last rank missing from the "
           f"newest all_reduce; {args.helpers} helper processes; medians of {args.reps}"
           + ("; replies memoised per helper (--memo)" if args.memo else "")

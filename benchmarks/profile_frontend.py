@@ -9,6 +9,7 @@ helper processes as ``bench_frontend.py`` (``tests/fakefleet.py``: real worker a
     python benchmarks/profile_frontend.py --ranks 2048 --page /fr_trace --accept text/html
     python benchmarks/profile_frontend.py --ranks 4096 --page / --top 25
     python benchmarks/profile_frontend.py --ranks 256 --c10d --reps 3
+    python benchmarks/profile_frontend.py --ranks 4096 --c10d-nccl --page '/fr_trace?format=json'
 """
 
 from __future__ import annotations
@@ -106,8 +107,10 @@ def main() -> None:
     p.add_argument("--memo", action="store_true", help="fake ranks memoise replies (fakefleet)")
     p.add_argument("--c10d", action="store_true",
                    help="fake ranks answer as torch's C++ worker (whole rings, c10d schema)")
+    p.add_argument("--c10d-nccl", action="store_true",
+                   help="fake ranks answer as torch's C++ worker on a CUDA build (its NCCL recorder)")
     args = p.parse_args()
-    fleet, urls = start_fleet(args.ranks, args.helpers, args.memo, c10d=args.c10d)
+    fleet, urls = start_fleet(args.ranks, args.helpers, args.memo, c10d=args.c10d, c10d_nccl=args.c10d_nccl)
     prof = cProfile.Profile()
     try:
         times = asyncio.run(_run(urls, args.page, args.accept, args.reps, prof))

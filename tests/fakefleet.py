@@ -53,6 +53,8 @@ from debug_server.tools import synthetic
 REPO = Path(__file__).resolve().parent.parent
 
 RING = 2000
+NCCL_TIMING_ENV = "FAKEFLEET_NCCL_TIMING"
+"""``1``: ``--c10d-nccl`` fakes write what a group with c10d's timing events writes (``c10d_nccl_dump``)."""
 """Entries in each fake rank's ring in ``start_fleet`` (a full default-size ring)."""
 STACK = (
     "Thread 0x00007f0000000001 (most recent call first):\n"
@@ -198,27 +200,42 @@ def _c10d_entry(e: Mapping[str, Any], ids: Mapping[str, str], backend: str,
     return out
 
 
-def c10d_nccl_dump(dump: Mapping[str, Any]) -> dict[str, Any]:
-    """``dump`` as c10d's NCCL recorder writes it (``dump_nccl_trace_json``, CUDA builds only; as
-    read from torch's ``FlightRecorderDetail.hpp`` and ``FlightRecorderCuda.cpp``, not run here):
-    ops ``nccl:<op>``, ``state`` completed / started / scheduled from the op's CUDA events with
-    the discovery times set (0 where unknown), ``retired`` once the watchdog let the op go,
-    ``pg_config`` keyed by the group's name (here its id, ``"0"``) with its description, and
-    ``pg_status`` keyed by id with counters as strings; no ``frames``."""
+def c10d_nccl_dump(dump: Mapping[str, Any], timing: bool = False) -> dict[str, Any]:
+    """``dump`` as c10d's NCCL recorder writes it (``dump_nccl_trace_json``, CUDA builds only),
+    checked byte for byte against a real worker (torch 2.11+cu130, NCCL 2.28.9, 2 H200s:
+    ``scripts/gpu_capture_c10d_nccl.py``; ``tests/data/c10d_nccl_worker.json`` is its head and
+    first entries) and ``FlightRecorderDetail.hpp``'s ``dump_json``: keys sorted (nlohmann's
+    objects), no spaces, no ``frames`` (the JSON dump never writes stacks), ops ``nccl:<op>``,
+    ``pg_config`` keyed by the group's name (here its id, ``"0"``) with the member list as one
+    string, ``pg_status`` keyed by id with its three counters as strings, ``retired`` once the
+    watchdog let an op go, discovery times 0 where unknown.
+
+    ``timing``: the group records start events (``TORCH_NCCL_ENABLE_TIMING=1``). Without them,
+    torch's default, c10d never learns that an op started: ``state`` goes from ``scheduled``
+    to ``completed``, ``time_discovered_started_ns`` stays 0 and ``last_started_collective``
+    ``-1``; so an op of ours that ``started`` is ``scheduled`` here."""
     ids = {name: str(i) for i, name in enumerate(dump["pg_config"])}
     entries = []
     for e in dump["entries"]:
         t, state = e["time_created_ns"], e["state"]
+        if not timing and state == "started":
+            state = "scheduled"
         entries.append(_c10d_entry(
             e, ids, "nccl", retired=state == "completed", state=state,
             time_discovered_completed_ns=t + 2000 if state == "completed" else 0,
-            time_discovered_started_ns=t + 1000 if state != "scheduled" else 0))
+            time_discovered_started_ns=t + 1000 if timing and state != "scheduled" else 0))
+
+    def status(st: Mapping[str, Any]) -> dict[str, str]:
+        out = {k: str(v) for k, v in sorted(st.items())}
+        if not timing:
+            out["last_started_collective"] = "-1"
+        return out
+
     return {
-        "comm_lib_version": "2.27.5", "entries": entries, "nccl_comm_state": {},
+        "comm_lib_version": "2.28.9", "entries": entries, "nccl_comm_state": {},
         "pg_config": {ids[name]: {"desc": name, "name": ids[name], "ranks": c["ranks"]}
                       for name, c in dump["pg_config"].items()},
-        "pg_status": {ids[name]: {k: str(v) for k, v in st.items()}
-                      for name, st in dump["pg_status"].items()},
+        "pg_status": {ids[name]: status(st) for name, st in dump["pg_status"].items()},
         "version": "2.10"}
 
 
@@ -326,7 +343,10 @@ async def serve_ranks(first: int, last: int, world: int, memo: bool = False,
     full, missing = rank_dumps(world)
     if c10d_nccl:
         empty = json.dumps(c10d_empty_dump(), separators=(",", ":")).encode()
-        answers = [_nccl_handler(c10d_nccl_dump(d)) for d in (full, missing)]
+        # NCCL_TIMING_ENV=1: the fakes' groups record start events (TORCH_NCCL_ENABLE_TIMING),
+        # as every NCCL fake did before issue 31 (ops "started", started counters set).
+        timing = os.environ.get(NCCL_TIMING_ENV) == "1"
+        answers = [_nccl_handler(c10d_nccl_dump(d, timing)) for d in (full, missing)]
         await serve_apps([make_c10d_worker_app(empty, nccl_answer=answers[rank == world - 1])
                           for rank in range(first, last)])
         return

@@ -213,3 +213,27 @@ def test_generated_hangs_read_active_first_give_the_whole_rings_answer(failure: 
         assert _answer(live) == _answer(whole)
 
     GENERATED(given(jobs(failure))(check))()
+
+
+def _cpu_asks(asked: Asked, rank: int) -> int:
+    return sum(n for (r, q), n in asked.items() if r == rank and q.startswith("fr_trace_json"))
+
+
+async def test_an_empty_cpu_recorder_is_not_asked_again_on_the_next_page() -> None:
+    # An NCCL-only job: every rank's CPU recorder is empty. Asked on the first page, it stands
+    # for CPU_EMPTY_TTL_S; the NCCL recorder, where the hang is, is asked on every page.
+    dumps = synthetic.hang_job(4, n_entries=50, missing_rank=3)
+    frs, asked = await _pages([_torch_cuda(dumps[r]) for r in range(4)], n=3)
+    assert all(_cpu_asks(asked, r) == 1 for r in range(4))
+    assert all(_nccl_asks(asked, r) == {ACTIVE: 3} for r in range(4))
+    for fr in frs:
+        assert [r.status for r in fr.results] == ["ok"] * 4
+        assert _findings(fr, 4) == [("missing_ranks", "0", 49, [3])]
+
+
+async def test_a_cpu_recorder_with_groups_is_asked_on_every_page() -> None:
+    gloo = synthetic.hang_job(2, n_entries=3)
+    nccl = synthetic.hang_job(2, n_entries=50, missing_rank=1)
+    apps = [_torch_cuda(nccl[r], json.dumps(c10d_dump(gloo[r])).encode()) for r in range(2)]
+    _, asked = await _pages(apps, n=3)
+    assert [_cpu_asks(asked, r) for r in range(2)] == [3, 3]

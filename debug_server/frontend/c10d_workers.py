@@ -26,9 +26,10 @@ from typing import Any
 
 from debug_server.analysis.frwindow import ACTIVE_KEY as _ACTIVE_KEY
 from debug_server.analysis.frwindow import WINDOW_KEY as _WINDOW_KEY
+from debug_server.frontend import fastjson
 
-__all__ = ["GLOO_SUFFIX", "NCCL_HANDLER", "collisions", "cpu_since", "has_groups", "merge",
-           "nccl_params", "rename"]
+__all__ = ["EMPTY_CPU_BODY", "GLOO_SUFFIX", "NCCL_HANDLER", "collisions", "cpu_since", "has_groups",
+           "is_empty_body", "merge", "nccl_params", "rename"]
 
 NCCL_HANDLER = "dump_nccl_trace_json"
 GLOO_SUFFIX = ":gloo"
@@ -40,18 +41,44 @@ def nccl_params(params: Mapping[str, str]) -> dict[str, str]:
     return {"onlyactive": params["onlyactive"]} if "onlyactive" in params else {}
 
 
+def _is_map(x: Any) -> bool:
+    # Parsed JSON: dicts. isinstance(x, Mapping) alone goes through abc's check, which was a
+    # third of merging 4096 ranks' replies (profile at 4096 ranks, issue 31).
+    return isinstance(x, dict) or isinstance(x, Mapping)
+
+
 def _names(dump: Mapping[str, Any]) -> set[str]:
     out: set[str] = set()
     for key in ("pg_config", "pg_status"):
         part = dump.get(key)
-        if isinstance(part, Mapping):
+        if _is_map(part):
             out.update(map(str, part))
     entries = dump.get("entries")
     for e in entries if isinstance(entries, list) else ():
-        pg = e.get("process_group") if isinstance(e, Mapping) else None
+        pg = e.get("process_group") if _is_map(e) else None
         if isinstance(pg, (list, tuple)) and pg:
             out.add(str(pg[0]))
     return out
+
+
+def _empty(dump: Mapping[str, Any]) -> bool:
+    """A recorder that recorded nothing and names no group (the CPU recorder of an NCCL-only
+    job): merging it changes nothing but the work done."""
+    return not dump.get("entries") and _WINDOW_KEY not in dump and not _names(dump)
+
+
+EMPTY_CPU_BODY = ('{"comm_lib_version":"","nccl_comm_state":{},"pg_config":{},"pg_status":{},'
+                  '"version":"2.10"}')
+"""What an empty CPU recorder answers (torch 2.11-2.13: ``tests/data/c10d_nccl_worker.json``)."""
+
+
+def is_empty_body(body: str) -> bool:
+    """Whether ``body`` is a recorder's reply that names no group and holds no entry."""
+    try:
+        dump = fastjson.loads(body)
+    except ValueError:
+        return False
+    return isinstance(dump, dict) and _empty(dump)
 
 
 def has_groups(dump: Mapping[str, Any]) -> bool:
@@ -77,18 +104,18 @@ def rename(dump: Mapping[str, Any], names: Iterable[str]) -> dict[str, Any]:
 
     out = dict(dump)
     cfg = dump.get("pg_config")
-    if isinstance(cfg, Mapping):
+    if _is_map(cfg):
         out["pg_config"] = {
-            new(k): ({**c, "name": new(c["name"])} if isinstance(c, Mapping) and "name" in c
+            new(k): ({**c, "name": new(c["name"])} if _is_map(c) and "name" in c
                      else c) for k, c in cfg.items()}
     status = dump.get("pg_status")
-    if isinstance(status, Mapping):
+    if _is_map(status):
         out["pg_status"] = {new(k): v for k, v in status.items()}
     entries = dump.get("entries")
     if isinstance(entries, list):
         out["entries"] = [_renamed_entry(e, new) for e in entries]
     window = dump.get(_WINDOW_KEY)
-    if isinstance(window, Mapping) and isinstance(window.get("since"), Mapping):
+    if _is_map(window) and _is_map(window.get("since")):
         out[_WINDOW_KEY] = {**window, "since": {new(k): v for k, v in window["since"].items()}}
     return out
 
@@ -106,7 +133,7 @@ def cpu_since(since: Mapping[str, int], names: Iterable[str]) -> dict[str, int]:
 
 
 def _renamed_entry(e: Any, new: Any) -> Any:
-    pg = e.get("process_group") if isinstance(e, Mapping) else None
+    pg = e.get("process_group") if _is_map(e) else None
     if not isinstance(pg, (list, tuple)) or not pg or new(pg[0]) == pg[0]:
         return e
     return {**e, "process_group": [new(pg[0]), *pg[1:]]}
@@ -121,18 +148,20 @@ def merge(cpu: Mapping[str, Any], nccl: Mapping[str, Any]) -> tuple[dict[str, An
     groups are the union; the entries are one timeline by creation time, with record ids
     renumbered along it where both recorders have entries (each counts its own from 0).
     """
+    if _empty(cpu):
+        return dict(nccl), frozenset()
     clash = collisions(cpu, nccl)
     gloo = rename(cpu, clash)
     out = dict(nccl)
     for key in ("pg_config", "pg_status"):
         a, b = gloo.get(key), nccl.get(key)
-        out[key] = {**(a if isinstance(a, Mapping) else {}), **(b if isinstance(b, Mapping) else {})}
+        out[key] = {**(a if _is_map(a) else {}), **(b if _is_map(b) else {})}
     ce, ne = gloo.get("entries"), nccl.get("entries")
     ce = ce if isinstance(ce, list) else []
     ne = ne if isinstance(ne, list) else []
     if ce and ne:
         both = sorted(ce + ne, key=_created)
-        out["entries"] = [{**e, "record_id": i} if isinstance(e, Mapping) else e
+        out["entries"] = [{**e, "record_id": i} if _is_map(e) else e
                           for i, e in enumerate(both)]
     elif ce or ne:
         out["entries"] = ce or ne
@@ -143,13 +172,13 @@ def merge(cpu: Mapping[str, Any], nccl: Mapping[str, Any]) -> tuple[dict[str, An
 
 
 def _created(e: Any) -> int:
-    t = e.get("time_created_ns") if isinstance(e, Mapping) else None
+    t = e.get("time_created_ns") if _is_map(e) else None
     return t if type(t) is int else 0
 
 
 def _facts(dump: Mapping[str, Any]) -> dict[str, Any] | None:
     window = dump.get(_WINDOW_KEY)
-    if isinstance(window, Mapping):
+    if _is_map(window):
         return dict(window)
     return None
 

@@ -662,17 +662,16 @@ def new_comm(
         store: a ``torch.distributed.Store`` for the rendezvous when the default group is not
             initialised yet; otherwise torchrun's ``env://`` variables are used.
 
+    When the default group is not initialised yet, ``new_comm`` initialises it, on CUDA bound
+    to ``device`` (``device_id``): every group made after it is then split from one NCCL
+    communicator, the user's own included (``_init_default_group`` says why).
+
     All ranks must call ``new_comm`` in the same order (it creates a process group).
     """
     dev = torch.device(device)
     td = _as_timedelta(timeout) or _DEFAULT_TIMEOUT
     if not dist.is_initialized():
-        if dev.type == "cuda":
-            torch.cuda.set_device(dev)
-        kwargs: dict[str, Any] = {"backend": backend, "timeout": td}
-        if store is not None:
-            kwargs.update(store=store, rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
-        dist.init_process_group(**kwargs)
+        _init_default_group(backend, dev, td, store)
     world = dist.get_world_size()
     ranks = list(range(world))
     backed = _c10d_backed(backend)
@@ -681,3 +680,24 @@ def new_comm(
     pg = _new_group(ranks, backend, td, name, local_sync=False, timing=backed and _timing_wanted(backend))
     return Comm(pg, name, backend, dev, ranks, td, bool(abort_process_on_timeout_or_error), c10d_backed=backed)
 
+
+def _init_default_group(backend: str, dev: torch.device, timeout: datetime.timedelta, store: Any) -> None:
+    """``init_process_group`` for a job that left it to ``new_comm``; on CUDA bound to ``dev``.
+
+    Why ``device_id``: it makes the default group's NCCL communicator at once, and every group
+    created after it (ours, the user's own, DDP's) is then split from it (``ncclCommSplit``).
+    Without it each group is a communicator of its own, made at its first collective, and two
+    such communicators run the same overlapped step up to 9 % apart, bare torch against bare
+    torch (2 and 4 H200s, torch 2.11, NCCL 2.28.9, ``scripts/gpu_step_groups.py --plain``):
+    whichever group a user compared with ours gained or lost that much. Split from one parent,
+    ours / bare on a group of its own is 1.000 (issue 31).
+    """
+    kwargs: dict[str, Any] = {"backend": backend, "timeout": timeout}
+    if store is not None:
+        kwargs.update(store=store, rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+    if dev.type == "cuda":
+        if dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+        torch.cuda.set_device(dev)
+        kwargs["device_id"] = dev
+    dist.init_process_group(**kwargs)
