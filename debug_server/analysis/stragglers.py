@@ -1,0 +1,325 @@
+"""Slow ranks before they hang: arrival lag at collectives, from the Flight Recorder rings.
+
+Every FR entry says when its rank issued the collective (``time_created_ns``). For each
+collective that every member of a group issued within the window (the group's newest
+``window_ops`` such collectives), a member's **lag** is its issue time minus the earliest
+member's. Ranks whose clocks differ (other hosts) are first put on one clock with
+:class:`Clock` (offset and error estimated by the frontend at each fetch, :func:`estimate`).
+
+**The rule.** A rank is named slow on a group when (1) it arrived last at far more of the
+window's collectives than chance allows: the binomial tail P(X >= k | n, 1/m) for k last
+arrivals in n collectives of an m-member group is below :attr:`Rule.p_value` (1e-6), with at
+least :attr:`Rule.min_ops` collectives; and (2) its median lag is well above the group's: at
+least ``max(min_lag_ms, lag_factor x the median of the other members' median lags, its clock
+error)``. Uniform traffic (every member equally likely last) meets neither condition; a rank
+that is always last by a few microseconds (a constant code-path difference) meets (1) but not (2).
+
+**Host or device.** The rule runs on issue times first (side ``"host"``: the rank's Python
+reached the collective late: data, CPU). Where every member has a start time
+(``time_discovered_started_ns``: c10d's timing, our CUDA start marks) it runs again on those
+(side ``"device"``: issued on time, but its collectives start late on its stream: a slow GPU,
+link or NIC). A rank named on the host side is not named again on the device side.
+
+Pure: no torch, no HTTP. ``analyze`` returns the ``/stragglers`` JSON plus, under ``groups``,
+the per-rank rows the pages show.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import math
+import statistics
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["Clock", "Rule", "analyze", "best_clock", "binom_tail", "estimate", "sentence",
+           "public"]
+
+HOST, DEVICE = "host", "device"
+SPARK_POINTS = 48
+"""Most points of a rank's lag sparkline (the window is averaged down to this many)."""
+_P2P = ("send", "recv")
+
+
+@dataclass(frozen=True, slots=True)
+class Clock:
+    """A rank's clock against the frontend's: ``rank clock = frontend clock + offset_ns``,
+    known to within ``error_ns``."""
+
+    offset_ns: int = 0
+    error_ns: int = 0
+
+
+def estimate(rank_time_ns: int, done_ns: int, elapsed_s: float) -> Clock:
+    """One fetch's estimate: the rank read its clock (``rank_time_ns``: the dump's
+    ``dump_time_ns``) somewhere inside the round trip that ended at ``done_ns`` (frontend
+    clock) and took ``elapsed_s``; so its offset is that reading minus the round trip's
+    midpoint, to within half the round trip."""
+    rtt = max(0, int(elapsed_s * 1e9))
+    return Clock(rank_time_ns - (done_ns - rtt // 2), rtt // 2 + 1)
+
+
+def best_clock(estimates: Iterable[Clock]) -> Clock:
+    """The estimate with the smallest error (the shortest round trip, as NTP filters). An
+    offset within its own error of zero is taken as zero (the same clock: ranks on the
+    frontend's host), with the error doubled: the true offset lies within ``error`` of the
+    estimate, so within ``2 x error`` of zero."""
+    best = min(estimates, key=lambda c: c.error_ns, default=Clock())
+    if abs(best.offset_ns) <= best.error_ns:
+        return Clock(0, 2 * best.error_ns)
+    return best
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Rule:
+    """When a rank is named slow (module docstring)."""
+
+    window_ops: int = 200
+    """Collectives per group looked at: the newest that every member issued."""
+    min_ops: int = 20
+    """Fewer complete collectives than this in a group: nobody is named on it."""
+    p_value: float = 1e-6
+    """Most probability that uniform traffic makes a rank last this often."""
+    min_lag_ms: float = 5.0
+    """A median lag below this is never slow, whatever the shares."""
+    lag_factor: float = 3.0
+    """The median lag must be this many times the other members' typical median lag."""
+
+
+def binom_tail(k: int, n: int, p: float) -> float:
+    """P(X >= k) for X ~ Binomial(n, p)."""
+    if k <= 0:
+        return 1.0
+    if k > n:
+        return 0.0
+    q = 1.0 - p
+    return min(1.0, sum(math.comb(n, i) * p**i * q ** (n - i) for i in range(k, n + 1)))
+
+
+# ---------------------------------------------------------------------------------------------
+# The window: per group, every member's times of its newest complete collectives
+
+
+@dataclass(slots=True)
+class _Group:
+    name: str
+    desc: str
+    members: list[int]
+    seqs: dict[int, dict[int, tuple[int, int | None]]]
+    """seq -> rank -> (issued, started) on the frontend's clock (started None when unknown)."""
+    ops: dict[int, str]
+
+
+def _members_text(raw: Any) -> list[int]:
+    try:
+        ranks = json.loads(raw) if isinstance(raw, str) else raw
+        return sorted({int(r) for r in ranks}) if isinstance(ranks, list) else []
+    except (ValueError, TypeError):
+        return []
+
+
+def _op(e: Mapping[str, Any]) -> str:
+    name = str(e.get("profiling_name", ""))
+    return name.partition(":")[2] if ":" in name else name
+
+
+def _int(v: Any) -> int | None:
+    return v if type(v) is int and v > 0 else None
+
+
+def _groups(dumps: Mapping[int, Mapping[str, Any]], clocks: Mapping[int, Clock]) -> dict[str, _Group]:
+    out: dict[str, _Group] = {}
+    config: dict[str, tuple[str, set[int]]] = {}
+    for dump in dumps.values():
+        cfg = dump.get("pg_config")
+        for key, c in (cfg.items() if isinstance(cfg, Mapping) else ()):
+            if isinstance(c, Mapping):
+                name = str(c.get("name", key))
+                desc, members = config.setdefault(name, (str(c.get("desc", "")), set()))
+                members.update(_members_text(c.get("ranks")))
+    for rank, dump in dumps.items():
+        off = clocks.get(rank, Clock()).offset_ns
+        entries = dump.get("entries")
+        for e in entries if isinstance(entries, list) else ():
+            pg, seq, issued = e.get("process_group"), e.get("collective_seq_id"), \
+                _int(e.get("time_created_ns"))
+            if (not isinstance(pg, (list, tuple)) or not pg or type(seq) is not int
+                    or issued is None or e.get("is_p2p") or _op(e).partition(" ")[0] in _P2P):
+                continue
+            name = str(pg[0])
+            g = out.get(name)
+            if g is None:
+                desc, members = config.get(name, (str(pg[1]) if len(pg) > 1 else "", set()))
+                g = out[name] = _Group(name, desc, sorted(members), {}, {})
+            started = _int(e.get("time_discovered_started_ns"))
+            g.seqs.setdefault(seq, {})[rank] = (issued - off,
+                                                None if started is None else started - off)
+            g.ops.setdefault(seq, _op(e))
+    for g in out.values():
+        if not g.members:  # no pg_config: the ranks seen in its entries
+            g.members = sorted({r for by_rank in g.seqs.values() for r in by_rank})
+    return out
+
+
+def _complete(g: _Group, window: int) -> list[int]:
+    """The newest ``window`` seqs every member issued (and that no rank missing data hides)."""
+    need = len(g.members)
+    full = [s for s, by_rank in g.seqs.items() if len(by_rank) == need]
+    return sorted(full)[-window:]
+
+
+# ---------------------------------------------------------------------------------------------
+# Per rank: lags, last share, trend, the rule
+
+
+@dataclass(slots=True)
+class _Lags:
+    lags: dict[int, list[float]]
+    """rank -> lag in ms at each collective of the window, oldest first."""
+    last: dict[int, int]
+    n: int
+
+
+def _lags(g: _Group, seqs: Sequence[int], which: int) -> _Lags | None:
+    members = g.members
+    lags: dict[int, list[float]] = {r: [] for r in members}
+    last = dict.fromkeys(members, 0)
+    n = 0
+    for s in seqs:
+        by_rank = g.seqs[s]
+        times = [by_rank[r][which] for r in members]
+        if any(t is None for t in times):
+            continue
+        first = min(times)  # type: ignore[type-var]
+        top = max(range(len(times)), key=times.__getitem__)  # type: ignore[arg-type]
+        last[members[top]] += 1
+        for r, t in zip(members, times, strict=True):
+            lags[r].append((t - first) / 1e6)  # type: ignore[operator]
+        n += 1
+    return _Lags(lags, last, n) if n else None
+
+
+def _trend(lags: Sequence[float]) -> float:
+    """Median lag of the newer half of the window minus the older half's (ms)."""
+    if len(lags) < 4:
+        return 0.0
+    half = len(lags) // 2
+    return statistics.median(lags[half:]) - statistics.median(lags[:half])
+
+
+def _spark(lags: Sequence[float]) -> list[float]:
+    if len(lags) <= SPARK_POINTS:
+        return [round(x, 3) for x in lags]
+    step = len(lags) / SPARK_POINTS
+    return [round(statistics.fmean(lags[int(i * step):int((i + 1) * step)]), 3)
+            for i in range(SPARK_POINTS)]
+
+
+def _rows(g: _Group, lg: _Lags, clocks: Mapping[int, Clock], rule: Rule,
+          side: str) -> list[dict[str, Any]]:
+    m = len(g.members)
+    medians = {r: statistics.median(v) for r, v in lg.lags.items()}
+    errors = {r: clocks.get(r, Clock()).error_ns / 1e6 for r in g.members}
+    typical_err = statistics.median(errors.values())
+    ordered = sorted(medians.values())
+    rows = []
+    for r in g.members:
+        base = _median_without(ordered, medians[r])
+        err = errors[r] + typical_err
+        p = binom_tail(lg.last[r], lg.n, 1.0 / m)
+        bar = max(rule.min_lag_ms, rule.lag_factor * base, err)
+        slow = lg.n >= rule.min_ops and p <= rule.p_value and medians[r] >= bar
+        rows.append({"rank": r, "median_lag_ms": round(medians[r], 3),
+                     "last_share": round(lg.last[r] / lg.n, 4), "last": lg.last[r],
+                     "p_value": p, "trend_ms": round(_trend(lg.lags[r]), 3),
+                     "clock_error_ms": round(err, 3), "within_clock_error": medians[r] < err,
+                     "threshold_ms": round(bar, 3), "slow": slow, "side": side,
+                     "spark": _spark(lg.lags[r])})
+    return rows
+
+
+def _median_without(ordered: Sequence[float], v: float) -> float:
+    """The median of ``ordered`` (sorted) less one instance of ``v``: the other members'
+    typical lag, in O(log m) per rank."""
+    i, n = bisect.bisect_left(ordered, v), len(ordered) - 1
+    if n <= 0:
+        return 0.0
+
+    def at(k: int) -> float:
+        return ordered[k] if k < i else ordered[k + 1]
+
+    return at(n // 2) if n % 2 else (at(n // 2 - 1) + at(n // 2)) / 2
+
+
+def _group_result(g: _Group, clocks: Mapping[int, Clock], rule: Rule) -> dict[str, Any] | None:
+    seqs = _complete(g, rule.window_ops)
+    host = _lags(g, seqs, 0)
+    if host is None or len(g.members) < 2:
+        return None
+    rows = _rows(g, host, clocks, rule, HOST)
+    device = _lags(g, seqs, 1)
+    if device is not None:
+        named = {row["rank"] for row in rows if row["slow"]}
+        for row, dev in zip(rows, _rows(g, device, clocks, rule, DEVICE), strict=True):
+            if dev["slow"] and row["rank"] not in named:
+                row.update(slow=True, side=DEVICE, median_lag_ms=dev["median_lag_ms"],
+                           last_share=dev["last_share"], p_value=dev["p_value"],
+                           spark=dev["spark"], trend_ms=dev["trend_ms"])
+    rows.sort(key=lambda row: (-row["median_lag_ms"], row["rank"]))
+    ops = sorted({g.ops[s] for s in seqs}, key=lambda o: -sum(g.ops[s] == o for s in seqs))
+    return {"group": g.name, "desc": g.desc, "label": _label(g), "size": len(g.members),
+            "ops": host.n, "op_names": ops, "rows": rows}
+
+
+def _label(g: _Group) -> str:
+    # c10d names its groups "0", "1"...: people know them by their desc ("default_pg").
+    return g.desc if g.name.isdigit() and g.desc else g.name
+
+
+def analyze(dumps: Mapping[int, Mapping[str, Any]], clocks: Mapping[int, Clock] | None = None,
+            rule: Rule = Rule()) -> dict[str, Any]:
+    """The straggler result over per-rank FR dumps (module docstring).
+
+    ``clocks``: each rank's clock against the reader's (:func:`estimate`, :func:`best_clock`);
+    ranks without one are taken as on the reader's clock. Returns ``stragglers`` (one row per
+    slow rank and group: ``rank, group, median_lag_ms, last_share, side``), ``groups_checked``
+    (groups with at least ``min_ops`` complete collectives in the window), ``window_ops``, and
+    ``groups`` (per group its rows, slowest first, for the pages).
+    """
+    clocks = clocks or {}
+    groups = []
+    for g in sorted(_groups(dumps, clocks).values(), key=lambda g: g.name):
+        res = _group_result(g, clocks, rule)
+        if res is not None:
+            groups.append(res)
+    checked = [g for g in groups if g["ops"] >= rule.min_ops]
+    stragglers = [{"rank": row["rank"], "group": g["group"],
+                   "median_lag_ms": round(row["median_lag_ms"], 1),
+                   "last_share": round(row["last_share"], 2), "side": row["side"]}
+                  for g in checked for row in g["rows"] if row["slow"]]
+    stragglers.sort(key=lambda s: (-s["median_lag_ms"], s["rank"], s["group"]))
+    return {"stragglers": stragglers, "groups_checked": [g["group"] for g in checked],
+            "window_ops": rule.window_ops, "groups": groups}
+
+
+def public(result: Mapping[str, Any]) -> dict[str, Any]:
+    """The ``/stragglers`` JSON: exactly ``stragglers``, ``groups_checked``, ``window_ops``."""
+    return {k: result[k] for k in ("stragglers", "groups_checked", "window_ops")}
+
+
+def sentence(s: Mapping[str, Any], result: Mapping[str, Any]) -> str:
+    """One straggler in words: "Slow: rank 2 arrives last at 96 % of all_reduce on main_comm,
+    median 41 ms after the first rank (host side)"."""
+    g = next((g for g in result.get("groups", []) if g["group"] == s["group"]), None)
+    label = g["label"] if g else s["group"]
+    names = g["op_names"] if g else []
+    ops = "/".join(names[:3]) + ("..." if len(names) > 3 else "") if names else "collectives"
+    share = f"{s['last_share'] * 100:.0f} %"
+    if s["side"] == DEVICE:
+        return (f"Slow: rank {s['rank']} starts last at {share} of {ops} on {label}, median "
+                f"{s['median_lag_ms']:.0f} ms after the first rank (device side: issued on "
+                "time, started late)")
+    return (f"Slow: rank {s['rank']} arrives last at {share} of {ops} on {label}, median "
+            f"{s['median_lag_ms']:.0f} ms after the first rank (host side)")
