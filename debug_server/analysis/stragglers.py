@@ -82,7 +82,7 @@ class Rule:
     """Fewer complete collectives than this in a group: nobody is named on it."""
     p_value: float = 1e-6
     """Most probability that uniform traffic makes a rank last this often."""
-    min_lag_ms: float = 5.0
+    min_lag_ms: float = 10.0
     """A median lag below this is never slow, whatever the shares."""
     lag_factor: float = 3.0
     """The median lag must be this many times the other members' typical median lag."""

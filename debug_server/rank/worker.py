@@ -32,7 +32,7 @@ from aiohttp import web
 from debug_server.analysis import frwindow, members
 from debug_server.auth import TokenGate, auth_middleware
 from debug_server.listen import start_sites
-from debug_server.rank import pyspy, rank_capture
+from debug_server.rank import clock, pyspy, rank_capture
 from debug_server.rank.wire import STACKS_SEP, WITH_STACKS, HandlerError, handler_routes
 from debug_server.recording.lazy import Cut, LazyDump
 from debug_server.stacks import capture_stacks
@@ -101,8 +101,9 @@ class HooksProvider:
         # The hooks' entries and c10d's own (DDP, FSDP, plain torch.distributed) in one dump,
         # the window cut inside: only the entries it keeps are built, on this thread that
         # holds the GIL away from training.
-        return c10d_fr.snapshot(only_active=only_active, include_collectives=include_collectives,
-                                cut=cut)
+        # clock.shifted: a test's injected clock offset (DEBUG_SERVER_CLOCK_OFFSET_NS), else as is.
+        return clock.shifted(c10d_fr.snapshot(only_active=only_active,
+                                              include_collectives=include_collectives, cut=cut))
 
     def c10d_fr_json(self, *, only_active: bool, include_collectives: bool) -> str:
         return c10d_fr_json(only_active=only_active, include_collectives=include_collectives)
