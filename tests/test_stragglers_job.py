@@ -6,6 +6,7 @@ two groups of a plain torch.distributed job is named on that group only (c10d's 
 from __future__ import annotations
 
 import json
+import re
 import time
 import urllib.error
 import urllib.request
@@ -31,7 +32,8 @@ if rank >= 2 and os.environ.get("SKEW_NS"):  # ranks 2-3: a "host" whose clock i
     os.environ["DEBUG_SERVER_CLOCK_OFFSET_NS"] = os.environ["SKEW_NS"]
 from debug_server import start_debug_server
 from debug_server.recording import comms, hooks
-start_debug_server(port=int(os.environ["FE_PORT"]), dump_interval=3600)
+start_debug_server(port=int(os.environ["FE_PORT"]), dump_interval=3600,
+                   dump_dir=os.environ.get("DUMP_DIR"), stall_timeout=3)
 comm = comms.new_comm("gloo", torch.device("cpu"), "main_comm", timeout=timedelta(seconds=60))
 hooks.FlightRecorderHook(max_entries=400).register_with_comm(comm)
 t = torch.ones(16)
@@ -47,6 +49,9 @@ while time.monotonic() < end:
     time.sleep(0.002)  # a step's work, the same on every rank
     if rank == 2 and (here / "slow").exists():
         time.sleep(0.04)
+    if rank == 2 and (here / "hang").exists():  # stops until the test ends the job
+        while not (here / "stop").exists():
+            time.sleep(0.05)
     comm.all_reduce(t)
     i += 1
 print("DONE", i, flush=True)
@@ -180,3 +185,24 @@ def test_rank_slow_on_one_of_two_groups_named_there_only(tmp_path: Path) -> None
         assert abs(res["stragglers"][0]["median_lag_ms"] - 30) <= 6, res
 
     _run(tmp_path, TWO_GROUPS, {}, body)
+
+
+def test_hang_after_a_slow_period_says_who_had_been_slow_and_how_long(tmp_path: Path) -> None:
+    dumps = tmp_path / "dumps"
+
+    def body(port: int) -> None:
+        _until("main_comm checked", 90, lambda: _checked(port, "main_comm"))
+        (tmp_path / "slow").touch()
+        _until("rank 2 named", 60, lambda: _stragglers(port)["stragglers"])
+        time.sleep(3)  # a few seconds of being slow (and at least one background poll)
+        (tmp_path / "hang").touch()
+        report = _until("hang report", 60, lambda: next(dumps.glob("hang_report_*.txt"), None))
+        text = _until("report written", 10, lambda: report.read_text())
+        said = re.search(r"rank 2 had been arriving last on main_comm \(median (\d+) ms behind "
+                         r"the first rank\) for (\d+) s before it stopped\.", text)
+        assert said, text[:3000]
+        assert abs(int(said[1]) - SLOW_MS) <= 0.2 * SLOW_MS and int(said[2]) >= 3
+        overview = _get(port, "/?format=text")
+        assert "rank 2 had been arriving last on main_comm" in overview, overview[:2000]
+
+    _run(tmp_path, OUR_COMMS, {"DUMP_DIR": str(dumps)}, body)
