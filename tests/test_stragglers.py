@@ -95,9 +95,9 @@ def test_clock_offset_corrected_creates_no_straggler() -> None:
 
 
 def test_lag_below_the_clock_error_is_not_reported() -> None:
-    dumps = _dumps(4, 200, lambda r, s: 8.0 if r == 1 else 0.0)
+    dumps = _dumps(4, 200, lambda r, s: 15.0 if r == 1 else 0.0)
     assert [s["rank"] for s in stragglers.analyze(dumps)["stragglers"]] == [1]
-    clocks = {r: Clock(0, 5 * MS) for r in range(4)}  # +-5 ms each: 10 ms between two ranks
+    clocks = {r: Clock(0, 10 * MS) for r in range(4)}  # +-10 ms each: 20 ms between two ranks
     res = stragglers.analyze(dumps, clocks)
     assert res["stragglers"] == []
     assert next(r for r in res["groups"][0]["rows"] if r["rank"] == 1)["within_clock_error"]

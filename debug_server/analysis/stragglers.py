@@ -27,6 +27,7 @@ the per-rank rows the pages show.
 from __future__ import annotations
 
 import bisect
+import functools
 import json
 import math
 import statistics
@@ -40,6 +41,8 @@ __all__ = ["Clock", "Rule", "analyze", "best_clock", "binom_tail", "estimate", "
 HOST, DEVICE = "host", "device"
 SPARK_POINTS = 48
 """Most points of a rank's lag sparkline (the window is averaged down to this many)."""
+SPARK_ROWS = 64
+"""Rows per group that get a trend and a sparkline: the slowest (and every slow one)."""
 _P2P = ("send", "recv")
 
 
@@ -107,30 +110,29 @@ class _Group:
     name: str
     desc: str
     members: list[int]
-    seqs: dict[int, dict[int, tuple[int, int | None]]]
-    """seq -> rank -> (issued, started) on the frontend's clock (started None when unknown)."""
+    issued: dict[int, dict[int, int]]
+    """rank -> seq -> issue time on the reader's clock."""
+    started: dict[int, dict[int, int]]
+    """rank -> seq -> start time on the reader's clock, where the entry has one."""
     ops: dict[int, str]
 
 
-def _members_text(raw: Any) -> list[int]:
+@functools.lru_cache(maxsize=4096)
+def _members_text(raw: str) -> frozenset[int]:
+    # Every member sends the same list: parsed once per distinct text (4096 ranks x 4096).
     try:
-        ranks = json.loads(raw) if isinstance(raw, str) else raw
-        return sorted({int(r) for r in ranks}) if isinstance(ranks, list) else []
+        ranks = json.loads(raw)
+        return frozenset(int(r) for r in ranks) if isinstance(ranks, list) else frozenset()
     except (ValueError, TypeError):
-        return []
+        return frozenset()
 
 
-def _op(e: Mapping[str, Any]) -> str:
-    name = str(e.get("profiling_name", ""))
+def _op(name: Any) -> str:
+    name = str(name or "")
     return name.partition(":")[2] if ":" in name else name
 
 
-def _int(v: Any) -> int | None:
-    return v if type(v) is int and v > 0 else None
-
-
-def _groups(dumps: Mapping[int, Mapping[str, Any]], clocks: Mapping[int, Clock]) -> dict[str, _Group]:
-    out: dict[str, _Group] = {}
+def _config(dumps: Mapping[int, Mapping[str, Any]]) -> dict[str, tuple[str, set[int]]]:
     config: dict[str, tuple[str, set[int]]] = {}
     for dump in dumps.values():
         cfg = dump.get("pg_config")
@@ -138,36 +140,57 @@ def _groups(dumps: Mapping[int, Mapping[str, Any]], clocks: Mapping[int, Clock])
             if isinstance(c, Mapping):
                 name = str(c.get("name", key))
                 desc, members = config.setdefault(name, (str(c.get("desc", "")), set()))
-                members.update(_members_text(c.get("ranks")))
+                raw = c.get("ranks")
+                if isinstance(raw, str):
+                    members.update(_members_text(raw))
+                elif isinstance(raw, list):
+                    members.update(r for r in raw if type(r) is int)
+    return config
+
+
+def _groups(dumps: Mapping[int, Mapping[str, Any]], clocks: Mapping[int, Clock]) -> dict[str, _Group]:
+    out: dict[str, _Group] = {}
+    config = _config(dumps)
     for rank, dump in dumps.items():
         off = clocks.get(rank, Clock()).offset_ns
         entries = dump.get("entries")
         for e in entries if isinstance(entries, list) else ():
-            pg, seq, issued = e.get("process_group"), e.get("collective_seq_id"), \
-                _int(e.get("time_created_ns"))
-            if (not isinstance(pg, (list, tuple)) or not pg or type(seq) is not int
-                    or issued is None or e.get("is_p2p") or _op(e).partition(" ")[0] in _P2P):
+            # The hot loop (4096 ranks x 64 entries a poll): a few dict reads per entry.
+            seq, issued = e.get("collective_seq_id"), e.get("time_created_ns")
+            pg, p2p = e.get("process_group"), e.get("is_p2p")
+            if type(seq) is not int or type(issued) is not int or issued <= 0 or p2p \
+                    or not isinstance(pg, (list, tuple)) or not pg:
                 continue
             name = str(pg[0])
             g = out.get(name)
             if g is None:
                 desc, members = config.get(name, (str(pg[1]) if len(pg) > 1 else "", set()))
-                g = out[name] = _Group(name, desc, sorted(members), {}, {})
-            started = _int(e.get("time_discovered_started_ns"))
-            g.seqs.setdefault(seq, {})[rank] = (issued - off,
-                                                None if started is None else started - off)
-            g.ops.setdefault(seq, _op(e))
+                g = out[name] = _Group(name, desc, sorted(members), {}, {}, {})
+            if seq not in g.ops:
+                op = _op(e.get("profiling_name"))
+                if p2p is None and op.partition(" ")[0] in _P2P:
+                    continue  # a schema without is_p2p: P2P by its name
+                g.ops[seq] = op
+            mine = g.issued.get(rank)
+            if mine is None:
+                mine = g.issued[rank] = {}
+            mine[seq] = issued - off
+            started = e.get("time_discovered_started_ns")
+            if type(started) is int and started > 0:
+                g.started.setdefault(rank, {})[seq] = started - off
     for g in out.values():
         if not g.members:  # no pg_config: the ranks seen in its entries
-            g.members = sorted({r for by_rank in g.seqs.values() for r in by_rank})
+            g.members = sorted(g.issued)
     return out
 
 
 def _complete(g: _Group, window: int) -> list[int]:
-    """The newest ``window`` seqs every member issued (and that no rank missing data hides)."""
-    need = len(g.members)
-    full = [s for s, by_rank in g.seqs.items() if len(by_rank) == need]
-    return sorted(full)[-window:]
+    """The newest ``window`` seqs every member issued (a rank missing data hides the group)."""
+    if any(r not in g.issued for r in g.members):
+        return []
+    common = set.intersection(*(set(g.issued[r]) for r in g.members)) if g.members else set()
+    common &= set(g.ops)
+    return sorted(common)[-window:]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -182,23 +205,20 @@ class _Lags:
     n: int
 
 
-def _lags(g: _Group, seqs: Sequence[int], which: int) -> _Lags | None:
+def _lags(g: _Group, seqs: Sequence[int], times: dict[int, dict[int, int]]) -> _Lags | None:
+    if not seqs or any(r not in times or any(s not in times[r] for s in seqs)
+                       for r in g.members):
+        return None
     members = g.members
-    lags: dict[int, list[float]] = {r: [] for r in members}
+    columns = [[times[r][s] for s in seqs] for r in members]
     last = dict.fromkeys(members, 0)
-    n = 0
-    for s in seqs:
-        by_rank = g.seqs[s]
-        times = [by_rank[r][which] for r in members]
-        if any(t is None for t in times):
-            continue
-        first = min(times)  # type: ignore[type-var]
-        top = max(range(len(times)), key=times.__getitem__)  # type: ignore[arg-type]
-        last[members[top]] += 1
-        for r, t in zip(members, times, strict=True):
-            lags[r].append((t - first) / 1e6)  # type: ignore[operator]
-        n += 1
-    return _Lags(lags, last, n) if n else None
+    firsts = []
+    for at_seq in zip(*columns, strict=True):  # one tuple per collective, members in order
+        firsts.append(min(at_seq))
+        last[members[at_seq.index(max(at_seq))]] += 1
+    lags = {r: [(t - f) / 1e6 for t, f in zip(col, firsts, strict=True)]
+            for r, col in zip(members, columns, strict=True)}
+    return _Lags(lags, last, len(seqs))
 
 
 def _trend(lags: Sequence[float]) -> float:
@@ -213,30 +233,36 @@ def _spark(lags: Sequence[float]) -> list[float]:
     if len(lags) <= SPARK_POINTS:
         return [round(x, 3) for x in lags]
     step = len(lags) / SPARK_POINTS
-    return [round(statistics.fmean(lags[int(i * step):int((i + 1) * step)]), 3)
-            for i in range(SPARK_POINTS)]
+    out = []
+    for i in range(SPARK_POINTS):
+        part = lags[int(i * step):int((i + 1) * step)]
+        out.append(round(sum(part) / len(part), 3))
+    return out
+
+
+def _p_last(k: int, n: int, m: int) -> float:
+    # At or below chance (1/m) it cannot be significant: no tail sum (most of 4096 ranks).
+    return binom_tail(k, n, 1.0 / m) if k * m > n else 1.0
 
 
 def _rows(g: _Group, lg: _Lags, clocks: Mapping[int, Clock], rule: Rule,
           side: str) -> list[dict[str, Any]]:
     m = len(g.members)
     medians = {r: statistics.median(v) for r, v in lg.lags.items()}
-    errors = {r: clocks.get(r, Clock()).error_ns / 1e6 for r in g.members}
+    errors = {r: clocks[r].error_ns / 1e6 if r in clocks else 0.0 for r in g.members}
     typical_err = statistics.median(errors.values())
     ordered = sorted(medians.values())
     rows = []
     for r in g.members:
         base = _median_without(ordered, medians[r])
         err = errors[r] + typical_err
-        p = binom_tail(lg.last[r], lg.n, 1.0 / m)
+        p = _p_last(lg.last[r], lg.n, m)
         bar = max(rule.min_lag_ms, rule.lag_factor * base, err)
         slow = lg.n >= rule.min_ops and p <= rule.p_value and medians[r] >= bar
-        rows.append({"rank": r, "median_lag_ms": round(medians[r], 3),
-                     "last_share": round(lg.last[r] / lg.n, 4), "last": lg.last[r],
-                     "p_value": p, "trend_ms": round(_trend(lg.lags[r]), 3),
-                     "clock_error_ms": round(err, 3), "within_clock_error": medians[r] < err,
-                     "threshold_ms": round(bar, 3), "slow": slow, "side": side,
-                     "spark": _spark(lg.lags[r])})
+        rows.append({"rank": r, "median_lag_ms": medians[r], "last_share": lg.last[r] / lg.n,
+                     "last": lg.last[r], "p_value": p, "clock_error_ms": err,
+                     "within_clock_error": medians[r] < err, "threshold_ms": bar,
+                     "slow": slow, "side": side})
     return rows
 
 
@@ -255,22 +281,33 @@ def _median_without(ordered: Sequence[float], v: float) -> float:
 
 def _group_result(g: _Group, clocks: Mapping[int, Clock], rule: Rule) -> dict[str, Any] | None:
     seqs = _complete(g, rule.window_ops)
-    host = _lags(g, seqs, 0)
-    if host is None or len(g.members) < 2:
+    host = _lags(g, seqs, g.issued) if len(g.members) >= 2 else None
+    if host is None:
         return None
     rows = _rows(g, host, clocks, rule, HOST)
-    device = _lags(g, seqs, 1)
+    shown = host
+    device = _lags(g, seqs, g.started)
     if device is not None:
         named = {row["rank"] for row in rows if row["slow"]}
-        for row, dev in zip(rows, _rows(g, device, clocks, rule, DEVICE), strict=True):
-            if dev["slow"] and row["rank"] not in named:
-                row.update(slow=True, side=DEVICE, median_lag_ms=dev["median_lag_ms"],
-                           last_share=dev["last_share"], p_value=dev["p_value"],
-                           spark=dev["spark"], trend_ms=dev["trend_ms"])
+        for i, dev in enumerate(_rows(g, device, clocks, rule, DEVICE)):
+            if dev["slow"] and dev["rank"] not in named:
+                rows[i] = dev
     rows.sort(key=lambda row: (-row["median_lag_ms"], row["rank"]))
-    ops = sorted({g.ops[s] for s in seqs}, key=lambda o: -sum(g.ops[s] == o for s in seqs))
+    # Trend and sparkline for the rows a page shows (the slowest, and every slow one).
+    for i, row in enumerate(rows):
+        if i < SPARK_ROWS or row["slow"]:
+            lags = (device if row["side"] == DEVICE and device else shown).lags[row["rank"]]
+            row.update(trend_ms=round(_trend(lags), 3), spark=_spark(lags))
+        else:
+            row.update(trend_ms=None, spark=[])
+        for k in ("median_lag_ms", "clock_error_ms", "threshold_ms"):
+            row[k] = round(row[k], 3)
+        row["last_share"] = round(row["last_share"], 4)
+    counts: dict[str, int] = {}
+    for s in seqs:
+        counts[g.ops[s]] = counts.get(g.ops[s], 0) + 1
     return {"group": g.name, "desc": g.desc, "label": _label(g), "size": len(g.members),
-            "ops": host.n, "op_names": ops, "rows": rows}
+            "ops": host.n, "op_names": sorted(counts, key=lambda o: -counts[o]), "rows": rows}
 
 
 def _label(g: _Group) -> str:
