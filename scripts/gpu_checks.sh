@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU checks for a 2-GPU machine (device tool, kind nvidia-h100-x2), run from the source tree:
-#   PYTHONPATH=. bash scripts/gpu_checks.sh OUTDIR [all|bench|marks|step|state|demo|preflight|nccllog|mismatch|native|ddp|profile|c10dworkers]
+#   PYTHONPATH=. bash scripts/gpu_checks.sh OUTDIR [all|bench|marks|step|state|demo|preflight|nccllog|mismatch|native|ddp|profile|c10dworkers|stragglers]
 # bench:     recording cost per NCCL op, c10d FR off/on and ours side by side (bench_record, 1 rank)
 # step:      ms per training-like step, bare / c10d FR / ours (bench_step, 2 ranks; fails over 5 %)
 # marks:     what start marks cost a 200 x 4 KiB step, per kind (bench_marks; fails when the
@@ -18,6 +18,8 @@
 #            also /wait_counters and /tcpstore (scripts/gpu_profile_check.py)
 # c10dworkers: NCCL hang, torch's own C++ workers only, frontend attached by store: the
 #            verdict names rank 1 (c10d's NCCL recorder, dump_nccl_trace_json; fails if not)
+# stragglers: DDP on NCCL, rank 1's data loader slowed 40 ms a batch mid-run: /stragglers names
+#            it within 10 s with its lag, nobody before; the step time shows the cost (fails if not)
 set -u
 OUT=${1:-/tmp/gpu_checks}
 WHAT=${2:-all}
@@ -152,6 +154,13 @@ echo "=== NCCL hang seen through torch's own C++ workers only (no sidecar): c10d
 timeout 400 python scripts/gpu_check_c10d_workers.py "$OUT/c10dworkers" --master-port 29317 2>&1 \
   | grep -v Warning | tee "$OUT/c10dworkers.txt"
 [ "${PIPESTATUS[0]}" -eq 0 ] || FAILED_CHECKS="$FAILED_CHECKS c10dworkers"
+fi
+
+if want stragglers; then
+echo "=== DDP on NCCL, rank 1's data loader slowed mid-run: /stragglers names it, the step time shows it ==="
+timeout 400 python scripts/gpu_check_stragglers.py "$OUT/stragglers" --port 25994 --master-port 29619 2>&1 \
+  | grep -v Warning | tee "$OUT/stragglers.txt"
+[ "${PIPESTATUS[0]}" -eq 0 ] || FAILED_CHECKS="$FAILED_CHECKS stragglers"
 fi
 
 if [ -n "$FAILED_CHECKS" ]; then
