@@ -35,3 +35,38 @@ def wait_for_mark(job: subprocess.Popen[Any], marker: Path, limit_s: float,
     t0 = float(marker.read_text())
     time.sleep(max(0.0, t0 + read_at - time.time()))
     return t0
+
+
+def descendants(pid: int) -> list[int]:
+    """Every live descendant of ``pid`` (from /proc), children before grandchildren."""
+    import os
+
+    parent: dict[int, int] = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    # "pid (comm) state ppid ...": comm may hold spaces; split after its ")".
+                    parent[int(d)] = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+    out, frontier = [], [pid]
+    while frontier:
+        kids = [c for c, p in parent.items() if p in frontier]
+        out += kids
+        frontier = kids
+    return out
+
+
+def kill_job(job: subprocess.Popen[Any]) -> None:
+    """SIGKILL torchrun and every process under it: torchrun puts each rank in a session of its
+    own, and rank 0 has the frontend, so its process group alone is not enough."""
+    import os
+    import signal
+
+    for pid in [job.pid, *descendants(job.pid)]:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    job.wait(timeout=30)

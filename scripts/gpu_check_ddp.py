@@ -25,7 +25,6 @@ import datetime
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -33,7 +32,10 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from _gpu_common import kill_job  # noqa: E402
 
 
 def skip_backward(seconds: float) -> None:
@@ -195,25 +197,6 @@ def check(out: Path) -> list[str]:
     return failures
 
 
-def _descendants(pid: int) -> list[int]:
-    """Every live descendant of ``pid`` (from /proc), children before grandchildren."""
-    parent: dict[int, int] = {}
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                with open(f"/proc/{d}/stat") as f:
-                    # "pid (comm) state ppid ...": comm may hold spaces; split after its ")".
-                    parent[int(d)] = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-    out, frontier = [], [pid]
-    while frontier:
-        kids = [c for c, p in parent.items() if p in frontier]
-        out += kids
-        frontier = kids
-    return out
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("out", type=Path)
@@ -244,14 +227,7 @@ def main() -> int:
     except Exception as e:  # the job died or never came up: say so, with its log
         failures = [f"{type(e).__name__}: {e}"]
     finally:
-        # torchrun puts each rank in a session of its own, and rank 0 has the frontend: kill
-        # the whole tree by pid, not torchrun's process group alone.
-        for pid in [job.pid, *_descendants(job.pid)]:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        job.wait(timeout=30)
+        kill_job(job)
         log.close()
     if failures:
         print("FAIL:\n  " + "\n  ".join(failures))

@@ -26,7 +26,6 @@ import datetime
 import json
 import os
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -37,7 +36,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from _gpu_common import get  # noqa: E402
+from _gpu_common import get, kill_job  # noqa: E402
 
 NAMED_WITHIN_S = 10.0
 JOB_LIMIT_S = 300.0
@@ -181,23 +180,6 @@ def check(out: Path, job: subprocess.Popen[bytes], slow_ms: float) -> list[str]:
     return failures
 
 
-def _descendants(pid: int) -> list[int]:
-    parent: dict[int, int] = {}
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                with open(f"/proc/{d}/stat") as f:
-                    parent[int(d)] = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-    out, frontier = [], [pid]
-    while frontier:
-        kids = [c for c, p in parent.items() if p in frontier]
-        out += kids
-        frontier = kids
-    return out
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("out", type=Path)
@@ -229,12 +211,7 @@ def main() -> int:
             job.wait(timeout=30)
         except subprocess.TimeoutExpired:
             pass
-        for pid in [job.pid, *_descendants(job.pid)]:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        job.wait(timeout=30)
+        kill_job(job)
         log.close()
     if failures:
         print("FAIL:\n  " + "\n  ".join(failures))

@@ -27,13 +27,13 @@ the per-rank rows the pages show.
 from __future__ import annotations
 
 import bisect
-import functools
-import json
 import math
 import statistics
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from debug_server.analysis import frwindow
 
 __all__ = ["Clock", "Rule", "analyze", "best_clock", "binom_tail", "estimate", "sentence",
            "public"]
@@ -117,34 +117,21 @@ class _Group:
     ops: dict[int, str]
 
 
-@functools.lru_cache(maxsize=4096)
-def _members_text(raw: str) -> frozenset[int]:
-    # Every member sends the same list: parsed once per distinct text (4096 ranks x 4096).
-    try:
-        ranks = json.loads(raw)
-        return frozenset(int(r) for r in ranks) if isinstance(ranks, list) else frozenset()
-    except (ValueError, TypeError):
-        return frozenset()
-
-
 def _op(name: Any) -> str:
     name = str(name or "")
     return name.partition(":")[2] if ":" in name else name
 
 
 def _config(dumps: Mapping[int, Mapping[str, Any]]) -> dict[str, tuple[str, set[int]]]:
+    """Each group's desc and members over every rank's ``pg_config``."""
     config: dict[str, tuple[str, set[int]]] = {}
     for dump in dumps.values():
         cfg = dump.get("pg_config")
-        for key, c in (cfg.items() if isinstance(cfg, Mapping) else ()):
-            if isinstance(c, Mapping):
-                name = str(c.get("name", key))
-                desc, members = config.setdefault(name, (str(c.get("desc", "")), set()))
-                raw = c.get("ranks")
-                if isinstance(raw, str):
-                    members.update(_members_text(raw))
-                elif isinstance(raw, list):
-                    members.update(r for r in raw if type(r) is int)
+        descs = {str(c.get("name", k)): str(c.get("desc", ""))
+                 for k, c in (cfg.items() if isinstance(cfg, Mapping) else ())
+                 if isinstance(c, Mapping)}
+        for name, members in frwindow.config_members(dump).items():
+            config.setdefault(name, (descs.get(name, ""), set()))[1].update(members)
     return config
 
 
