@@ -39,6 +39,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from _gpu_common import get, kill_job  # noqa: E402
 
 NAMED_WITHIN_S = 10.0
+FAST_STEPS = 60
+"""Steps of the fast phase at least, before rank 1's loader is slowed (the step-time baseline)."""
 JOB_LIMIT_S = 300.0
 
 
@@ -138,6 +140,8 @@ def check(out: Path, job: subprocess.Popen[bytes], slow_ms: float) -> list[str]:
     print(f"1. fast phase: groups checked {res['groups_checked']}; named in 5 polls: {named}")
     if named:
         failures.append(f"a rank was named while every rank was fast: {named}")
+    _wait(f"{FAST_STEPS} fast steps", 120, lambda: len(_step_times(out, slow=False)) >= FAST_STEPS,
+          job)
     (out / "slow").touch()
     t0 = time.monotonic()
     slow_since = time.time()

@@ -76,7 +76,7 @@ async def test_page_json_is_exactly_the_contract(fleet: list[str], aiohttp_clien
     resp = await client.get("/stragglers", headers={"Accept": "application/json"})
     body = await resp.json()
     assert set(body) == {"stragglers", "groups_checked", "window_ops"}
-    assert body["groups_checked"] == ["main_comm"] and body["window_ops"] == 200
+    assert body["groups_checked"] == ["main_comm"] and body["window_ops"] == 128
     assert [(s["rank"], s["group"], s["side"]) for s in body["stragglers"]] == [
         (2, "main_comm", "host")]
     resp = await client.get("/stragglers?format=nope")

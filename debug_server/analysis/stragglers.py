@@ -139,32 +139,40 @@ def _groups(dumps: Mapping[int, Mapping[str, Any]], clocks: Mapping[int, Clock])
     out: dict[str, _Group] = {}
     config = _config(dumps)
     for rank, dump in dumps.items():
-        off = clocks.get(rank, Clock()).offset_ns
+        off = clocks[rank].offset_ns if rank in clocks else 0
         entries = dump.get("entries")
+        # The hot loop (4096 ranks x 32 entries a poll): a few dict reads per entry; each group's
+        # per-rank map is looked up once per run of entries of that group.
+        name: Any = None
+        mine: dict[int, int] = {}
+        mine_started: dict[int, int] = {}
+        g: _Group | None = None
         for e in entries if isinstance(entries, list) else ():
-            # The hot loop (4096 ranks x 64 entries a poll): a few dict reads per entry.
             seq, issued = e.get("collective_seq_id"), e.get("time_created_ns")
-            pg, p2p = e.get("process_group"), e.get("is_p2p")
-            if type(seq) is not int or type(issued) is not int or issued <= 0 or p2p \
-                    or not isinstance(pg, (list, tuple)) or not pg:
+            if type(seq) is not int or type(issued) is not int or issued <= 0:
                 continue
-            name = str(pg[0])
-            g = out.get(name)
-            if g is None:
-                desc, members = config.get(name, (str(pg[1]) if len(pg) > 1 else "", set()))
-                g = out[name] = _Group(name, desc, sorted(members), {}, {}, {})
+            pg, p2p = e.get("process_group"), e.get("is_p2p")
+            if p2p or not isinstance(pg, (list, tuple)) or not pg:
+                continue
+            if pg[0] != name:
+                name = pg[0]
+                g = out.get(str(name))
+                if g is None:
+                    desc, members = config.get(str(name), (str(pg[1]) if len(pg) > 1 else "",
+                                                           set()))
+                    g = out[str(name)] = _Group(str(name), desc, sorted(members), {}, {}, {})
+                mine = g.issued.setdefault(rank, {})
+                mine_started = g.started.setdefault(rank, {})
+            assert g is not None
             if seq not in g.ops:
                 op = _op(e.get("profiling_name"))
                 if p2p is None and op.partition(" ")[0] in _P2P:
                     continue  # a schema without is_p2p: P2P by its name
                 g.ops[seq] = op
-            mine = g.issued.get(rank)
-            if mine is None:
-                mine = g.issued[rank] = {}
             mine[seq] = issued - off
             started = e.get("time_discovered_started_ns")
             if type(started) is int and started > 0:
-                g.started.setdefault(rank, {})[seq] = started - off
+                mine_started[seq] = started - off
     for g in out.values():
         if not g.members:  # no pg_config: the ranks seen in its entries
             g.members = sorted(g.issued)

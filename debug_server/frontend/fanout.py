@@ -377,14 +377,15 @@ class Collector:
         return await self.fr_after_first(addrs, await self.fr_first_round(addrs))
 
     async def fr_recent(self, ops: int, addrs: Sequence[WorkerAddr] | None = None) -> FrData:
-        """Each rank's newest entries: per communicator from its own frontier less ``ops`` on
-        (``window=<ops>``), in one request per rank straight to the workers; the straggler page's
-        fetch (``frontend.stragglers``). A worker that refuses the window gets whole rings, cut
-        to it as they arrive."""
+        """Each rank's newest entries without their stacks: per communicator from its own
+        frontier less ``ops`` on (``window=<ops>&includestacktraces=false``), in one request per
+        rank straight to the workers; the straggler poll's fetch (``frontend.stragglers``). A
+        worker that refuses these parameters gets whole rings, cut to the window as they arrive."""
         if addrs is None:
             addrs = await self.registry.lookup()
         cut = frwindow.Window(slack=ops)
-        results = await self._fr_round({"window": str(ops)}, addrs, cut)
+        results = await self._fr_round({"window": str(ops), "includestacktraces": "false"},
+                                       addrs, cut)
         results = await self._whole_for_refusers(results, addrs, [], cut)
         return FrData(results, await parse_off_loop(results))
 

@@ -1,6 +1,6 @@
 """``/stragglers``: ranks that arrive late at collectives while the job runs, and their history.
 
-``StragglerWatch`` polls every ``POLL_INTERVAL_S`` (longer above 1024 ranks, as the hang watch):
+``StragglerWatch`` polls every ``POLL_INTERVAL_S`` (longer above 640 ranks: ``MAX_POLLS_PER_S``):
 one FR fan-out of each rank's newest entries (``Collector.fr_recent``: ``window_for`` ops per
 communicator, fewer at scale so a poll moves at most ``ENTRY_BUDGET`` entries), each rank's
 clock against ours from its reply (``dump_time_ns`` within the request's round trip;
@@ -51,11 +51,17 @@ from debug_server.frontend.fanout import (
 
 logger = logging.getLogger(__name__)
 
-POLL_INTERVAL_S = 2.0
-MAX_POLLS_PER_S = 512
-"""FR requests per second at most: above 1024 ranks the poll interval grows with the job."""
-ENTRY_BUDGET = 262_144
-"""Most FR entries one poll asks for over all ranks (``window_for``)."""
+POLL_INTERVAL_S = 5.0
+"""Seconds between background polls. Each costs every rank one read of its ring (what one page
+load's FR fetch costs it), so not every 2 s as the health poll; ``/stragglers`` polls afresh."""
+MAX_POLLS_PER_S = 128
+"""Ranks asked per second at most by the background poll: above 640 ranks its interval grows
+with the job (32 s at 4096 ranks), so an idle frontend stays cheap; ``/stragglers`` itself
+always polls afresh."""
+ENTRY_BUDGET = 32_768
+"""FR entries one poll asks for over all ranks (``window_for``): 128 per rank up to 256 ranks,
+down to ``MIN_WINDOW`` from 1024 on."""
+MAX_WINDOW = 128
 MIN_WINDOW = 32
 CLOCK_KEEP = 16
 """Round trips per rank whose clock estimates are kept; the shortest one's is used."""
@@ -70,9 +76,10 @@ CLOCK_PARAMS = {"includecollectives": "false"}
 
 
 def window_for(world_size: int) -> int:
-    """Collectives per group a poll looks at: ``Rule.window_ops`` (200), fewer above 1310 ranks
-    (64 at 4096; the chance of being last by luck, 1/m, is smaller there too)."""
-    return max(MIN_WINDOW, min(Rule().window_ops, ENTRY_BUDGET // max(1, world_size)))
+    """Collectives per group a poll looks at: 128 up to 256 ranks, fewer above (32 from 1024
+    ranks on: the chance of being last by luck, 1/m, is smaller there too, and at least
+    ``Rule.min_ops`` are needed)."""
+    return max(MIN_WINDOW, min(MAX_WINDOW, ENTRY_BUDGET // max(1, world_size)))
 
 
 class StragglerWatch:

@@ -200,7 +200,8 @@ def _only(params: Mapping[str, str], allowed: frozenset[str]) -> None:
         raise HandlerError(400, f"unknown parameter {extra[0]!r} (allowed: {names})")
 
 
-_FR_PARAMS = frozenset({"onlyactive", "includecollectives", "since", "window", members.PARAM})
+_FR_PARAMS = frozenset({"onlyactive", "includecollectives", "since", "window", members.PARAM,
+                        "includestacktraces"})
 _MAX_SLACK = 1_000_000
 _NO_PARAMS: frozenset[str] = frozenset()
 
@@ -265,9 +266,21 @@ def _torchcomms_fr_trace_json(p: Provider, q: Mapping[str, str]) -> Mapping[str,
     q = {k: v for k, v in q.items() if k != WITH_STACKS}
     args, cut, known = _fr_args(q), _cut_arg(q), _known_members(q)
     dump = members.share(p.fr_snapshot(**args, cut=cut), known)
+    if not _flag(q, "includestacktraces", True):  # torch's name: entries without their frames
+        dump = without_frames(dump)
     if not with_stacks:
         return dump
     return json.dumps(dump, default=str) + STACKS_SEP + p.stacks()
+
+
+def without_frames(dump: Mapping[str, Any]) -> Mapping[str, Any]:
+    """``dump`` with every entry's ``frames`` empty (what the straggler poll asks for: a tenth
+    of the bytes; ``frontend.stragglers``)."""
+    entries = dump.get("entries")
+    if not isinstance(entries, list):
+        return dump
+    return {**dump, "entries": [{**e, "frames": []} if isinstance(e, dict) else e
+                                for e in entries]}
 
 
 def _fr_trace_json(p: Provider, q: Mapping[str, str]) -> web.Response | Mapping[str, Any]:
