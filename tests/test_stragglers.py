@@ -111,9 +111,14 @@ def test_estimate_takes_the_midpoint_and_the_shortest_round_trip() -> None:
 
 
 def test_too_few_ops_names_nobody() -> None:
-    dumps = _dumps(4, 10, lambda r, s: 40.0 if r == 2 else 0.0)
+    # 4 members: last 9 times in 9 happens by chance with p = 4**-9 > 1e-6, so 10 are needed.
+    assert stragglers.needed_ops(Rule(), 4) == 10 and stragglers.needed_ops(Rule(), 2) == 20
+    assert stragglers.needed_ops(Rule(), 4096) == 8
+    dumps = _dumps(4, 9, lambda r, s: 40.0 if r == 2 else 0.0)
     res = stragglers.analyze(dumps)
     assert res["stragglers"] == [] and res["groups_checked"] == []
+    dumps = _dumps(4, 10, lambda r, s: 40.0 if r == 2 else 0.0)
+    assert [s["rank"] for s in stragglers.analyze(dumps)["stragglers"]] == [2]
 
 
 def test_device_side_when_issued_on_time_but_started_late() -> None:

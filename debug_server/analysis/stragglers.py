@@ -8,10 +8,11 @@ member's. Ranks whose clocks differ (other hosts) are first put on one clock wit
 
 **The rule.** A rank is named slow on a group when (1) it arrived last at far more of the
 window's collectives than chance allows: the binomial tail P(X >= k | n, 1/m) for k last
-arrivals in n collectives of an m-member group is below :attr:`Rule.p_value` (1e-6), with at
-least :attr:`Rule.min_ops` collectives; and (2) its median lag is well above the group's: at
-least ``max(min_lag_ms, lag_factor x the median of the other members' median lags, its clock
-error)``. Uniform traffic (every member equally likely last) meets neither condition; a rank
+arrivals in n collectives of an m-member group is below :attr:`Rule.p_value` (1e-6), over at
+least as many collectives as that could ever happen in (:func:`needed_ops`: 20 for 2 members,
+10 for 4, never fewer than :attr:`Rule.min_ops`, 8); and (2) its median lag is well above
+the group's: at least ``max(min_lag_ms, lag_factor x the median of the other members' median
+lags, its clock error)``. Uniform traffic (every member equally likely last) meets neither condition; a rank
 that is always last by a few microseconds (a constant code-path difference) meets (1) but not (2).
 
 **Host or device.** The rule runs on issue times first (side ``"host"``: the rank's Python
@@ -35,8 +36,8 @@ from typing import Any
 
 from debug_server.analysis import frwindow
 
-__all__ = ["Clock", "Rule", "analyze", "best_clock", "binom_tail", "estimate", "sentence",
-           "public"]
+__all__ = ["Clock", "Rule", "analyze", "best_clock", "binom_tail", "estimate", "needed_ops",
+           "public", "sentence"]
 
 HOST, DEVICE = "host", "device"
 SPARK_POINTS = 48
@@ -81,14 +82,23 @@ class Rule:
 
     window_ops: int = 200
     """Collectives per group looked at: the newest that every member issued."""
-    min_ops: int = 20
-    """Fewer complete collectives than this in a group: nobody is named on it."""
+    min_ops: int = 8
+    """Fewer complete collectives than this in a group: nobody is named on it. Small groups
+    need more (``needed_ops``): as many as being last every time takes to reach ``p_value``
+    by chance (20 for 2 members, 10 for 4)."""
     p_value: float = 1e-6
     """Most probability that uniform traffic makes a rank last this often."""
     min_lag_ms: float = 10.0
     """A median lag below this is never slow, whatever the shares."""
     lag_factor: float = 3.0
     """The median lag must be this many times the other members' typical median lag."""
+
+
+def needed_ops(rule: Rule, m: int) -> int:
+    """Collectives a group of ``m`` members needs before anyone can be named on it."""
+    if m < 2:
+        return rule.min_ops
+    return max(rule.min_ops, math.ceil(math.log(rule.p_value) / math.log(1.0 / m) - 1e-9))
 
 
 def binom_tail(k: int, n: int, p: float) -> float:
@@ -125,13 +135,18 @@ def _op(name: Any) -> str:
 def _config(dumps: Mapping[int, Mapping[str, Any]]) -> dict[str, tuple[str, set[int]]]:
     """Each group's desc and members over every rank's ``pg_config``."""
     config: dict[str, tuple[str, set[int]]] = {}
+    seen: set[tuple[str, int]] = set()
     for dump in dumps.values():
         cfg = dump.get("pg_config")
         descs = {str(c.get("name", k)): str(c.get("desc", ""))
                  for k, c in (cfg.items() if isinstance(cfg, Mapping) else ())
                  if isinstance(c, Mapping)}
         for name, members in frwindow.config_members(dump).items():
-            config.setdefault(name, (descs.get(name, ""), set()))[1].update(members)
+            # Every member sends the same list, parsed once into one frozenset
+            # (frwindow's cache): merged once, not once per rank (4096 x 4096 at scale).
+            if (name, id(members)) not in seen:
+                seen.add((name, id(members)))
+                config.setdefault(name, (descs.get(name, ""), set()))[1].update(members)
     return config
 
 
@@ -201,8 +216,8 @@ class _Lags:
 
 
 def _lags(g: _Group, seqs: Sequence[int], times: dict[int, dict[int, int]]) -> _Lags | None:
-    if not seqs or any(r not in times or any(s not in times[r] for s in seqs)
-                       for r in g.members):
+    want = set(seqs)
+    if not want or any(r not in times or not times[r].keys() >= want for r in g.members):
         return None
     members = g.members
     columns = [[times[r][s] for s in seqs] for r in members]
@@ -243,6 +258,7 @@ def _p_last(k: int, n: int, m: int) -> float:
 def _rows(g: _Group, lg: _Lags, clocks: Mapping[int, Clock], rule: Rule,
           side: str) -> list[dict[str, Any]]:
     m = len(g.members)
+    needed = needed_ops(rule, m)
     medians = {r: statistics.median(v) for r, v in lg.lags.items()}
     errors = {r: clocks[r].error_ns / 1e6 if r in clocks else 0.0 for r in g.members}
     typical_err = statistics.median(errors.values())
@@ -253,7 +269,7 @@ def _rows(g: _Group, lg: _Lags, clocks: Mapping[int, Clock], rule: Rule,
         err = errors[r] + typical_err
         p = _p_last(lg.last[r], lg.n, m)
         bar = max(rule.min_lag_ms, rule.lag_factor * base, err)
-        slow = lg.n >= rule.min_ops and p <= rule.p_value and medians[r] >= bar
+        slow = lg.n >= needed and p <= rule.p_value and medians[r] >= bar
         rows.append({"rank": r, "median_lag_ms": medians[r], "last_share": lg.last[r] / lg.n,
                      "last": lg.last[r], "p_value": p, "clock_error_ms": err,
                      "within_clock_error": medians[r] < err, "threshold_ms": bar,
@@ -317,7 +333,7 @@ def analyze(dumps: Mapping[int, Mapping[str, Any]], clocks: Mapping[int, Clock] 
     ``clocks``: each rank's clock against the reader's (:func:`estimate`, :func:`best_clock`);
     ranks without one are taken as on the reader's clock. Returns ``stragglers`` (one row per
     slow rank and group: ``rank, group, median_lag_ms, last_share, side``), ``groups_checked``
-    (groups with at least ``min_ops`` complete collectives in the window), ``window_ops``, and
+    (groups with enough complete collectives in the window: ``needed_ops``), ``window_ops``, and
     ``groups`` (per group its rows, slowest first, for the pages).
     """
     clocks = clocks or {}
@@ -326,7 +342,7 @@ def analyze(dumps: Mapping[int, Mapping[str, Any]], clocks: Mapping[int, Clock] 
         res = _group_result(g, clocks, rule)
         if res is not None:
             groups.append(res)
-    checked = [g for g in groups if g["ops"] >= rule.min_ops]
+    checked = [g for g in groups if g["ops"] >= needed_ops(rule, g["size"])]
     stragglers = [{"rank": row["rank"], "group": g["group"],
                    "median_lag_ms": round(row["median_lag_ms"], 1),
                    "last_share": round(row["last_share"], 2), "side": row["side"]}

@@ -60,9 +60,9 @@ with the job (32 s at 4096 ranks), so an idle frontend stays cheap; ``/straggler
 always polls afresh."""
 ENTRY_BUDGET = 32_768
 """FR entries one poll asks for over all ranks (``window_for``): 128 per rank up to 256 ranks,
-down to ``MIN_WINDOW`` from 1024 on."""
+down to ``MIN_WINDOW`` from 2048 on (what the lag computation costs grows with it)."""
 MAX_WINDOW = 128
-MIN_WINDOW = 32
+MIN_WINDOW = 16
 CLOCK_KEEP = 16
 """Round trips per rank whose clock estimates are kept; the shortest one's is used."""
 STREAK_GRACE_S = 30.0
@@ -76,9 +76,9 @@ CLOCK_PARAMS = {"includecollectives": "false"}
 
 
 def window_for(world_size: int) -> int:
-    """Collectives per group a poll looks at: 128 up to 256 ranks, fewer above (32 from 1024
-    ranks on: the chance of being last by luck, 1/m, is smaller there too, and at least
-    ``Rule.min_ops`` are needed)."""
+    """Collectives per group a poll looks at: 128 up to 256 ranks, fewer above (16 from 2048
+    ranks on: the chance of being last by luck, 1/m, is smaller there too, and a big group
+    needs only ``Rule.min_ops``, 8, of them: ``analysis.stragglers.needed_ops``)."""
     return max(MIN_WINDOW, min(MAX_WINDOW, ENTRY_BUDGET // max(1, world_size)))
 
 
