@@ -70,3 +70,29 @@ def kill_job(job: subprocess.Popen[Any]) -> None:
         except ProcessLookupError:
             pass
     job.wait(timeout=30)
+
+
+def start_torchrun(script: str, out: Path, argv: list[str], master_port: int,
+                   env: dict[str, str]) -> tuple[subprocess.Popen[bytes], Any]:
+    """``torchrun --nproc_per_node=2 script argv`` from the source tree, its output in
+    ``out/job.log``, in a session of its own; returns the process and the open log."""
+    import os
+    import sys
+
+    full = dict(os.environ, **env, PYTHONPATH=str(Path(script).resolve().parent.parent))
+    log = open(out / "job.log", "w")  # noqa: SIM115 - the caller closes it
+    job = subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+         f"--master-port={master_port}", script, *argv],
+        env=full, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    return job, log
+
+
+def verdict(failures: list[str], out: Path, passed: str) -> int:
+    """Print PASS or what failed (with the job log's tail); the exit code."""
+    if failures:
+        print("FAIL:\n  " + "\n  ".join(failures))
+        print("job log tail:\n" + (out / "job.log").read_text()[-3000:])
+        return 1
+    print(f"PASS: {passed}")
+    return 0

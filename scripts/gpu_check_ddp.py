@@ -35,7 +35,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from _gpu_common import kill_job  # noqa: E402
+from _gpu_common import kill_job, start_torchrun, verdict  # noqa: E402
 
 
 def skip_backward(seconds: float) -> None:
@@ -213,14 +213,9 @@ def main() -> int:
     for p in args.out.iterdir():
         if p.is_file():
             p.unlink()
-    env = dict(os.environ, GPU_CHECK_DDP_RANK="1",
-               PYTHONPATH=str(Path(__file__).resolve().parent.parent))
-    log = open(args.out / "job.log", "w")  # noqa: SIM115 - closed in the finally below
-    job = subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-         f"--master-port={args.master_port}", __file__, str(args.out), "--port", str(args.port),
-         *(["--cpu"] if args.cpu else [])],
-        env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    job, log = start_torchrun(__file__, args.out, [
+        str(args.out), "--port", str(args.port), *(["--cpu"] if args.cpu else [])],
+        args.master_port, {"GPU_CHECK_DDP_RANK": "1"})
     _JOB.append(job)
     try:
         failures = check(args.out)
@@ -229,13 +224,8 @@ def main() -> int:
     finally:
         kill_job(job)
         log.close()
-    if failures:
-        print("FAIL:\n  " + "\n  ".join(failures))
-        print("job log tail:\n" + (args.out / "job.log").read_text()[-3000:])
-        return 1
-    print(f"PASS: DDP hang on {'gloo' if args.cpu else 'NCCL'} diagnosed live, in the hang "
-          "report and by PyTorch's fr_trace")
-    return 0
+    return verdict(failures, args.out, f"DDP hang on {'gloo' if args.cpu else 'NCCL'} diagnosed "
+                   "live, in the hang report and by PyTorch's fr_trace")
 
 
 if __name__ == "__main__":

@@ -36,7 +36,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from _gpu_common import get, kill_job  # noqa: E402
+from _gpu_common import get, kill_job, start_torchrun, verdict  # noqa: E402
 
 NAMED_WITHIN_S = 10.0
 FAST_STEPS = 60
@@ -197,14 +197,10 @@ def main() -> int:
         return 0
     shutil.rmtree(args.out, ignore_errors=True)  # an earlier run's files would pass for ours
     args.out.mkdir(parents=True)
-    env = dict(os.environ, GPU_CHECK_STRAGGLERS_RANK="1", OMP_NUM_THREADS="1",
-               PYTHONPATH=str(Path(__file__).resolve().parent.parent))
-    log = open(args.out / "job.log", "w")  # noqa: SIM115 - closed in the finally below
-    job = subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-         f"--master-port={args.master_port}", __file__, str(args.out), "--port", str(args.port),
-         "--slow-ms", str(args.slow_ms), *(["--cpu"] if args.cpu else [])],
-        env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    job, log = start_torchrun(__file__, args.out, [
+        str(args.out), "--port", str(args.port), "--slow-ms", str(args.slow_ms),
+        *(["--cpu"] if args.cpu else [])], args.master_port,
+        {"GPU_CHECK_STRAGGLERS_RANK": "1", "OMP_NUM_THREADS": "1"})
     try:
         failures = check(args.out, job, args.slow_ms)
     except Exception as e:  # the job died or never came up: say so, with its log
@@ -217,13 +213,8 @@ def main() -> int:
             pass
         kill_job(job)
         log.close()
-    if failures:
-        print("FAIL:\n  " + "\n  ".join(failures))
-        print("job log tail:\n" + (args.out / "job.log").read_text()[-3000:])
-        return 1
-    print(f"PASS: a slow data loader on rank 1 named on /stragglers ({'gloo' if args.cpu else 'NCCL'}"
-          ") and seen in the step time")
-    return 0
+    return verdict(failures, args.out, "a slow data loader on rank 1 named on /stragglers "
+                   f"({'gloo' if args.cpu else 'NCCL'}) and seen in the step time")
 
 
 if __name__ == "__main__":
