@@ -22,6 +22,14 @@ the frontend takes its fall-back path (our handler 404, then ``fr_trace_json``, 
 (``dump_nccl_trace_json``, which honours ``onlyactive``) and an empty CPU recorder; the frontend
 asks the NCCL recorder for active entries first (``analysis.activecover``).
 
+``--stragglers`` adds, per row, what the straggler detection (``frontend/stragglers.py``)
+costs against the overview page: the lag computation alone (``analysis.stragglers.analyze``,
+timed here in-process on the very window the frontend's poll fetches: ``window_for(N)``
+collectives per rank) as a share of the overview page's time, and the whole ``/stragglers``
+JSON page (its clock round, its fetch and the computation) against the overview.
+
+    python benchmarks/bench_frontend.py --stragglers --per-rank --ranks 512 4096 --reps 3
+
 ``--per-rank`` prints, per row, each page's seconds, its cost per rank and that cost against the
 first row's (1.00x: linear in ranks; above: superlinear), the frontend's peak RSS and the CPU it
 uses while idle (health polls only). Fake ranks share this machine's cores, so at large N the
@@ -118,7 +126,7 @@ def _idle_cpu(pid: int, seconds: float) -> float | None:
 
 def bench(world: int, reps: int, helpers: int, whole_ring_max: int, *, idle_s: float = 0.0,
           skip_torch: bool = False, memo: bool = False, c10d: bool = False,
-          c10d_nccl: bool = False) -> dict[str, Any]:
+          c10d_nccl: bool = False, stragglers: bool = False) -> dict[str, Any]:
     fleet, urls = start_fleet(world, helpers, memo, c10d, c10d_nccl)
     frontend = None
     try:
@@ -145,6 +153,8 @@ def bench(world: int, reps: int, helpers: int, whole_ring_max: int, *, idle_s: f
         row["stacks_s"], _ = median_of(lambda: page("stacks_s", f"{base}/stacks"), reps)
         row["overview_s"], _ = median_of(lambda: page("overview_s", f"{base}/", "text/html"), reps)
         row["cpu"] = {k: statistics.median(v) for k, v in cpu.items()}
+        if stragglers:
+            _straggler_cost(row, base, urls, reps)
         row["rss_mb"] = status_kb(frontend.pid, "VmHWM") / 1024
         row["idle_cpu"] = _idle_cpu(frontend.pid, idle_s)
         if skip_torch:
@@ -163,6 +173,45 @@ def bench(world: int, reps: int, helpers: int, whole_ring_max: int, *, idle_s: f
         if frontend is not None:
             end_process(frontend)
         stop_fleet(fleet)
+
+
+def _straggler_cost(row: dict[str, Any], base: str, urls: list[str], reps: int) -> None:
+    """``--stragglers``: the lag computation alone, and the ``/stragglers`` page, timed."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from debug_server.analysis import stragglers
+    from debug_server.frontend.stragglers import window_for
+
+    ops = window_for(len(urls))
+
+    def fetch(u: str) -> dict[str, Any]:
+        req = urllib.request.Request(f"{u}/handler/torchcomms_fr_trace_json?window={ops}",
+                                     method="POST")
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return json.loads(r.read())
+
+    with ThreadPoolExecutor(16) as pool:
+        dumps = dict(enumerate(pool.map(fetch, urls)))
+    rule = stragglers.Rule(window_ops=ops)
+
+    def compute() -> tuple[float, Any]:
+        t0 = time.perf_counter()
+        res = stragglers.analyze(dumps, None, rule)
+        return time.perf_counter() - t0, res
+
+    row["lag_compute_s"], res = median_of(compute, reps)
+    row["lag_window"] = ops
+    row["lag_ops"] = max((g["ops"] for g in res["groups"]), default=0)
+    row["stragglers_s"], _ = median_of(
+        lambda: timed_get(f"{base}/stragglers?format=json"), reps)
+
+
+def _print_stragglers(r: dict[str, Any]) -> None:
+    share = r["lag_compute_s"] / r["overview_s"]
+    print(f"  stragglers: lag computation over {r['lag_ops']} collectives x {r['ranks']} ranks "
+          f"(window {r['lag_window']}) {_fmt(r['lag_compute_s'])} = {share:.1%} of the overview "
+          f"page ({_fmt(r['overview_s'])}); /stragglers JSON page {_fmt(r['stragglers_s'])} = "
+          f"{r['stragglers_s'] / r['overview_s']:.2f}x the overview")
 
 
 def _fmt(x: float | None) -> str:
@@ -218,6 +267,8 @@ def main() -> None:
     p.add_argument("--nccl-timing", action="store_true",
                    help="with --c10d-nccl: the fakes' groups record c10d's start events (ops "
                         "'started'), as the fakes wrote before issue 31; default: torch's default, none")
+    p.add_argument("--stragglers", action="store_true",
+                   help="also time the straggler detection against the overview page")
     args = p.parse_args()
     if args.nccl_timing:
         os.environ[NCCL_TIMING_ENV] = "1"  # read by the fake ranks' helper processes
@@ -232,9 +283,12 @@ def main() -> None:
         reps = args.reps if n <= 64 or args.per_rank else max(3, args.reps // 2)
         row = bench(n, reps, args.helpers, 0 if args.per_rank else args.whole_ring_max,
                     idle_s=args.idle_s if args.per_rank else 0.0, skip_torch=args.per_rank,
-                    memo=args.memo, c10d=args.c10d, c10d_nccl=args.c10d_nccl)
+                    memo=args.memo, c10d=args.c10d, c10d_nccl=args.c10d_nccl,
+                    stragglers=args.stragglers)
         rows.append(row)
         print(f"\nN={n}: verdict: {row['verdict']}")
+        if args.stragglers:
+            _print_stragglers(row)
         if args.per_rank:
             _print_per_rank(rows)
             continue

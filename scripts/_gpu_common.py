@@ -35,3 +35,64 @@ def wait_for_mark(job: subprocess.Popen[Any], marker: Path, limit_s: float,
     t0 = float(marker.read_text())
     time.sleep(max(0.0, t0 + read_at - time.time()))
     return t0
+
+
+def descendants(pid: int) -> list[int]:
+    """Every live descendant of ``pid`` (from /proc), children before grandchildren."""
+    import os
+
+    parent: dict[int, int] = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    # "pid (comm) state ppid ...": comm may hold spaces; split after its ")".
+                    parent[int(d)] = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+    out, frontier = [], [pid]
+    while frontier:
+        kids = [c for c, p in parent.items() if p in frontier]
+        out += kids
+        frontier = kids
+    return out
+
+
+def kill_job(job: subprocess.Popen[Any]) -> None:
+    """SIGKILL torchrun and every process under it: torchrun puts each rank in a session of its
+    own, and rank 0 has the frontend, so its process group alone is not enough."""
+    import os
+    import signal
+
+    for pid in [job.pid, *descendants(job.pid)]:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    job.wait(timeout=30)
+
+
+def start_torchrun(script: str, out: Path, argv: list[str], master_port: int,
+                   env: dict[str, str]) -> tuple[subprocess.Popen[bytes], Any]:
+    """``torchrun --nproc_per_node=2 script argv`` from the source tree, its output in
+    ``out/job.log``, in a session of its own; returns the process and the open log."""
+    import os
+    import sys
+
+    full = dict(os.environ, **env, PYTHONPATH=str(Path(script).resolve().parent.parent))
+    log = open(out / "job.log", "w")  # noqa: SIM115 - the caller closes it
+    job = subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+         f"--master-port={master_port}", script, *argv],
+        env=full, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    return job, log
+
+
+def verdict(failures: list[str], out: Path, passed: str) -> int:
+    """Print PASS or what failed (with the job log's tail); the exit code."""
+    if failures:
+        print("FAIL:\n  " + "\n  ".join(failures))
+        print("job log tail:\n" + (out / "job.log").read_text()[-3000:])
+        return 1
+    print(f"PASS: {passed}")
+    return 0

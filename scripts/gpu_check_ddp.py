@@ -25,7 +25,6 @@ import datetime
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -33,7 +32,10 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from _gpu_common import kill_job, start_torchrun, verdict  # noqa: E402
 
 
 def skip_backward(seconds: float) -> None:
@@ -195,25 +197,6 @@ def check(out: Path) -> list[str]:
     return failures
 
 
-def _descendants(pid: int) -> list[int]:
-    """Every live descendant of ``pid`` (from /proc), children before grandchildren."""
-    parent: dict[int, int] = {}
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                with open(f"/proc/{d}/stat") as f:
-                    # "pid (comm) state ppid ...": comm may hold spaces; split after its ")".
-                    parent[int(d)] = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-    out, frontier = [], [pid]
-    while frontier:
-        kids = [c for c, p in parent.items() if p in frontier]
-        out += kids
-        frontier = kids
-    return out
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("out", type=Path)
@@ -230,36 +213,19 @@ def main() -> int:
     for p in args.out.iterdir():
         if p.is_file():
             p.unlink()
-    env = dict(os.environ, GPU_CHECK_DDP_RANK="1",
-               PYTHONPATH=str(Path(__file__).resolve().parent.parent))
-    log = open(args.out / "job.log", "w")  # noqa: SIM115 - closed in the finally below
-    job = subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-         f"--master-port={args.master_port}", __file__, str(args.out), "--port", str(args.port),
-         *(["--cpu"] if args.cpu else [])],
-        env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    job, log = start_torchrun(__file__, args.out, [
+        str(args.out), "--port", str(args.port), *(["--cpu"] if args.cpu else [])],
+        args.master_port, {"GPU_CHECK_DDP_RANK": "1"})
     _JOB.append(job)
     try:
         failures = check(args.out)
     except Exception as e:  # the job died or never came up: say so, with its log
         failures = [f"{type(e).__name__}: {e}"]
     finally:
-        # torchrun puts each rank in a session of its own, and rank 0 has the frontend: kill
-        # the whole tree by pid, not torchrun's process group alone.
-        for pid in [job.pid, *_descendants(job.pid)]:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        job.wait(timeout=30)
+        kill_job(job)
         log.close()
-    if failures:
-        print("FAIL:\n  " + "\n  ".join(failures))
-        print("job log tail:\n" + (args.out / "job.log").read_text()[-3000:])
-        return 1
-    print(f"PASS: DDP hang on {'gloo' if args.cpu else 'NCCL'} diagnosed live, in the hang "
-          "report and by PyTorch's fr_trace")
-    return 0
+    return verdict(failures, args.out, f"DDP hang on {'gloo' if args.cpu else 'NCCL'} diagnosed "
+                   "live, in the hang report and by PyTorch's fr_trace")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU checks for a 2-GPU machine (device tool, kind nvidia-h100-x2), run from the source tree:
-#   PYTHONPATH=. bash scripts/gpu_checks.sh OUTDIR [all|bench|marks|step|state|demo|preflight|nccllog|mismatch|native|ddp|profile|c10dworkers|rank0gone|layouts]
+#   PYTHONPATH=. bash scripts/gpu_checks.sh OUTDIR [all|bench|marks|step|state|demo|preflight|nccllog|mismatch|native|ddp|profile|c10dworkers|rank0gone|layouts|stragglers]
 # bench:     recording cost per NCCL op, c10d FR off/on and ours side by side (bench_record, 1 rank)
 # step:      ms per training-like step, bare / c10d FR / ours (bench_step, 2 and 4 ranks; fails when
 #            ours / bare or ours / bare on a group of its own is over 1.02; STEP_ARGS: more options)
@@ -26,6 +26,8 @@
 #            rank, a 2-D mesh TP skip, a pipeline skip; the live verdict, the hang report and
 #            our CLI on c10d's dumps (TORCH_NCCL_DUMP_ON_TIMEOUT=1) name rank 2, its group by
 #            desc and its line (scripts/gpu_check_layouts.py; fails if not)
+# stragglers: DDP on NCCL, rank 1's data loader slowed 40 ms a batch mid-run: /stragglers names
+#            it within 10 s with its lag, nobody before; the step time shows the cost (fails if not)
 set -u
 OUT=${1:-/tmp/gpu_checks}
 WHAT=${2:-all}
@@ -191,6 +193,13 @@ else
     timeout 1200 python scripts/gpu_check_layouts.py "$OUT/layouts" 2>&1 | grep -v Warning | tee "$OUT/layouts.txt"
   [ "${PIPESTATUS[0]}" -eq 0 ] || FAILED_CHECKS="$FAILED_CHECKS layouts"
 fi
+fi
+
+if want stragglers; then
+echo "=== DDP on NCCL, rank 1's data loader slowed mid-run: /stragglers names it, the step time shows it ==="
+timeout 400 python scripts/gpu_check_stragglers.py "$OUT/stragglers" --port 25994 --master-port 29619 2>&1 \
+  | grep -v Warning | tee "$OUT/stragglers.txt"
+[ "${PIPESTATUS[0]}" -eq 0 ] || FAILED_CHECKS="$FAILED_CHECKS stragglers"
 fi
 
 if [ -n "$FAILED_CHECKS" ]; then

@@ -45,8 +45,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["ACTIVE_KEY", "FRONTIER_MARGIN", "LOCAL_SLACK", "WINDOW_KEY", "Window", "covers",
-           "cutter", "format_since", "frontier", "local_window", "parse_since", "rank_groups",
+__all__ = ["ACTIVE_KEY", "FRONTIER_MARGIN", "LOCAL_SLACK", "WINDOW_KEY", "Window",
+           "config_members", "covers", "cutter", "format_since", "frontier", "local_window", "parse_since", "rank_groups",
            "since_for", "window"]
 
 WINDOW_KEY = "fr_window"
@@ -99,7 +99,7 @@ def format_since(since: Mapping[str, int]) -> str:
 
 def rank_groups(dump: Mapping[str, Any]) -> set[str]:
     """Every group one rank's dump names (config, status, entries)."""
-    out = set(_config_members(dump))
+    out = set(config_members(dump))
     cfg, status, entries = dump.get("pg_config"), dump.get("pg_status"), dump.get("entries")
     if isinstance(cfg, Mapping):
         out.update(str(c.get("name") if isinstance(c, Mapping) and c.get("name") is not None
@@ -174,7 +174,8 @@ def _members_text(raw: str) -> frozenset[int]:
         return frozenset()
 
 
-def _config_members(dump: Mapping[str, Any]) -> dict[str, frozenset[int]]:
+def config_members(dump: Mapping[str, Any]) -> dict[str, frozenset[int]]:
+    """Each group's members as one rank's ``pg_config`` lists them (``ranks``: text or list)."""
     out: dict[str, frozenset[int]] = {}
     cfg = dump.get("pg_config")
     if not isinstance(cfg, Mapping):
@@ -214,7 +215,7 @@ def frontier(dumps: Mapping[int, Mapping[str, Any]],
     # end, not one O(group size) update per rank.
     member_sets: dict[str, set[frozenset[int]]] = {}
     for rank, d in dumps.items():
-        for name, rs in _config_members(d).items():
+        for name, rs in config_members(d).items():
             member_sets.setdefault(name, set()).add(rs)
         cut = d.get(WINDOW_KEY)
         if type(cut) is dict and isinstance(cut.get(ACTIVE_KEY), list):

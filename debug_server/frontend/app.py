@@ -101,7 +101,12 @@ HANG_WATCH = web.AppKey("hang_watch", HangWatch)
 
 
 def _template_sources() -> dict[str, str]:
-    """The templates' text, from the installed package or, failing that, the source tree."""
+    """The templates' text: from the source tree this package was imported from, where it is
+    one (a checkout: a worktree's own templates, not those of another tree that an editable
+    install points at), else from the installed package."""
+    checkout = Path(__file__).resolve().parents[2]
+    if (checkout / "pyproject.toml").is_file() and (checkout / "templates" / "base.html").is_file():
+        return {p.name: p.read_text("utf-8") for p in (checkout / "templates").glob("*.html")}
     with contextlib.suppress(ModuleNotFoundError, FileNotFoundError, NotADirectoryError):
         root = importlib.resources.files("debug_server.templates")
         found = {p.name: p.read_text("utf-8") for p in root.iterdir() if p.name.endswith(".html")}
@@ -315,7 +320,20 @@ async def pyspy_dump(request: web.Request) -> web.Response:
 async def metrics(request: web.Request) -> web.Response:
     _query(request, {})
     watch = request.app.get(HANG_WATCH)
-    return await metrics_response(request.app[COLLECTOR], len(watch.reports) if watch else 0)
+    return await metrics_response(request.app[COLLECTOR], len(watch.reports) if watch else 0,
+                                  _slow(request.app))
+
+
+def _slow(app: web.Application, result: Mapping[str, Any] | None = None) -> Any:
+    """From the straggler watch's last poll (frontend/stragglers.py): without ``result``, that
+    result (None before its first poll); with the page's analysis ``result``, the overview's
+    "Slow: ..." sentences, and when the job hangs, who had been slow before it and how long."""
+    from debug_server.frontend import stragglers
+
+    held = stragglers.held(app)
+    if result is None:
+        return held.last if held else None
+    return held.overview_lines(result) if held else []
 
 
 @routes.get("/")
@@ -339,7 +357,7 @@ async def index(request: web.Request) -> web.Response:
         model = views.overview_model(result, stack_res, texts, collector.world_size,
                                      held.note() if held else "")
         html = await _off_loop(lambda: request.app[TEMPLATES].get_template("index.html").render(
-            title="Overview", failures=[], **model))
+            title="Overview", failures=[], slow=_slow(request.app, result), **model))
         return _respond(fmt, html)
     reach = {r.rank: r for r in stack_res}
     rows = [{"rank": r.rank, "url": r.url or "", "status": reach[r.rank].status,
@@ -351,10 +369,12 @@ async def index(request: web.Request) -> web.Response:
                               "verdict": verdict, "category": result.get("category"),
                               "next_step": result.get("next_step"),
                               "findings": result.get("findings", []),
+                              "slow": _slow(request.app, result),
                               "ranks": rows,
                               **({"health_age_s": round(held.age_s, 1)} if held else {})})
     lines = [f"debug_server: {reachable}/{collector.world_size} ranks reachable",
-             f"Verdict: {verdict}", *([held.note()] if held else []), ""]
+             f"Verdict: {verdict}", *_slow(request.app, result),
+             *([held.note()] if held else []), ""]
     lines += [f"rank {r['rank']}: {r['status']}, {r['health']}  {r['url']}"
               if r["status"] == "ok" else f"{r['line']}" for r in rows]
     return _respond(fmt, "\n".join(lines) + "\n")
@@ -449,6 +469,12 @@ async def _background_ctx(app: web.Application) -> AsyncIterator[None]:
                       keep=config.keep_dumps, per_rank="per_rank" in config.enabled_dumps)
     app[HANG_WATCH] = watch
     tasks.append(in_background(watch.run_forever(), name="debug_server.hang_watch"))
+    # Slow ranks while the job runs (frontend/stragglers.py); a hang report says who had been.
+    from debug_server.frontend import stragglers
+
+    slow = stragglers.watch_of(app)
+    watch.before_hang = slow.before_hang
+    tasks.append(in_background(slow.run_forever(), name="debug_server.stragglers"))
     if PARENT_PID in app:  # rank 0's frontend outlives rank 0 while the job lives (departed)
         tasks.append(asyncio.create_task(departed.watch(
             app[PARENT_PID], app[REGISTRY], app[DEPARTURES], app[ORPHAN_EXIT_S], app[SHUTDOWN]),
@@ -493,6 +519,9 @@ def make_frontend_app(config: ServerConfig, registry: Registry,
     from debug_server.frontend import pages_extra
 
     pages_extra.setup(app)
+    from debug_server.frontend import stragglers  # /stragglers; imports this module too
+
+    stragglers.setup(app)
     return app
 
 

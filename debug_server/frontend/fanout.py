@@ -59,6 +59,9 @@ class RankResult:
     http_status: int | None = None
     note: str | None = None
     """How an OK body came other than from the worker itself (``stacks read by py-spy ...``)."""
+    done_ns: int = 0
+    """The frontend's wall clock when the answer arrived (0: not a request of ``fetch_one``);
+    with ``elapsed_s`` it brackets when the worker read its clock (``frontend.stragglers``)."""
 
     @property
     def ok(self) -> bool:
@@ -117,7 +120,8 @@ async def fetch_one(
 
     def done(status: str, error: str | None = None, body: str | None = None,
              code: int | None = None) -> RankResult:
-        return RankResult(addr.rank, addr.url, status, body, error, time.monotonic() - start, code)
+        return RankResult(addr.rank, addr.url, status, body, error, time.monotonic() - start, code,
+                          done_ns=time.time_ns())
 
     try:
         if http is not None and http.handles(url):
@@ -380,6 +384,19 @@ class Collector:
         # Round 1: each worker cuts at its own frontier less a slack; the replies' pg_status
         # and active entries fix each communicator's frontier over all ranks.
         return await self.fr_after_first(addrs, await self.fr_first_round(addrs))
+
+    async def fr_recent(self, ops: int, addrs: Sequence[WorkerAddr] | None = None) -> FrData:
+        """Each rank's newest entries without their stacks: per communicator from its own
+        frontier less ``ops`` on (``window=<ops>&includestacktraces=false``), in one request per
+        rank straight to the workers; the straggler poll's fetch (``frontend.stragglers``). A
+        worker that refuses these parameters gets whole rings, cut to the window as they arrive."""
+        if addrs is None:
+            addrs = await self.registry.lookup()
+        cut = frwindow.Window(slack=ops)
+        results = await self._fr_round({"window": str(ops), "includestacktraces": "false"},
+                                       addrs, cut)
+        results = await self._whole_for_refusers(results, addrs, [], cut)
+        return FrData(results, await parse_off_loop(results))
 
     async def fr_first_round(self, addrs: Sequence[WorkerAddr],
                              stacks: dict[int, str] | None = None) -> list[RankResult]:

@@ -19,7 +19,7 @@ import datetime
 import json
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -129,6 +129,8 @@ class HangReport:
     result: dict[str, Any]
     culprits: list[dict[str, Any]]
     text: str = ""
+    slow_before: str = ""
+    """Who had been slow before the hang, and how long (``frontend.stragglers``); "" if none."""
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -139,6 +141,7 @@ class HangReport:
             "trigger": [_health_json(h) for h in self.trigger],
             "health": [_health_json(h) for h in self.health],
             "verdict": self.result.get("verdict", ""),
+            **({"slow_before": self.slow_before} if self.slow_before else {}),
             **({"category": self.result["category"], "next_step": self.result.get("next_step")}
                if self.result.get("category") else {}),
             "findings": self.result.get("findings", []),
@@ -196,7 +199,8 @@ def render_text(rep: HangReport, fr: FrData, stacks: Mapping[int, str],
              f"Written: {_iso(rep.time_unix)} (unix {rep.time_unix:.3f})",
              "Trigger: " + "; ".join(h.line() for h in rep.trigger), "",
              "=== Health ===", *(h.line() for h in rep.health), "",
-             "=== Verdict ===", rep.result.get("verdict", "") or "(no verdict)"]
+             "=== Verdict ===", rep.result.get("verdict", "") or "(no verdict)",
+             *([rep.slow_before] if rep.slow_before else [])]
     if rep.result.get("category"):
         lines.append(category_line(rep.result))
     lines.append("")
@@ -237,6 +241,9 @@ class HangWatch:
         self.last_at: float | None = None
         """``time.monotonic()`` when ``last`` came in (the overview may use it: ``health_held``)."""
         self._timeouts: dict[int, int] = {}
+        self.before_hang: Callable[[Iterable[int]], str] | None = None
+        """Given the culprit ranks, who had been slow before the hang and for how long
+        (``frontend.stragglers.StragglerWatch.before_hang``); the report adds it to its verdict."""
 
     def poll_interval(self) -> float:
         """Seconds between polls: ``interval``, longer where the job is too big for it."""
@@ -292,6 +299,8 @@ class HangWatch:
         # The dump dir's own thread does every file operation: a slow disk never stalls pages.
         stamp = await self.dir.run(self.dir.new_stamp, now) if self.dir else report_stamp(now)
         rep = HangReport(stamp, now, trigger, health, result, culprits_of(result, stack_texts))
+        if self.before_hang is not None:
+            rep.slow_before = self.before_hang({c["rank"] for c in rep.culprits})
         rep.text = await loop.run_in_executor(None, render_text, rep, fr, stack_texts, dumped)
         logger.error("debug_server: hang verdict: %s", result.get("verdict", ""))
         if self.dir is None:

@@ -22,6 +22,9 @@ Metrics (labels in braces; ``rank`` is the global rank, ``group`` the communicat
 - ``debug_server_findings{kind}``: the analyzer's error findings by kind.
 - ``debug_server_hang_reports_total``: hang reports written by this frontend.
 - ``debug_server_scrape_duration_seconds``: how long the fan-out and analysis took.
+- ``debug_server_rank_arrival_lag_seconds{rank,group}``: the rank's median arrival lag at the
+  group's collectives over the straggler window (``frontend.stragglers``' last poll; absent
+  before it), and ``debug_server_rank_last_share{rank,group}``: the share of them it was last at.
 """
 
 from __future__ import annotations
@@ -55,9 +58,12 @@ class Scrape:
     result: dict[str, Any]
     hang_reports: int
     duration_s: float
+    slow: dict[str, Any] | None = None
+    """The straggler watch's last result (``analysis.stragglers.analyze``), None before it polled."""
 
 
-async def scrape(collector: Collector, hang_reports: int = 0) -> Scrape:
+async def scrape(collector: Collector, hang_reports: int = 0,
+                 slow: dict[str, Any] | None = None) -> Scrape:
     """One fan-out of health and the FR window, and the analysis of it."""
     started = time.monotonic()
     addrs = await collector.registry.lookup()
@@ -66,7 +72,7 @@ async def scrape(collector: Collector, hang_reports: int = 0) -> Scrape:
     result = await asyncio.get_running_loop().run_in_executor(
         None, analyze_fr, fr, None, collector.world_size)
     return Scrape(collector.world_size, parse_health(health_res), fr, result, hang_reports,
-                  time.monotonic() - started)
+                  time.monotonic() - started, slow)
 
 
 def _gauge(name: str, doc: str, labels: list[str]) -> GaugeMetricFamily:
@@ -158,6 +164,21 @@ class JobCollector(PromCollector):
         took = _gauge("scrape_duration_seconds", "Fan-out and analysis time of this scrape.", [])
         took.add_metric([], round(s.duration_s, 6))
         yield took
+        yield from _straggler_families(s.slow)
+
+
+def _straggler_families(result: dict[str, Any] | None) -> Iterator[Metric]:
+    lag = _gauge("rank_arrival_lag_seconds", "Median time the rank issued the group's "
+                 "collectives after its first member did, over the straggler window.",
+                 ["rank", "group"])
+    share = _gauge("rank_last_share", "Share of the group's collectives in the straggler "
+                   "window the rank arrived last at.", ["rank", "group"])
+    for g in (result or {}).get("groups", []):
+        for row in g["rows"]:
+            labels = [str(row["rank"]), str(g["group"])]
+            lag.add_metric(labels, row["median_lag_ms"] / 1e3)
+            share.add_metric(labels, row["last_share"])
+    yield from (lag, share)
 
 
 def _num(v: Any) -> float:
@@ -171,8 +192,10 @@ def render(s: Scrape) -> bytes:
     return generate_latest(registry)
 
 
-async def metrics_response(collector: Collector, hang_reports: int = 0) -> web.Response:
-    """The ``/metrics`` reply: one scrape, rendered off the event loop."""
-    s = await scrape(collector, hang_reports)
+async def metrics_response(collector: Collector, hang_reports: int = 0,
+                           slow: dict[str, Any] | None = None) -> web.Response:
+    """The ``/metrics`` reply: one scrape, rendered off the event loop; ``slow``: the
+    straggler watch's last result."""
+    s = await scrape(collector, hang_reports, slow)
     body = await asyncio.get_running_loop().run_in_executor(None, render, s)
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})

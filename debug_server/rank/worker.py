@@ -32,7 +32,7 @@ from aiohttp import web
 from debug_server.analysis import frwindow, members
 from debug_server.auth import TokenGate, auth_middleware
 from debug_server.listen import start_sites
-from debug_server.rank import jobpids, pyspy, rank_capture
+from debug_server.rank import clock, jobpids, pyspy, rank_capture
 from debug_server.rank.wire import STACKS_SEP, WITH_STACKS, HandlerError, handler_routes
 from debug_server.recording.lazy import Cut, LazyDump
 from debug_server.stacks import capture_stacks
@@ -103,8 +103,9 @@ class HooksProvider:
         # The hooks' entries and c10d's own (DDP, FSDP, plain torch.distributed) in one dump,
         # the window cut inside: only the entries it keeps are built, on this thread that
         # holds the GIL away from training.
-        return c10d_fr.snapshot(only_active=only_active, include_collectives=include_collectives,
-                                cut=cut)
+        # clock.shifted: a test's injected clock offset (DEBUG_SERVER_CLOCK_OFFSET_NS), else as is.
+        return clock.shifted(c10d_fr.snapshot(only_active=only_active,
+                                              include_collectives=include_collectives, cut=cut))
 
     def c10d_fr_json(self, *, only_active: bool, include_collectives: bool) -> str:
         return c10d_fr_json(only_active=only_active, include_collectives=include_collectives)
@@ -202,7 +203,8 @@ def _only(params: Mapping[str, str], allowed: frozenset[str]) -> None:
         raise HandlerError(400, f"unknown parameter {extra[0]!r} (allowed: {names})")
 
 
-_FR_PARAMS = frozenset({"onlyactive", "includecollectives", "since", "window", members.PARAM})
+_FR_PARAMS = frozenset({"onlyactive", "includecollectives", "since", "window", members.PARAM,
+                        "includestacktraces"})
 _MAX_SLACK = 1_000_000
 _NO_PARAMS: frozenset[str] = frozenset()
 
@@ -267,9 +269,21 @@ def _torchcomms_fr_trace_json(p: Provider, q: Mapping[str, str]) -> Mapping[str,
     q = {k: v for k, v in q.items() if k != WITH_STACKS}
     args, cut, known = _fr_args(q), _cut_arg(q), _known_members(q)
     dump = members.share(p.fr_snapshot(**args, cut=cut), known)
+    if not _flag(q, "includestacktraces", True):  # torch's name: entries without their frames
+        dump = without_frames(dump)
     if not with_stacks:
         return dump
     return json.dumps(dump, default=str) + STACKS_SEP + p.stacks()
+
+
+def without_frames(dump: Mapping[str, Any]) -> Mapping[str, Any]:
+    """``dump`` with every entry's ``frames`` empty (what the straggler poll asks for: a tenth
+    of the bytes; ``frontend.stragglers``)."""
+    entries = dump.get("entries")
+    if not isinstance(entries, list):
+        return dump
+    return {**dump, "entries": [{**e, "frames": []} if isinstance(e, dict) else e
+                                for e in entries]}
 
 
 def _fr_trace_json(p: Provider, q: Mapping[str, str]) -> web.Response | Mapping[str, Any]:

@@ -1,0 +1,373 @@
+"""Slow ranks before they hang: arrival lag at collectives, from the Flight Recorder rings.
+
+Every FR entry says when its rank issued the collective (``time_created_ns``). For each
+collective that every member of a group issued within the window (the group's newest
+``window_ops`` such collectives), a member's **lag** is its issue time minus the earliest
+member's. Ranks whose clocks differ (other hosts) are first put on one clock with
+:class:`Clock` (offset and error estimated by the frontend at each fetch, :func:`estimate`).
+
+**The rule.** A rank is named slow on a group when (1) it arrived last at far more of the
+window's collectives than chance allows: the binomial tail P(X >= k | n, 1/m) for k last
+arrivals in n collectives of an m-member group is below :attr:`Rule.p_value` (1e-6), over at
+least as many collectives as that could ever happen in (:func:`needed_ops`: 20 for 2 members,
+10 for 4, never fewer than :attr:`Rule.min_ops`, 8); and (2) its median lag is well above
+the group's: at least ``max(min_lag_ms, lag_factor x the median of the other members' median
+lags, its clock error)``. Uniform traffic (every member equally likely last) meets neither condition; a rank
+that is always last by a few microseconds (a constant code-path difference) meets (1) but not (2).
+
+**Host or device.** The rule runs on issue times first (side ``"host"``: the rank's Python
+reached the collective late: data, CPU). Where every member has a start time
+(``time_discovered_started_ns``: c10d's timing, our CUDA start marks) it runs again on those
+(side ``"device"``: issued on time, but its collectives start late on its stream: a slow GPU,
+link or NIC). A rank named on the host side is not named again on the device side.
+
+Pure: no torch, no HTTP. ``analyze`` returns the ``/stragglers`` JSON plus, under ``groups``,
+the per-rank rows the pages show.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import statistics
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from debug_server.analysis import frwindow
+
+__all__ = ["Clock", "Rule", "analyze", "best_clock", "binom_tail", "estimate", "needed_ops",
+           "public", "sentence"]
+
+HOST, DEVICE = "host", "device"
+SPARK_POINTS = 48
+"""Most points of a rank's lag sparkline (the window is averaged down to this many)."""
+SPARK_ROWS = 64
+"""Rows per group that get a trend and a sparkline: the slowest (and every slow one)."""
+_P2P = ("send", "recv")
+
+
+@dataclass(frozen=True, slots=True)
+class Clock:
+    """A rank's clock against the frontend's: ``rank clock = frontend clock + offset_ns``,
+    known to within ``error_ns``."""
+
+    offset_ns: int = 0
+    error_ns: int = 0
+
+
+def estimate(rank_time_ns: int, done_ns: int, elapsed_s: float) -> Clock:
+    """One fetch's estimate: the rank read its clock (``rank_time_ns``: the dump's
+    ``dump_time_ns``) somewhere inside the round trip that ended at ``done_ns`` (frontend
+    clock) and took ``elapsed_s``; so its offset is that reading minus the round trip's
+    midpoint, to within half the round trip."""
+    rtt = max(0, int(elapsed_s * 1e9))
+    return Clock(rank_time_ns - (done_ns - rtt // 2), rtt // 2 + 1)
+
+
+def best_clock(estimates: Iterable[Clock]) -> Clock:
+    """The estimate with the smallest error (the shortest round trip, as NTP filters). An
+    offset within its own error of zero is taken as zero (the same clock: ranks on the
+    frontend's host), with the error doubled: the true offset lies within ``error`` of the
+    estimate, so within ``2 x error`` of zero."""
+    best = min(estimates, key=lambda c: c.error_ns, default=Clock())
+    if abs(best.offset_ns) <= best.error_ns:
+        return Clock(0, 2 * best.error_ns)
+    return best
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Rule:
+    """When a rank is named slow (module docstring)."""
+
+    window_ops: int = 200
+    """Collectives per group looked at: the newest that every member issued."""
+    min_ops: int = 8
+    """Fewer complete collectives than this in a group: nobody is named on it. Small groups
+    need more (``needed_ops``): as many as being last every time takes to reach ``p_value``
+    by chance (20 for 2 members, 10 for 4)."""
+    p_value: float = 1e-6
+    """Most probability that uniform traffic makes a rank last this often."""
+    min_lag_ms: float = 10.0
+    """A median lag below this is never slow, whatever the shares."""
+    lag_factor: float = 3.0
+    """The median lag must be this many times the other members' typical median lag."""
+
+
+def needed_ops(rule: Rule, m: int) -> int:
+    """Collectives a group of ``m`` members needs before anyone can be named on it."""
+    if m < 2:
+        return rule.min_ops
+    return max(rule.min_ops, math.ceil(math.log(rule.p_value) / math.log(1.0 / m) - 1e-9))
+
+
+def binom_tail(k: int, n: int, p: float) -> float:
+    """P(X >= k) for X ~ Binomial(n, p)."""
+    if k <= 0:
+        return 1.0
+    if k > n:
+        return 0.0
+    q = 1.0 - p
+    return min(1.0, sum(math.comb(n, i) * p**i * q ** (n - i) for i in range(k, n + 1)))
+
+
+# ---------------------------------------------------------------------------------------------
+# The window: per group, every member's times of its newest complete collectives
+
+
+@dataclass(slots=True)
+class _Group:
+    name: str
+    desc: str
+    members: list[int]
+    issued: dict[int, dict[int, int]]
+    """rank -> seq -> issue time on the reader's clock."""
+    started: dict[int, dict[int, int]]
+    """rank -> seq -> start time on the reader's clock, where the entry has one."""
+    ops: dict[int, str]
+
+
+def _op(name: Any) -> str:
+    name = str(name or "")
+    return name.partition(":")[2] if ":" in name else name
+
+
+def _config(dumps: Mapping[int, Mapping[str, Any]]) -> dict[str, tuple[str, set[int]]]:
+    """Each group's desc and members over every rank's ``pg_config``."""
+    config: dict[str, tuple[str, set[int]]] = {}
+    seen: set[tuple[str, int]] = set()
+    for dump in dumps.values():
+        cfg = dump.get("pg_config")
+        descs = {str(c.get("name", k)): str(c.get("desc", ""))
+                 for k, c in (cfg.items() if isinstance(cfg, Mapping) else ())
+                 if isinstance(c, Mapping)}
+        for name, members in frwindow.config_members(dump).items():
+            # Every member sends the same list, parsed once into one frozenset
+            # (frwindow's cache): merged once, not once per rank (4096 x 4096 at scale).
+            if (name, id(members)) not in seen:
+                seen.add((name, id(members)))
+                config.setdefault(name, (descs.get(name, ""), set()))[1].update(members)
+    return config
+
+
+def _groups(dumps: Mapping[int, Mapping[str, Any]], clocks: Mapping[int, Clock]) -> dict[str, _Group]:
+    out: dict[str, _Group] = {}
+    config = _config(dumps)
+    for rank, dump in dumps.items():
+        off = clocks[rank].offset_ns if rank in clocks else 0
+        entries = dump.get("entries")
+        # The hot loop (4096 ranks x 32 entries a poll): a few dict reads per entry; each group's
+        # per-rank map is looked up once per run of entries of that group.
+        name: Any = None
+        mine: dict[int, int] = {}
+        mine_started: dict[int, int] = {}
+        g: _Group | None = None
+        for e in entries if isinstance(entries, list) else ():
+            seq, issued = e.get("collective_seq_id"), e.get("time_created_ns")
+            if type(seq) is not int or type(issued) is not int or issued <= 0:
+                continue
+            pg, p2p = e.get("process_group"), e.get("is_p2p")
+            if p2p or not isinstance(pg, (list, tuple)) or not pg:
+                continue
+            if pg[0] != name:
+                name = pg[0]
+                g = out.get(str(name))
+                if g is None:
+                    desc, members = config.get(str(name), (str(pg[1]) if len(pg) > 1 else "",
+                                                           set()))
+                    g = out[str(name)] = _Group(str(name), desc, sorted(members), {}, {}, {})
+                mine = g.issued.setdefault(rank, {})
+                mine_started = g.started.setdefault(rank, {})
+            assert g is not None
+            if seq not in g.ops:
+                op = _op(e.get("profiling_name"))
+                if p2p is None and op.partition(" ")[0] in _P2P:
+                    continue  # a schema without is_p2p: P2P by its name
+                g.ops[seq] = op
+            mine[seq] = issued - off
+            started = e.get("time_discovered_started_ns")
+            if type(started) is int and started > 0:
+                mine_started[seq] = started - off
+    for g in out.values():
+        if not g.members:  # no pg_config: the ranks seen in its entries
+            g.members = sorted(g.issued)
+    return out
+
+
+def _complete(g: _Group, window: int) -> list[int]:
+    """The newest ``window`` seqs every member issued (a rank missing data hides the group)."""
+    if any(r not in g.issued for r in g.members):
+        return []
+    common = set.intersection(*(set(g.issued[r]) for r in g.members)) if g.members else set()
+    common &= set(g.ops)
+    return sorted(common)[-window:]
+
+
+# ---------------------------------------------------------------------------------------------
+# Per rank: lags, last share, trend, the rule
+
+
+@dataclass(slots=True)
+class _Lags:
+    lags: dict[int, list[float]]
+    """rank -> lag in ms at each collective of the window, oldest first."""
+    last: dict[int, int]
+    n: int
+
+
+def _lags(g: _Group, seqs: Sequence[int], times: dict[int, dict[int, int]]) -> _Lags | None:
+    want = set(seqs)
+    if not want or any(r not in times or not times[r].keys() >= want for r in g.members):
+        return None
+    members = g.members
+    columns = [[times[r][s] for s in seqs] for r in members]
+    last = dict.fromkeys(members, 0)
+    firsts = []
+    for at_seq in zip(*columns, strict=True):  # one tuple per collective, members in order
+        firsts.append(min(at_seq))
+        last[members[at_seq.index(max(at_seq))]] += 1
+    lags = {r: [(t - f) / 1e6 for t, f in zip(col, firsts, strict=True)]
+            for r, col in zip(members, columns, strict=True)}
+    return _Lags(lags, last, len(seqs))
+
+
+def _trend(lags: Sequence[float]) -> float:
+    """Median lag of the newer half of the window minus the older half's (ms)."""
+    if len(lags) < 4:
+        return 0.0
+    half = len(lags) // 2
+    return statistics.median(lags[half:]) - statistics.median(lags[:half])
+
+
+def _spark(lags: Sequence[float]) -> list[float]:
+    if len(lags) <= SPARK_POINTS:
+        return [round(x, 3) for x in lags]
+    step = len(lags) / SPARK_POINTS
+    out = []
+    for i in range(SPARK_POINTS):
+        part = lags[int(i * step):int((i + 1) * step)]
+        out.append(round(sum(part) / len(part), 3))
+    return out
+
+
+def _p_last(k: int, n: int, m: int) -> float:
+    # At or below chance (1/m) it cannot be significant: no tail sum (most of 4096 ranks).
+    return binom_tail(k, n, 1.0 / m) if k * m > n else 1.0
+
+
+def _rows(g: _Group, lg: _Lags, clocks: Mapping[int, Clock], rule: Rule,
+          side: str) -> list[dict[str, Any]]:
+    m = len(g.members)
+    needed = needed_ops(rule, m)
+    medians = {r: statistics.median(v) for r, v in lg.lags.items()}
+    errors = {r: clocks[r].error_ns / 1e6 if r in clocks else 0.0 for r in g.members}
+    typical_err = statistics.median(errors.values())
+    ordered = sorted(medians.values())
+    rows = []
+    for r in g.members:
+        base = _median_without(ordered, medians[r])
+        err = errors[r] + typical_err
+        p = _p_last(lg.last[r], lg.n, m)
+        bar = max(rule.min_lag_ms, rule.lag_factor * base, err)
+        slow = lg.n >= needed and p <= rule.p_value and medians[r] >= bar
+        rows.append({"rank": r, "median_lag_ms": medians[r], "last_share": lg.last[r] / lg.n,
+                     "last": lg.last[r], "p_value": p, "clock_error_ms": err,
+                     "within_clock_error": medians[r] < err, "threshold_ms": bar,
+                     "slow": slow, "side": side})
+    return rows
+
+
+def _median_without(ordered: Sequence[float], v: float) -> float:
+    """The median of ``ordered`` (sorted) less one instance of ``v``: the other members'
+    typical lag, in O(log m) per rank."""
+    i, n = bisect.bisect_left(ordered, v), len(ordered) - 1
+    if n <= 0:
+        return 0.0
+
+    def at(k: int) -> float:
+        return ordered[k] if k < i else ordered[k + 1]
+
+    return at(n // 2) if n % 2 else (at(n // 2 - 1) + at(n // 2)) / 2
+
+
+def _group_result(g: _Group, clocks: Mapping[int, Clock], rule: Rule) -> dict[str, Any] | None:
+    seqs = _complete(g, rule.window_ops)
+    host = _lags(g, seqs, g.issued) if len(g.members) >= 2 else None
+    if host is None:
+        return None
+    rows = _rows(g, host, clocks, rule, HOST)
+    shown = host
+    device = _lags(g, seqs, g.started)
+    if device is not None:
+        named = {row["rank"] for row in rows if row["slow"]}
+        for i, dev in enumerate(_rows(g, device, clocks, rule, DEVICE)):
+            if dev["slow"] and dev["rank"] not in named:
+                rows[i] = dev
+    rows.sort(key=lambda row: (-row["median_lag_ms"], row["rank"]))
+    # Trend and sparkline for the rows a page shows (the slowest, and every slow one).
+    for i, row in enumerate(rows):
+        if i < SPARK_ROWS or row["slow"]:
+            lags = (device if row["side"] == DEVICE and device else shown).lags[row["rank"]]
+            row.update(trend_ms=round(_trend(lags), 3), spark=_spark(lags))
+        else:
+            row.update(trend_ms=None, spark=[])
+        for k in ("median_lag_ms", "clock_error_ms", "threshold_ms"):
+            row[k] = round(row[k], 3)
+        row["last_share"] = round(row["last_share"], 4)
+    counts: dict[str, int] = {}
+    for s in seqs:
+        counts[g.ops[s]] = counts.get(g.ops[s], 0) + 1
+    return {"group": g.name, "desc": g.desc, "label": _label(g), "size": len(g.members),
+            "ops": host.n, "op_names": sorted(counts, key=lambda o: -counts[o]), "rows": rows}
+
+
+def _label(g: _Group) -> str:
+    # c10d names its groups "0", "1"...: people know them by their desc ("default_pg").
+    return g.desc if g.name.isdigit() and g.desc else g.name
+
+
+def analyze(dumps: Mapping[int, Mapping[str, Any]], clocks: Mapping[int, Clock] | None = None,
+            rule: Rule = Rule()) -> dict[str, Any]:
+    """The straggler result over per-rank FR dumps (module docstring).
+
+    ``clocks``: each rank's clock against the reader's (:func:`estimate`, :func:`best_clock`);
+    ranks without one are taken as on the reader's clock. Returns ``stragglers`` (one row per
+    slow rank and group: ``rank, group, median_lag_ms, last_share, side``), ``groups_checked``
+    (groups with enough complete collectives in the window: ``needed_ops``), ``window_ops``, and
+    ``groups`` (per group its rows, slowest first, for the pages).
+    """
+    clocks = clocks or {}
+    groups = []
+    for g in sorted(_groups(dumps, clocks).values(), key=lambda g: g.name):
+        res = _group_result(g, clocks, rule)
+        if res is not None:
+            groups.append(res)
+    checked = [g for g in groups if g["ops"] >= needed_ops(rule, g["size"])]
+    stragglers = [{"rank": row["rank"], "group": g["group"],
+                   "median_lag_ms": round(row["median_lag_ms"], 1),
+                   "last_share": round(row["last_share"], 2), "side": row["side"]}
+                  for g in checked for row in g["rows"] if row["slow"]]
+    stragglers.sort(key=lambda s: (-s["median_lag_ms"], s["rank"], s["group"]))
+    return {"stragglers": stragglers, "groups_checked": [g["group"] for g in checked],
+            "window_ops": rule.window_ops, "groups": groups}
+
+
+def public(result: Mapping[str, Any]) -> dict[str, Any]:
+    """The ``/stragglers`` JSON: exactly ``stragglers``, ``groups_checked``, ``window_ops``."""
+    return {k: result[k] for k in ("stragglers", "groups_checked", "window_ops")}
+
+
+def sentence(s: Mapping[str, Any], result: Mapping[str, Any]) -> str:
+    """One straggler in words: "Slow: rank 2 arrives last at 96 % of all_reduce on main_comm,
+    median 41 ms after the first rank (host side)"."""
+    g = next((g for g in result.get("groups", []) if g["group"] == s["group"]), None)
+    label = g["label"] if g else s["group"]
+    names = g["op_names"] if g else []
+    ops = "/".join(names[:3]) + ("..." if len(names) > 3 else "") if names else "collectives"
+    share = f"{s['last_share'] * 100:.0f} %"
+    if s["side"] == DEVICE:
+        return (f"Slow: rank {s['rank']} starts last at {share} of {ops} on {label}, median "
+                f"{s['median_lag_ms']:.0f} ms after the first rank (device side: issued on "
+                "time, started late)")
+    return (f"Slow: rank {s['rank']} arrives last at {share} of {ops} on {label}, median "
+            f"{s['median_lag_ms']:.0f} ms after the first rank (host side)")

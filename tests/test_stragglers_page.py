@@ -1,0 +1,111 @@
+"""The straggler page's renderers and the watch's memory, over real worker apps with fixed rings."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+from test_stragglers import MS, _dumps
+
+from debug_server.analysis import stragglers
+from debug_server.config import ServerConfig
+from debug_server.frontend import stragglers as page
+from debug_server.frontend.app import load_templates, make_frontend_app
+from debug_server.frontend.fanout import Collector
+from debug_server.rank import clock
+from debug_server.rank.discovery import StaticRegistry
+from debug_server.rank.worker import StaticProvider, make_worker_app
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _slow_rank_2(group: str = "main_comm") -> dict[int, dict[str, Any]]:
+    rnd = random.Random(7)
+    return _dumps(4, 120, lambda r, s: rnd.uniform(0, 2) + (40 if r == 2 else 0), group=group)
+
+
+def test_text_report_says_who_and_shows_a_table_per_group() -> None:
+    text = page.text_report(stragglers.analyze(_slow_rank_2()))
+    assert text.startswith("Slow: rank 2 arrives last at 100 % of all_reduce on main_comm, median 4")
+    assert "=== main_comm (4 ranks, 120 collectives: all_reduce) ===" in text
+    table = text.split("=== main_comm")[1].splitlines()
+    assert table[3].split()[0] == "2" and "SLOW (host)" in table[3]  # slowest rank first
+
+
+def test_text_report_when_nobody_is_slow() -> None:
+    text = page.text_report(stragglers.analyze(_dumps(4, 60, lambda r, s: 0.0)))
+    assert text.startswith("Nobody is slow")
+
+
+def test_html_escapes_group_names_and_draws_a_sparkline_per_rank() -> None:
+    res = stragglers.analyze(_slow_rank_2(group="<b>evil</b>"))
+    html = load_templates().get_template("stragglers.html").render(
+        title="Stragglers", failures=[], **page.page_model(res))
+    assert "<b>evil</b>" not in html and "&lt;b&gt;evil&lt;/b&gt;" in html
+    assert html.count("<polyline") == 4 and "slow (host side)" in html
+
+
+def test_streak_survives_polls_and_restarts_after_a_gap() -> None:
+    watch = page.StragglerWatch(Collector(None, StaticRegistry([None] * 4), timeout=1.0))  # type: ignore[arg-type]
+    res = stragglers.analyze(_slow_rank_2())
+    t0 = 1_000_000.0
+    for i in range(8):  # named at every poll, 2 s apart
+        watch._remember(res, t0 + 2 * i)
+    said = watch.before_hang({2}, now=t0 + 14 * 60)
+    assert said == ("rank 2 had been arriving last on main_comm (median 41 ms behind the first "
+                    "rank) for 14 min before it stopped.")
+    assert "before the hang" in watch.before_hang({0}, now=t0 + 60)  # slow, but not the culprit
+    watch._remember(res, t0 + 14 + page.STREAK_GRACE_S + 1)  # a gap: a new streak
+    assert watch.before_hang({2}, now=t0 + 14 + page.STREAK_GRACE_S + 11).endswith(
+        "for 10 s before it stopped.")
+
+
+@pytest.fixture
+async def fleet(aiohttp_server: Any) -> AsyncIterator[list[str]]:
+    urls = []
+    for d in _slow_rank_2().values():
+        urls.append(str((await aiohttp_server(make_worker_app(StaticProvider(d)))).make_url("")))
+    yield urls
+
+
+async def test_page_json_is_exactly_the_contract(fleet: list[str], aiohttp_client: Any) -> None:
+    app = make_frontend_app(ServerConfig(port=0, fetch_timeout=5.0), StaticRegistry(fleet))
+    client = await aiohttp_client(app)
+    resp = await client.get("/stragglers", headers={"Accept": "application/json"})
+    body = await resp.json()
+    assert set(body) == {"stragglers", "groups_checked", "window_ops"}
+    assert body["groups_checked"] == ["main_comm"] and body["window_ops"] == 128
+    assert [(s["rank"], s["group"], s["side"]) for s in body["stragglers"]] == [
+        (2, "main_comm", "host")]
+    resp = await client.get("/stragglers?format=nope")
+    assert resp.status == 400 and "format" in await resp.text()
+    resp = await client.get("/metrics")
+    assert 'debug_server_rank_last_share{group="main_comm",rank="2"}' in await resp.text()
+
+
+async def test_worker_clock_offset_is_corrected_from_the_reply(aiohttp_server: Any,
+                                                                aiohttp_client: Any) -> None:
+    urls = []
+    for r, d in _slow_rank_2().items():
+        # A live read time, shifted with the entries: what a rank with an injected offset sends.
+        provider = _NowProvider(d, 3_000 * MS if r >= 2 else 0)
+        urls.append(str((await aiohttp_server(make_worker_app(provider))).make_url("")))
+    client = await aiohttp_client(make_frontend_app(ServerConfig(port=0, fetch_timeout=5.0),
+                                                    StaticRegistry(urls)))
+    body = await (await client.get("/stragglers?format=json")).json()
+    assert [(s["rank"], round(s["median_lag_ms"] / 10)) for s in body["stragglers"]] == [(2, 4)]
+
+
+class _NowProvider(StaticProvider):
+    def __init__(self, dump: dict[str, Any], offset: int) -> None:
+        super().__init__(dump)
+        self.offset = offset
+
+    def fr_snapshot(self, **kw: Any) -> Any:
+        import time
+
+        return clock.shifted({**super().fr_snapshot(**kw), "dump_time_ns": time.time_ns()},
+                             self.offset)
+
