@@ -40,6 +40,7 @@ from debug_server.config import (
     FrontendConfig,
     ServerConfig,
     read_inherited,
+    take_secrets,
 )
 from debug_server.errors import first_line
 from debug_server.frontend import (
@@ -599,8 +600,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise ConfigError(f"a frontend started with {FRONTEND_CONFIG_FD_ENV} takes no "
                               f"arguments (got {' '.join(args)[:80]!r})")
         # Read once, then gone: py-spy and other children of this process must not inherit them.
-        os.environ.pop(FRONTEND_CONFIG_FD_ENV, None)
-        token = os.environ.pop(TOKEN_ENV, None)
+        token = take_secrets().auth_token
         if config is None:
             config = attach.config_from_args(args, {TOKEN_ENV: token} if token else {})
     except ValueError as e:  # ConfigError, attach.AttachError: one line, no traceback

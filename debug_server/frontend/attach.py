@@ -26,7 +26,13 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
 from debug_server import auth
-from debug_server.config import DEFAULT_PORT, FrontendConfig, ServerConfig, check_token_text
+from debug_server.config import (
+    DEFAULT_PORT,
+    FrontendConfig,
+    ServerConfig,
+    Settings,
+    check_token_text,
+)
 from debug_server.rank import discovery
 
 if TYPE_CHECKING:
@@ -144,7 +150,7 @@ def config_from_args(argv: Sequence[str], env: Mapping[str, str] | None = None) 
     args = parser().parse_args(argv)
     env = os.environ if env is None else env
     attached = resolve(args.store, args.world_size, args.restart_count,
-                       env.get(auth.TOKEN_ENV) or None, timeout=min(5.0, args.fetch_timeout))
+                       Settings.from_env(env).auth_token, timeout=min(5.0, args.fetch_timeout))
     dump_dir = os.path.abspath(args.dump_dir) if args.dump_dir else None
     server = ServerConfig(port=args.port, host=args.host, dump_dir=dump_dir,
                           fetch_timeout=args.fetch_timeout, auth_token=attached.token)

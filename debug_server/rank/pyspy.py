@@ -22,11 +22,11 @@ Ubuntu default) only ancestors may, so every rank calls ``prctl(PR_SET_PTRACER,
 PR_SET_PTRACER_ANY)`` at start (``allow_ptrace``): the frontend (a child of rank 0), a sibling's
 py-spy and a py-spy the user starts by hand from another shell are none of them ancestors.
 That lets any process of the same user read this rank, which ``ptrace_scope=0`` allows for
-every process anyway; ``DEBUG_SERVER_PTRACER=0`` skips it. ``ptrace_scope=2`` needs
+every process anyway; ``PTRACER_ENV=0`` skips it (``docs/settings.md``). ``ptrace_scope=2`` needs
 CAP_SYS_PTRACE, and a container needs it too (``--cap-add SYS_PTRACE``). Every failure is one
 line with its fix.
 
-The binary: ``$DEBUG_SERVER_PYSPY`` (a path; ``0`` turns py-spy off), else ``py-spy`` on PATH,
+The binary: ``$PYSPY_ENV`` (a path; ``0`` turns py-spy off), else ``py-spy`` on PATH,
 else the one beside this interpreter (a venv's ``bin``, where ``pip install`` puts it).
 
 py-spy's JSON is rewritten in faulthandler's layout so that every reader of stacks (grouping,
@@ -55,14 +55,12 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from debug_server.config import PTRACER_ENV as PTRACER_ENV
+from debug_server.config import PYSPY_ENV, Settings
 from debug_server.stacks import with_source
 
 logger = logging.getLogger(__name__)
 
-PYSPY_ENV = "DEBUG_SERVER_PYSPY"
-"""Path of the py-spy binary to use; ``0`` turns py-spy off."""
-PTRACER_ENV = "DEBUG_SERVER_PTRACER"
-"""``0``: do not call ``prctl(PR_SET_PTRACER, PR_SET_PTRACER_ANY)`` at start."""
 HANDLER = "pyspy_dump"
 """The worker handler (torch's name): py-spy on this process, or on a sibling with ``pid=``."""
 TIMEOUT_S = 1.0
@@ -104,9 +102,9 @@ def allow_ptrace() -> bool:
     """Let same-user processes read this one under Yama ``ptrace_scope=1``; True if it took.
 
     Linux only; a kernel without Yama answers EINVAL (nothing to allow there), and
-    ``DEBUG_SERVER_PTRACER=0`` skips the call.
+    ``Settings.ptracer`` false (``PTRACER_ENV=0``) skips the call.
     """
-    if not sys.platform.startswith("linux") or os.environ.get(PTRACER_ENV, "1") == "0":
+    if not sys.platform.startswith("linux") or not Settings.from_env().ptracer:
         return False
     try:
         libc = ctypes.CDLL(None, use_errno=True)
@@ -126,7 +124,7 @@ def allow_ptrace() -> bool:
 def locate(env: Mapping[str, str] | None = None) -> str:
     """The py-spy binary to run; raises ``PySpyError(UNAVAILABLE)`` with the fix."""
     env = os.environ if env is None else env
-    explicit = env.get(PYSPY_ENV)
+    explicit = Settings.from_env(env).pyspy
     if explicit == "0":
         raise PySpyError(UNAVAILABLE, f"py-spy is off (${PYSPY_ENV}=0)")
     if explicit:
