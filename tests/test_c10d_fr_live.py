@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from httpget import get_json
 from mpjob import finish, start_ranks
 
@@ -204,8 +205,11 @@ def _one_rank(tmp_path: Path, **env: str) -> tuple[str, str]:
 
 def test_server_started_before_the_group_turns_c10d_recorder_on_and_stop_takes_it_back(
         tmp_path: Path, no_buffer_env: None):
-    out, _ = _one_rank(tmp_path, ORDER="server_first")
-    assert "during ['2000', '2000']" in out
+    out, err = _one_rank(tmp_path, ORDER="server_first")
+    # Only the name this torch reads: torch >= 2.8 warns on every rank when the old one is set.
+    major, minor = (int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
+    assert ("during ['2000', None]" if (major, minor) >= (2, 8) else "during [None, '2000']") in out
+    assert "is deprecated" not in err, err[-2000:]
     assert "entries 3" in out
     assert "after [None, None]" in out
 

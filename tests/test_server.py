@@ -21,6 +21,7 @@ from mpjob import reference_job
 
 import debug_server
 from debug_server.config import (
+    DUMP_PATH_ENV,
     FRONTEND_CONFIG_FD_ENV,
     ConfigError,
     FrontendConfig,
@@ -30,8 +31,9 @@ from debug_server.config import (
 )
 from debug_server.frontend.app import PARENT_POLL_S, make_frontend_app
 from debug_server.rank.discovery import StoreRegistry, register_worker, store_client
-from debug_server.rank.server import DUMP_PATH_ENV, start_debug_server, stop_debug_server
+from debug_server.rank.server import start_debug_server, stop_debug_server
 from debug_server.rank.worker import HooksProvider, start_worker_thread
+from debug_server.recording import hooks
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -114,19 +116,22 @@ def _get_post(url: str) -> tuple[int, str]:
 def test_dump_dir_defaults_the_per_rank_pickle_path(rank_env: Any, monkeypatch: Any, tmp_path: Path) -> None:
     rank_env(1, 2)
     monkeypatch.delenv(DUMP_PATH_ENV, raising=False)
+    default = hooks.dump_path(1)
     start_debug_server(dump_dir=str(tmp_path))
-    assert os.environ[DUMP_PATH_ENV] == str(tmp_path / "per_rank" / "rank_")
+    assert hooks.dump_path(1) == str(tmp_path / "per_rank" / "rank_1")
+    assert DUMP_PATH_ENV not in os.environ  # a value handed to the hooks, not the environment
     stop_debug_server()
-    assert DUMP_PATH_ENV not in os.environ  # taken back: it must not leak into later jobs
+    assert hooks.dump_path(1) == default  # taken back: it must not outlive the server
 
 
 def test_user_set_per_rank_pickle_path_is_kept(rank_env: Any, monkeypatch: Any, tmp_path: Path) -> None:
     rank_env(1, 2)
     monkeypatch.setenv(DUMP_PATH_ENV, "/mine/fr_")
     start_debug_server(dump_dir=str(tmp_path))
-    assert os.environ[DUMP_PATH_ENV] == "/mine/fr_"
+    assert hooks.dump_path(1) == "/mine/fr_1"
     stop_debug_server()
     assert os.environ[DUMP_PATH_ENV] == "/mine/fr_"
+    assert hooks.dump_path(1) == "/mine/fr_1"
 
 
 def test_frontend_process_does_not_import_the_recording_side() -> None:

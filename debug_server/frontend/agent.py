@@ -38,8 +38,9 @@ TCPStore as ``debug_server/agent/<host id>`` (:func:`agent_key`: JSON ``url``, `
 side (which ranks go through which agent, and the fall-back to the rank workers directly when an
 agent is missing, dead or slow) is ``agent_fanout``.
 
-The host id is ``$DEBUG_SERVER_AGENT_ID`` or else the host name. An agent starts on jobs that span
-several hosts; ``$DEBUG_SERVER_AGENT=1`` starts one on a single-host job too, ``=0`` never.
+The host id is ``$AGENT_ID_ENV`` or else the host name. An agent starts on jobs that span
+several hosts; ``$AGENT_ENV=1`` starts one on a single-host job too, ``=0`` never
+(``docs/settings.md``).
 """
 
 from __future__ import annotations

@@ -42,6 +42,7 @@ __all__ = [
     "FlightRecorderHook",
     "default_stall_timeout",
     "dump_file",
+    "dump_path",
     "health",
     "lazy_snapshot",
     "owned_groups",
@@ -413,7 +414,7 @@ class FlightRecorderHook:
 
         The default prefix is ``~/.cache/torch/comm_lib_trace_rank_``. Returns the path.
         """
-        return write_dump_atomic(_dump_path(rank), self.dump_json())
+        return write_dump_atomic(dump_path(rank), self.dump_json())
 
     def stall_dump(self, rec: OpRecord | InFlight, age_s: float) -> list[str]:
         """Evidence for a stalled op, written at once so it survives a later kill.
@@ -466,7 +467,9 @@ def set_dump_prefix(prefix: str | None) -> None:
     _dump_prefix = prefix
 
 
-def _dump_path(rank: int | None) -> str:
+def dump_path(rank: int | None) -> str:
+    """Where this process's pickle for ``rank`` goes (``set_dump_prefix``, else the user's
+    ``$TORCHCOMM_FR_DUMP_TEMP_FILE``, else torch's default); ``rank`` None: this process's."""
     if rank is None:
         rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     prefix = _dump_prefix or Settings.from_env().dump_prefix or DEFAULT_DUMP_PREFIX
@@ -644,7 +647,7 @@ def lazy_snapshot(include_completed: bool = True, only_active: bool = False,
 def dump_file(rank: int | None = None) -> str:
     """Write this process's dump (``snapshot``, c10d's entries with their stacks) to
     ``<prefix><rank>`` (``set_dump_prefix``) atomically; returns the path."""
-    return write_dump_atomic(_dump_path(rank), snapshot(stacks=True))
+    return write_dump_atomic(dump_path(rank), snapshot(stacks=True))
 
 
 def health(stall_timeout: float | None = None) -> dict[str, Any]:
