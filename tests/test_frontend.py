@@ -202,16 +202,27 @@ def test_templates_load_with_autoescape() -> None:
     assert {"base.html", "index.html", "fr_trace.html", "stacks.html"} <= set(env.list_templates())
 
 
-async def test_frontend_shuts_down_when_parent_dies() -> None:
+async def test_frontend_shuts_down_when_parent_dies(monkeypatch: pytest.MonkeyPatch) -> None:
     from aiohttp import web
 
+    from debug_server.frontend import app as frontend_app
+
+    # Count the watcher's checks: "still running while the parent lives" is asserted only
+    # after it has looked at the live parent twice, however slow the machine.
+    checks: list[int] = []
+    alive = frontend_app._pid_alive
+    monkeypatch.setattr(frontend_app, "PARENT_POLL_S", 0.05)
+    monkeypatch.setattr(frontend_app, "_pid_alive", lambda pid: checks.append(pid) or alive(pid))
     proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
     try:
         app = web.Application()
         app[PARENT_PID] = proc.pid
         app[SHUTDOWN] = asyncio.Event()
         task = asyncio.create_task(_watch_parent(app))
-        await asyncio.sleep(0.2)
+        deadline = time.monotonic() + 30
+        while len(checks) < 2:
+            assert time.monotonic() < deadline, "the watcher never checked the parent"
+            await asyncio.sleep(0.01)
         assert not app[SHUTDOWN].is_set()
         proc.kill()
         proc.wait()
