@@ -134,11 +134,10 @@ def test_op_through_new_comm_appears_once_though_c10d_recorded_it_too(ddp_job):
 def test_hang_report_names_rank_1_for_a_stall_seen_only_by_c10d(ddp_job):
     dumps = Path(ddp_job["dir"]) / "dumps"
     deadline = time.monotonic() + 60
-    while not list(dumps.glob("hang_report_*.json")):
+    while not (found := sorted(dumps.glob("hang_report_*.json"))):
         assert time.monotonic() < deadline, "no hang report within 60 s"
         time.sleep(0.5)
-    time.sleep(0.5)  # the .json lands right after the .txt
-    report = json.loads(sorted(dumps.glob("hang_report_*.json"))[0].read_text())
+    report = json.loads(found[0].read_text())  # written whole under a temporary name
     seq = ddp_job["stuck_seq"]
     stalled = {h["rank"]: h["stalled_op"] for h in report["health"] if h["stalled_op"]}
     assert {r: (op["group"], op["seq"], op["op"]) for r, op in stalled.items()} == {
