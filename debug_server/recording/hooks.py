@@ -471,7 +471,8 @@ def dump_path(rank: int | None) -> str:
     """Where this process's pickle for ``rank`` goes (``set_dump_prefix``, else the user's
     ``$TORCHCOMM_FR_DUMP_TEMP_FILE``, else torch's default); ``rank`` None: this process's."""
     if rank is None:
-        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        dist = torch.distributed
+        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
     prefix = _dump_prefix or Settings.from_env().dump_prefix or DEFAULT_DUMP_PREFIX
     return os.path.expanduser(prefix) + str(rank)
 
