@@ -68,11 +68,11 @@ def _runtime_nodes(tree: ast.AST) -> list[ast.AST]:
     return out
 
 
-def _imports(path: Path, *, top_level_only: bool) -> set[str]:
-    """Modules of ours that ``path`` imports (``from pkg import mod`` resolves to the module):
-    at module level, or (``top_level_only=False``) anywhere they can run, functions included."""
+def _imports(path: Path, *, runtime_only: bool) -> set[str]:
+    """Modules of ours that ``path`` imports anywhere, functions included (``from pkg import
+    mod`` resolves to the module); ``runtime_only`` leaves out ``if TYPE_CHECKING:`` blocks."""
     tree = ast.parse(path.read_text())
-    nodes = tree.body if top_level_only else _runtime_nodes(tree)
+    nodes = _runtime_nodes(tree) if runtime_only else list(ast.walk(tree))
     out: set[str] = set()
     for node in nodes:
         if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
@@ -109,7 +109,7 @@ def test_no_part_imports_a_part_above_it() -> None:
         src = _part(mod)
         if src not in ALLOWED:
             continue
-        for dep in _imports(path, top_level_only=False):
+        for dep in _imports(path, runtime_only=False):
             dst = _part(dep)
             if dst in (src, "common") or dst in ALLOWED[src]:
                 continue
@@ -121,7 +121,7 @@ def test_imports_form_no_cycle_function_level_imports_included() -> None:
     # A function-level import is still an edge: it only moves the cycle from import time to
     # call time. Only ``if TYPE_CHECKING:`` imports (annotations, never run) are left out.
     mods = _modules()
-    graph = {m: {d for d in _imports(p, top_level_only=False) if d in mods and d != m}
+    graph = {m: {d for d in _imports(p, runtime_only=True) if d in mods and d != m}
              for m, p in mods.items()}
     state: dict[str, int] = {}
     stack: list[str] = []

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import signal
@@ -82,6 +83,21 @@ def test_rank0_serves_pages_and_stop_works_twice(rank_env: Any, tmp_path: Path) 
     stop_debug_server()
     stop_debug_server()
     assert _worker_threads() == []
+
+
+def test_the_job_log_gets_one_line_from_rank_0_and_none_from_the_others(
+        rank_env: Any, caplog: Any) -> None:
+    caplog.set_level("INFO", logger="debug_server")
+    rank_env(1, 2)
+    other = start_debug_server(port=0, fetch_timeout=3)
+    assert other.wait_registered(30)
+    other.stop()
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.INFO] == []
+    rank_env(0, 1)
+    handle = start_debug_server(port=0, fetch_timeout=3)
+    handle.stop()
+    shown = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert shown == [f"debug_server: pages at {handle.frontend_url}/"], shown
 
 
 def test_port_in_use_is_an_error_naming_the_port(rank_env: Any) -> None:
