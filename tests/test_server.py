@@ -51,7 +51,9 @@ def rank_env(monkeypatch: Any, tcp_store: Any) -> Any:
     stop_debug_server()
 
 
-def _get(url: str, accept: str = "*/*", timeout: float = 10) -> tuple[int, str]:
+def _get(url: str, accept: str = "*/*", timeout: float = 90) -> tuple[int, str]:
+    # A first page waits for the frontend's store connection and every rank: the test's own
+    # timeout bounds it, not 10 s (a loaded box took longer).
     req = urllib.request.Request(url, headers={"Accept": accept})
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
