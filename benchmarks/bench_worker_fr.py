@@ -16,10 +16,10 @@ Per shape, two requests as the frontend sends them: ``window=4`` (the first roun
 own frontier less 4) and ``since`` (the second round, at the job's frontier). Three paths:
 
 * ``base``: the worker's path before the window moved into the recorders,
-  ``frwindow.local_window(c10d_fr.snapshot())`` / ``frwindow.window(...)``, run from the tree of
+  ``frwindow.local_window(snapshot())`` / ``frwindow.window(...)``, run from the tree of
   ``--baseline-rev`` (``git archive``; default the commit before the change) in its own processes;
 * ``whole``: the same calls on this tree (whole dump built, then cut);
-* ``cut``: this tree's worker path, ``c10d_fr.snapshot(cut=frwindow.cutter(...))``.
+* ``cut``: this tree's worker path, ``hooks.snapshot(cut=frwindow.cutter(...))``.
 
 ``whole`` and ``cut`` alternate in one process, and every ``cut`` dump is checked equal to its
 ``whole`` one (less ``dump_time_ns``); ``base`` and this tree's processes alternate ``--rounds``
