@@ -293,28 +293,31 @@ def start_debug_server(
         if _CURRENT is not None:
             raise RuntimeError("debug server already running in this process; "
                                "call stop_debug_server() first")
-        # Each rank's pickle next to the reports, where PyTorch's fr_trace reads them with
-        # `-p rank_`; the user's own TORCHCOMM_FR_DUMP_TEMP_FILE wins. A value handed to the
-        # hooks, not the environment: nothing outlives stop() or leaks into children.
-        dump_prefix = settings.dump_prefix or (
-            os.path.join(os.path.abspath(dump_dir), "per_rank", "rank_") if dump_dir else None)
         # c10d's own Flight Recorder holds what DDP, FSDP and plain torch.distributed issue. It
         # sizes its ring once, when the first process group is created, from these variables:
         # before that, turn it on (2000 entries) unless the user chose; after, only a log line
         # (below) can help. stop() takes ours back, like the dump path.
         pg_existed = c10d_fr.group_exists()
         fr_env_set = {} if pg_existed else c10d_fr.turn_on_env()
-        handle, advertised = _start_parts(
-            job, config, required,
-            signal_stacks if signal_stacks is not None else settings.signal_stacks)
+        handle, advertised = _start_parts(job, config, required, settings.signal_stacks
+                                          if signal_stacks is None else signal_stacks)
         handle.fr_env_set = fr_env_set
         # This host's agent (agent.py), on its local rank 0 of a multi-host job; never waited for.
         handle.agent = host_agent.start_for_rank(config, job, advertised.host, required)
         _CURRENT = handle
-        _set_recording_defaults(config.stall_timeout, dump_prefix)
+        _set_recording_defaults(config.stall_timeout, _pickle_prefix(settings, dump_dir))
     atexit.register(handle._terminate_at_exit)
     _log_started(handle, advertised, pg_existed)
     return handle
+
+
+def _pickle_prefix(settings: Settings, dump_dir: str | None) -> str | None:
+    """Each rank's pickle next to the reports, where PyTorch's fr_trace reads them with
+    ``-p rank_``; the user's own ``TORCHCOMM_FR_DUMP_TEMP_FILE`` wins. A value handed to the
+    hooks, not the environment: nothing outlives stop() or leaks into children."""
+    if settings.dump_prefix or dump_dir is None:
+        return settings.dump_prefix
+    return os.path.join(os.path.abspath(dump_dir), "per_rank", "rank_")
 
 
 def _start_parts(job: JobEnv, config: ServerConfig, required: bool,
