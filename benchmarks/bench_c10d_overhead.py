@@ -33,9 +33,8 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from debug_server import start_debug_server, stop_debug_server  # noqa: E402
-from debug_server.recording import c10d_fr  # noqa: E402
+from debug_server.recording import c10d_fr, hooks  # noqa: E402
 from debug_server.recording.stall import StallWatch  # noqa: E402
-from debug_server.recording.stall import c10d_stalled_op as stalled_op  # noqa: E402
 
 BLOCK = 200
 
@@ -115,10 +114,10 @@ def main() -> None:
     print(f"reads on this rank's c10d ring ({n} entries), median of 5 ms (first call in brackets):")
     watch = StallWatch()
     for name, fn in (
-        ("health (pg_status)", lambda: stalled_op(watch, 60.0)),
-        ("live page (no stacks)", lambda: c10d_fr.snapshot()),
+        ("health (pg_status)", lambda: c10d_fr.c10d_stalled_op(watch, 60.0, hooks.owned_groups())),
+        ("live page (no stacks)", lambda: hooks.snapshot()),
         (f"dump (pickle, stacks {'on' if c10d_fr._stacks_safe() else 'off: no inductor'})",
-         lambda: c10d_fr.snapshot(stacks=True)),
+         lambda: hooks.snapshot(stacks=True)),
     ):
         first = timed_ms(fn)
         rest = [timed_ms(fn) for _ in range(5)]

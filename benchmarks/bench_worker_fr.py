@@ -16,10 +16,10 @@ Per shape, two requests as the frontend sends them: ``window=4`` (the first roun
 own frontier less 4) and ``since`` (the second round, at the job's frontier). Three paths:
 
 * ``base``: the worker's path before the window moved into the recorders,
-  ``frwindow.local_window(c10d_fr.snapshot())`` / ``frwindow.window(...)``, run from the tree of
+  ``frwindow.local_window(snapshot())`` / ``frwindow.window(...)``, run from the tree of
   ``--baseline-rev`` (``git archive``; default the commit before the change) in its own processes;
 * ``whole``: the same calls on this tree (whole dump built, then cut);
-* ``cut``: this tree's worker path, ``c10d_fr.snapshot(cut=frwindow.cutter(...))``.
+* ``cut``: this tree's worker path, ``hooks.snapshot(cut=frwindow.cutter(...))``.
 
 ``whole`` and ``cut`` alternate in one process, and every ``cut`` dump is checked equal to its
 ``whole`` one (less ``dump_time_ns``); ``base`` and this tree's processes alternate ``--rounds``
@@ -47,9 +47,13 @@ _CHILD = r"""
 import datetime, json, os, statistics, sys, time
 import torch, torch.distributed as dist
 from debug_server.analysis import frwindow
-from debug_server.recording import c10d_fr
+from debug_server.recording import c10d_fr, hooks
 from debug_server.recording.comms import new_comm
 from debug_server.recording.hooks import FlightRecorderHook
+
+# The whole process's dump: hooks.snapshot since the recording package has one such API,
+# c10d_fr.snapshot in a baseline tree from before.
+snapshot = getattr(c10d_fr, "snapshot", hooks.snapshot)
 
 shape, n, reps, mode = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 dist.init_process_group("gloo")
@@ -68,7 +72,7 @@ else:
 # c10d retires a gloo op from its own thread a moment after it returns: wait for one state.
 deadline, whole = time.monotonic() + 30, None
 while time.monotonic() < deadline:
-    prev, whole = whole, c10d_fr.snapshot()
+    prev, whole = whole, snapshot()
     whole.pop("dump_time_ns")
     if whole == prev:
         break
@@ -77,7 +81,7 @@ since = frwindow.frontier({0: whole})  # one rank: the job's frontier is its own
 
 
 def whole_then(cut_after):
-    return lambda: cut_after(c10d_fr.snapshot())
+    return lambda: cut_after(snapshot())
 
 
 requests = {"window=4": lambda d: frwindow.local_window(d, 4), "since": lambda d: frwindow.window(d, since)}
@@ -86,7 +90,7 @@ for name, cut_after in requests.items():
     paths = {"whole": whole_then(cut_after)}
     if mode == "new":
         cutter = (frwindow.cutter(slack=4) if name == "window=4" else frwindow.cutter(since=since))
-        paths["cut"] = lambda cutter=cutter: c10d_fr.snapshot(cut=cutter)
+        paths["cut"] = lambda cutter=cutter: snapshot(cut=cutter)
     outs = {k: fn() for k, fn in paths.items()}
     for d in outs.values():
         d.pop("dump_time_ns", None)

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 from aiohttp import web
 from aiohttp.typedefs import Handler, Middleware
 
+from debug_server.config import TOKEN_ENV as TOKEN_ENV  # where attach and view read it
 from debug_server.config import ConfigError, is_loopback
 
 if TYPE_CHECKING:
@@ -33,9 +34,6 @@ logger = logging.getLogger(__name__)
 TOKEN_HEADER = "X-Debug-Server-Token"
 TOKEN_COOKIE = "debug_server_token"
 TOKEN_QUERY = "token"
-TOKEN_ENV = "DEBUG_SERVER_AUTH_TOKEN"
-"""The token an attached frontend or the viewer uses (never a command-line option: ``ps``).
-Rank 0's frontend gets it inside its ``config.FrontendConfig``."""
 AUTH_MODES = ("auto", "token", "none")
 TOKEN_WAIT_S = 300.0
 """How long a rank other than 0 waits for rank 0 to put the token in the store."""

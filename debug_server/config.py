@@ -1,7 +1,11 @@
 """Configuration of the debug server: what the job's environment says, and what the user chose.
 
-Three frozen records:
+Four frozen records:
 
+- ``Settings``: every environment variable the package reads (``DEBUG_SERVER_*`` and the torch
+  variables it reads or sets), declared once below with its type, default and one line of doc,
+  read once by ``Settings.from_env`` and passed down as values; ``python -m debug_server.config
+  --markdown`` prints the table of ``docs/settings.md`` from these declarations;
 - ``JobEnv``: where this process sits in the job, read from torchrun's environment, never guessed;
 - ``ServerConfig``: what the user chose (the keyword arguments of ``start_debug_server``);
 - ``FrontendConfig``: one frontend process's whole configuration, a ``ServerConfig`` plus where
@@ -15,12 +19,14 @@ This module imports nothing else of the package (``auth`` builds on it, not the 
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import ipaddress
 import json
 import os
+import sys
 import tempfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,12 +39,202 @@ DEFAULT_PORT = 25999
 DEFAULT_KEEP_BYTES = 2 << 30
 """Default bound on a dump dir's cycle files (2 GiB): 50 cycles of a 16384-rank job fit."""
 LOOPBACK = "127.0.0.1"
+
+# -- the environment's names: the only place they are spelled ----------------------------------
+HOST_ENV = "DEBUG_SERVER_HOST"
+SIGNAL_STACKS_ENV = "DEBUG_SERVER_SIGNAL_STACKS"
+PYSPY_ENV = "DEBUG_SERVER_PYSPY"
+PTRACER_ENV = "DEBUG_SERVER_PTRACER"
+RECORDER_ENV = "DEBUG_SERVER_RECORDER"
+MARKS_ENV = "DEBUG_SERVER_START_MARKS"
+TIMING_OPT_ENV = "DEBUG_SERVER_NCCL_TIMING"
+AGENT_ENV = "DEBUG_SERVER_AGENT"
+AGENT_ID_ENV = "DEBUG_SERVER_AGENT_ID"
+TOKEN_ENV = "DEBUG_SERVER_AUTH_TOKEN"
 FRONTEND_CONFIG_FD_ENV = "DEBUG_SERVER_FRONTEND_CONFIG_FD"
-"""Names the inherited descriptor that holds a spawned frontend's ``FrontendConfig`` (JSON)."""
+TOKEN_FROM_STORE_ENV = "DEBUG_SERVER_AGENT_TOKEN_FROM_STORE"
+ORPHAN_EXIT_ENV = "DEBUG_SERVER_ORPHAN_EXIT_S"
+CLOCK_OFFSET_ENV = "DEBUG_SERVER_CLOCK_OFFSET_NS"
+DUMP_PATH_ENV = "TORCHCOMM_FR_DUMP_TEMP_FILE"
+FR_BUFFER_ENV = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")
+NCCL_TIMING_ENV = "TORCH_NCCL_ENABLE_TIMING"
 
 
 class ConfigError(ValueError):
     """A bad setting; the message names the variable or argument and the bad value."""
+
+
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+
+
+def _flag(name: str, raw: str) -> bool:
+    v = raw.strip().lower()
+    if v in _TRUE or v in _FALSE:
+        return v in _TRUE
+    raise ConfigError(f"environment variable {name}={raw!r}: expected 1 or 0")
+
+
+def _text(name: str, raw: str) -> str | None:
+    return raw.strip() or None
+
+
+def _int_of(name: str, raw: str) -> int:
+    try:
+        return int(raw.strip())
+    except ValueError:
+        raise ConfigError(f"environment variable {name}={raw!r} is not an integer") from None
+
+
+def _positive_float(name: str, raw: str) -> float:
+    try:
+        value = float(raw.strip())
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise ConfigError(f"environment variable {name}={raw[:40]!r} must be a number > 0")
+    return value
+
+
+def _choice(*allowed: str) -> Callable[[str, str], str]:
+    def parse(name: str, raw: str) -> str:
+        v = raw.strip().lower()
+        if v not in allowed:
+            raise ConfigError(f"environment variable {name}={raw!r}: expected "
+                              f"{', '.join(allowed[:-1])} or {allowed[-1]}")
+        return v
+    return parse
+
+
+def _setting(env: str | tuple[str, ...], default: Any, doc: str, parse: Callable[[str, str], Any],
+             *, type_: str, owner: str = "debug_server", shown: str | None = None) -> Any:
+    # One declaration: the variable(s), the parser, the type and default as the table shows
+    # them, and the doc line. ``owner``: ours, torch's (read or set by us), or a hand-off
+    # between our own processes (never set by a user).
+    names = (env,) if isinstance(env, str) else env
+    meta = {"env": names, "doc": doc, "parse": parse, "type": type_, "owner": owner,
+            "shown": shown if shown is not None else ("unset" if default is None else str(default))}
+    return field(default=default, metadata=meta, repr=env != TOKEN_ENV)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Settings:
+    """Every environment variable the package reads, parsed once (``from_env``)."""
+
+    host: str | None = _setting(
+        HOST_ENV, None, "The address this rank's servers advertise to other hosts; wins over "
+        "any guess (default: the interface that reaches `MASTER_ADDR`).", _text, type_="str")
+    signal_stacks: bool = _setting(
+        SIGNAL_STACKS_ENV, False, "`1`: stacks by signal for a rank that py-spy cannot read "
+        "and whose worker does not answer (a signal interrupts sleeps); "
+        "`start_debug_server(signal_stacks=)` wins.", _flag, type_="bool", shown="0")
+    pyspy: str | None = _setting(
+        PYSPY_ENV, None, "Path of the py-spy binary; `0` turns py-spy off (default: `py-spy` "
+        "on `PATH` or next to Python).", _text, type_="path")
+    ptracer: str = _setting(
+        PTRACER_ENV, "1", "Who may ptrace a rank under Yama `ptrace_scope=1`: `1` its host's "
+        "reader (the agent, else the frontend; `prctl(PR_SET_PTRACER, pid)`), `any` every "
+        "process of the user (a py-spy run by hand), `0` leave the setting alone.",
+        _choice("1", "any", "0"), type_="1, any, 0")
+    orphan_exit_s: float = _setting(
+        ORPHAN_EXIT_ENV, 120.0, "Once rank 0 is gone, the frontend serves on while any rank "
+        "answers or runs, and exits after this many seconds without a sign of the job.",
+        _positive_float, type_="float")
+    clock_offset_ns: int = _setting(
+        CLOCK_OFFSET_ENV, 0, "For tests: shift every time a rank's worker reports by this "
+        "many ns (a host whose clock is off), to check the straggler page corrects it.",
+        _int_of, type_="int", owner="hand-off")
+    recorder: str = _setting(
+        RECORDER_ENV, "auto", "Which recorder holds a communicator's ops: `auto` (c10d's on "
+        "NCCL when it is on, ours elsewhere), `c10d` (c10d's wherever it records), `python` "
+        "(ours everywhere).", _choice("auto", "c10d", "python"), type_="auto, c10d, python")
+    start_marks: str = _setting(
+        MARKS_ENV, "1", "Start marks of c10d-backed CUDA communicators: `1` the first "
+        "collective of a burst, `all` every collective, `0` none.", _choice("1", "all", "0"),
+        type_="1, all, 0")
+    nccl_timing: bool = _setting(
+        TIMING_OPT_ENV, False, "`1`: c10d-backed NCCL communicators' groups record c10d's "
+        "timing events (which give `duration_ms`; 2-20 % of a launch-bound step on H200).",
+        _flag, type_="bool", shown="0")
+    agent: bool | None = _setting(
+        AGENT_ENV, None, "`1`: a per-host agent even on a single-host job; `0`: never "
+        "(default: on jobs that span several hosts).", _flag, type_="bool")
+    agent_id: str | None = _setting(
+        AGENT_ID_ENV, None, "This host's agent id (default: the host name); ranks that share "
+        "it share one agent.", _text, type_="str")
+    auth_token: str | None = _setting(
+        TOKEN_ENV, None, "The access token of an attached frontend (`python -m "
+        "debug_server.frontend --store ...`) or the post-mortem viewer; read once and removed "
+        "from the environment.", _text, type_="secret")
+    dump_prefix: str | None = _setting(
+        DUMP_PATH_ENV, None, "Each rank's pickle goes to `<prefix><rank>` (default: "
+        "`<dump_dir>/per_rank/rank_` under `start_debug_server(dump_dir=)`, else "
+        "`~/.cache/torch/comm_lib_trace_rank_`).", _text, type_="path", owner="torch")
+    fr_buffer_size: int | None = _setting(
+        FR_BUFFER_ENV, None, "Entries of c10d's own Flight Recorder (the first name set wins; "
+        "torch < 2.8 reads only the second). Unset: `start_debug_server` sets the name this "
+        "torch reads to 2000 until `stop()`, when no process group exists yet.", _int_of,
+        type_="int", owner="torch")
+    frontend_config_fd: int | None = _setting(
+        FRONTEND_CONFIG_FD_ENV, None, "The inherited descriptor that holds a spawned "
+        "frontend's whole config (JSON).", _int_of, type_="int", owner="hand-off")
+    agent_token_from_store: bool = _setting(
+        TOKEN_FROM_STORE_ENV, False, "An agent whose local rank 0 lacks the token reads it "
+        "from the store.", _flag, type_="bool", owner="hand-off", shown="0")
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
+        """Parse every variable once; a malformed one raises ``ConfigError`` naming it."""
+        env = os.environ if env is None else env
+        kwargs: dict[str, Any] = {}
+        for f in dataclasses.fields(cls):
+            for name in f.metadata["env"]:
+                raw = env.get(name)
+                if raw is not None and raw.strip() != "":
+                    kwargs[f.name] = f.metadata["parse"](name, raw)
+                    break
+        return cls(**kwargs)
+
+
+def take_secrets(env: MutableMapping[str, str] | None = None) -> Settings:
+    """``Settings.from_env``, then the token and the hand-offs are removed from ``env``: read
+    once, they must not reach this process's own children (py-spy)."""
+    env = os.environ if env is None else env
+    settings = Settings.from_env(env)
+    for name in (TOKEN_ENV, FRONTEND_CONFIG_FD_ENV, TOKEN_FROM_STORE_ENV):
+        env.pop(name, None)
+    return settings
+
+
+SET_BY_US: tuple[tuple[str, str], ...] = (
+    (FR_BUFFER_ENV[0], "`start_debug_server` before the first process group, when neither "
+     "buffer variable is set: 2000 (the name this torch reads; `TORCH_NCCL_TRACE_BUFFER_SIZE` "
+     "on torch < 2.8), taken back by `stop()`."),
+    (NCCL_TIMING_ENV, "`1` around the creation of a c10d-backed NCCL communicator's own group "
+     "when `DEBUG_SERVER_NCCL_TIMING=1`, then put back."),
+)
+"""Torch's variables that the package sets, and when."""
+
+
+def settings_markdown() -> str:
+    """The settings tables of ``docs/settings.md``, generated from ``Settings`` and ``SET_BY_US``."""
+    out = ["# Settings", "",
+           "Generated by `python -m debug_server.config --markdown` from the declarations in",
+           "`debug_server/config.py`; `tests/test_config.py` keeps this page equal to them.", ""]
+    heads = {"debug_server": "## Environment variables you may set",
+             "torch": "## Torch's variables the debug server reads",
+             "hand-off": "## Set by the debug server for its own child processes"}
+    for owner, head in heads.items():
+        out += [head, "", "| variable | type | default | what |", "|---|---|---|---|"]
+        for f in dataclasses.fields(Settings):
+            m = f.metadata
+            if m["owner"] == owner:
+                names = " / ".join(f"`{n}`" for n in m["env"])
+                out.append(f"| {names} | {m['type']} | {m['shown']} | {m['doc']} |")
+        out.append("")
+    out += ["## Torch's variables the debug server sets", "", "| variable | when |", "|---|---|"]
+    out += [f"| `{name}` | {doc} |" for name, doc in SET_BY_US]
+    return "\n".join(out) + "\n"
 
 
 def _env_int(env: Mapping[str, str], name: str, default: int | None = None) -> int:
@@ -253,22 +449,9 @@ class FrontendConfig:
                                   "worker_urls": tuple})
 
 
-ORPHAN_EXIT_ENV = "DEBUG_SERVER_ORPHAN_EXIT_S"
-
-
 def orphan_exit_from_env(env: Mapping[str, str] | None = None) -> float:
     """``FrontendConfig.orphan_exit_s`` as rank 0's environment sets it (default 120)."""
-    raw = (os.environ if env is None else env).get(ORPHAN_EXIT_ENV, "").strip()
-    if not raw:
-        return 120.0
-    try:
-        value = float(raw)
-    except ValueError:
-        value = -1.0
-    if not value > 0:
-        raise ConfigError(f"environment variable {ORPHAN_EXIT_ENV}={raw[:40]!r} must be a "
-                          "number of seconds > 0")
-    return value
+    return Settings.from_env(env).orphan_exit_s
 
 
 def _pair(value: Sequence[Any] | None) -> tuple[str, int] | None:
@@ -335,3 +518,21 @@ def read_inherited(env: Mapping[str, str] | None = None) -> FrontendConfig | Non
         raise ConfigError(f"{FRONTEND_CONFIG_FD_ENV}={raw!r}: cannot read the frontend config "
                           f"({e})") from None
     return FrontendConfig.from_json(text)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m debug_server.config --markdown``: print the settings tables."""
+    p = argparse.ArgumentParser(prog="python -m debug_server.config",
+                                description="The debug server's settings (environment variables).")
+    p.add_argument("--markdown", action="store_true", help="print docs/settings.md")
+    args = p.parse_args(argv)
+    if args.markdown:
+        sys.stdout.write(settings_markdown())
+        return 0
+    for f in dataclasses.fields(Settings):
+        print(f"{' / '.join(f.metadata['env'])}: {f.metadata['doc']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -51,10 +51,10 @@ def _rank(rank: int, port: int, out_dir: str) -> None:
     from torch._C import _distributed_c10d as c10d
 
     record = {
-        "ours": hooks.snapshot(),
+        "ours": hooks.lazy_snapshot().finish(),
         "recorders": [("cpu", json.loads(c10d._dump_fr_trace_json(True, False)))],
         "groups": {k: g._asdict() for k, g in c10d_fr.process_groups().items()},
-        "owned": sorted(c10d_fr._owned()),
+        "owned": sorted(hooks.owned_groups()),
     }
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(record, default=list))
     store.set(f"recorded{rank}", "1")

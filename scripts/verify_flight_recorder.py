@@ -52,7 +52,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from debug_server import start_debug_server, stop_debug_server  # noqa: E402
-from debug_server.recording import c10d_fr  # noqa: E402
+from debug_server.recording import hooks  # noqa: E402
 from debug_server.recording.comms import new_comm  # noqa: E402
 from debug_server.recording.hooks import FlightRecorderHook  # noqa: E402
 
@@ -232,7 +232,7 @@ class C10dOps:
 
     def dump_file(self) -> str:
         # What the worker's torchcomms_fr_dump_file writes: c10d's record merged with ours.
-        return c10d_fr.dump_file(self.rank)
+        return hooks.dump_file(self.rank)
 
     def unregister(self) -> None:
         pass

@@ -21,6 +21,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -418,11 +419,25 @@ def test_attached_frontend_finds_the_agents_through_the_store(job: dict[str, Any
             proc.stdout.close()
 
 
+def _wait_gone(pid: int, timeout: float = 30.0) -> None:
+    """Until ``pid`` has exited (gone, or a zombie whose sockets are closed)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (FileNotFoundError, ProcessLookupError):
+            return
+        if state in ("Z", "X"):
+            return
+        assert time.monotonic() < deadline, f"pid {pid} still {state} after SIGKILL"
+        time.sleep(0.01)
+
+
 @pytest.mark.timeout(150)
 def test_killed_agent_leaves_every_rank_on_the_pages(job: dict[str, Any]) -> None:
     victim = _agents(job["store_port"])["fakehost1"]
     os.kill(victim["pid"], signal.SIGKILL)
-    time.sleep(0.5)
+    _wait_gone(victim["pid"])
     status, body = _get(job["url"], "/fr_trace?format=json")
     fr = json.loads(body)
     assert status == 200 and _fr_ready(fr), fr.get("ranks", fr)

@@ -133,13 +133,20 @@ d = hook.dump_json()
 print("ENTRIES", json.dumps([(e["collective_seq_id"], e["profiling_name"], e["process_group"],
                               (e["frames"] or [{}])[0].get("line")) for e in d["entries"]]), flush=True)
 print("SUM", t[0].item(), flush=True)
+store = torch.distributed.distributed_c10d._get_default_store()
 if comm.get_rank() == 1:
-    time.sleep(1.5)  # rank 0's op waits for this rank
+    store.wait(["in_flight_read"])  # rank 0's op waits for this rank until it has looked
 work = comm.all_reduce(t, async_op=True)  # seq 5
-time.sleep(0.3)
+deadline = time.monotonic() + 30  # until a watchdog pass has seen #4 (waited above) complete
+while any(x.seq < 5 for x in hook.in_flight()) and time.monotonic() < deadline:
+    time.sleep(0.01)
 print("IN_FLIGHT", [(x.op, x.seq) for x in hook.in_flight()], flush=True)
+if comm.get_rank() == 0:
+    store.set("in_flight_read", "1")
 work.wait()
-time.sleep(0.3)  # a watchdog pass
+deadline = time.monotonic() + 30
+while hook.in_flight() and time.monotonic() < deadline:  # until a watchdog pass saw it end
+    time.sleep(0.01)
 print("AFTER", [(x.op, x.seq) for x in hook.in_flight()], flush=True)
 seen = []
 handle = comm.register_pre_hook(lambda rec: seen.append((rec.op, rec.seq)))  # records again
@@ -273,19 +280,30 @@ status = {comm.c10d_group_name: {"last_completed_collective": "-1"}}
 watchdog._c10d_nccl_status = lambda now: status
 aborts = []
 comm.register_abort_hook(lambda rec, err: aborts.append((rec.op, rec.seq, threading.current_thread().name)))
+passes = []
+watchdog.add_watchdog_check(lambda: passes.append(time.monotonic()))  # runs after each pass
+
+
+def a_pass_after(t):
+    # Until a whole watchdog pass began after t (a check runs at the end of each pass).
+    deadline = time.monotonic() + 30
+    while sum(p > t for p in passes) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
 out = {}
 t = torch.ones(4)
 for _ in range(100):
     comm.all_reduce(t)
 out["kept_works"] = len(comm._pend_w)
-time.sleep(0.3)
+a_pass_after(time.monotonic())
 out["watched_before"] = len(comm._pend)
 status[comm.c10d_group_name] = {"last_completed_collective": "60"}  # c10d's 60 = our #59
-time.sleep(0.3)
+a_pass_after(time.monotonic())
 out["first_in_flight"] = [(x.op, x.seq) for x in comm.in_flight()[:1]]
 out["watched_mid"] = len(comm._pend)
 status[comm.c10d_group_name] = {"last_completed_collective": "100"}
-time.sleep(0.3)
+a_pass_after(time.monotonic())
 out["watched_after"] = len(comm._pend)
 t0 = time.monotonic()
 comm.all_reduce(t)  # #100; c10d's status never says it completed
@@ -302,7 +320,7 @@ status.clear()  # unreadable from now on: nothing can time out, nothing is kept
 other = comms.new_comm("gloo", torch.device("cpu"), "other_comm", timeout=datetime.timedelta(seconds=1))
 other._is_cuda = True
 other.all_reduce(t)
-time.sleep(1.5)
+a_pass_after(time.monotonic() + 1.5)  # its 1 s timeout is over by then: had it timed out...
 out["unreadable"] = [len(other._pend), other._broken]
 print("RESULT " + json.dumps(out), flush=True)
 os._exit(0)

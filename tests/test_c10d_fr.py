@@ -28,6 +28,13 @@ from debug_server.recording.c10d_fr import (
 )
 from debug_server.recording.stall import StallWatch
 
+
+def torch_version() -> tuple[int, int]:
+    import torch
+
+    major, minor = torch.__version__.split("+")[0].split(".")[:2]
+    return int(major), int(minor)
+
 DATA = Path(__file__).parent / "data" / "c10d_merge_gloo.json"
 
 
@@ -248,11 +255,12 @@ def test_stall_watch_starts_over_when_the_status_moves():
     assert w.stalled(5.0, created + 300 * 10**9) == []
 
 
-def test_turn_on_env_sets_both_names_when_neither_is_set():
+def test_turn_on_env_sets_only_the_name_this_torch_reads():
+    # torch >= 2.8 reads TORCH_FR_BUFFER_SIZE and warns on every rank when the old name is set.
     env: dict[str, str] = {}
-    assert turn_on_env(env) == {"TORCH_FR_BUFFER_SIZE": "2000",
-                                "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000"}
-    assert env == {"TORCH_FR_BUFFER_SIZE": "2000", "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000"}
+    name = "TORCH_FR_BUFFER_SIZE" if torch_version() >= (2, 8) else "TORCH_NCCL_TRACE_BUFFER_SIZE"
+    assert turn_on_env(env) == {name: "2000"}
+    assert env == {name: "2000"}
 
 
 @pytest.mark.parametrize("name", BUFFER_ENV)

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from httpget import get_json
 from mpjob import finish, start_ranks
 
@@ -133,11 +134,10 @@ def test_op_through_new_comm_appears_once_though_c10d_recorded_it_too(ddp_job):
 def test_hang_report_names_rank_1_for_a_stall_seen_only_by_c10d(ddp_job):
     dumps = Path(ddp_job["dir"]) / "dumps"
     deadline = time.monotonic() + 60
-    while not list(dumps.glob("hang_report_*.json")):
+    while not (found := sorted(dumps.glob("hang_report_*.json"))):
         assert time.monotonic() < deadline, "no hang report within 60 s"
         time.sleep(0.5)
-    time.sleep(0.5)  # the .json lands right after the .txt
-    report = json.loads(sorted(dumps.glob("hang_report_*.json"))[0].read_text())
+    report = json.loads(found[0].read_text())  # written whole under a temporary name
     seq = ddp_job["stuck_seq"]
     stalled = {h["rank"]: h["stalled_op"] for h in report["health"] if h["stalled_op"]}
     assert {r: (op["group"], op["seq"], op["op"]) for r, op in stalled.items()} == {
@@ -204,8 +204,11 @@ def _one_rank(tmp_path: Path, **env: str) -> tuple[str, str]:
 
 def test_server_started_before_the_group_turns_c10d_recorder_on_and_stop_takes_it_back(
         tmp_path: Path, no_buffer_env: None):
-    out, _ = _one_rank(tmp_path, ORDER="server_first")
-    assert "during ['2000', '2000']" in out
+    out, err = _one_rank(tmp_path, ORDER="server_first")
+    # Only the name this torch reads: torch >= 2.8 warns on every rank when the old one is set.
+    major, minor = (int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
+    assert ("during ['2000', None]" if (major, minor) >= (2, 8) else "during [None, '2000']") in out
+    assert "is deprecated" not in err, err[-2000:]
     assert "entries 3" in out
     assert "after [None, None]" in out
 

@@ -35,13 +35,13 @@ comm.register_abort_hook(lambda rec, err: aborts.append(
 t = torch.ones(16)
 comm.all_reduce(t)
 comm.all_reduce(t)
+store = torch.distributed.distributed_c10d._get_default_store()
 if comm.get_rank() == 0:
     t0 = time.monotonic()
     work = comm.all_reduce(t, async_op=True)  # seq 2; rank 1 never joins; nobody waits
     while not aborts and time.monotonic() - t0 < 15:
         time.sleep(0.05)
     print("ABORTS", aborts, "AFTER_S", round(time.monotonic() - t0), flush=True)
-    time.sleep(0.5)
     for name, call in (("NEXT_OP", lambda: comm.broadcast(t, root=0)), ("WAIT", work.wait)):
         try:
             call()
@@ -49,8 +49,12 @@ if comm.get_rank() == 0:
         except RuntimeError as e:
             print(name, "raised", e, flush=True)
     print("STATE", json.dumps(load_dump(pickle)["entries"][-1]["state"]) if os.path.exists(pickle) else None, flush=True)
+    store.set("rank0_done", "1")
 else:
-    time.sleep(5)
+    try:  # its end of the pair open until rank 0 is done (rank 0 hosts the store)
+        store.wait(["rank0_done"], datetime.timedelta(seconds=60))
+    except Exception:  # the store went with rank 0: it is done
+        pass
 os._exit(0)  # the gloo pair is broken after the timeout: no orderly teardown
 '''
 

@@ -129,7 +129,7 @@ def test_cutter_takes_exactly_one_of_since_and_slack() -> None:
 
 # Each rank builds rings of several shapes; after each, every cut is taken both ways (the whole
 # snapshot cut afterwards, and cut inside the recorders) through the three entry points that
-# build dumps: the worker's (c10d_fr.snapshot), the hooks' merged one and one hook's own.
+# build dumps: the whole process's (hooks.snapshot, what the worker serves) and one hook's own.
 JOB = r'''
 import datetime, json, os, time
 from pathlib import Path
@@ -157,8 +157,7 @@ def counting(c10d, pickle_fn, json_fn, include_collectives, stacks):
 
 
 c10d_fr._read = counting
-PRODUCERS = {"worker": lambda cut=None: c10d_fr.snapshot(cut=cut),
-             "hooks": lambda cut=None: hooks.snapshot(cut=cut),
+PRODUCERS = {"worker": lambda cut=None: hooks.snapshot(cut=cut),
              "hook": lambda cut=None: hook.dump_json(cut=cut)}
 rows = []
 
@@ -187,7 +186,7 @@ def check(shape):
     del reads[:]
     whole = snap("worker")
     full_reads = reads.count(True)
-    owned, backed = c10d_fr._owned(), c10d_fr.backed_of(hooks.recorded_comms())
+    owned, backed = hooks.owned_groups(), c10d_fr.backed_of(hooks.recorded_comms())
     from_rings = c10d_fr.merge_c10d(hooks.lazy_snapshot(), c10d_fr.read_recorders(), owned=owned,
                                     groups=c10d_fr.process_groups(), backed=backed)
     from_rings.pop("dump_time_ns")

@@ -203,14 +203,21 @@ t = torch.ones(1024)
 for _ in range(3):
     comm.all_reduce(t)
 comm.broadcast(t, root=0)
+store = torch.distributed.distributed_c10d._get_default_store()
 if comm.get_rank() == 0:
     try:
         comm.all_reduce(t)
     except RuntimeError as e:
         print("CAUGHT", e)
         print("ABORTS", aborts)
+    store.set("rank0_timed_out", "1")
 else:
-    time.sleep(4)
+    # Alive (its end of the pair open) until rank 0 has timed out: an exit would fail rank
+    # 0's op with a closed connection instead.
+    try:
+        store.wait(["rank0_timed_out"], datetime.timedelta(seconds=60))
+    except Exception:  # the store went with rank 0 (it hosts it): it is done
+        pass
     hook.dump_file(comm.get_rank())
 '''
 
@@ -282,8 +289,9 @@ hook = FlightRecorderHook(max_entries=10, stall_timeout=0.5).register_with_comm(
 t = torch.ones(4)
 comm.all_reduce(t)
 print("HEALTHY_BEFORE", health()["healthy"])
+store = torch.distributed.distributed_c10d._get_default_store()
 if comm.get_rank() == 1:
-    time.sleep(3)
+    store.wait(["stall_seen"], datetime.timedelta(seconds=60))  # joins once rank 0 has looked
     comm.all_reduce(t)
 else:
     t0 = time.monotonic()
@@ -292,10 +300,12 @@ else:
     # The stacks are written after the pickle: wait for them too, so they show this loop (on a
     # loaded box the main thread once reached work.wait() before they were taken).
     stacks_path = os.path.join(os.path.dirname(pickle_path), "stalled_stacks_r0.txt")
-    while not os.path.exists(stacks_path) and time.monotonic() - t0 < 2.5:
+    while not os.path.exists(stacks_path) and time.monotonic() - t0 < 30:
         time.sleep(0.05)
     h = health()
-    print("STALL_SEEN", os.path.exists(pickle_path), round(time.monotonic() - t0, 1) < 2.5, h["healthy"], h["stalled_op"]["seq"], h["stalled_op"]["op"])
+    # Seen while the op still waits for rank 1, which joins only once this line is printed.
+    print("STALL_SEEN", os.path.exists(pickle_path), not work.is_completed(), h["healthy"], h["stalled_op"]["seq"], h["stalled_op"]["op"])
+    store.set("stall_seen", "1")
     work.wait()
     print("HEALTHY_AFTER", health()["healthy"])
 torch.distributed.barrier()

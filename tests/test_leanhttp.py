@@ -163,18 +163,30 @@ async def test_a_reply_that_is_not_http_is_refused(raw_server: Any, client: Lean
 async def test_a_timed_out_reply_never_answers_the_next_request(
         aiohttp_server: Any, client: LeanClient) -> None:
     calls = [0]
+    timed_out, late_sent = asyncio.Event(), asyncio.Event()
 
-    async def first_slow(request: web.Request) -> web.Response:
+    async def first_slow(request: web.Request) -> web.StreamResponse:
         calls[0] += 1
         if calls[0] == 1:
-            await asyncio.sleep(0.5)
-            return web.Response(text="late reply to request 1")
+            await timed_out.wait()  # answer only once the client gave up on this request
+            resp = web.StreamResponse()
+            resp.content_length = len(b"late reply to request 1")
+            try:
+                await resp.prepare(request)
+                await resp.write(b"late reply to request 1")
+                await resp.write_eof()
+            except ConnectionError:  # the client closed that connection: nothing to answer on
+                pass
+            finally:
+                late_sent.set()
+            return resp
         return web.Response(text=f"reply to request {calls[0]}")
 
     url = await _app_url(aiohttp_server, first_slow)
     with pytest.raises(asyncio.TimeoutError):
         await asyncio.wait_for(client.post(f"{url}/handler/x"), 0.1)
-    await asyncio.sleep(0.6)  # the late reply has been sent by now
+    timed_out.set()
+    await asyncio.wait_for(late_sent.wait(), 30)  # the late reply went out (or found no line)
     assert await client.post(f"{url}/handler/x") == (200, b"reply to request 2")
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from typing import Any
 
 import pytest
@@ -33,8 +34,15 @@ def _gpu_rank(exposed_us: float) -> str:
 
 def canned_app(profile: tuple[int, str] = (404, "Handler torch_profile not found"),
                counters: tuple[int, str] = (404, "Handler wait_counter_values not found"),
-               delay: float = 0.0) -> web.Application:
+               delay: float = 0.0,
+               hold: tuple[asyncio.Event, asyncio.Event] | None = None) -> web.Application:
+    """``hold=(started, release)``: the profile handler sets ``started`` and answers only once
+    ``release`` is set."""
+
     async def torch_profile(request: web.Request) -> web.Response:
+        if hold is not None:
+            hold[0].set()
+            await hold[1].wait()
         await asyncio.sleep(delay)
         return web.Response(status=profile[0], text=profile[1])
 
@@ -151,11 +159,13 @@ async def test_ranks_beyond_the_merge_budget_are_listed_not_merged(canned_job: A
 
 
 async def test_second_profile_while_one_runs_is_409(canned_job: Any) -> None:
-    client = await canned_job([canned_app((200, _gpu_rank(50)), delay=1.0)])
+    started, release = asyncio.Event(), asyncio.Event()
+    client = await canned_job([canned_app((200, _gpu_rank(50)), hold=(started, release))])
     first = asyncio.ensure_future(client.get("/profile?duration=0.1"))
-    await asyncio.sleep(0.3)
+    await asyncio.wait_for(started.wait(), 30)  # the first one is at the rank
     text = await _get(client, "/profile?duration=0.1", status=409)
-    assert text.startswith("a profile is already running (started 0 s ago: 0.1 s on ranks 0)")
+    assert re.match(r"a profile is already running \(started \d+ s ago: 0.1 s on ranks 0\)", text), text
+    release.set()
     assert (await first).status == 200
 
 

@@ -81,7 +81,15 @@ class Job(RankProcs):
         assert status == 200, text
         (self.tmp / "go").touch()
         self.wait_for(rank, r"^HOLDING", timeout=20)
-        time.sleep(0.2)  # into the usleep
+        # Into the usleep: the main thread (its tid is the pid) seen asleep three reads running
+        # (after HOLDING nothing but the usleep sleeps, bar a moment's wait for the GIL).
+        pid = self.ready(rank)[0]
+        deadline, asleep = time.monotonic() + 20, 0
+        while asleep < 3:
+            stat = Path(f"/proc/{pid}/task/{pid}/stat").read_text()
+            asleep = asleep + 1 if stat.rsplit(")", 1)[1].split()[0] == "S" else 0
+            assert time.monotonic() < deadline, "the rank never went to sleep in usleep"
+            time.sleep(0.02)
 
     def assert_slept_full_length(self, rank: int = 0) -> None:
         """The rank's usleep, measured in the rank, was not cut short (no EINTR)."""
@@ -306,7 +314,11 @@ def test_ptrace_refusal_reads_as_one_line_naming_the_fix() -> None:
         env = {**os.environ, pyspy.PYSPY_ENV: str(wrapper)}
         procs.append(subprocess.Popen([*as_nobody, "sleep", "30"]))
         procs.append(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"]))
-        time.sleep(0.3)
+        # Until setpriv has become nobody and exec'd sleep (before, root owns the process).
+        deadline = time.monotonic() + 30
+        while Path(f"/proc/{procs[0].pid}/comm").read_text().strip() != "sleep":
+            assert time.monotonic() < deadline, "setpriv never ran sleep"
+            time.sleep(0.01)
         # Control: nobody's own process is read (it is no Python, which is what py-spy says).
         with pytest.raises(pyspy.PySpyError) as ok:
             pyspy.read(procs[0].pid, env=env)

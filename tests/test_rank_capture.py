@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from typing import Any
 
 import pytest
 
+from debug_server.rank import rank_capture
 from debug_server.rank.worker import StaticProvider, make_worker_app
 
 
@@ -38,18 +40,29 @@ async def test_profile_reply_is_a_chrome_trace_of_the_requested_window(worker: A
     assert span["name"].startswith("PyTorch Profiler") and 250_000 < span["dur"] < 5_000_000
 
 
+async def _capturing(worker: Any, duration: float) -> asyncio.Future[Any]:
+    """A profile request, returned once its capture runs (holds the process's capture lock)."""
+    capture = asyncio.ensure_future(worker.post(f"/handler/torch_profile?duration={duration}"))
+    deadline = time.monotonic() + 30
+    while not rank_capture._capture_lock.locked():
+        assert not capture.done(), await (await capture).text()
+        assert time.monotonic() < deadline, "the capture never started"
+        await asyncio.sleep(0.01)
+    return capture
+
+
 async def test_worker_answers_other_handlers_while_it_profiles(worker: Any) -> None:
-    capture = asyncio.ensure_future(worker.post("/handler/torch_profile?duration=1.5"))
-    await asyncio.sleep(0.3)
-    ping = await asyncio.wait_for(worker.post("/handler/ping"), 1.0)
-    assert (ping.status, await ping.text()) == (200, "pong")
-    assert not capture.done()
+    capture = await _capturing(worker, 3.0)
+    ping = asyncio.ensure_future(worker.post("/handler/ping"))
+    done, _ = await asyncio.wait({capture, ping}, return_when=asyncio.FIRST_COMPLETED)
+    assert done == {ping}, "the ping waited for the capture to end"
+    resp = ping.result()
+    assert (resp.status, await resp.text()) == (200, "pong")
     assert (await capture).status == 200
 
 
 async def test_second_profile_while_one_runs_is_409(worker: Any) -> None:
-    first = asyncio.ensure_future(worker.post("/handler/torch_profile?duration=1"))
-    await asyncio.sleep(0.3)
+    first = await _capturing(worker, 3.0)
     second = await worker.post("/handler/torch_profile?duration=1")
     text = await second.text()
     assert second.status == 409 and text.startswith("a profile is already being captured"), text

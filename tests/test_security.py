@@ -85,7 +85,9 @@ def test_single_host_job_binds_loopback_only_and_needs_no_token(
         assert handle.auth_token is None and handle.frontend_url
         for port in (handle.worker_port, handle.frontend_port):
             assert port and _listening(port) == {"0100007F"}, port  # 127.0.0.1, nothing else
-        with urllib.request.urlopen(f"{handle.frontend_url}/?format=json", timeout=10) as r:
+        # The first page waits for the frontend's store connection: bounded by the test's own
+        # timeout, not 10 s (a loaded box took longer).
+        with urllib.request.urlopen(f"{handle.frontend_url}/?format=json", timeout=90) as r:
             assert json.loads(r.read())["ranks"][0]["status"] == "ok"
     finally:
         stop_debug_server()
@@ -237,7 +239,7 @@ time.sleep(90)
 def _http(url: str, headers: dict[str, str] | None = None, method: str = "GET") -> tuple[int, str]:
     req = urllib.request.Request(url, headers=headers or {}, method=method)
     try:
-        with urllib.request.urlopen(req, timeout=15) as r:
+        with urllib.request.urlopen(req, timeout=90) as r:  # the test's timeout bounds it
             return r.status, r.read().decode()
     except urllib.error.HTTPError as e:
         with e:

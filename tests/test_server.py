@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import signal
@@ -21,6 +22,7 @@ from mpjob import reference_job
 
 import debug_server
 from debug_server.config import (
+    DUMP_PATH_ENV,
     FRONTEND_CONFIG_FD_ENV,
     ConfigError,
     FrontendConfig,
@@ -31,8 +33,9 @@ from debug_server.config import (
 from debug_server.frontend.app import make_frontend_app
 from debug_server.frontend.departed import POLL_S
 from debug_server.rank.discovery import StoreRegistry, register_worker, store_client
-from debug_server.rank.server import DUMP_PATH_ENV, start_debug_server, stop_debug_server
+from debug_server.rank.server import start_debug_server, stop_debug_server
 from debug_server.rank.worker import HooksProvider, start_worker_thread
+from debug_server.recording import hooks
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -49,7 +52,9 @@ def rank_env(monkeypatch: Any, tcp_store: Any) -> Any:
     stop_debug_server()
 
 
-def _get(url: str, accept: str = "*/*", timeout: float = 10) -> tuple[int, str]:
+def _get(url: str, accept: str = "*/*", timeout: float = 90) -> tuple[int, str]:
+    # A first page waits for the frontend's store connection and every rank: the test's own
+    # timeout bounds it, not 10 s (a loaded box took longer).
     req = urllib.request.Request(url, headers={"Accept": accept})
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
@@ -81,6 +86,21 @@ def test_rank0_serves_pages_and_stop_works_twice(rank_env: Any, tmp_path: Path) 
     stop_debug_server()
     stop_debug_server()
     assert _worker_threads() == []
+
+
+def test_the_job_log_gets_one_line_from_rank_0_and_none_from_the_others(
+        rank_env: Any, caplog: Any) -> None:
+    caplog.set_level("INFO", logger="debug_server")
+    rank_env(1, 2)
+    other = start_debug_server(port=0, fetch_timeout=3)
+    assert other.wait_registered(30)
+    other.stop()
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.INFO] == []
+    rank_env(0, 1)
+    handle = start_debug_server(port=0, fetch_timeout=3)
+    handle.stop()
+    shown = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert shown == [f"debug_server: pages at {handle.frontend_url}/"], shown
 
 
 def test_port_in_use_is_an_error_naming_the_port(rank_env: Any) -> None:
@@ -115,19 +135,22 @@ def _get_post(url: str) -> tuple[int, str]:
 def test_dump_dir_defaults_the_per_rank_pickle_path(rank_env: Any, monkeypatch: Any, tmp_path: Path) -> None:
     rank_env(1, 2)
     monkeypatch.delenv(DUMP_PATH_ENV, raising=False)
+    default = hooks.dump_path(1)
     start_debug_server(dump_dir=str(tmp_path))
-    assert os.environ[DUMP_PATH_ENV] == str(tmp_path / "per_rank" / "rank_")
+    assert hooks.dump_path(1) == str(tmp_path / "per_rank" / "rank_1")
+    assert DUMP_PATH_ENV not in os.environ  # a value handed to the hooks, not the environment
     stop_debug_server()
-    assert DUMP_PATH_ENV not in os.environ  # taken back: it must not leak into later jobs
+    assert hooks.dump_path(1) == default  # taken back: it must not outlive the server
 
 
 def test_user_set_per_rank_pickle_path_is_kept(rank_env: Any, monkeypatch: Any, tmp_path: Path) -> None:
     rank_env(1, 2)
     monkeypatch.setenv(DUMP_PATH_ENV, "/mine/fr_")
     start_debug_server(dump_dir=str(tmp_path))
-    assert os.environ[DUMP_PATH_ENV] == "/mine/fr_"
+    assert hooks.dump_path(1) == "/mine/fr_1"
     stop_debug_server()
     assert os.environ[DUMP_PATH_ENV] == "/mine/fr_"
+    assert hooks.dump_path(1) == "/mine/fr_1"
 
 
 def test_frontend_process_does_not_import_the_recording_side() -> None:
@@ -395,10 +418,13 @@ def test_two_rank_gloo_hang_is_diagnosed_end_to_end(tmp_path: Path) -> None:
             log.close()
 
 
-def test_public_api_is_two_functions() -> None:
-    assert debug_server.__all__ == ["start_debug_server", "stop_debug_server"]
+def test_public_api_is_the_entry_points_and_what_a_training_script_needs() -> None:
+    assert sorted(debug_server.__all__) == [
+        "ConfigError", "DebugServer", "FlightRecorderHook", "ReduceOp", "new_comm",
+        "start_debug_server", "stop_debug_server"]
 
 
+@pytest.mark.timeout(150)
 def test_multi_host_links_carry_the_address_other_hosts_reach(
         monkeypatch: Any, tcp_store: Any, caplog: Any) -> None:
     from debug_server.config import is_loopback
@@ -424,7 +450,9 @@ def test_multi_host_links_carry_the_address_other_hosts_reach(
                 in caplog.text)
         req = urllib.request.Request(f"{handle.frontend_url}/?format=json",
                                      headers={"X-Debug-Server-Token": handle.auth_token})
-        with urllib.request.urlopen(req, timeout=10) as r:
+        # The first page also waits for the frontend's store connection and every rank: on a
+        # loaded box that took over 10 s once; the test's own timeout bounds it.
+        with urllib.request.urlopen(req, timeout=90) as r:
             assert r.status == 200
     finally:
         handle.stop()

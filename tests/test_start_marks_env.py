@@ -31,5 +31,6 @@ def test_start_marks_setting_gives_the_gap_between_marks(monkeypatch: pytest.Mon
 
 def test_start_marks_unknown_setting_is_refused_in_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(MARKS_ENV, "sometimes")
-    with pytest.raises(ValueError, match=r"^DEBUG_SERVER_START_MARKS='sometimes': expected 1, all or 0$"):
+    with pytest.raises(ValueError, match=r"^environment variable DEBUG_SERVER_START_MARKS='sometimes': "
+                       r"expected 1, all or 0$"):
         _mark_gap_ns()

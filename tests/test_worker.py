@@ -204,24 +204,29 @@ def test_capture_stacks_lists_the_calling_frame() -> None:
     assert "in test_capture_stacks_lists_the_calling_frame" in text
 
 
-def _sleeper(ready: threading.Event, seconds: float) -> None:
+def _sleeper(ready: threading.Event, stop: threading.Event) -> None:
     ready.set()
-    time.sleep(seconds)  # SLEEP_LINE
+    while not stop.is_set():
+        time.sleep(0.05)  # SLEEP_LINE
 
 
 def test_capture_stacks_ships_the_source_line_the_verdict_names() -> None:
-    ready = threading.Event()
-    sleeper = threading.Thread(target=_sleeper, args=(ready, 1.0), name="sleeper")
-    sleeper.start()
-    ready.wait(5)
-    time.sleep(0.2)
-    try:
-        text = capture_stacks()
-    finally:
-        sleeper.join()
     line = next(i for i, s in enumerate(Path(__file__).read_text().splitlines(), 1)
                 if s.endswith("# SLEEP_LINE"))
-    assert f'test_worker.py", line {line} in _sleeper\n    time.sleep(seconds)  # SLEEP_LINE\n' in text
+    want = f'test_worker.py", line {line} in _sleeper\n    time.sleep(0.05)  # SLEEP_LINE\n'
+    ready, stop = threading.Event(), threading.Event()
+    sleeper = threading.Thread(target=_sleeper, args=(ready, stop), name="sleeper")
+    sleeper.start()
+    try:
+        assert ready.wait(30)
+        # The sleeper sleeps until told to stop: read until it is caught in its sleep (it is
+        # between two sleeps for a moment now and then), however slow the machine.
+        deadline = time.monotonic() + 30
+        while want not in (text := capture_stacks()):
+            assert time.monotonic() < deadline, text[-2000:]
+    finally:
+        stop.set()
+        sleeper.join()
     [thread] = [t for t in stackparse.parse_threads(text)
                 if t.frames and t.frames[0].function == "_sleeper"]
     assert stackparse.summarize(thread.frames).summary == f"time.sleep at test_worker.py:{line}"

@@ -67,7 +67,7 @@ def analyze(
             objects (``digest.DigestMemo``); the result is the same as without it.
 
     Returns:
-        The JSON-serializable result of DESIGN.md "Analysis result (JSON)": ``world_size``,
+        The analysis result (docs/architecture.md, "Contracts"): ``world_size``,
         ``ranks_with_data``, ``ranks_without_data``, ``unavailable``, ``groups``,
         ``collectives``, ``nccl_calls``, ``findings``, ``verdict``, ``stack_groups``, ``notes``;
         ``category`` (one of ``verdict.CATEGORIES``) and its one-line ``next_step`` unless the

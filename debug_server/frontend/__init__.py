@@ -1,6 +1,8 @@
 """The rank-0 frontend, its own process: ``python -m debug_server.frontend``.
 
 * ``app``: the aiohttp application, its routes and the process entry point.
+* ``pagekit``: what every page shares: the app's keys, the templates, reading a request and
+  answering in the format asked for.
 * ``fanout``: asking every rank's worker the same question at once, never blocking on one.
 * ``dumps``, ``snapshot``: the periodic dumper and its bounded snapshot file.
 * ``hangreport``: the hang watch (a verdict on disk seconds after a rank stalls).

@@ -38,8 +38,9 @@ TCPStore as ``debug_server/agent/<host id>`` (:func:`agent_key`: JSON ``url``, `
 side (which ranks go through which agent, and the fall-back to the rank workers directly when an
 agent is missing, dead or slow) is ``agent_fanout``.
 
-The host id is ``$DEBUG_SERVER_AGENT_ID`` or else the host name. An agent starts on jobs that span
-several hosts; ``$DEBUG_SERVER_AGENT=1`` starts one on a single-host job too, ``=0`` never.
+The host id is ``$AGENT_ID_ENV`` or else the host name. An agent starts on jobs that span
+several hosts; ``$AGENT_ENV=1`` starts one on a single-host job too, ``=0`` never
+(``docs/settings.md``).
 """
 
 from __future__ import annotations
@@ -66,6 +67,7 @@ from aiohttp import web
 from debug_server import auth
 from debug_server.analysis import frwindow, members
 from debug_server.analysis.digest import SNAPSHOT_TIME_KEY
+from debug_server.config import take_secrets
 from debug_server.errors import first_line
 from debug_server.frontend import departed, fastjson
 from debug_server.frontend.fanout import (
@@ -83,7 +85,6 @@ from debug_server.rank.agent_launch import (
     AGENT_ENV,
     AGENT_ID_ENV,
     META_KEY,
-    TOKEN_FROM_STORE_ENV,
     agent_key,
     format_ranks,
     host_id,
@@ -662,8 +663,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as e:
         print(f"error: --ranks: {e}", file=sys.stderr)
         return 2
-    token = os.environ.pop(auth.TOKEN_ENV, None)
-    from_store = os.environ.pop(TOKEN_FROM_STORE_ENV, "") == "1"
+    settings = take_secrets()
+    token, from_store = settings.auth_token, settings.agent_token_from_store
     store = None
     registry: Any
     if args.worker_urls:

@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
-import importlib.resources
 import json
 import logging
 import os
@@ -25,11 +24,9 @@ import socket
 import sys
 import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 import aiohttp
-import jinja2
 from aiohttp import web
 from aiohttp.typedefs import Handler
 
@@ -40,6 +37,7 @@ from debug_server.config import (
     FrontendConfig,
     ServerConfig,
     read_inherited,
+    take_secrets,
 )
 from debug_server.errors import first_line
 from debug_server.frontend import (
@@ -47,16 +45,16 @@ from debug_server.frontend import (
     attach,
     departed,
     export,
-    fastjson,
     health_held,
+    pages_extra,
     snapshot,
+    stragglers,
     views,
 )
 from debug_server.frontend.dumps import Dumper, analyze_fr, fr_trace_text, stacks_report
 from debug_server.frontend.fanout import (
     GONE,
     MAX_BODY_BYTES,
-    Collector,
     RankResult,
     Registry,
     settle_gc,
@@ -65,15 +63,29 @@ from debug_server.frontend.hangreport import HEALTH_HANDLER, HangWatch, parse_he
 from debug_server.frontend.leanhttp import LeanClient
 from debug_server.frontend.metrics import metrics_response
 from debug_server.frontend.pagefirst import in_background
+from debug_server.frontend.pagekit import (  # noqa: F401 (re-exported: app.load_templates, ...)
+    COLLECTOR,
+    CONFIG,
+    FORMATS,
+    MAX_PAGE,
+    PAGE_ROWS,
+    REGISTRY,
+    TEMPLATES,
+    BadRequest,
+    load_templates,
+    negotiate,
+)
+from debug_server.frontend.pagekit import bool01 as _bool01
+from debug_server.frontend.pagekit import off_loop as _off_loop
+from debug_server.frontend.pagekit import page_number as _page
+from debug_server.frontend.pagekit import parse_format as _format
+from debug_server.frontend.pagekit import query as _query
+from debug_server.frontend.pagekit import respond as _respond
 from debug_server.listen import own_server, start_sites, stop_on_signals
 from debug_server.rank.discovery import StaticRegistry, StoreRegistry
 
 logger = logging.getLogger(__name__)
 
-FORMATS = ("html", "text", "json")
-PAGE_ROWS = 1000
-"""Rows per page of the ``?full=1`` HTML view."""
-MAX_PAGE = 100_000
 CONNECTIONS_PER_RANK = 8
 """Most connections the frontend holds to one worker (in use plus idle keep-alive)."""
 BIND_RETRY_S = 3.0
@@ -84,124 +96,12 @@ TRACE_MAX_EVENTS = 1_000_000
 TRACE_MIN_PER_RANK = 16
 """How long a busy port is retried (an earlier frontend of an elastic restart may hold it)."""
 
-CONFIG = web.AppKey("config", ServerConfig)
-REGISTRY = web.AppKey("registry", Registry)
-COLLECTOR = web.AppKey("collector", Collector)
-TEMPLATES = web.AppKey("templates", jinja2.Environment)
 PARENT_PID = web.AppKey("parent_pid", int)
 SHUTDOWN = web.AppKey("shutdown", asyncio.Event)
 DEPARTURES = web.AppKey("departures", departed.Departures)
 ORPHAN_EXIT_S = web.AppKey("orphan_exit_s", float)
 DUMPER = web.AppKey("dumper", Dumper)
 HANG_WATCH = web.AppKey("hang_watch", HangWatch)
-
-
-# ---------------------------------------------------------------------------------------------
-# Templates
-
-
-def _template_sources() -> dict[str, str]:
-    """The templates' text: from the source tree this package was imported from, where it is
-    one (a checkout: a worktree's own templates, not those of another tree that an editable
-    install points at), else from the installed package."""
-    checkout = Path(__file__).resolve().parents[2]
-    if (checkout / "pyproject.toml").is_file() and (checkout / "templates" / "base.html").is_file():
-        return {p.name: p.read_text("utf-8") for p in (checkout / "templates").glob("*.html")}
-    with contextlib.suppress(ModuleNotFoundError, FileNotFoundError, NotADirectoryError):
-        root = importlib.resources.files("debug_server.templates")
-        found = {p.name: p.read_text("utf-8") for p in root.iterdir() if p.name.endswith(".html")}
-        if found:
-            return found
-    src = Path(__file__).resolve().parents[2] / "templates"
-    return {p.name: p.read_text("utf-8") for p in src.glob("*.html")}
-
-
-def load_templates() -> jinja2.Environment:
-    sources = _template_sources()
-    if "base.html" not in sources:
-        raise FileNotFoundError("debug_server templates not found (no base.html in the package "
-                                "or in <repo>/templates)")
-    return jinja2.Environment(loader=jinja2.DictLoader(sources), autoescape=True,
-                              undefined=jinja2.StrictUndefined)
-
-
-# ---------------------------------------------------------------------------------------------
-# Request parsing
-
-
-class BadRequest(web.HTTPBadRequest):
-    def __init__(self, reason: str) -> None:
-        super().__init__(text=reason + "\n")
-
-
-def _query(request: web.Request, allowed: Mapping[str, Callable[[str], Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key in request.query:
-        parse = allowed.get(key)
-        if parse is None:
-            raise BadRequest(f"unknown parameter {key!r} (allowed: {', '.join(sorted(allowed))})")
-        raw = request.query.getone(key)
-        try:
-            out[key] = parse(raw)
-        except ValueError as e:
-            raise BadRequest(f"bad parameter {key}={raw[:40]!r}: {e}") from None
-    return out
-
-
-def _format(raw: str) -> str:
-    if raw not in FORMATS:
-        raise ValueError("must be html, text or json")
-    return raw
-
-
-def _bool01(raw: str) -> bool:
-    try:
-        return {"0": False, "1": True, "false": False, "true": True}[raw.lower()]
-    except KeyError:
-        raise ValueError("must be 0/1 or true/false") from None
-
-
-def _page(raw: str) -> int:
-    n = int(raw)
-    if not 1 <= n <= MAX_PAGE:
-        raise ValueError(f"must be 1..{MAX_PAGE}")
-    return n
-
-
-def negotiate(request: web.Request, fmt: str | None) -> str:
-    """``?format=`` wins; else the Accept header: browsers get html, tools json, curl text."""
-    if fmt:
-        return fmt
-    ranges = []
-    for i, part in enumerate(request.headers.get("Accept", "*/*").split(",")):
-        media, *opts = (s.strip() for s in part.split(";"))
-        q = 1.0
-        for opt in opts:
-            if opt.startswith("q="):
-                with contextlib.suppress(ValueError):
-                    q = float(opt[2:])
-        ranges.append((-q, i, media.lower()))
-    for _, _, media in sorted(ranges):
-        if media in ("text/html", "application/xhtml+xml"):
-            return "html"
-        if media == "application/json":
-            return "json"
-        if media in ("text/plain", "text/*", "*/*"):
-            return "text"
-    return "text"
-
-
-def _respond(fmt: str, body: str | Any) -> web.Response:
-    if fmt == "json":
-        return web.Response(text=fastjson.dumps(body, default=str), content_type="application/json")
-    if fmt == "html":
-        return web.Response(text=body, content_type="text/html")
-    return web.Response(text=body, content_type="text/plain")
-
-
-async def _off_loop(fn: Callable[..., Any], *args: Any) -> Any:
-    # Analysis and rendering are CPU work: off the loop, so other pages and the dumper go on.
-    return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -470,8 +370,6 @@ async def _background_ctx(app: web.Application) -> AsyncIterator[None]:
     app[HANG_WATCH] = watch
     tasks.append(in_background(watch.run_forever(), name="debug_server.hang_watch"))
     # Slow ranks while the job runs (frontend/stragglers.py); a hang report says who had been.
-    from debug_server.frontend import stragglers
-
     slow = stragglers.watch_of(app)
     watch.before_hang = slow.before_hang
     tasks.append(in_background(slow.run_forever(), name="debug_server.stragglers"))
@@ -515,13 +413,8 @@ def make_frontend_app(config: ServerConfig, registry: Registry,
     else:
         app[COLLECTOR] = collector
     app.add_routes(routes)
-    # /profile, /tcpstore, /wait_counters; imported here because pages_extra imports this module.
-    from debug_server.frontend import pages_extra
-
-    pages_extra.setup(app)
-    from debug_server.frontend import stragglers  # /stragglers; imports this module too
-
-    stragglers.setup(app)
+    pages_extra.setup(app)  # /profile, /tcpstore, /wait_counters
+    stragglers.setup(app)  # /stragglers
     return app
 
 
@@ -619,8 +512,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise ConfigError(f"a frontend started with {FRONTEND_CONFIG_FD_ENV} takes no "
                               f"arguments (got {' '.join(args)[:80]!r})")
         # Read once, then gone: py-spy and other children of this process must not inherit them.
-        os.environ.pop(FRONTEND_CONFIG_FD_ENV, None)
-        token = os.environ.pop(TOKEN_ENV, None)
+        token = take_secrets().auth_token
         if config is None:
             config = attach.config_from_args(args, {TOKEN_ENV: token} if token else {})
     except ValueError as e:  # ConfigError, attach.AttachError: one line, no traceback
@@ -632,8 +524,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    # Run the importable copy of this module, not __main__: modules that import
-    # debug_server.frontend.app (pages_extra) must see the same AppKeys the app is built with.
-    from debug_server.frontend import app as frontend
-
-    sys.exit(frontend.main())
+    sys.exit(main())

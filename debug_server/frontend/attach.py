@@ -8,7 +8,7 @@ without one). This module settles what the command line leaves open:
 
 - which elastic restart to trust: the newest one named by the workers' sidecars, so a store
   that still holds an earlier generation's keys shows the live ranks, not the dead ones;
-- the access token: ``$DEBUG_SERVER_AUTH_TOKEN`` when set (there is no command-line option:
+- the access token: ``$TOKEN_ENV`` (``Settings.auth_token``) when set (there is no command-line option:
   ``ps`` shows the command line to every user), else the job's own key in the store
   (``auth.store_key``), read without waiting (a job without a token has none, and then pages
   need none either).
@@ -26,7 +26,13 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
 from debug_server import auth
-from debug_server.config import DEFAULT_PORT, FrontendConfig, ServerConfig, check_token_text
+from debug_server.config import (
+    DEFAULT_PORT,
+    FrontendConfig,
+    ServerConfig,
+    Settings,
+    check_token_text,
+)
 from debug_server.rank import discovery
 
 if TYPE_CHECKING:
@@ -113,7 +119,7 @@ def parser() -> argparse.ArgumentParser:
         prog="python -m debug_server.frontend",
         description="Serve debug_server's pages for a running job, found through its TCPStore, "
                     "from any machine that reaches it. The access token is "
-                    "$DEBUG_SERVER_AUTH_TOKEN when set, else the job's own from the store.")
+                    f"${auth.TOKEN_ENV} when set, else the job's own from the store.")
     p.add_argument("--store", metavar="HOST:PORT", required=True,
                    help="the job's TCPStore: its MASTER_ADDR:MASTER_PORT")
     p.add_argument("--world-size", type=_positive, required=True, help="the job's WORLD_SIZE")
@@ -144,7 +150,7 @@ def config_from_args(argv: Sequence[str], env: Mapping[str, str] | None = None) 
     args = parser().parse_args(argv)
     env = os.environ if env is None else env
     attached = resolve(args.store, args.world_size, args.restart_count,
-                       env.get(auth.TOKEN_ENV) or None, timeout=min(5.0, args.fetch_timeout))
+                       Settings.from_env(env).auth_token, timeout=min(5.0, args.fetch_timeout))
     dump_dir = os.path.abspath(args.dump_dir) if args.dump_dir else None
     server = ServerConfig(port=args.port, host=args.host, dump_dir=dump_dir,
                           fetch_timeout=args.fetch_timeout, auth_token=attached.token)

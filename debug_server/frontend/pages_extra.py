@@ -36,19 +36,19 @@ from debug_server.analysis.ranks import format_ranks
 from debug_server.auth import TOKEN_HEADER
 from debug_server.errors import first_line
 from debug_server.frontend import views
-from debug_server.frontend.app import (
+from debug_server.frontend.fanout import Collector, RankResult, fan_out
+from debug_server.frontend.pagekit import (
     COLLECTOR,
     CONFIG,
     REGISTRY,
     TEMPLATES,
     BadRequest,
-    _format,
-    _off_loop,
-    _query,
-    _respond,
     negotiate,
+    off_loop,
+    parse_format,
+    query,
+    respond,
 )
-from debug_server.frontend.fanout import Collector, RankResult, fan_out
 from debug_server.frontend.store_keys import (
     DEFAULT_LIMIT,
     DEFAULT_PREFIX,
@@ -263,7 +263,7 @@ def _live_collector(request: web.Request, page: str) -> Collector:
 
 @routes.get("/profile")
 async def profile(request: web.Request) -> web.Response:
-    q = _query(request, {"format": _format, "duration": parse_duration, "ranks": parse_rank_list,
+    q = query(request, {"format": parse_format, "duration": parse_duration, "ranks": parse_rank_list,
                          "refresh": views.parse_refresh})
     fmt = negotiate(request, q.get("format"))
     state = request.app[STATE]
@@ -273,10 +273,10 @@ async def profile(request: web.Request) -> web.Response:
             raise BadRequest("ranks= needs duration= (the seconds to profile)")
         report = state.last.report if state.last else None
         if fmt == "json":
-            return _respond(fmt, {"last": report, "running": state.running is not None})
+            return respond(fmt, {"last": report, "running": state.running is not None})
         if fmt == "text":
-            return _respond(fmt, profile_text(report))
-        return _respond(fmt, await _off_loop(_profile_html, request, report, form))
+            return respond(fmt, profile_text(report))
+        return respond(fmt, await off_loop(_profile_html, request, report, form))
     collector = _live_collector(request, "/profile")
     world = collector.world_size
     ranks = q.get("ranks") or list(range(world))
@@ -297,10 +297,10 @@ async def profile(request: web.Request) -> web.Response:
         state.running = None
     state.last = capture
     if fmt == "json":
-        return _respond(fmt, capture.report)
+        return respond(fmt, capture.report)
     if fmt == "text":
-        return _respond(fmt, profile_text(capture.report))
-    return _respond(fmt, await _off_loop(_profile_html, request, capture.report, form))
+        return respond(fmt, profile_text(capture.report))
+    return respond(fmt, await off_loop(_profile_html, request, capture.report, form))
 
 
 async def _capture(app: web.Application, collector: Collector, duration: float,
@@ -314,7 +314,7 @@ async def _capture(app: web.Application, collector: Collector, duration: float,
     started = time.strftime("%Y-%m-%d %H:%M:%S %Z")
     results = await fan_out(state.session, addrs, PROFILE_HANDLER, {"duration": repr(duration)},
                             timeout=duration + collector.timeout + EXPORT_SLACK_S)
-    return await _off_loop(lambda: build_capture(results, capture_id=capture_id,
+    return await off_loop(lambda: build_capture(results, capture_id=capture_id,
                                                  duration=duration, ranks=ranks, started=started))
 
 
@@ -328,7 +328,7 @@ def _capture_id(raw: str) -> int:
 @routes.get("/profile/trace.json")
 async def profile_trace(request: web.Request) -> web.Response:
     """The latest capture, every rank in one Chrome/Perfetto trace, as a download."""
-    q = _query(request, {"id": _capture_id})
+    q = query(request, {"id": _capture_id})
     last = request.app[STATE].last
     if last is None:
         raise web.HTTPNotFound(text="no profile captured yet; run /profile?duration=S first\n")
@@ -392,7 +392,7 @@ def store_text(page: Mapping[str, Any]) -> str:
 
 @routes.get("/tcpstore")
 async def tcpstore(request: web.Request) -> web.Response:
-    q = _query(request, {"format": _format, "prefix": _prefix, "refresh": views.parse_refresh,
+    q = query(request, {"format": parse_format, "prefix": _prefix, "refresh": views.parse_refresh,
                          "limit": _bounded(1, MAX_LIMIT), "offset": _bounded(0, MAX_OFFSET)})
     fmt = negotiate(request, q.get("format"))
     prefix = q.get("prefix", DEFAULT_PREFIX)
@@ -411,16 +411,16 @@ async def tcpstore(request: web.Request) -> web.Response:
             raise web.HTTPServiceUnavailable(text=f"/tcpstore: {e}\n") from None
         page = got.as_dict()
     if fmt == "json":
-        return _respond(fmt, page)
+        return respond(fmt, page)
     if fmt == "text":
-        return _respond(fmt, store_text(page))
+        return respond(fmt, store_text(page))
     table = views.html_table(STORE_HEADERS, _store_rows(page),
                              ["warn" if k["redacted"] else "" for k in page["keys"]]
                              ) if page.get("keys") else None
     html = request.app[TEMPLATES].get_template("tcpstore.html").render(
         title="TCPStore", page=page, table=table, prefix=prefix, limit=limit, failures=[],
         stamp=time.strftime("%Y-%m-%d %H:%M:%S %Z"))
-    return _respond(fmt, html)
+    return respond(fmt, html)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -493,10 +493,10 @@ def wait_counters_text(model: Mapping[str, Any]) -> str:
 
 @routes.get("/wait_counters")
 async def wait_counters_page(request: web.Request) -> web.Response:
-    q = _query(request, {"format": _format, "refresh": views.parse_refresh})
+    q = query(request, {"format": parse_format, "refresh": views.parse_refresh})
     fmt = negotiate(request, q.get("format"))
     results = await request.app[COLLECTOR].fetch(WAIT_COUNTERS_HANDLER)
-    model = await _off_loop(wait_counters_model, results)
+    model = await off_loop(wait_counters_model, results)
     if fmt == "json":
         body = {k: v for k, v in model.items() if k != "rows"}
         if "rows" in model:
@@ -504,14 +504,14 @@ async def wait_counters_page(request: web.Request) -> web.Response:
                                  "values": {str(r): v for r, v in row["values"].items()},
                                  "marked": {str(r): d for r, d in row["marks"].items()}}
                                 for row in model["rows"]]
-        return _respond(fmt, body)
+        return respond(fmt, body)
     if fmt == "text":
-        return _respond(fmt, wait_counters_text(model))
+        return respond(fmt, wait_counters_text(model))
     table = (views.html_table(_wc_headers(model), _wc_rows(model),
                               ["warn" if row["marks"] else "" for row in model["rows"]])
              if model.get("rows") else None)
-    html = await _off_loop(lambda: request.app[TEMPLATES].get_template(
+    html = await off_loop(lambda: request.app[TEMPLATES].get_template(
         "wait_counters.html").render(
         title="Wait counters", model=model, table=table, failures=model["failed"],
         prefix=wait_counters.NAME_PREFIX, stamp=time.strftime("%Y-%m-%d %H:%M:%S %Z")))
-    return _respond(fmt, html)
+    return respond(fmt, html)

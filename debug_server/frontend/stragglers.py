@@ -32,15 +32,6 @@ from debug_server.analysis import stragglers
 from debug_server.analysis.digest import SNAPSHOT_TIME_KEY
 from debug_server.analysis.stragglers import Clock, Rule
 from debug_server.frontend import views
-from debug_server.frontend.app import (
-    COLLECTOR,
-    TEMPLATES,
-    _format,
-    _off_loop,
-    _query,
-    _respond,
-    negotiate,
-)
 from debug_server.frontend.fanout import (
     FR_HANDLER,
     Collector,
@@ -48,6 +39,15 @@ from debug_server.frontend.fanout import (
     RankResult,
     parse_off_loop,
 )
+from debug_server.frontend.pagekit import (
+    COLLECTOR,
+    TEMPLATES,
+    negotiate,
+)
+from debug_server.frontend.pagekit import off_loop as _off_loop
+from debug_server.frontend.pagekit import parse_format as _format
+from debug_server.frontend.pagekit import query as _query
+from debug_server.frontend.pagekit import respond as _respond
 
 logger = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """View-models of the rank-0 pages: what each HTML page shows, built from analysis + fan-out.
 
-Renderers format, they do not analyse (DESIGN.md): everything here is read off the result of
+Renderers format, they do not analyse (docs/architecture.md): everything here is read off the result of
 :func:`debug_server.analysis.core.analyze` (verdict, banner order, per-communicator progress,
 ranks behind) and the fan-out records (``RankResult``: reachability, stack text). The
 templates turn these plain dicts into HTML; :func:`html_table` is the one place HTML is marked

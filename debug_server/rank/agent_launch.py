@@ -20,19 +20,15 @@ from pathlib import Path
 
 from debug_server.analysis import ranks as rank_words
 from debug_server.auth import TOKEN_ENV
-from debug_server.config import JobEnv, ServerConfig
+from debug_server.config import AGENT_ENV as AGENT_ENV
+from debug_server.config import AGENT_ID_ENV as AGENT_ID_ENV
+from debug_server.config import TOKEN_FROM_STORE_ENV, JobEnv, ServerConfig, Settings
 
 logger = logging.getLogger(__name__)
 
 AGENT_MODULE = "debug_server.frontend.agent"
-AGENT_ID_ENV = "DEBUG_SERVER_AGENT_ID"
-"""This host's agent id (default: the host name); ranks that share it share one agent."""
-AGENT_ENV = "DEBUG_SERVER_AGENT"
-"""``1``: start an agent even on a single-host job; ``0``: never; unset: on multi-host jobs."""
 META_KEY = "agent"
 """Key of a rank's registration sidecar that names its host's agent."""
-TOKEN_FROM_STORE_ENV = "DEBUG_SERVER_AGENT_TOKEN_FROM_STORE"
-"""Set for an agent whose local rank 0 does not hold the token yet: read it from the store."""
 MAX_RANKS_PARAM = 64 * 1024
 MAX_ID_CHARS = 200
 
@@ -43,17 +39,13 @@ def agent_key(host_id: str) -> str:
 
 
 def host_id(env: Mapping[str, str] | None = None) -> str:
-    env = os.environ if env is None else env
-    return (env.get(AGENT_ID_ENV, "").strip() or socket.gethostname())[:MAX_ID_CHARS]
+    return (Settings.from_env(env).agent_id or socket.gethostname())[:MAX_ID_CHARS]
 
 
 def wanted(job: JobEnv, env: Mapping[str, str] | None = None) -> bool:
-    """Whether this job runs agents: on several hosts, or when asked (``$DEBUG_SERVER_AGENT``)."""
-    env = os.environ if env is None else env
-    flag = env.get(AGENT_ENV, "").strip()
-    if flag in ("0", "1"):
-        return flag == "1"
-    return not job.single_host
+    """Whether this job runs agents: on several hosts, or when asked (``Settings.agent``)."""
+    flag = Settings.from_env(env).agent
+    return flag if flag is not None else not job.single_host
 
 
 def local_rank(job: JobEnv, env: Mapping[str, str] | None = None) -> int:

@@ -22,7 +22,8 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from debug_server.config import JobEnv, is_loopback
+from debug_server.config import HOST_ENV as HOST_ENV
+from debug_server.config import JobEnv, Settings, is_loopback
 from debug_server.errors import first_line
 from debug_server.rank import jobpids
 
@@ -70,8 +71,8 @@ def store_client(master_addr: str, master_port: int, timeout: float) -> dist.Sto
     return dist.PrefixStore(PREFIX, store)
 
 
-HOST_ENV = "DEBUG_SERVER_HOST"
-"""The address (or name) this rank's servers advertise to the others; wins over any guess."""
+# HOST_ENV (config.Settings.host): the address (or name) this rank's servers advertise to the
+# others; wins over any guess.
 WILDCARD_HOSTS = (None, "", "0.0.0.0", "::")
 
 
@@ -137,7 +138,7 @@ def advertise(bind_host: str | None, master_addr: str | None = None, master_port
               env: Mapping[str, str] | None = None) -> Advertised:
     """The address other hosts use to reach a server bound to ``bind_host``.
 
-    In order: a loopback bind address (nothing else reaches it); ``$DEBUG_SERVER_HOST``; an
+    In order: a loopback bind address (nothing else reaches it); ``Settings.host``; an
     explicit bind address (``host=``); the local address of the interface that reaches
     ``MASTER_ADDR`` (the one the job's own rendezvous uses); the host name's own non-loopback
     address; the first non-loopback interface address. A loopback address is the last resort
@@ -148,10 +149,10 @@ def advertise(bind_host: str | None, master_addr: str | None = None, master_port
     env = os.environ if env is None else env
     if bind_host is not None and bind_host not in WILDCARD_HOSTS and is_loopback(bind_host):
         # Nothing else can reach a loopback bind, whatever the environment says (a cluster-wide
-        # DEBUG_SERVER_HOST must not break a single-host job).
+        # HOST_ENV must not break a single-host job).
         return Advertised(bind_host, "the bind address (loopback: this host only)",
                           reachable=False)
-    override = env.get(HOST_ENV, "").strip()
+    override = Settings.from_env(env).host
     if override:
         return Advertised(override, f"${HOST_ENV}")
     if bind_host is not None and bind_host not in WILDCARD_HOSTS:

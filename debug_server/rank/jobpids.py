@@ -20,7 +20,7 @@ The job itself says who its ranks are:
   host has one, else the frontend when it runs on this host. The slot holds one pid, so a host
   with neither (a multi-host job without agents) falls back to ``PR_SET_PTRACER_ANY`` there: its
   ranks are read by their sibling workers, any of which may hold the GIL-free slot.
-  ``$DEBUG_SERVER_PTRACER=0`` leaves the setting alone; ``=any`` lets every process of the
+  ``Settings.ptracer`` (docs/settings.md) ``0`` leaves the setting alone; ``=any`` lets every process of the
   user in (a ``py-spy`` started by hand from another shell), as ``ptrace_scope=0`` does.
 
 A rank that holds the GIL cannot run this thread, so the tracer is set ahead of time, when the
@@ -41,6 +41,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
+from debug_server.config import Settings
 from debug_server.errors import first_line
 
 if TYPE_CHECKING:
@@ -50,7 +51,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-PTRACER_ENV = "DEBUG_SERVER_PTRACER"
 """``0``: never call ``prctl(PR_SET_PTRACER, ...)``; ``any``: let every process of this user
 trace the rank (``PR_SET_PTRACER_ANY``: a py-spy started by hand from another shell)."""
 PR_SET_PTRACER = 0x59616D61
@@ -268,7 +268,7 @@ class PtracerKeeper:
         self.tracer: int | None | str = "unset"
         """The pid last set (None: any), or "unset"."""
         self._prctl = prctl
-        setting = os.environ.get(PTRACER_ENV, "1").strip().lower()
+        setting = Settings.from_env().ptracer
         self.enabled = setting != "0"
         self.anyone = setting == "any"
 
@@ -296,6 +296,6 @@ class PtracerKeeper:
             self.stop.wait(KEEP_SETTLED_S if isinstance(self.tracer, int) else KEEP_POLL_S)
 
 
-__all__ = ["FRONTEND_READER_KEY", "PTRACER_ENV", "Peers", "PtracerKeeper", "check",
+__all__ = ["FRONTEND_READER_KEY", "Peers", "PtracerKeeper", "check",
            "choose_reader", "fate", "identity", "publish_frontend", "set_ptracer",
            "start_time"]

@@ -22,10 +22,10 @@ time) and of the same user (``jobpids.check``), whatever the process tree looks 
 under ``bash -c``, ``timeout``, ``numactl`` wrappers are cousins). Permissions: under Yama
 ``ptrace_scope=1`` (the Ubuntu default) only ancestors may ptrace, so every rank names its
 host's reader as its tracer (``jobpids.PtracerKeeper``, ``prctl(PR_SET_PTRACER, pid)``);
-``DEBUG_SERVER_PTRACER=0`` skips it. ``ptrace_scope=2`` needs CAP_SYS_PTRACE, and a container
+``PTRACER_ENV=0`` skips it (``docs/settings.md``). ``ptrace_scope=2`` needs CAP_SYS_PTRACE, and a container
 needs it too (``--cap-add SYS_PTRACE``). Every failure is one line with its fix.
 
-The binary: ``$DEBUG_SERVER_PYSPY`` (a path; ``0`` turns py-spy off), else ``py-spy`` on PATH,
+The binary: ``$PYSPY_ENV`` (a path; ``0`` turns py-spy off), else ``py-spy`` on PATH,
 else the one beside this interpreter (a venv's ``bin``, where ``pip install`` puts it).
 
 py-spy's JSON is rewritten in faulthandler's layout so that every reader of stacks (grouping,
@@ -53,13 +53,13 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from debug_server.config import PTRACER_ENV as PTRACER_ENV
+from debug_server.config import PYSPY_ENV, Settings
 from debug_server.rank import jobpids
 from debug_server.stacks import with_source
 
 logger = logging.getLogger(__name__)
 
-PYSPY_ENV = "DEBUG_SERVER_PYSPY"
-"""Path of the py-spy binary to use; ``0`` turns py-spy off."""
 HANDLER = "pyspy_dump"
 """The worker handler (torch's name): py-spy on this process, or on a sibling with ``pid=``."""
 TIMEOUT_S = 1.0
@@ -98,7 +98,7 @@ class PySpyError(Exception):
 def locate(env: Mapping[str, str] | None = None) -> str:
     """The py-spy binary to run; raises ``PySpyError(UNAVAILABLE)`` with the fix."""
     env = os.environ if env is None else env
-    explicit = env.get(PYSPY_ENV)
+    explicit = Settings.from_env(env).pyspy
     if explicit == "0":
         raise PySpyError(UNAVAILABLE, f"py-spy is off (${PYSPY_ENV}=0)")
     if explicit:
@@ -150,7 +150,7 @@ def permission_fix(pid: int) -> str:
     if scope == 1:
         return (f"py-spy may not read pid {pid}: kernel.yama.ptrace_scope=1 and the rank did "
                 f"not name this reader as its tracer (prctl PR_SET_PTRACER; "
-                f"${jobpids.PTRACER_ENV}=0, a reader that restarted seconds ago, or an older "
+                f"${PTRACER_ENV}=0, a reader that restarted seconds ago, or an older "
                 "debug_server?): set kernel.yama.ptrace_scope=0 or grant CAP_SYS_PTRACE")
     return (f"py-spy may not read pid {pid}: ptrace not permitted (another user's process, or "
             "a container without CAP_SYS_PTRACE: --cap-add SYS_PTRACE; Kubernetes: "

@@ -30,6 +30,8 @@ from typing import Any
 
 from aiohttp import web
 
+from debug_server.rank.wire import HandlerError
+
 logger = logging.getLogger(__name__)
 
 PROFILE_HANDLER = "torch_profile"
@@ -40,10 +42,6 @@ MAX_TRACE_BYTES = 200 * 1024 * 1024
 """A trace larger than this is refused rather than sent (the frontend holds every rank's)."""
 
 def _fail(status: int, reason: str) -> Exception:
-    # worker.py imports this module for its handler table, so its HandlerError is looked up
-    # when a handler runs, not when this module loads.
-    from debug_server.rank.worker import HandlerError
-
     return HandlerError(status, reason)
 
 
@@ -75,7 +73,7 @@ def _other_profiler_active() -> bool:
 def capture_profile(duration: float) -> bytes:
     """Record this process for ``duration`` seconds; the Chrome trace as JSON bytes.
 
-    Raises ``worker.HandlerError(409)`` while another capture or a user's ``torch.profiler`` runs.
+    Raises ``wire.HandlerError(409)`` while another capture or a user's ``torch.profiler`` runs.
     """
     if not _capture_lock.acquire(blocking=False):
         age = time.monotonic() - _capture_started[0]

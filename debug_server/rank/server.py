@@ -36,6 +36,7 @@ from debug_server.config import (
     FrontendConfig,
     JobEnv,
     ServerConfig,
+    Settings,
     default_bind_host,
     orphan_exit_from_env,
     write_inherited,
@@ -58,7 +59,6 @@ logger = logging.getLogger(__name__)
 _LOCK = threading.Lock()
 _CURRENT: DebugServer | None = None
 
-DUMP_PATH_ENV = "TORCHCOMM_FR_DUMP_TEMP_FILE"
 FRONTEND_START_TIMEOUT = 60.0
 STORE_CONNECT_TIMEOUT = 300.0
 REGISTER_WAIT = 2.0
@@ -126,7 +126,6 @@ class DebugServer:
         self.frontend_port = frontend_port
         self.sigstack: sigstack.SigStack | None = None
         self.gate: TokenGate | None = None
-        self.env_set: str | None = None
         self.fr_env_set: dict[str, str] = {}
         """c10d Flight Recorder variables this server set (``c10d_fr.turn_on_env``)."""
         self.advertised: Advertised | None = None
@@ -182,15 +181,13 @@ class DebugServer:
         self.worker.stop(timeout)
         if self.sigstack is not None:
             self.sigstack.close()
-        if self.env_set is not None and os.environ.get(DUMP_PATH_ENV) == self.env_set:
-            del os.environ[DUMP_PATH_ENV]
         for k, v in self.fr_env_set.items():
             if os.environ.get(k) == v:
                 del os.environ[k]
         with _LOCK:
             if _CURRENT is self:
                 _CURRENT = None
-                _set_stall_default(None)
+                _set_recording_defaults(None, None)
 
 
 def start_debug_server(
@@ -222,8 +219,8 @@ def start_debug_server(
             ``OSError`` naming the port (and the worker is stopped again).
         worker_port: This rank's worker port; 0 (default) lets the OS pick a free one.
         dump_dir: Where the frontend writes periodic dumps; None (default) disables them. When
-            set and ``TORCHCOMM_FR_DUMP_TEMP_FILE`` is not, that variable is set to
-            ``<dump_dir>/per_rank/rank_`` so every rank's pickle lands next to the reports.
+            set and ``TORCHCOMM_FR_DUMP_TEMP_FILE`` is not, every rank's pickle goes to
+            ``<dump_dir>/per_rank/rank_<N>``, next to the reports.
         dump_interval: Seconds between dump cycles (default 60); the first cycle runs about a
             second after start so short runs get dumps too.
         enabled_dumps: Which dumps a cycle writes, a subset of ``{"fr_trace", "stacks",
@@ -278,6 +275,7 @@ def start_debug_server(
     """
     global _CURRENT
     job = JobEnv.from_env()
+    settings = Settings.from_env()  # every variable of ours, read once (docs/settings.md)
     bind_host = host if host is not None else default_bind_host(job)
     required = token_required(auth, bind_host, auth_token)
     if required and auth_token is None and job.rank == 0:
@@ -294,20 +292,19 @@ def start_debug_server(
         if _CURRENT is not None:
             raise RuntimeError("debug server already running in this process; "
                                "call stop_debug_server() first")
-        env_set = _point_pickles_at(dump_dir)
         # c10d's own Flight Recorder holds what DDP, FSDP and plain torch.distributed issue. It
         # sizes its ring once, when the first process group is created, from these variables:
         # before that, turn it on (2000 entries) unless the user chose; after, only a log line
         # (below) can help. stop() takes ours back, like the dump path.
         pg_existed = c10d_fr.group_exists()
         fr_env_set = {} if pg_existed else c10d_fr.turn_on_env()
-        handle, advertised = _start_parts(job, config, required, signal_stacks)
-        handle.env_set = env_set
+        handle, advertised = _start_parts(job, config, required, settings.signal_stacks
+                                          if signal_stacks is None else signal_stacks)
         handle.fr_env_set = fr_env_set
         # This host's agent (agent.py), on its local rank 0 of a multi-host job; never waited for.
         handle.agent = host_agent.start_for_rank(config, job, advertised.host, required)
         _CURRENT = handle
-        _set_stall_default(config.stall_timeout)
+        _set_recording_defaults(config.stall_timeout, _pickle_prefix(settings, dump_dir))
     # No exit hook ends the frontend: rank 0 may finish first (uneven data) while the other
     # ranks hang, which is when the pages are needed. It notices this process's end within a
     # second and exits by itself once every rank is gone, or after orphan_exit_s without a
@@ -316,18 +313,13 @@ def start_debug_server(
     return handle
 
 
-def _point_pickles_at(dump_dir: str | None) -> str | None:
-    """Set ``$TORCHCOMM_FR_DUMP_TEMP_FILE`` into ``dump_dir/per_rank`` unless the user set it;
-    returns what was set (stop() takes it back), or None."""
-    if dump_dir is None or os.environ.get(DUMP_PATH_ENV):
-        return None
-    # The dump cycle asks every rank to write its pickle to $TORCHCOMM_FR_DUMP_TEMP_FILE<rank>;
-    # pointing it into dump_dir/per_rank puts them next to the reports, where PyTorch's
-    # fr_trace reads them with `-p rank_`. A user's own setting wins; ours is taken back by
-    # stop(), so it never outlives the server (or leaks into children).
-    env_set = os.path.join(os.path.abspath(dump_dir), "per_rank", "rank_")
-    os.environ[DUMP_PATH_ENV] = env_set
-    return env_set
+def _pickle_prefix(settings: Settings, dump_dir: str | None) -> str | None:
+    """Each rank's pickle next to the reports, where PyTorch's fr_trace reads them with
+    ``-p rank_``; the user's own ``TORCHCOMM_FR_DUMP_TEMP_FILE`` wins. A value handed to the
+    hooks, not the environment: nothing outlives stop() or leaks into children."""
+    if settings.dump_prefix or dump_dir is None:
+        return settings.dump_prefix
+    return os.path.join(os.path.abspath(dump_dir), "per_rank", "rank_")
 
 
 def _start_parts(job: JobEnv, config: ServerConfig, required: bool,
@@ -383,9 +375,11 @@ def _start_parts(job: JobEnv, config: ServerConfig, required: bool,
 
 def _log_started(handle: DebugServer, advertised: Advertised, pg_existed: bool) -> None:
     job = handle.job
-    # A loopback address on a multi-host job means no other host can reach this rank: say so
-    # where it shows without any logging setup.
-    level = logging.INFO if advertised.reachable or job.single_host else logging.WARNING
+    # A user's job log gains nothing from us on every rank: this line is for debugging
+    # (rank 0's at info), unless no other host can reach this rank (a loopback address on a
+    # multi-host job), which is said where it shows without any logging setup.
+    level = (logging.WARNING if not (advertised.reachable or job.single_host)
+             else logging.INFO if job.rank == 0 else logging.DEBUG)
     logger.log(level, "debug_server: rank %d worker at %s (%s)%s", job.rank, handle.worker_url,
                advertised.how + ("" if advertised.reachable else
                                  f"; other hosts cannot reach it: set {HOST_ENV}"),
@@ -398,9 +392,11 @@ def _log_started(handle: DebugServer, advertised: Advertised, pg_existed: bool) 
                    "through torch.distributed (DDP, FSDP) are not recorded; set "
                    "TORCH_FR_BUFFER_SIZE=2000 before init_process_group, or call "
                    "start_debug_server before it", off)
-    if handle.frontend_url and handle.auth_token:
-        # Warning level so it shows without any logging setup: the one way in for a browser.
-        logger.warning("debug_server: access token required; open %s", handle.browser_url)
+    if handle.frontend_url:
+        # The one line a job's log gets from us, on rank 0: where the pages are. Warning level
+        # so it shows without any logging setup (with a token it is the one way in).
+        logger.warning("debug_server: %s %s", "access token required; open" if handle.auth_token
+                       else "pages at", handle.browser_url)
 
 
 def stop_debug_server() -> None:
@@ -411,11 +407,12 @@ def stop_debug_server() -> None:
         handle.stop()
 
 
-def _set_stall_default(seconds: float | None) -> None:
+def _set_recording_defaults(stall_timeout: float | None, dump_prefix: str | None) -> None:
     # Imported here so that importing the server side does not load the recording side.
     from debug_server.recording import hooks
 
-    hooks.set_default_stall_timeout(seconds)
+    hooks.set_default_stall_timeout(stall_timeout)
+    hooks.set_dump_prefix(dump_prefix)
 
 
 def _url_host(host: str) -> str:

@@ -17,7 +17,7 @@ Like any signal, it interrupts a ``sleep()`` or ``poll()`` that C code is blocke
 ``nanosleep``, ``poll``, ``epoll_wait`` and ``select`` are never restarted, whatever SA_RESTART
 says): the rank then runs on early and the page shows the line after the one it was stuck on.
 So this path is off unless a rank opts in (``start_debug_server(signal_stacks=True)`` or
-``DEBUG_SERVER_SIGNAL_STACKS=1``), and even then the frontend uses it only for a rank that
+``Settings.signal_stacks``), and even then the frontend uses it only for a rank that
 py-spy could not read (``pyspy``: absent, or ptrace not permitted).
 """
 
@@ -37,14 +37,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from debug_server.config import SIGNAL_STACKS_ENV as OPT_IN_ENV  # noqa: F401 (old name)
+from debug_server.config import Settings
 from debug_server.stacks import with_source
 
 logger = logging.getLogger(__name__)
 
 META_KEY = "sigstack"
 """Key of ``{"signal", "file", "fd"}`` in the discovery sidecar."""
-OPT_IN_ENV = "DEBUG_SERVER_SIGNAL_STACKS"
-"""``1``: opt in to stacks by signal (the default is off); ``start_debug_server(signal_stacks=)`` wins."""
 FILE_PREFIX = "debug_server_sigstack_"
 MARKER = "(captured by signal; worker not answering)"
 CAPTURE_TIMEOUT_S = 1.0
@@ -81,13 +81,13 @@ class SigStack:
 
 
 def opted_in(enabled: bool | None = None) -> bool:
-    """``enabled`` if given, else ``$DEBUG_SERVER_SIGNAL_STACKS == "1"`` (off by default)."""
-    return enabled if enabled is not None else os.environ.get(OPT_IN_ENV, "0") == "1"
+    """``enabled`` if given, else ``Settings.signal_stacks`` (off by default)."""
+    return enabled if enabled is not None else Settings.from_env().signal_stacks
 
 
 def install(enabled: bool | None = None) -> SigStack | None:
     """Register faulthandler for a free real-time signal where the rank opted in (``enabled``,
-    else ``$DEBUG_SERVER_SIGNAL_STACKS``); None when it did not or that is not possible."""
+    else ``Settings.signal_stacks``); None when it did not or that is not possible."""
     if not opted_in(enabled):
         return None
     if not hasattr(faulthandler, "register") or threading.current_thread() is not threading.main_thread():

@@ -98,14 +98,14 @@ class HooksProvider:
     def fr_snapshot(self, *, only_active: bool, include_collectives: bool,
                     cut: Cut | None = None) -> Mapping[str, Any]:
         # Imported here so the server side loads without the recording side (and vice versa).
-        from debug_server.recording import c10d_fr
+        from debug_server.recording import hooks
 
         # The hooks' entries and c10d's own (DDP, FSDP, plain torch.distributed) in one dump,
         # the window cut inside: only the entries it keeps are built, on this thread that
         # holds the GIL away from training.
-        # clock.shifted: a test's injected clock offset (DEBUG_SERVER_CLOCK_OFFSET_NS), else as is.
-        return clock.shifted(c10d_fr.snapshot(only_active=only_active,
-                                              include_collectives=include_collectives, cut=cut))
+        # clock.shifted: a test's injected clock offset (Settings.clock_offset_ns), else as is.
+        return clock.shifted(hooks.snapshot(only_active=only_active,
+                                            include_collectives=include_collectives, cut=cut))
 
     def c10d_fr_json(self, *, only_active: bool, include_collectives: bool) -> str:
         return c10d_fr_json(only_active=only_active, include_collectives=include_collectives)
@@ -114,12 +114,12 @@ class HooksProvider:
         return capture_stacks()
 
     def dump_file(self) -> str:
-        from debug_server.recording import c10d_fr
+        from debug_server.recording import hooks
 
-        return c10d_fr.dump_file(self.rank)
+        return hooks.dump_file(self.rank)
 
     def health(self) -> Mapping[str, Any]:
-        from debug_server.recording import hooks, stall
+        from debug_server.recording import c10d_fr, hooks, stall
 
         # One stall rule (recording.stall) for the hooks' ops, with this worker's limit on top.
         health = dict(hooks.health(self.stall_timeout))
@@ -129,7 +129,7 @@ class HooksProvider:
             # how long a group has been pending even while a hook already reports a stall.
             if self._c10d_watch is None:
                 self._c10d_watch = stall.StallWatch()
-            stalled = stall.c10d_stalled_op(self._c10d_watch, limit)
+            stalled = c10d_fr.c10d_stalled_op(self._c10d_watch, limit, hooks.owned_groups())
             if stalled is not None and health.get("healthy", True):
                 health.update(healthy=False, stalled_op=stalled)
         return health

@@ -5,11 +5,13 @@
   (``OpRecord``, one op's true state), ``work`` (work objects; what a wait orders on CUDA and
   gloo), ``watchdog`` (the one per-process thread: timeouts off the hot path), ``abort`` (the
   abort path of a timeout or failure), ``groups`` (the process group, and which recorder).
-* ``hooks``: ``FlightRecorderHook``, the ring buffer of every op a communicator issues.
-* ``c10d_fr``: c10d's own Flight Recorder (DDP, FSDP, plain ``torch.distributed``) merged into
-  ours, one dump per rank keyed by process group.
+* ``hooks``: ``FlightRecorderHook``, the ring buffer of every op a communicator issues, and the
+  whole process's dump (``snapshot``, ``dump_file``: every hook's and c10d's entries).
+* ``c10d_fr``: c10d's own Flight Recorder (DDP, FSDP, plain ``torch.distributed``) read and
+  merged into ours, keyed by process group; it never imports the hooks.
 * ``lazy``: dumps whose entries are built only when a cut (the live window) keeps them.
 * ``stall``: the one rule for when an op counts as stalled, and how it is reported.
 
-Imports only ``debug_server.dumpio`` and torch: no aiohttp, no analysis.
+Imports only the common modules (``config``, ``dumpio``, ``errors``, ``stacks``) and torch: no
+aiohttp, no analysis. No cycle among its modules, imports inside functions included.
 """

@@ -28,8 +28,10 @@ the dumper's pickles) carries both, in torch FR schema "2.10":
 * **record_id** is renumbered along the merged timeline (``time_created_ns``) when c10d
   entries are present: PyTorch's ``fr_trace`` aligns ranks on the first ``record_id``.
 
-:func:`merge_c10d` is pure (unit-tested on captured c10d dumps); :func:`snapshot` and
-:func:`dump_file` read this process's recorders and hooks.
+:func:`merge_c10d` is pure (unit-tested on captured c10d dumps); ``hooks.snapshot`` and
+``hooks.dump_file``, the whole process's dump, read this process's recorders through this
+module. It never imports the hooks: what it needs of them (the communicators they record, the
+c10d groups those own) is passed in.
 """
 
 from __future__ import annotations
@@ -44,10 +46,12 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
-from debug_server.dumpio import FR_VERSION, write_dump_atomic
+from debug_server.config import FR_BUFFER_ENV as BUFFER_ENV
+from debug_server.config import Settings
+from debug_server.dumpio import FR_VERSION
 from debug_server.errors import first_line
 from debug_server.recording.lazy import FRESH, Cut, LazyDump, Source
-from debug_server.recording.stall import _int
+from debug_server.recording.stall import StallWatch, _int, report
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +60,7 @@ __all__ = [
     "Backed",
     "DEFAULT_BUFFER_SIZE",
     "GroupInfo",
-    "dump_file",
+    "c10d_stalled_op",
     "group_exists",
     "backed_of",
     "merge_backed",
@@ -65,12 +69,12 @@ __all__ = [
     "off_reason",
     "process_groups",
     "read_recorders",
-    "snapshot",
     "turn_on_env",
+    "warn_once",
 ]
 
-BUFFER_ENV = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")
-"""c10d reads the first one set when it creates its recorder (the second on older torch)."""
+# BUFFER_ENV: c10d reads the first one set when it creates its recorder (older torch only the
+# second, newer torch warns on every rank when the second is set).
 DEFAULT_BUFFER_SIZE = 2000
 
 # (recorder, JSON dump, pickle dump): the CPU recorder holds gloo's ops, the NCCL one (CUDA
@@ -436,7 +440,7 @@ def read_recorders(*, stacks: bool = False, include_collectives: bool = True,
                 if include_collectives and unread and isinstance(dump, dict):
                     _learn_names(recorder, dump)
         except Exception as e:  # a recorder that cannot be read must not cost the other one
-            _warn_once(recorder, f"reading c10d's {recorder} flight recorder failed: "
+            warn_once(recorder, f"reading c10d's {recorder} flight recorder failed: "
                        f"{first_line(e, 10_000)}")
             continue
         if isinstance(dump, dict):
@@ -561,7 +565,7 @@ def _stacks_safe() -> bool:
 _warned: set[str] = set()
 
 
-def _warn_once(what: str, msg: str, exc_info: bool = False) -> None:
+def warn_once(what: str, msg: str, exc_info: bool = False) -> None:
     # Health reads c10d every few seconds: one warning per kind of failure, then debug lines.
     level = logging.DEBUG if what in _warned else logging.WARNING
     _warned.add(what)
@@ -598,12 +602,6 @@ def _with_first_open(backed: Mapping[str, Backed], raw_status: Any) -> Mapping[s
             # c10d's last completed n (from 1) is our n - 1: our first open one is n.
             out[pg_name] = b._replace(first_open=max(_int(st.get("last_completed_collective"), 0), 0))
     return out
-
-
-def _owned() -> set[str]:
-    from debug_server.recording import hooks
-
-    return {n for c in hooks.recorded_comms() if (n := c.c10d_group_name)}
 
 
 def backed_of(comms: Iterable[Any]) -> dict[str, Backed]:
@@ -644,53 +642,60 @@ def merge_backed(ours: Mapping[str, Any] | LazyDump, comms: Iterable[Any], *,
     return out.finish(cut)
 
 
-def snapshot(*, only_active: bool = False, include_collectives: bool = True,
-             stacks: bool = False, cut: Cut | None = None) -> dict[str, Any]:
-    """This process's FR dump: every live hook's snapshot with c10d's own entries merged in.
-
-    ``cut`` (``lazy.Cut``; the worker passes its live window, ``frwindow``) picks the entries
-    kept from the merged timeline, and only those are built; c10d's rings are still read whole
-    (c10d has no partial dump).
-    """
-    from debug_server.recording import hooks
-
-    # The hooks' own entries only: their c10d-backed communicators' entries are mapped here,
-    # from the same read of c10d's recorders as everything else.
-    ours = hooks.lazy_snapshot(only_active=only_active, include_collectives=include_collectives)
-    owned, backed = _owned(), backed_of(hooks.recorded_comms())
-    recorders = read_recorders(stacks=stacks, include_collectives=include_collectives,
-                               unread=owned - set(backed))
+def c10d_stalled_op(watch: StallWatch, stall_timeout: float, owned: set[str],
+                    now_ns: int | None = None) -> dict[str, Any] | None:
+    """The first c10d op stalled beyond ``stall_timeout``, not on a group in ``owned`` (our
+    communicators' own groups: ``hooks.owned_groups()``)."""
+    recorders = read_recorders(include_collectives=False)
     if not recorders:
-        return ours.finish(cut)
-    try:
-        return merge_lazy(ours, recorders, owned=owned, groups=process_groups(),
-                          only_active=only_active, include_collectives=include_collectives,
-                          backed=backed).finish(cut)
-    except Exception:  # c10d's record must never cost us our own
-        _warn_once("merge", "merging c10d's flight recorder failed", exc_info=True)
-        return ours.finish(cut)
-
-
-def dump_file(rank: int | None = None) -> str:
-    """Write this process's merged dump to ``$TORCHCOMM_FR_DUMP_TEMP_FILE<rank>``, with the
-    stacks of c10d's entries where they can be read safely; returns the path."""
-    from debug_server.recording import hooks
-
-    return write_dump_atomic(hooks._dump_path(rank), snapshot(stacks=True))
+        return None
+    groups = process_groups()
+    now = time.time_ns() if now_ns is None else now_ns
+    status: dict[str, Mapping[str, Any]] = {}
+    for recorder, dump in recorders:
+        for name, st in (dump.get("pg_status") or {}).items():
+            if str(name) not in owned and isinstance(st, Mapping):
+                status[_side(recorder, str(name), groups.get(str(name)))] = st
+    unread = watch.update(status, now)
+    if unread:
+        by_group: dict[str, list[Mapping[str, Any]]] = {g: [] for g in unread}
+        for recorder, dump in read_recorders():
+            for e in dump.get("entries") or ():
+                pg = e.get("process_group") if isinstance(e, Mapping) else None
+                if isinstance(pg, (list, tuple)) and pg:
+                    side = _side(recorder, str(pg[0]), groups.get(str(pg[0])))
+                    if side in by_group:
+                        by_group[side].append(e)
+        for g, entries in by_group.items():
+            watch.resolve(g, entries)
+    stalled = watch.stalled(stall_timeout, now)
+    if not stalled:
+        return None
+    group, age, p = stalled[0]
+    return report(group, p.seq, p.op, age, group_desc=p.desc, source="c10d")
 
 
 # ---------------------------------------------------------------------------------------------
 # Turning c10d's recorder on, and saying when it is off
 
 
+def buffer_env_name() -> str:
+    """The buffer variable this torch reads: ``TORCH_FR_BUFFER_SIZE`` from torch 2.8 on (which
+    warns "TORCH_NCCL_TRACE_BUFFER_SIZE is deprecated" on every rank when the old one is set),
+    ``TORCH_NCCL_TRACE_BUFFER_SIZE`` before."""
+    import torch
+
+    version = tuple(_int(p, 0) for p in torch.__version__.split("+")[0].split(".")[:2])
+    return BUFFER_ENV[0] if version >= (2, 8) else BUFFER_ENV[1]
+
+
 def turn_on_env(environ: dict[str, str] | None = None) -> dict[str, str]:
-    """Set ``TORCH_FR_BUFFER_SIZE`` and ``TORCH_NCCL_TRACE_BUFFER_SIZE`` to 2000 unless either
-    is set; returns what it set (empty when the user's setting stands)."""
+    """Set the buffer variable this torch reads to 2000 unless either is set; returns what it
+    set (empty when the user's setting stands)."""
     env = os.environ if environ is None else environ
-    if any(env.get(k) for k in BUFFER_ENV):
+    if Settings.from_env(env).fr_buffer_size is not None:
         return {}
-    # Both names: torch >= 2.8 reads TORCH_FR_BUFFER_SIZE first, older torch only the NCCL one.
-    added = {k: str(DEFAULT_BUFFER_SIZE) for k in BUFFER_ENV}
+    added = {buffer_env_name(): str(DEFAULT_BUFFER_SIZE)}
     env.update(added)
     return added
 
@@ -702,10 +707,9 @@ def off_reason() -> str | None:
     torch's own default on builds where that is 0, which shows as a CPU recorder that did not
     note the default gloo group (it notes each group at creation when on).
     """
-    for k in BUFFER_ENV:
-        v = os.environ.get(k)
-        if v:
-            return f"{k}={v}" if _int(v, 1) <= 0 else None
+    size = Settings.from_env().fr_buffer_size
+    if size is not None:
+        return f"{BUFFER_ENV[0]}={size}" if size <= 0 else None
     c10d = _c10d()
     if c10d is None or getattr(c10d, "_dump_fr_trace_json", None) is None:
         return None

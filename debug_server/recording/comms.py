@@ -28,14 +28,14 @@ Which recorder runs where:
   time). It fires when everything the stream did before the collective is done; the
   oldest collective c10d has not completed, whose mark fired, is ``started`` (``c10d_fr``
   applies this when it reads the recorder); one without a mark of its own is never called
-  ``started``. ``DEBUG_SERVER_NCCL_TIMING=1`` makes
+  ``started``. ``TIMING_OPT_ENV=1`` makes
   the group with c10d's own timing events instead (``duration_ms`` too, at 3-5 us per op and
   more on the GPU). A user's own pre/post hook turns on building an ``OpRecord`` per op again
   (a few microseconds each).
 * **gloo, or c10d's recorder off, or a torch without its dump API**: our own recorder. Every op
   builds one ``OpRecord`` (what, which sequence number, shapes, dtypes, true state); hooks such
   as the Flight Recorder keep references to those records instead of copying them.
-* ``DEBUG_SERVER_RECORDER=python`` forces ours everywhere; ``=c10d`` forces c10d's wherever it
+* ``RECORDER_ENV=python`` forces ours everywhere; ``=c10d`` forces c10d's wherever it
   records (on gloo too, where c10d never moves an op past ``scheduled``; the tests use it).
 
 Measured on 2x H200, torch 2.11 (``benchmarks/bench_record.py``, ``bench_step.py``; the README

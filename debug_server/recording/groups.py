@@ -17,6 +17,12 @@ from typing import Any
 
 import torch.distributed as dist
 
+from debug_server.config import MARKS_ENV as MARKS_ENV
+from debug_server.config import NCCL_TIMING_ENV as _TIMING_ENV
+from debug_server.config import RECORDER_ENV as RECORDER_ENV
+from debug_server.config import TIMING_OPT_ENV as TIMING_OPT_ENV
+from debug_server.config import Settings
+
 logger = logging.getLogger(__name__)
 
 def _c10d_group_name(pg: Any) -> str | None:
@@ -28,26 +34,17 @@ def _c10d_group_name(pg: Any) -> str | None:
 
 
 # -- which recorder runs (see the module doc) ---------------------------------------------------
-RECORDER_ENV = "DEBUG_SERVER_RECORDER"
-"""``auto`` (default): c10d's recorder on NCCL when it is on, ours elsewhere; ``c10d``: c10d's
-wherever it records (gloo too: the tests use it); ``python``: ours everywhere."""
-_FR_BUFFER_ENV = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")
+# ``RECORDER_ENV``: ``auto`` (default): c10d's recorder on NCCL when it is on, ours elsewhere;
+# ``c10d``: c10d's wherever it records (gloo too: the tests use it); ``python``: ours everywhere.
 # c10d's pickle dump of each recorder (pg_config, pg_status and, when asked, entries).
 _C10D_DUMP = {"nccl": "_dump_nccl_trace", "gloo": "_dump_fr_trace"}
 
 
-def _c10d_fr_on() -> bool:
+def _c10d_fr_on(settings: Settings) -> bool:
     """Whether c10d's Flight Recorder records: c10d reads the first of ``TORCH_FR_BUFFER_SIZE``
     and ``TORCH_NCCL_TRACE_BUFFER_SIZE`` that is set (torch 2.11 and 2.13), and records by
     default (2000 entries) when neither is."""
-    for k in _FR_BUFFER_ENV:
-        v = os.environ.get(k)
-        if v:
-            try:
-                return int(v) > 0
-            except ValueError:
-                return False
-    return True
+    return settings.fr_buffer_size is None or settings.fr_buffer_size > 0
 
 
 def _c10d_dump_fn(backend: str) -> Callable[..., Any] | None:
@@ -61,10 +58,9 @@ def _c10d_dump_fn(backend: str) -> Callable[..., Any] | None:
 
 def _c10d_backed(backend: str) -> bool:
     """Whether a new communicator on ``backend`` lets c10d's recorder record its ops."""
-    mode = os.environ.get(RECORDER_ENV, "auto").strip().lower() or "auto"
-    if mode not in ("auto", "c10d", "python"):
-        raise ValueError(f"{RECORDER_ENV}={mode!r}: expected auto, c10d or python")
-    if mode == "python" or not _c10d_fr_on() or _c10d_dump_fn(backend) is None:
+    settings = Settings.from_env()
+    mode = settings.recorder
+    if mode == "python" or not _c10d_fr_on(settings) or _c10d_dump_fn(backend) is None:
         return False
     return mode == "c10d" or backend == "nccl"
 
@@ -74,28 +70,25 @@ def _c10d_backed(backend: str) -> bool:
 # and the error can reach the caller.
 _WATCHDOG_MARGIN = datetime.timedelta(seconds=60)
 
-_TIMING_ENV = "TORCH_NCCL_ENABLE_TIMING"
-TIMING_OPT_ENV = "DEBUG_SERVER_NCCL_TIMING"
-"""``1``: c10d-backed NCCL communicators' groups record c10d's timing start events
-(``TORCH_NCCL_ENABLE_TIMING``), which also give ``duration_ms``. Off by default: on 2x H200 they
-cost 2-20 % of a step in the launch-bound and DDP-like shapes of ``bench_step.py``, while the
-communicator's own start marks (one untimed event per op on the issuing stream, ``comms``) give
-``started`` for a fraction of that."""
+# ``TIMING_OPT_ENV``: ``1``: c10d-backed NCCL communicators' groups record c10d's timing start
+# events (``TORCH_NCCL_ENABLE_TIMING``), which also give ``duration_ms``. Off by default: on 2x
+# H200 they cost 2-20 % of a step in the launch-bound and DDP-like shapes of ``bench_step.py``, while the
+# communicator's own start marks (one untimed event per op on the issuing stream, ``comms``) give
+# ``started`` for a fraction of that.
 
 
-MARKS_ENV = "DEBUG_SERVER_START_MARKS"
-"""Start marks of c10d-backed CUDA communicators (see ``comms.Comm.started_mark``): ``1`` (the
-default) marks each collective issued ``MARK_GAP_US`` or more after the communicator's previous
-one, i.e. the first of a burst; ``all`` every collective; ``0`` none. A mark is an untimed CUDA
-event on the issuing stream, and costs a launch-bound step more than its host time: the GPU runs
-it between two small kernels. Collectives further apart than ``MARK_GAP_US`` (a training step's
-buckets and layers usually are) are each marked, at a cost bounded by one mark per
-``MARK_GAP_US``; in a tight burst only the first is. An op without its own mark goes from
-``scheduled`` to ``completed`` without ``started``, as c10d's own ops do without its timing
-events; a mark never reports a state its op has not reached. Measured on H100 and H200 (torch
-2.11, ``benchmarks/bench_marks.py``, 200 x 4 KiB all_reduces per step on 2 and 4 ranks, over no
-mark): a mark on the first op of each step 1.000-1.017, one every 0.5 ms 1.01-1.06, one per op
-1.04-1.09 (``bench_step.py``: 1.01-1.35 over bare torch, varying from run to run)."""
+# ``MARKS_ENV``: start marks of c10d-backed CUDA communicators (see ``comms.Comm.started_mark``):
+# ``1`` (the default) marks each collective issued ``MARK_GAP_US`` or more after the
+# communicator's previous one, i.e. the first of a burst; ``all`` every collective; ``0`` none. A mark is an untimed CUDA
+# event on the issuing stream, and costs a launch-bound step more than its host time: the GPU runs
+# it between two small kernels. Collectives further apart than ``MARK_GAP_US`` (a training step's
+# buckets and layers usually are) are each marked, at a cost bounded by one mark per
+# ``MARK_GAP_US``; in a tight burst only the first is. An op without its own mark goes from
+# ``scheduled`` to ``completed`` without ``started``, as c10d's own ops do without its timing
+# events; a mark never reports a state its op has not reached. Measured on H100 and H200 (torch
+# 2.11, ``benchmarks/bench_marks.py``, 200 x 4 KiB all_reduces per step on 2 and 4 ranks, over no
+# mark): a mark on the first op of each step 1.000-1.017, one every 0.5 ms 1.01-1.06, one per op
+# 1.04-1.09 (``bench_step.py``: 1.01-1.35 over bare torch, varying from run to run).
 MARK_GAP_US = 500
 """``1``: the pause (microseconds since the previous collective) after which a collective is marked."""
 
@@ -103,18 +96,14 @@ MARK_GAP_US = 500
 def _mark_gap_ns() -> int | None:
     """The pause in nanoseconds after which a collective is marked (``MARKS_ENV``; 0: every
     collective), or None for no marks."""
-    v = os.environ.get(MARKS_ENV, "1").strip().lower()
+    v = Settings.from_env().start_marks
     if v == "0":
         return None
-    if v == "all":
-        return 0
-    if v not in ("", "1"):
-        raise ValueError(f"{MARKS_ENV}={v!r}: expected 1, all or 0")
-    return MARK_GAP_US * 1000
+    return 0 if v == "all" else MARK_GAP_US * 1000
 
 
 def _timing_wanted(backend: str) -> bool:
-    return backend == "nccl" and os.environ.get(TIMING_OPT_ENV, "0").strip() == "1"
+    return backend == "nccl" and Settings.from_env().nccl_timing
 
 
 def _load_symbolizer() -> None:

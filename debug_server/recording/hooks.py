@@ -28,9 +28,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from debug_server.config import Settings
 from debug_server.dumpio import FR_VERSION, write_dump_atomic
-from debug_server.recording import stall
+from debug_server.recording import c10d_fr, stall
 from debug_server.recording.lazy import Cut, LazyDump, Source
+from debug_server.recording.watchdog import add_watchdog_check
 from debug_server.stacks import capture_stacks
 
 if TYPE_CHECKING:
@@ -40,11 +42,14 @@ __all__ = [
     "FlightRecorderHook",
     "default_stall_timeout",
     "dump_file",
+    "dump_path",
     "health",
     "lazy_snapshot",
+    "owned_groups",
     "recorded_comms",
     "registered_hooks",
     "set_default_stall_timeout",
+    "set_dump_prefix",
     "snapshot",
 ]
 
@@ -345,15 +350,13 @@ class FlightRecorderHook:
         ``only_active`` or ``include_completed=False`` keep only ops not yet completed;
         ``include_collectives=False`` leaves ``entries`` empty (config and status only).
         The entries of c10d-backed communicators are read from c10d's recorder now, unless
-        ``c10d`` is False (``c10d_fr.snapshot`` maps them from its own read). ``cut`` (see
+        ``c10d`` is False (``snapshot`` maps them from its own read). ``cut`` (see
         ``lazy.Cut``, e.g. the worker's live window) picks the entries kept; only those are built.
         """
         out = self.lazy_dump(include_completed, only_active, include_collectives)
         comms = list(self._comms.values())
         if c10d and any(c.c10d_backed for c in comms):
             # Read only when a backed communicator is recorded.
-            from debug_server.recording import c10d_fr
-
             return c10d_fr.merge_backed(out, comms, only_active=only_active or not include_completed,
                                         include_collectives=include_collectives, cut=cut)
         return out.finish(cut)
@@ -411,7 +414,7 @@ class FlightRecorderHook:
 
         The default prefix is ``~/.cache/torch/comm_lib_trace_rank_``. Returns the path.
         """
-        return write_dump_atomic(_dump_path(rank), self.dump_json())
+        return write_dump_atomic(dump_path(rank), self.dump_json())
 
     def stall_dump(self, rec: OpRecord | InFlight, age_s: float) -> list[str]:
         """Evidence for a stalled op, written at once so it survives a later kill.
@@ -452,10 +455,25 @@ class FlightRecorderHook:
         return _health([self])
 
 
-def _dump_path(rank: int | None) -> str:
+# Where pickles go: ``start_debug_server`` hands its choice over as a value (``set_dump_prefix``);
+# without a server, the user's ``$TORCHCOMM_FR_DUMP_TEMP_FILE``, else torch's default.
+_dump_prefix: str | None = None
+
+
+def set_dump_prefix(prefix: str | None) -> None:
+    """Set where this process's pickles go (``<prefix><rank>``); None: the environment's or
+    torch's default (see ``config.Settings.dump_prefix``)."""
+    global _dump_prefix
+    _dump_prefix = prefix
+
+
+def dump_path(rank: int | None) -> str:
+    """Where this process's pickle for ``rank`` goes (``set_dump_prefix``, else the user's
+    ``$TORCHCOMM_FR_DUMP_TEMP_FILE``, else torch's default); ``rank`` None: this process's."""
     if rank is None:
-        rank = int(os.environ.get("RANK", "0"))
-    prefix = os.environ.get("TORCHCOMM_FR_DUMP_TEMP_FILE") or DEFAULT_DUMP_PREFIX
+        dist = torch.distributed
+        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    prefix = _dump_prefix or Settings.from_env().dump_prefix or DEFAULT_DUMP_PREFIX
     return os.path.expanduser(prefix) + str(rank)
 
 
@@ -509,8 +527,6 @@ def set_default_stall_timeout(seconds: float | None) -> None:
 
 
 def _ensure_watchdog() -> None:
-    from debug_server.recording.comms import add_watchdog_check  # comms does not import hooks
-
     add_watchdog_check(_stall_check)
 
 
@@ -570,29 +586,40 @@ def recorded_comms() -> list[Comm]:
     return [c for h in registered_hooks() for c in list(h._comms.values())]
 
 
-def snapshot(
-    include_completed: bool = True, only_active: bool = False, include_collectives: bool = True,
-    c10d: bool = True, stacks: bool = False, cut: Cut | None = None,
-) -> dict[str, Any]:
-    """One FR dump merging every live hook of this process (an empty valid dump when none).
+def owned_groups() -> set[str]:
+    """The c10d groups of the communicators our hooks record (c10d's entries on them are ours)."""
+    return {n for c in recorded_comms() if (n := c.c10d_group_name)}
 
-    ``c10d``: also the entries c10d recorded for c10d-backed communicators (False: the caller
-    maps them, as ``c10d_fr.snapshot`` does), with their stacks when ``stacks``. ``cut``
-    (``lazy.Cut``) picks the entries kept; only those are built.
+
+def snapshot(*, only_active: bool = False, include_collectives: bool = True,
+             stacks: bool = False, cut: Cut | None = None) -> dict[str, Any]:
+    """This process's FR dump: every live hook's entries with c10d's own merged in (the groups
+    of DDP, FSDP, plain ``torch.distributed``); an empty valid dump when there is nothing.
+
+    ``cut`` (``lazy.Cut``; the worker passes its live window, ``frwindow``) picks the entries
+    kept from the merged timeline, and only those are built; c10d's rings are still read whole
+    (c10d has no partial dump). ``stacks``: c10d's entries with their stacks.
     """
-    merged = lazy_snapshot(include_completed, only_active, include_collectives)
-    comms = recorded_comms()
-    if c10d and any(c.c10d_backed for c in comms):
-        from debug_server.recording import c10d_fr
-
-        return c10d_fr.merge_backed(merged, comms, only_active=only_active or not include_completed,
-                                    include_collectives=include_collectives, stacks=stacks, cut=cut)
-    return merged.finish(cut)
+    # The hooks' own entries only: their c10d-backed communicators' entries are mapped here,
+    # from the same read of c10d's recorders as everything else.
+    ours = lazy_snapshot(only_active=only_active, include_collectives=include_collectives)
+    owned, backed = owned_groups(), c10d_fr.backed_of(recorded_comms())
+    recorders = c10d_fr.read_recorders(stacks=stacks, include_collectives=include_collectives,
+                                       unread=owned - set(backed))
+    if not recorders:
+        return ours.finish(cut)
+    try:
+        return c10d_fr.merge_lazy(ours, recorders, owned=owned, groups=c10d_fr.process_groups(),
+                                  only_active=only_active, include_collectives=include_collectives,
+                                  backed=backed).finish(cut)
+    except Exception:  # c10d's record must never cost us our own
+        c10d_fr.warn_once("merge", "merging c10d's flight recorder failed", exc_info=True)
+        return ours.finish(cut)
 
 
 def lazy_snapshot(include_completed: bool = True, only_active: bool = False,
                   include_collectives: bool = True) -> LazyDump:
-    """``snapshot(..., c10d=False)`` with its entries not built yet (``lazy``)."""
+    """The live hooks' own entries (none of c10d's), not built yet (``lazy``)."""
     hooks = registered_hooks()
     merged = LazyDump({
         "version": FR_VERSION,
@@ -619,8 +646,9 @@ def lazy_snapshot(include_completed: bool = True, only_active: bool = False,
 
 
 def dump_file(rank: int | None = None) -> str:
-    """Write this process's merged dump (``snapshot()``) to ``$TORCHCOMM_FR_DUMP_TEMP_FILE<rank>``."""
-    return write_dump_atomic(_dump_path(rank), snapshot(stacks=True))
+    """Write this process's dump (``snapshot``, c10d's entries with their stacks) to
+    ``<prefix><rank>`` (``set_dump_prefix``) atomically; returns the path."""
+    return write_dump_atomic(dump_path(rank), snapshot(stacks=True))
 
 
 def health(stall_timeout: float | None = None) -> dict[str, Any]:

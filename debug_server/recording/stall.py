@@ -3,18 +3,17 @@
 An op is stalled once it has been in flight longer than its limit (seconds; None: never). The
 sources are our hooks' records and the in-flight ops of c10d-backed communicators
 (``hooks.health`` and the stall watchdog, ``hooks._stall_check``), and c10d's own groups
-(:func:`c10d_stalled_op`, whose pending op comes from c10d's progress, see :class:`StallWatch`).
+(``c10d_fr.c10d_stalled_op``, whose pending op comes from c10d's progress, see :class:`StallWatch`).
 Each reports the op as ``{"group", "seq", "op", "age_s", ...}``, which the worker's health
 check serves and the frontend shows.
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterable, Mapping
 from typing import Any, NamedTuple, Protocol
 
-__all__ = ["InFlightOp", "StallWatch", "age_s", "c10d_stalled_op", "is_stalled", "oldest_stalled",
+__all__ = ["InFlightOp", "StallWatch", "age_s", "is_stalled", "oldest_stalled",
            "report", "report_op"]
 
 
@@ -148,38 +147,3 @@ class StallWatch:
             if p.seq >= 0 and is_stalled(age, stall_timeout):
                 out.append((g, age, p))
         return out
-
-
-def c10d_stalled_op(watch: StallWatch, stall_timeout: float, now_ns: int | None = None
-                    ) -> dict[str, Any] | None:
-    """The first c10d op (not on one of our communicators) stalled beyond ``stall_timeout``."""
-    from debug_server.recording.c10d_fr import _owned, _side, process_groups, read_recorders
-
-    recorders = read_recorders(include_collectives=False)
-    if not recorders:
-        return None
-    owned = _owned()
-    groups = process_groups()
-    now = time.time_ns() if now_ns is None else now_ns
-    status: dict[str, Mapping[str, Any]] = {}
-    for recorder, dump in recorders:
-        for name, st in (dump.get("pg_status") or {}).items():
-            if str(name) not in owned and isinstance(st, Mapping):
-                status[_side(recorder, str(name), groups.get(str(name)))] = st
-    unread = watch.update(status, now)
-    if unread:
-        by_group: dict[str, list[Mapping[str, Any]]] = {g: [] for g in unread}
-        for recorder, dump in read_recorders():
-            for e in dump.get("entries") or ():
-                pg = e.get("process_group") if isinstance(e, Mapping) else None
-                if isinstance(pg, (list, tuple)) and pg:
-                    side = _side(recorder, str(pg[0]), groups.get(str(pg[0])))
-                    if side in by_group:
-                        by_group[side].append(e)
-        for g, entries in by_group.items():
-            watch.resolve(g, entries)
-    stalled = watch.stalled(stall_timeout, now)
-    if not stalled:
-        return None
-    group, age, p = stalled[0]
-    return report(group, p.seq, p.op, age, group_desc=p.desc, source="c10d")

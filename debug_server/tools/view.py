@@ -42,8 +42,8 @@ import jinja2
 from aiohttp import web
 from aiohttp.typedefs import Handler
 
-from debug_server.auth import TOKEN_ENV, new_token, token_required
-from debug_server.config import ConfigError, ServerConfig
+from debug_server.auth import new_token, token_required
+from debug_server.config import ConfigError, ServerConfig, take_secrets
 from debug_server.dumpio import DumpError
 from debug_server.errors import first_line
 from debug_server.frontend.app import make_frontend_app
@@ -293,7 +293,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     # As the live frontend: loopback needs no secret; any other address needs the token
     # (from the environment, never argv, or a new one shown once in the log).
-    token = os.environ.pop(TOKEN_ENV, None) or None
+    token = take_secrets().auth_token
     try:
         if token is None and token_required("auto", args.host, None):
             token = new_token()
