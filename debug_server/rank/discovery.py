@@ -15,6 +15,7 @@ import json
 import logging
 import os
 import socket
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -367,3 +368,39 @@ class StaticRegistry:
     def close(self) -> None:
         pass
 
+
+class Peers:
+    """A worker's view of its job's announced ranks (for ``pyspy_dump?pid=``), read from the
+    store on demand; the last view is kept when the store goes away (rank 0 hosted it)."""
+
+    def __init__(self, job: JobEnv, timeout: float = 2.0) -> None:
+        self._job = job
+        self._timeout = timeout
+        self._store: dist.Store | None = None
+        self._by_pid: dict[int, dict[str, Any]] = {}
+        self._read_at = 0.0
+        self._lock = threading.Lock()
+
+    def announced(self, pid: int) -> dict[str, Any] | None:
+        """The sidecar of the rank that announced ``pid`` on this host, or None."""
+        with self._lock:
+            if pid not in self._by_pid and time.monotonic() - self._read_at > jobpids.PEERS_REFRESH_S:
+                self._refresh()
+            return self._by_pid.get(pid)
+
+    def _refresh(self) -> None:
+        self._read_at = time.monotonic()
+        try:
+            if self._store is None:
+                self._store = store_client(self._job.master_addr,
+                                                     self._job.master_port, self._timeout)
+            addrs = lookup_workers(self._store, self._job.world_size,
+                                             self._job.restart_count)
+        except Exception as e:  # the store is gone: keep what was read before
+            self._store = None
+            logger.info("debug_server: announced ranks not re-read: %s", first_line(e))
+            return
+        host = socket.gethostname()
+        self._by_pid = {a.meta["pid"]: a.meta for a in addrs
+                        if a.meta is not None and isinstance(a.meta.get("pid"), int)
+                        and a.meta.get("host") == host}

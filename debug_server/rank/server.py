@@ -47,6 +47,7 @@ from debug_server.rank import jobpids, sigstack
 from debug_server.rank.discovery import (
     HOST_ENV,
     Advertised,
+    Peers,
     advertise,
     register_worker,
     store_client,
@@ -344,7 +345,7 @@ def _start_parts(job: JobEnv, config: ServerConfig, required: bool,
         # caller), so a hook's own stall_timeout is not overridden by the worker.
         provider = HooksProvider(job.rank)
         # pyspy_dump?pid= reads only a rank this job announced on this host (jobpids).
-        provider.peers = jobpids.Peers(job).announced
+        provider.peers = Peers(job).announced
         worker = start_worker_thread(provider, config.host, config.worker_port, gate=gate)
         # Frontend and worker bind the same host, so this one address serves both links.
         advertised = advertise(config.host, job.master_addr, job.master_port)

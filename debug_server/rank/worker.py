@@ -93,7 +93,7 @@ class HooksProvider:
         self.stall_timeout = stall_timeout
         self._c10d_watch: Any = None  # stall.StallWatch, made at the first health check
         self.peers: Callable[[int], Mapping[str, Any] | None] | None = None
-        """pid -> the sidecar of the rank of this job that announced it here (``jobpids.Peers``)."""
+        """pid -> the sidecar of the rank of this job that announced it here (``discovery.Peers``)."""
 
     def fr_snapshot(self, *, only_active: bool, include_collectives: bool,
                     cut: Cut | None = None) -> Mapping[str, Any]:
