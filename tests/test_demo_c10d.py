@@ -18,9 +18,10 @@ pytestmark = pytest.mark.timeout(240)
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
     dump_dir = tmp_path_factory.mktemp("demo_c10d") / "dumps"
-    # The stall (3 s) must show well before gloo's timeout (8 s) ends the hang on rank 0.
-    out = run_demo(dump_dir, DEMO_API="c10d", FR_DUMP_INTERVAL="1", COMM_TIMEOUT="8",
-                   HANG_SECONDS="12", FR_STALL_TIMEOUT="3")
+    # The stall (3 s) must show well before gloo's timeout ends the hang on rank 0: 15 s leaves
+    # the health poll room on a loaded box (with 8 s a loaded run once wrote no report).
+    out = run_demo(dump_dir, DEMO_API="c10d", FR_DUMP_INTERVAL="1", COMM_TIMEOUT="15",
+                   HANG_SECONDS="19", FR_STALL_TIMEOUT="3")
     return dump_dir, out
 
 
