@@ -165,7 +165,7 @@ def _get(path: str, token: str | None, accept: str = "*/*") -> tuple[int, str]:
     headers = {"Accept": accept, **({TOKEN_HEADER: token} if token else {})}
     req = urllib.request.Request(f"{FRONTEND}{path}", headers=headers)
     try:
-        with urllib.request.urlopen(req, timeout=15) as r:
+        with urllib.request.urlopen(req, timeout=60) as r:  # a loaded box: the test bounds it
             return r.status, r.read().decode()
     except urllib.error.HTTPError as e:
         return e.code, e.read().decode()

@@ -52,12 +52,13 @@ def viewer(reference_demo: ReferenceDemo,
         log.close()
 
 
-def _hang_cycle(base: str) -> str:
+def _hang_cycle(base: str, other_than: str | None = None) -> str:
     """A dated cycle taken during the hang: rank 1's stacks are in hang_phase and the FR data
-    has it missing from all_reduce #4 (the first cycles of the hang may predate the verdict)."""
+    has it missing from all_reduce #4 (the first cycles of the hang may predate the verdict);
+    not ``other_than`` (the cycle the page shows already: picking it changes nothing)."""
     cycles = _get_json(f"{base}/stacks?format=json")["postmortem"]["cycles"]
     for c in cycles:
-        if c["cycle"] == "per_rank":
+        if c["cycle"] in ("per_rank", other_than):
             continue
         body = _get_json(f"{base}/stacks?format=json&cycle={c['cycle']}")
         fr = _get_json(f"{base}/fr_trace?format=json&cycle={c['cycle']}")
@@ -92,8 +93,9 @@ def test_picking_a_cycle_in_the_hang_shows_it_on_every_page(viewer: str, browser
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import Select, WebDriverWait
 
-    stamp = _hang_cycle(viewer)
     browser.get(f"{viewer}/")
+    shown = Select(browser.find_element(By.ID, "cycle-picker")).first_selected_option
+    stamp = _hang_cycle(viewer, other_than=shown.get_attribute("value"))
     Select(browser.find_element(By.ID, "cycle-picker")).select_by_value(stamp)
     WebDriverWait(browser, BROWSER_WAIT_S).until(lambda d: f"cycle={stamp}" in d.current_url)
     # Follow the nav link: the choice stays (cookie), the FR table highlights seq 4.
