@@ -71,19 +71,11 @@ def intrinsic_problem(sig: tuple[Any, ...], group_size: int) -> str | None:
     op, ins, outs = sig[1], sig[2], sig[3]
     if not ins or not outs:
         return None
+    # all_gather: this rank's input is one slot of the output; reduce_scatter the mirror image.
     if op in _ALL_GATHER:
-        if _uneven_list(ins, outs, group_size):
-            # all_gather into a list: this rank's input fills one slot; slots may differ.
-            if _numel(ins) not in {math.prod(o) for o in outs}:
-                return f"input numel {_numel(ins)} fits none of the {group_size} output slots"
-        elif _numel(outs) != _numel(ins) * group_size:
-            return f"output numel {_numel(outs)} != input numel {_numel(ins)} x group size {group_size}"
+        return _slot_rule(ins, outs, group_size, ("input", "output"))
     if op in _REDUCE_SCATTER:
-        if _uneven_list(outs, ins, group_size):
-            if _numel(outs) not in {math.prod(i) for i in ins}:
-                return f"output numel {_numel(outs)} fits none of the {group_size} input slots"
-        elif _numel(ins) != _numel(outs) * group_size:
-            return f"input numel {_numel(ins)} != output numel {_numel(outs)} x group size {group_size}"
+        return _slot_rule(outs, ins, group_size, ("output", "input"))
     if op in _ALL_REDUCE and ins != outs:
         return f"input sizes {fmt_sizes(ins)} != output sizes {fmt_sizes(outs)}"
     return None
@@ -223,3 +215,17 @@ def _compare_totals(
     if bad:
         return "size_mismatch", sorted(bad), f"{sig0[1]} on {ranks_phrase(bad)}: {prob}"
     return None, [], None
+
+
+def _slot_rule(one: tuple[tuple[int, ...], ...], whole: tuple[tuple[int, ...], ...], group_size: int, names: tuple[str, str]) -> str | None:
+    """``one`` (this rank's part) must fill a slot of ``whole``: one of the slots of a list
+    (uneven: slots may differ), else exactly ``1 / group_size`` of it."""
+    part, full = names
+    if _uneven_list(one, whole, group_size):
+        if _numel(one) not in {math.prod(w) for w in whole}:
+            return f"{part} numel {_numel(one)} fits none of the {group_size} {full} slots"
+        return None
+    if _numel(whole) != _numel(one) * group_size:
+        return (f"{full} numel {_numel(whole)} != {part} numel {_numel(one)} x group size "
+                f"{group_size}")
+    return None

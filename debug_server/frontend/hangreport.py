@@ -35,6 +35,7 @@ from debug_server.frontend.dumps import (
     fr_trace_text,
 )
 from debug_server.frontend.fanout import TIMED_OUT, Collector, FrData, RankResult
+from debug_server.frontend.pagefirst import poll_forever
 
 logger = logging.getLogger(__name__)
 
@@ -250,15 +251,14 @@ class HangWatch:
         return max(self.interval, self.collector.world_size / MAX_POLLS_PER_S)
 
     async def run_forever(self) -> None:
-        while True:
-            await asyncio.sleep(self.poll_interval())
-            try:
-                await self.poll()
-            except OSError as e:
-                logger.error("debug_server: cannot write hang report to %s: %s",
-                             self.dir.path if self.dir else None, e)
-            except Exception:
-                logger.exception("debug_server: health poll failed")
+        await poll_forever(self.poll_interval, self.poll, self._failed)
+
+    def _failed(self, e: Exception) -> None:
+        if isinstance(e, OSError):
+            logger.error("debug_server: cannot write hang report to %s: %s",
+                         self.dir.path if self.dir else None, e)
+        else:
+            logger.error("debug_server: health poll failed", exc_info=e)
 
     async def poll(self) -> HangReport | None:
         """One health poll; returns the report when this poll wrote one."""

@@ -22,7 +22,7 @@ import asyncio
 import contextlib
 import contextvars
 from collections import deque
-from collections.abc import Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from types import TracebackType
 from typing import Any, TypeVar
 
@@ -44,6 +44,18 @@ def in_background(coro: Coroutine[Any, Any, T], name: str) -> asyncio.Task[T]:
     ctx = contextvars.copy_context()
     ctx.run(BACKGROUND.set, True)
     return asyncio.create_task(coro, name=name, context=ctx)
+
+
+async def poll_forever(interval: Callable[[], float], poll: Callable[[], Awaitable[Any]],
+                       failed: Callable[[Exception], None]) -> None:
+    """The background watches' loop: wait ``interval()``, ``poll()``; a failure goes to
+    ``failed`` (which logs it) and the next poll comes all the same."""
+    while True:
+        await asyncio.sleep(interval())
+        try:
+            await poll()
+        except Exception as e:  # noqa: BLE001 - one bad poll must not end the watch
+            failed(e)
 
 
 class PageFirstSemaphore:

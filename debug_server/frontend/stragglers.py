@@ -39,6 +39,7 @@ from debug_server.frontend.fanout import (
     RankResult,
     parse_off_loop,
 )
+from debug_server.frontend.pagefirst import poll_forever
 from debug_server.frontend.pagekit import (
     COLLECTOR,
     TEMPLATES,
@@ -103,12 +104,8 @@ class StragglerWatch:
         return max(self.interval, self.collector.world_size / MAX_POLLS_PER_S)
 
     async def run_forever(self) -> None:
-        while True:
-            await asyncio.sleep(self.poll_interval())
-            try:
-                await self.poll()
-            except Exception:
-                logger.exception("debug_server: straggler poll failed")
+        await poll_forever(self.poll_interval, self.poll, lambda e: logger.error(
+            "debug_server: straggler poll failed", exc_info=e))
 
     async def poll(self) -> dict[str, Any]:
         """One fetch and analysis; the result (``analysis.stragglers.analyze``) is kept."""
