@@ -95,7 +95,10 @@ async def test_worker_clock_offset_is_corrected_from_the_reply(aiohttp_server: A
     client = await aiohttp_client(make_frontend_app(ServerConfig(port=0, fetch_timeout=5.0),
                                                     StaticRegistry(urls)))
     body = await (await client.get("/stragglers?format=json")).json()
-    assert [(s["rank"], round(s["median_lag_ms"] / 10)) for s in body["stragglers"]] == [(2, 4)]
+    # Uncorrected, rank 2's lag would read ~3000 ms; corrected it is the 40 ms it sleeps, give
+    # or take the offset's error (half a round trip to a loopback worker: more on a loaded box).
+    assert [s["rank"] for s in body["stragglers"]] == [2]
+    assert 30 <= body["stragglers"][0]["median_lag_ms"] <= 60, body["stragglers"]
 
 
 class _NowProvider(StaticProvider):

@@ -169,6 +169,12 @@ def _get(path: str, token: str | None, accept: str = "*/*") -> tuple[int, str]:
             return r.status, r.read().decode()
     except urllib.error.HTTPError as e:
         return e.code, e.read().decode()
+    except urllib.error.URLError as e:
+        # Not listening yet (rank 0 prints its link as it starts the frontend): status 0, so
+        # a poll goes on and a single read fails its assertion with the reason.
+        if isinstance(e.reason, ConnectionRefusedError):
+            return 0, f"refused: {e.reason}"
+        raise
 
 
 def _wait_for(path: Path, pattern: str, proc: subprocess.Popen[str],

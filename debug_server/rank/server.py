@@ -6,6 +6,7 @@ arguments, its whole ``config.FrontendConfig`` in an inherited unnamed file.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import dataclasses
 import errno
@@ -57,6 +58,8 @@ from debug_server.recording import c10d_fr
 
 logger = logging.getLogger(__name__)
 
+EXIT_QUIESCE_S = 1.0
+"""At most this long, at interpreter exit, for the worker's in-flight request to end."""
 _LOCK = threading.Lock()
 _CURRENT: DebugServer | None = None
 
@@ -110,6 +113,11 @@ class _Registration:
                          self.job.master_port, first_line(e))
         finally:
             self.done.set()
+
+    def join(self, timeout: float) -> None:
+        """Wait up to ``timeout`` for the registration thread (the keeper) to end."""
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout)
 
 
 class DebugServer:
@@ -173,6 +181,7 @@ class DebugServer:
         if self._stopped:
             return
         self._stopped = True
+        atexit.unregister(self._quiesce_at_exit)
         if self.frontend is not None:
             _end_process(self.frontend, timeout)
         if self.agent is not None:
@@ -189,6 +198,20 @@ class DebugServer:
             if _CURRENT is self:
                 _CURRENT = None
                 _set_recording_defaults(None, None)
+
+    def _quiesce_at_exit(self) -> None:
+        # At interpreter exit, before finalization: a daemon thread caught inside a C++ call
+        # (a store read, c10d's FR dump for a page) when the interpreter finalizes is ended by
+        # pthread_exit through C++ frames, and the process aborts ("terminate called without
+        # an active exception", SIGABRT). The frontend outlives rank 0 and keeps asking, so
+        # finish the worker's in-flight request and stop the keeper first; bounded, so the
+        # trainer's exit waits at most a second. The frontend is left running on purpose.
+        if self._stopped:
+            return
+        if self.registration.keeper is not None:
+            self.registration.keeper.stop.set()
+        self.worker.stop(EXIT_QUIESCE_S)
+        self.registration.join(EXIT_QUIESCE_S / 2)
 
 
 def start_debug_server(
@@ -306,6 +329,7 @@ def start_debug_server(
         handle.agent = host_agent.start_for_rank(config, job, advertised.host, required)
         _CURRENT = handle
         _set_recording_defaults(config.stall_timeout, _pickle_prefix(settings, dump_dir))
+    atexit.register(handle._quiesce_at_exit)
     # No exit hook ends the frontend: rank 0 may finish first (uneven data) while the other
     # ranks hang, which is when the pages are needed. It notices this process's end within a
     # second and exits by itself once every rank is gone, or after orphan_exit_s without a
