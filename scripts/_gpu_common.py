@@ -96,3 +96,10 @@ def verdict(failures: list[str], out: Path, passed: str) -> int:
         return 1
     print(f"PASS: {passed}")
     return 0
+
+
+def publish(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` whole: a reader polling for the file never sees half of it."""
+    tmp = path.with_suffix(".part")
+    tmp.write_text(text)
+    tmp.rename(path)

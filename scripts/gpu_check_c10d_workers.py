@@ -35,7 +35,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _gpu_common import get  # noqa: E402
+from _gpu_common import get, publish  # noqa: E402
 
 
 def skip_collective(seconds: float) -> None:
@@ -63,17 +63,11 @@ def rank_main(out: Path, cpu: bool) -> None:
         torch.cuda.synchronize()
     time.sleep(1.0)  # c10d's watchdog marks them completed
     if rank == 1:
-        _publish(out / "ready1", "1")
+        publish(out / "ready1", "1")
         skip_collective(600)
     dist.all_reduce(torch.ones(16, device=device), async_op=True)
-    _publish(out / "ready0", "1")
+    publish(out / "ready0", "1")
     time.sleep(600)
-
-
-def _publish(path: Path, text: str) -> None:
-    tmp = path.with_suffix(".part")
-    tmp.write_text(text)
-    tmp.rename(path)
 
 
 def _wait(path: Path, job: subprocess.Popen[bytes], limit_s: float) -> None:

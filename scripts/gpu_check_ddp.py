@@ -35,7 +35,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from _gpu_common import kill_job, start_torchrun, verdict  # noqa: E402
+from _gpu_common import kill_job, publish, start_torchrun, verdict  # noqa: E402
 
 
 def skip_backward(seconds: float) -> None:
@@ -64,9 +64,9 @@ def rank_main(out: Path, port: int, cpu: bool) -> None:
     server = start_debug_server(port=port, dump_dir=str(out / "dumps"), dump_interval=2,
                                 stall_timeout=4)
     server.wait_registered(30)
-    _publish(out / f"worker{rank}", server.worker_url)
+    publish(out / f"worker{rank}", server.worker_url)
     if rank == 0:
-        _publish(out / "frontend", server.frontend_url or "")
+        publish(out / "frontend", server.frontend_url or "")
     comm = new_comm(backend, device, "main_comm", timeout=300)
     hook = FlightRecorderHook(max_entries=100).register_with_comm(comm)
     for _ in range(3):
@@ -77,7 +77,7 @@ def rank_main(out: Path, port: int, cpu: bool) -> None:
     recorded = json.loads(c10d_json(True, False))
     copies = [e["collective_seq_id"] for e in recorded.get("entries", [])
               if e["process_group"][1] == "main_comm"]
-    _publish(out / f"c10d_main_comm{rank}", json.dumps(copies))
+    publish(out / f"c10d_main_comm{rank}", json.dumps(copies))
     torch.manual_seed(0)
     model = DDP(torch.nn.Linear(8, 4).to(device), device_ids=None if cpu else [local])
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -85,19 +85,13 @@ def rank_main(out: Path, port: int, cpu: bool) -> None:
         loss = model(torch.randn(4, 8, device=device)).sum()
         if rank == 1 and step == 1:
             status = json.loads(c10d_json(False, False))["pg_status"]["0"]
-            _publish(out / "rank1_last_enqueued", str(status["last_enqueued_collective"]))
+            publish(out / "rank1_last_enqueued", str(status["last_enqueued_collective"]))
             skip_backward(600)
         loss.backward()
         opt.step()
         opt.zero_grad()
         print(f"[rank {rank}] step {step} loss {loss.item():.4f}", flush=True)
     hook.unregister()
-
-
-def _publish(path: Path, text: str) -> None:
-    tmp = path.with_suffix(".part")
-    tmp.write_text(text)
-    tmp.rename(path)
 
 
 _JOB: list[subprocess.Popen[bytes]] = []

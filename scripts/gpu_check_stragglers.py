@@ -36,7 +36,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from _gpu_common import get, kill_job, start_torchrun, verdict  # noqa: E402
+from _gpu_common import get, kill_job, publish, start_torchrun, verdict  # noqa: E402
 
 NAMED_WITHIN_S = 10.0
 FAST_STEPS = 60
@@ -68,7 +68,7 @@ def rank_main(out: Path, port: int, cpu: bool, slow_s: float) -> None:
     server = start_debug_server(port=port, dump_interval=3600)
     server.wait_registered(30)
     if rank == 0:
-        _publish(out / "frontend", server.frontend_url or "")
+        publish(out / "frontend", server.frontend_url or "")
     torch.manual_seed(0)
     model = DDP(torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.ReLU(),
                                     torch.nn.Linear(512, 8)).to(device),
@@ -99,12 +99,6 @@ def rank_main(out: Path, port: int, cpu: bool, slow_s: float) -> None:
     steps.close()
     print(f"[rank {rank}] {step} steps", flush=True)
     dist.destroy_process_group()
-
-
-def _publish(path: Path, text: str) -> None:
-    tmp = path.with_suffix(".part")
-    tmp.write_text(text)
-    tmp.rename(path)
 
 
 def _wait(what: str, limit_s: float, probe: Any, job: subprocess.Popen[bytes]) -> Any:

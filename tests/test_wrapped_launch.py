@@ -6,6 +6,7 @@ pid no rank announced is refused in one line."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -60,9 +61,10 @@ def _hold_and_read(log: Any, tmp: Path, base: str, hold_line: int, hold_rank: in
     """Warm the frontend, start the hold, read /stacks; returns the held rank's section."""
     status, text, _ = timed_get(f"{base}/?format=json")
     assert status == 200, text
+    worker = next(r["url"] for r in json.loads(text)["ranks"] if r["rank"] == hold_rank)
     (tmp / "go").touch()
     log.wait_for(r"^HOLDING")
-    time.sleep(0.2)  # into the usleep
+    _wait_gil_held(worker)
     status, text, took = timed_get(f"{base}/stacks")
     print(f"/stacks answered in {took:.3f} s (fetch_timeout {FETCH_TIMEOUT} s)")
     assert status == 200 and took < FETCH_TIMEOUT + 1.5, (took, text)
@@ -71,6 +73,21 @@ def _hold_and_read(log: Any, tmp: Path, base: str, hold_line: int, hold_rank: in
         in section, section
     assert f'rank_script.py", line {hold_line} in <module>' in section, section
     return section
+
+
+def _wait_gil_held(worker: str, limit_s: float = 30) -> None:
+    """Until the rank is inside its GIL-holding call: its worker thread stops answering."""
+    deadline = time.monotonic() + limit_s
+    while True:
+        try:
+            urllib.request.urlopen(urllib.request.Request(f"{worker}/handler/ping",
+                                                          method="POST"), timeout=0.3).close()
+        except (TimeoutError, urllib.error.URLError) as e:
+            if isinstance(e, TimeoutError) or isinstance(e.reason, TimeoutError):
+                return
+            raise
+        assert time.monotonic() < deadline, "the rank never held the GIL"
+        time.sleep(0.05)
 
 
 def _slept_full_length(text: str) -> None:
