@@ -2,7 +2,7 @@
 
 Fake ranks are real worker apps serving 2000-entry rings (``tests/fakefleet.py``, replies
 memoised per helper process: a real rank cuts its own ring on its own CPU); fake hosts are real
-agent apps (``debug_server.frontend.agent``) over 8 fake ranks each, many on one event loop per
+agent apps (``debug_server.agent.app``) over 8 fake ranks each, many on one event loop per
 helper process. Ranks and agents register in a real TCPStore exactly as a job's do
 (``debug_server/rank{N}`` with a sidecar naming the host's agent, ``debug_server/agent/<id>``),
 and the frontend is a real process started as ``start_debug_server`` starts it, reading that
@@ -54,7 +54,8 @@ PAGES = (("fr_s", "/fr_trace"), ("overview_s", "/"), ("stacks_s", "/stacks"))
 
 async def _serve_agents(first: int, last: int, world: int, urls_file: str) -> None:
     """Agents of fake hosts ``first..last - 1`` (8 ranks each) on this loop (``serve_apps``)."""
-    from debug_server.frontend import agent, fanout
+    from debug_server.agent import app as agent
+    from debug_server.frontend import fanout
 
     urls = Path(urls_file).read_text().split(",")
     apps = []
@@ -88,7 +89,7 @@ def _measure(world: int, store_port: int, reps: int, idle_s: float,
     try:
         ff.timed_get(f"{base}/stacks")  # warm: connections, member lists, agent lookups
         row: dict[str, Any] = {}
-        # The first FR page: no agent reply held yet, so no conditional ask (agent.TAG) can be
+        # The first FR page: no agent reply held yet, so no conditional ask (agentwire.TAG) can be
         # answered "unchanged"; the timed pages after it can, as reloads of a hung job's are.
         row["first_fr_json_s"], _ = ff.timed_get(f"{base}/fr_trace?format=json")
         # A frontend that has run a while holds its hang watch's last health poll, which the

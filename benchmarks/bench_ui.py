@@ -32,7 +32,7 @@ import fakefleet  # noqa: E402
 from debug_server.frontend.app import load_templates  # noqa: E402
 from debug_server.frontend.dumps import analyze_fr  # noqa: E402
 from debug_server.frontend.fanout import FrData, RankResult  # noqa: E402
-from debug_server.frontend.views import overview_model, render_fr_html  # noqa: E402
+from debug_server.frontend.render import overview_model, render_fr_html  # noqa: E402
 from debug_server.tools import synthetic  # noqa: E402
 
 BUDGET_S = 2.0

@@ -46,7 +46,7 @@ BASELINE_REV = "7ff4592"
 _CHILD = r"""
 import datetime, json, os, statistics, sys, time
 import torch, torch.distributed as dist
-from debug_server.analysis import frwindow
+from debug_server.protocol import frwindow
 from debug_server.recording import c10d_fr, hooks
 from debug_server.recording.comms import new_comm
 from debug_server.recording.hooks import FlightRecorderHook

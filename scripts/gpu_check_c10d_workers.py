@@ -135,7 +135,7 @@ def _active_replies(master_port: int) -> list[str]:
     it: the reply must vouch for its cut from #4 on (``analysis.activecover``: pg_status and
     pg_config name the same groups, and it holds every op after the last completed one), or
     every page would ask every rank for its whole ring again."""
-    from debug_server.analysis import activecover
+    from debug_server.protocol import activecover
     from debug_server.rank.discovery import store_client, url_key
 
     store = store_client("127.0.0.1", master_port, 30)

@@ -9,8 +9,8 @@ from typing import Any
 
 from fakefleet import _nccl_handler, c10d_nccl_dump
 
-from debug_server.analysis import activecover, frwindow
 from debug_server.analysis.core import analyze
+from debug_server.protocol import activecover, frwindow
 from debug_server.tools import synthetic
 from debug_server.tools.synthetic import make_dump, make_entry
 

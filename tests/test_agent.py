@@ -1,4 +1,4 @@
-"""One agent per host (``frontend/agent.py``, ``frontend/agent_fanout.py``, ``rank/agent_launch.py``).
+"""One agent per host (``agent/app.py``, ``frontend/agent_fanout.py``, ``rank/agent_launch.py``).
 
 In process: real worker apps on port 0 behind real agent apps on port 0, read by the frontend's
 ``AgentCollector``. Then a real gloo job of 4 ranks "on two hosts": two groups of two processes
@@ -29,8 +29,9 @@ import pytest
 from aiohttp import web
 from mpjob import free_port, kill_all, rank_env
 
+from debug_server.agent import app as agent
 from debug_server.config import JobEnv
-from debug_server.frontend import agent, agent_fanout
+from debug_server.frontend import agent_fanout
 from debug_server.frontend.dumps import analyze_fr
 from debug_server.frontend.fanout import Collector
 from debug_server.rank import agent_launch

@@ -1,4 +1,4 @@
-"""Conditional asks of a host's agent (``agent.TAG``): a hung host costs little on a second page.
+"""Conditional asks of a host's agent (``agentwire.TAG``): a hung host costs little on a second page.
 
 Real worker apps on port 0 (each stamping its dump with the time it was read, as a live rank's
 recorder does) behind real agent apps on port 0, read by the frontend's ``AgentCollector``.
@@ -15,10 +15,12 @@ import pytest
 from aiohttp import web
 from test_agent import _Directory, _Registry, _start, _start_agents  # the same fakes
 
+from debug_server.agent import app as agent
 from debug_server.analysis.core import analyze
 from debug_server.analysis.digest import SNAPSHOT_TIME_KEY, DigestMemo, digest_dump
-from debug_server.frontend import agent, agent_fanout
+from debug_server.frontend import agent_fanout
 from debug_server.frontend.dumps import analyze_fr
+from debug_server.protocol import agentwire
 from debug_server.rank.worker import StaticProvider, make_worker_app
 from debug_server.tools import synthetic
 
@@ -184,7 +186,7 @@ async def _restarted(fleet: dict[str, Any], session: aiohttp.ClientSession,
 
 
 async def _from_last(fleet: dict[str, Any]) -> dict[str, int]:
-    return {h: (await _post(f"{ag.url}/handler/{agent.INFO}"))["requests"].get(
+    return {h: (await _post(f"{ag.url}/handler/{agentwire.INFO}"))["requests"].get(
         agent.FROM_LAST, 0) for h, ag in fleet["agents"].items()}
 
 

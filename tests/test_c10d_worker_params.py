@@ -27,7 +27,7 @@ from fakefleet import c10d_dump
 from mpjob import free_port
 from torch._C import _distributed_c10d as c10d
 
-from debug_server.analysis import frtext, frwindow
+from debug_server.protocol import frtext, frwindow
 from debug_server.tools import synthetic
 
 REPO = Path(__file__).resolve().parent.parent

@@ -8,7 +8,8 @@ import subprocess
 import sys
 from typing import Any
 
-from debug_server.frontend import agent, departed
+from debug_server.agent import app as agent
+from debug_server.frontend import departed
 from debug_server.frontend.fanout import GONE, OK, UNREACHABLE, FrData, RankResult
 from debug_server.rank import jobpids
 from debug_server.rank.discovery import WorkerAddr

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from mpjob import rank0_result, run_job
 
-from debug_server.analysis import frwindow
+from debug_server.protocol import frwindow
 from debug_server.rank.worker import cut_dump
 from debug_server.recording.c10d_fr import GroupInfo, merge_c10d
 from debug_server.recording.lazy import KEY_FIELDS, LazyDump, Source
@@ -134,7 +134,7 @@ JOB = r'''
 import datetime, json, os, time
 from pathlib import Path
 import torch, torch.distributed as dist
-from debug_server.analysis import frwindow
+from debug_server.protocol import frwindow
 from debug_server.recording.c10d_fr import GroupInfo, merge_c10d
 from debug_server.recording import c10d_fr, hooks
 from debug_server.recording.comms import new_comm

@@ -14,12 +14,13 @@ import pytest
 from aiohttp import web
 from test_agent import _Directory, _Registry, _start, _start_agents  # the same fakes
 
-from debug_server.analysis import members
-from debug_server.frontend import agent, agent_fanout
+from debug_server.agent import app as agent
+from debug_server.frontend import agent_fanout
 from debug_server.frontend.dumps import analyze_fr
 from debug_server.frontend.fanout import OK, PRIME_RANKS, Collector
+from debug_server.protocol import agentwire, members
+from debug_server.protocol.wire import STACKS_SEP, split_stacks
 from debug_server.rank.discovery import StaticRegistry
-from debug_server.rank.wire import STACKS_SEP, split_stacks
 from debug_server.rank.worker import StaticProvider, make_worker_app
 from debug_server.tools import synthetic
 
@@ -147,7 +148,7 @@ async def _agent_counts(agents: Mapping[str, agent_fanout.AgentAddr]) -> dict[st
     out = {}
     async with aiohttp.ClientSession() as s:
         for aid, ag in agents.items():
-            async with s.post(f"{ag.url}/handler/{agent.INFO}") as resp:
+            async with s.post(f"{ag.url}/handler/{agentwire.INFO}") as resp:
                 out[aid] = (await resp.json())["requests"]
     return out
 
@@ -161,7 +162,7 @@ async def test_through_agents_each_agent_and_each_rank_is_asked_once_per_page(
             _Directory(agents["agents"]), timeout=3.0)
         pages = [await through.fr_stacks() for _ in range(2)]
     counts = await _agent_counts(agents["agents"])
-    assert counts == {h: {agent.FR: 2, agent.INFO: 1} for h in counts}, counts
+    assert counts == {h: {agentwire.FR: 2, agentwire.INFO: 1} for h in counts}, counts
     assert through.agent_unchanged == WORLD // PER_HOST  # the second page: a hung job
     for r in range(WORLD):
         if r == 3:  # the older worker: refused once, remembered on the second page
@@ -180,7 +181,7 @@ async def test_through_agents_each_agent_and_each_rank_is_asked_once_per_page(
 async def test_an_agent_refuses_stacks_with_a_re_ask_in_one_line(agents: dict[str, Any]) -> None:
     ag = agents["agents"]["h0"]
     async with aiohttp.ClientSession() as s, \
-            s.post(f"{ag.url}/handler/{agent.FR}?stacks=true&since=%7B%7D") as resp:
+            s.post(f"{ag.url}/handler/{agentwire.FR}?stacks=true&since=%7B%7D") as resp:
         assert resp.status == 400
         assert await resp.text() == ("bad parameter stacks=true: only with the default window "
                                      "(no since, whole or onlyactive)")
@@ -230,7 +231,7 @@ async def test_an_agent_asks_one_of_its_ranks_first_then_tells_the_others_the_li
         url = await _start(app, runners)
         async with aiohttp.ClientSession() as s:
             for _ in range(2):
-                async with s.post(f"{url}/handler/{agent.FR}?stacks=true") as resp:
+                async with s.post(f"{url}/handler/{agentwire.FR}?stacks=true") as resp:
                     assert resp.status == 200, await resp.text()
                     reply = await resp.json()
     finally:

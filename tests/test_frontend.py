@@ -14,7 +14,7 @@ from debug_server.analysis import core as analysis
 from debug_server.config import ServerConfig
 from debug_server.frontend import departed
 from debug_server.frontend.app import load_templates, make_frontend_app
-from debug_server.frontend.views import fr_tables
+from debug_server.frontend.render import fr_tables
 from debug_server.rank.discovery import StaticRegistry, StoreRegistry, register_worker, store_client
 from debug_server.tools import synthetic
 

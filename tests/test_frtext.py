@@ -10,7 +10,7 @@ import _scenarios as sc
 import pytest
 from fakefleet import c10d_dump, c10d_nccl_dump
 
-from debug_server.analysis import frtext, frwindow
+from debug_server.protocol import frtext, frwindow
 from debug_server.tools import synthetic
 
 Dumps = dict[int, dict[str, Any]]

@@ -9,8 +9,8 @@ import pytest
 from aiohttp import web
 
 from debug_server.analysis import core as analysis
-from debug_server.analysis import frwindow
 from debug_server.frontend.fanout import Collector
+from debug_server.protocol import frwindow
 from debug_server.rank.discovery import StaticRegistry
 from debug_server.rank.worker import StaticProvider, make_worker_app
 from debug_server.tools import synthetic

@@ -14,18 +14,20 @@ import sys
 from pathlib import Path
 
 PKG = Path(__file__).resolve().parents[1] / "debug_server"
-PARTS = ("recording", "rank", "frontend", "analysis", "tools")
+PARTS = ("protocol", "recording", "rank", "frontend", "agent", "analysis", "tools")
 COMMON = {"config", "auth", "listen", "dumpio", "errors", "stacks"}
 # The two-line modules that keep documented imports and commands at their old names.
 SHIMS = {"comms", "hooks", "fr_trace", "nccl_log", "preflight", "view"}
 # What each part may import (besides itself and the common modules).
 ALLOWED = {
     "common": set(),
+    "protocol": set(),
     "recording": set(),
-    "analysis": set(),
-    "rank": {"recording", "analysis"},
-    "frontend": {"rank", "analysis"},
-    "tools": {"frontend", "rank", "analysis"},
+    "analysis": {"protocol"},
+    "rank": {"recording", "analysis", "protocol"},
+    "frontend": {"rank", "analysis", "protocol"},
+    "agent": {"frontend", "rank", "analysis", "protocol"},
+    "tools": {"frontend", "rank", "analysis", "protocol"},
 }
 
 

@@ -16,9 +16,10 @@ import _scenarios as S
 import pytest
 from _jobsim import JobSim
 
-from debug_server.analysis import frwindow, report
+from debug_server.analysis import report
 from debug_server.analysis.core import analyze
 from debug_server.dumpio import write_dump_atomic
+from debug_server.protocol import frwindow
 from debug_server.tools import fr_trace
 from debug_server.tools.synthetic import make_dump, make_entry
 

@@ -9,8 +9,8 @@ import aiohttp
 import pytest
 
 from debug_server.analysis import core as analysis
-from debug_server.analysis import members
 from debug_server.frontend.fanout import Collector
+from debug_server.protocol import members
 from debug_server.rank import worker
 from debug_server.rank.discovery import StaticRegistry
 from debug_server.tools import synthetic

@@ -24,7 +24,7 @@ from rankprocs import RankProcs
 
 from debug_server.analysis import stackparse
 from debug_server.config import ServerConfig
-from debug_server.frontend import views
+from debug_server.frontend import render
 from debug_server.frontend.app import COLLECTOR, make_frontend_app
 from debug_server.frontend.fanout import OK, RankResult
 from debug_server.rank import pyspy
@@ -375,7 +375,7 @@ def _ok(rank: int, body: str) -> RankResult:
 
 def test_ranks_with_the_same_python_frames_but_other_native_frames_group_apart() -> None:
     other = NATIVE_STACK.replace("clock_nanosleep", "epoll_wait")
-    model = views.stacks_model([_ok(0, NATIVE_STACK), _ok(1, NATIVE_STACK), _ok(2, other)],
+    model = render.stacks_model([_ok(0, NATIVE_STACK), _ok(1, NATIVE_STACK), _ok(2, other)],
                                native=True)
     assert [g["ranks"] for g in model["groups"]] == [[2], [0, 1]]
     assert model["groups"][1]["main"][0]["frames"][0] == "[native] clock_nanosleep (libc.so.6)"
@@ -384,7 +384,7 @@ def test_ranks_with_the_same_python_frames_but_other_native_frames_group_apart()
 def test_stack_group_says_how_its_stacks_were_read() -> None:
     r = _ok(3, NATIVE_STACK)
     r.note = "worker timed out after 2.0 s; stacks read by py-spy (the frontend)"
-    (group,) = views.stacks_model([r])["groups"]
+    (group,) = render.stacks_model([r])["groups"]
     assert group["note"] == "rank 3: worker timed out after 2.0 s; stacks read by py-spy (the frontend)"
 
 

@@ -9,10 +9,10 @@ import aiohttp
 
 from debug_server import dumpio
 from debug_server.analysis import core as analysis
-from debug_server.analysis import frwindow
 from debug_server.analysis.digest import digest_dump
 from debug_server.frontend.fanout import Collector
 from debug_server.frontend.hangreport import MAX_POLL_INTERVAL, HangWatch
+from debug_server.protocol import frwindow
 from debug_server.rank.discovery import StaticRegistry
 from debug_server.tools import synthetic
 

@@ -130,7 +130,7 @@ def _agent_cmdlines(ns: str) -> list[str]:
             cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
         except OSError:
             continue
-        if "debug_server.frontend.agent" in cmd:
+        if "debug_server.agent" in cmd:
             out.append(cmd)
     return out
 

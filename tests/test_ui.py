@@ -13,7 +13,7 @@ from debug_server.config import ServerConfig
 from debug_server.frontend.app import load_templates, make_frontend_app
 from debug_server.frontend.dumps import analyze_fr
 from debug_server.frontend.fanout import FrData, RankResult
-from debug_server.frontend.views import overview_model
+from debug_server.frontend.render import overview_model
 from debug_server.rank.discovery import StaticRegistry
 from debug_server.tools import synthetic
 

@@ -16,7 +16,7 @@ from conftest import closed_port_url
 from debug_server.analysis import core as analysis
 from debug_server.analysis import report
 from debug_server.config import ServerConfig
-from debug_server.frontend import views
+from debug_server.frontend import render
 from debug_server.frontend.app import make_frontend_app
 from debug_server.frontend.fanout import Collector
 from debug_server.frontend.hangreport import HangWatch, RankHealth
@@ -131,7 +131,7 @@ def test_banner_follows_the_analysis_order_mismatch_before_missing() -> None:
     dumps[0]["entries"].append(make_entry(record_id=4, seq=4, state="started"))
     r = analysis.analyze(dumps)
     assert [f["kind"] for f in r["findings"]] == ["missing_ranks", "size_mismatch"]
-    b = views.banner(r, 2)
+    b = render.banner(r, 2)
     assert b.headlines[0]["who"] == "Size mismatch:" and "is missing from" in b.headlines[1]["what"]
     assert (b.category, b.next_step) == ("misconfigured_collective", r["next_step"])
     assert r["verdict"].index("Mismatch in") < r["verdict"].index("never joined")
@@ -193,5 +193,5 @@ def test_banner_names_exactly_the_findings_the_analysis_picked() -> None:
     dumps[0]["entries"].append(make_entry(record_id=4, seq=4, state="started"))
     r = analysis.analyze(dumps)
     assert r["headline_findings"] == [1, 0]
-    b = views.banner({**r, "headline_findings": [0]}, 2)
+    b = render.banner({**r, "headline_findings": [0]}, 2)
     assert [h["what"] for h in b.headlines] == ["is missing from all_reduce #4 on main_comm"]

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from debug_server.frontend.agent import StaticHostRegistry, make_agent_app
+from debug_server.agent.app import StaticHostRegistry, make_agent_app
 from debug_server.rank.discovery import WorkerAddr
 
 URLS = ["http://127.0.0.1:9", "http://127.0.0.1:9"]  # agent_info never asks the ranks

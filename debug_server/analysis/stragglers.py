@@ -34,7 +34,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from debug_server.analysis import frwindow
+from debug_server.protocol import frwindow
 
 __all__ = ["Clock", "Rule", "analyze", "best_clock", "binom_tail", "estimate", "needed_ops",
            "public", "sentence"]

@@ -18,7 +18,7 @@ The FR window keeps its protocol across agents: round 1 asks each agent for its 
 at the host's frontier (and the direct ranks for their own cut), the job's frontier comes from
 all replies, and only the ranks whose cut lies above it are asked again with ``since=``, through
 their agent. Long member lists come once per agent reply, and not at all when this frontend
-already holds them (``pgknown``). FR asks are conditional (``agent.TAG``): a host whose ranks'
+already holds them (``pgknown``). FR asks are conditional (``agentwire.TAG``): a host whose ranks'
 windows did not change since this frontend's last ask (the hung case) answers with its rank
 records and read times only, and the dumps held from its last reply are used again. Where every
 agent's reply carries the same tag as for the last page, the job's window and the dumps cut to
@@ -39,9 +39,8 @@ from typing import TYPE_CHECKING, Any
 
 import aiohttp
 
-from debug_server.analysis import frwindow, members
 from debug_server.analysis.digest import SNAPSHOT_TIME_KEY, DigestMemo
-from debug_server.frontend import agent, fastjson
+from debug_server.frontend import fastjson
 from debug_server.frontend.fanout import (
     INLINE_BYTES,
     Collector,
@@ -53,9 +52,10 @@ from debug_server.frontend.fanout import (
     parse_off_loop,
 )
 from debug_server.frontend.leanhttp import LeanClient
-from debug_server.rank import discovery
+from debug_server.protocol import agentwire, frwindow, members
+from debug_server.protocol.wire import WITH_STACKS
+from debug_server.rank import agent_launch, discovery
 from debug_server.rank.discovery import NOT_REGISTERED, WorkerAddr
-from debug_server.rank.wire import WITH_STACKS
 
 if TYPE_CHECKING:
     import torch.distributed as dist
@@ -99,10 +99,10 @@ class AgentDirectory:
             if self._store is None:
                 self._store = discovery.store_client(*self._addr, timeout=self._timeout)
             store = self._store
-            keys = [agent.agent_key(i) for i in ids]
+            keys = [agent_launch.agent_key(i) for i in ids]
             present = ids if store.check(keys) else [i for i in ids
-                                                     if store.check([agent.agent_key(i)])]
-            raw = dict(zip(present, store.multi_get([agent.agent_key(i) for i in present]),
+                                                     if store.check([agent_launch.agent_key(i)])]
+            raw = dict(zip(present, store.multi_get([agent_launch.agent_key(i) for i in present]),
                            strict=True)) if present else {}
         except Exception as e:  # no store: the agents found before, else every rank directly
             self._store = None
@@ -144,7 +144,7 @@ def _agent_addr(agent_id: str, raw: bytes | None, restart: int) -> AgentAddr | N
         obj = json.loads(raw)
         if obj["restart"] != restart or not isinstance(obj["url"], str):
             return None
-        return AgentAddr(agent_id, obj["url"].rstrip("/"), frozenset(agent.parse_ranks(obj["ranks"])))
+        return AgentAddr(agent_id, obj["url"].rstrip("/"), frozenset(agent_launch.parse_ranks(obj["ranks"])))
     except (ValueError, KeyError, TypeError):
         return None
 
@@ -182,15 +182,15 @@ class AgentCollector(Collector):
 
     async def _plan(self, addrs: Sequence[WorkerAddr]) -> tuple[
             list[tuple[AgentAddr, list[WorkerAddr]]], list[WorkerAddr]]:
-        ids = {m[agent.META_KEY] for a in addrs if (m := a.meta) and isinstance(
-            m.get(agent.META_KEY), str)}
+        ids = {m[agent_launch.META_KEY] for a in addrs if (m := a.meta) and isinstance(
+            m.get(agent_launch.META_KEY), str)}
         now = time.monotonic()
         ids = {i for i in ids if self._down.get(i, 0.0) <= now}
         found = await self.agents.lookup(ids) if ids else {}
         by_agent: dict[str, list[WorkerAddr]] = {}
         direct: list[WorkerAddr] = []
         for a in addrs:
-            aid = a.meta.get(agent.META_KEY) if a.meta else None
+            aid = a.meta.get(agent_launch.META_KEY) if a.meta else None
             ag = found.get(aid) if isinstance(aid, str) else None
             if a.url is None or ag is None or a.rank not in ag.ranks:
                 direct.append(a)
@@ -243,14 +243,14 @@ class AgentCollector(Collector):
                     addrs: Sequence[WorkerAddr] | None = None,
                     each: Callable[[RankResult], Awaitable[None]] | None = None,
                     ) -> list[RankResult]:
-        if handler not in agent.FETCHABLE or params or each is not None:
+        if handler not in agentwire.FETCHABLE or params or each is not None:
             return await super().fetch(handler, params, addrs, each)
         if addrs is None:
             addrs = await self.registry.lookup()
         plan, direct = await self._plan(addrs)
         if not plan:
             return await super().fetch(handler, params, addrs)
-        return await self._grouped(agent.FETCH, {"handler": handler}, plan, direct,
+        return await self._grouped(agentwire.FETCH, {"handler": handler}, plan, direct,
                                    lambda rest: super(AgentCollector, self).fetch(handler, None,
                                                                                   rest))
 
@@ -262,7 +262,7 @@ class AgentCollector(Collector):
         if not plan:
             return await super().stacks(addrs, native=native, every=every)
         params = {"native": str(native).lower(), "every": str(every or native).lower()}
-        return await self._grouped(agent.STACKS, params, plan, direct,
+        return await self._grouped(agentwire.STACKS, params, plan, direct,
                                    lambda rest: super(AgentCollector, self).stacks(
                                        rest, native=native, every=every))
 
@@ -449,7 +449,7 @@ class AgentCollector(Collector):
         ranks are then asked directly). Ranks it reports as not registered are left out.
         ``tags``: where given, the reply's tag is put there under the agent's id.
 
-        The ask is conditional (``agent.TAG``): where this frontend holds the agent's last
+        The ask is conditional (``agentwire.TAG``): where this frontend holds the agent's last
         reply to the same question, it sends that reply's tag, and an agent whose ranks' windows
         did not change since (the hung case) answers with the records and read times only; the
         held dumps are used again (shallow copies with the new ``dump_time_ns``)."""
@@ -463,8 +463,8 @@ class AgentCollector(Collector):
         held = self._held.get(slot) if conditional else None
         if held is not None and held[0] != question:
             held = None
-        ask = {**params, agent.TAG: held[1]} if held is not None else params
-        reply = await self._reply(ag, rs, agent.FR, ask, _parse_fr)
+        ask = {**params, agentwire.TAG: held[1]} if held is not None else params
+        reply = await self._reply(ag, rs, agentwire.FR, ask, _parse_fr)
         if reply is None:
             return None
         recs, dumps, tag, snap, stk = reply
@@ -472,7 +472,7 @@ class AgentCollector(Collector):
             if held is None or tag != held[1] or not all(
                     r.rank in held[2] for r in recs if r.ok):
                 # Another page replaced what this one held meanwhile: ask once more, plainly.
-                reply = await self._reply(ag, rs, agent.FR, params, _parse_fr)
+                reply = await self._reply(ag, rs, agentwire.FR, params, _parse_fr)
                 if reply is None or reply[3] is not None:
                     return None
                 recs, dumps, tag, snap, stk = reply
@@ -536,7 +536,7 @@ def _keep_stacks(into: list[RankResult] | None, got: list[RankResult] | None) ->
 
 
 def _ranks(rs: Sequence[WorkerAddr]) -> str:
-    return agent.format_ranks([a.rank for a in rs])
+    return agent_launch.format_ranks([a.rank for a in rs])
 
 
 def _record(row: Any, ag: AgentAddr, by_rank: Mapping[int, WorkerAddr],
@@ -603,7 +603,7 @@ def _parse_fr(body: str, ag: AgentAddr, rs: Sequence[WorkerAddr]) -> _FrReply:
     for an "unchanged" reply (no dumps) each rank's read time (else None), and the ranks'
     stacks records where it was asked ``stacks=true`` (else None)."""
     obj = _load(body)
-    tag = obj.get(agent.TAG) if isinstance(obj.get(agent.TAG), str) else ""
+    tag = obj.get(agentwire.TAG) if isinstance(obj.get(agentwire.TAG), str) else ""
     part = obj.get("stacks")
     if part is not None and not isinstance(part, dict):
         raise ValueError("stacks is not an object")

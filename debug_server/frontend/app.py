@@ -47,9 +47,9 @@ from debug_server.frontend import (
     export,
     health_held,
     pages_extra,
+    render,
     snapshot,
     stragglers,
-    views,
 )
 from debug_server.frontend.dumps import Dumper, analyze_fr, fr_trace_text, stacks_report
 from debug_server.frontend.fanout import (
@@ -116,7 +116,7 @@ def _rank_rows(results: Sequence[RankResult]) -> list[dict[str, Any]]:
 
 async def _fr_page(request: web.Request) -> web.Response:
     q = _query(request, {"format": _format, "full": _bool01, "page": _page,
-                         "onlyactive": _bool01, "refresh": views.parse_refresh})
+                         "onlyactive": _bool01, "refresh": render.parse_refresh})
     fmt = negotiate(request, q.get("format"))
     # Default: each communicator from its frontier on (every entry that can still disagree);
     # onlyactive=false: whole rings. onlyactive=true names the default (it holds every active entry).
@@ -132,7 +132,7 @@ async def _fr_page(request: web.Request) -> web.Response:
         return _respond(fmt, {**result, "ranks": _rank_rows(fr.results), "fr_window": fr.window})
     if fmt == "text":
         return _respond(fmt, await _off_loop(fr_trace_text, result, fr))
-    html = await _off_loop(lambda: views.render_fr_html(
+    html = await _off_loop(lambda: render.render_fr_html(
         request.app[TEMPLATES], result, fr, full=q.get("full", False), page=q.get("page", 1),
         whole=whole))
     return _respond(fmt, html)
@@ -183,7 +183,7 @@ async def trace_json(request: web.Request) -> web.Response:
 async def _stacks_page(request: web.Request, *, path: str, every: bool,
                        native_default: bool) -> web.Response:
     allowed: dict[str, Callable[[str], Any]] = {
-        "format": _format, "refresh": views.parse_refresh, "native": _bool01}
+        "format": _format, "refresh": render.parse_refresh, "native": _bool01}
     if every:  # torch's /pyspy_dump page always sends it; reads here never block unless native
         allowed["nonblocking"] = _bool01
     q = _query(request, allowed)
@@ -199,7 +199,7 @@ async def _stacks_page(request: web.Request, *, path: str, every: bool,
     html = await _off_loop(lambda: request.app[TEMPLATES].get_template("stacks.html").render(
         title="py-spy stacks" if every else "Stacks",
         failures=[r.line() for r in results if not r.ok],
-        **views.stacks_model(results, path=path, native=native)))
+        **render.stacks_model(results, path=path, native=native)))
     return _respond(fmt, html)
 
 
@@ -238,7 +238,7 @@ def _slow(app: web.Application, result: Mapping[str, Any] | None = None) -> Any:
 
 @routes.get("/")
 async def index(request: web.Request) -> web.Response:
-    fmt = negotiate(request, _query(request, {"format": _format, "refresh": views.parse_refresh})
+    fmt = negotiate(request, _query(request, {"format": _format, "refresh": render.parse_refresh})
                     .get("format"))
     collector = request.app[COLLECTOR]
     addrs = await collector.registry.lookup()
@@ -253,8 +253,8 @@ async def index(request: web.Request) -> web.Response:
         fr, stack_res = await collector.fr_stacks(addrs)
         health, texts = stack_res, held.texts(stack_res)
     result = await _off_loop(analyze_fr, fr, stack_res, collector.world_size)
-    if fmt == "html":  # the ranks table (views.overview_model) has its own rows
-        model = views.overview_model(result, stack_res, texts, collector.world_size,
+    if fmt == "html":  # the ranks table (render.overview_model) has its own rows
+        model = render.overview_model(result, stack_res, texts, collector.world_size,
                                      held.note() if held else "")
         html = await _off_loop(lambda: request.app[TEMPLATES].get_template("index.html").render(
             title="Overview", failures=[], slow=_slow(request.app, result), **model))

@@ -24,9 +24,9 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from debug_server.analysis.frwindow import ACTIVE_KEY as _ACTIVE_KEY
-from debug_server.analysis.frwindow import WINDOW_KEY as _WINDOW_KEY
 from debug_server.frontend import fastjson
+from debug_server.protocol.frwindow import ACTIVE_KEY as _ACTIVE_KEY
+from debug_server.protocol.frwindow import WINDOW_KEY as _WINDOW_KEY
 
 __all__ = ["EMPTY_CPU_BODY", "GLOO_SUFFIX", "NCCL_HANDLER", "collisions", "cpu_since", "has_groups",
            "is_empty_body", "merge", "nccl_params", "rename"]

@@ -21,16 +21,16 @@ from urllib.parse import urlencode
 
 import aiohttp
 
-from debug_server.analysis import activecover, frtext, frwindow, members
 from debug_server.analysis.digest import DigestMemo
 from debug_server.errors import first_line
 from debug_server.frontend import c10d_workers, fastjson
 from debug_server.frontend.leanhttp import BodyTooLarge, LeanClient, ProtocolError
 from debug_server.frontend.pagefirst import PageFirstSemaphore
+from debug_server.protocol import activecover, frtext, frwindow, members
+from debug_server.protocol.wire import WITH_STACKS, split_stacks
 from debug_server.rank import pyspy
 from debug_server.rank.discovery import NOT_REGISTERED, WorkerAddr
 from debug_server.rank.sigstack import SignalCapture
-from debug_server.rank.wire import WITH_STACKS, split_stacks
 
 logger = logging.getLogger(__name__)
 

@@ -35,7 +35,7 @@ from debug_server.analysis import profile_merge, wait_counters
 from debug_server.analysis.ranks import format_ranks
 from debug_server.auth import TOKEN_HEADER
 from debug_server.errors import first_line
-from debug_server.frontend import views
+from debug_server.frontend import render
 from debug_server.frontend.fanout import Collector, RankResult, fan_out
 from debug_server.frontend.pagekit import (
     COLLECTOR,
@@ -246,7 +246,7 @@ def _profile_html(request: web.Request, report: Mapping[str, Any] | None,
     table = None
     if report is not None and report["ranks"]:
         classes = ["warn" if r["flagged"] else "" for r in report["ranks"]]
-        table = views.html_table(PROFILE_HEADERS, _profile_rows(report), classes)
+        table = render.html_table(PROFILE_HEADERS, _profile_rows(report), classes)
     return request.app[TEMPLATES].get_template("profile.html").render(
         title="Profile", report=report, table=table, form=form, max_s=MAX_PROFILE_S,
         failures=[f["reason"] for f in report["not_profiled"]] if report else [],
@@ -264,7 +264,7 @@ def _live_collector(request: web.Request, page: str) -> Collector:
 @routes.get("/profile")
 async def profile(request: web.Request) -> web.Response:
     q = query(request, {"format": parse_format, "duration": parse_duration, "ranks": parse_rank_list,
-                         "refresh": views.parse_refresh})
+                         "refresh": render.parse_refresh})
     fmt = negotiate(request, q.get("format"))
     state = request.app[STATE]
     form = {"duration": request.query.get("duration", "2"), "ranks": request.query.get("ranks", "")}
@@ -392,7 +392,7 @@ def store_text(page: Mapping[str, Any]) -> str:
 
 @routes.get("/tcpstore")
 async def tcpstore(request: web.Request) -> web.Response:
-    q = query(request, {"format": parse_format, "prefix": _prefix, "refresh": views.parse_refresh,
+    q = query(request, {"format": parse_format, "prefix": _prefix, "refresh": render.parse_refresh,
                          "limit": _bounded(1, MAX_LIMIT), "offset": _bounded(0, MAX_OFFSET)})
     fmt = negotiate(request, q.get("format"))
     prefix = q.get("prefix", DEFAULT_PREFIX)
@@ -414,7 +414,7 @@ async def tcpstore(request: web.Request) -> web.Response:
         return respond(fmt, page)
     if fmt == "text":
         return respond(fmt, store_text(page))
-    table = views.html_table(STORE_HEADERS, _store_rows(page),
+    table = render.html_table(STORE_HEADERS, _store_rows(page),
                              ["warn" if k["redacted"] else "" for k in page["keys"]]
                              ) if page.get("keys") else None
     html = request.app[TEMPLATES].get_template("tcpstore.html").render(
@@ -493,7 +493,7 @@ def wait_counters_text(model: Mapping[str, Any]) -> str:
 
 @routes.get("/wait_counters")
 async def wait_counters_page(request: web.Request) -> web.Response:
-    q = query(request, {"format": parse_format, "refresh": views.parse_refresh})
+    q = query(request, {"format": parse_format, "refresh": render.parse_refresh})
     fmt = negotiate(request, q.get("format"))
     results = await request.app[COLLECTOR].fetch(WAIT_COUNTERS_HANDLER)
     model = await off_loop(wait_counters_model, results)
@@ -507,7 +507,7 @@ async def wait_counters_page(request: web.Request) -> web.Response:
         return respond(fmt, body)
     if fmt == "text":
         return respond(fmt, wait_counters_text(model))
-    table = (views.html_table(_wc_headers(model), _wc_rows(model),
+    table = (render.html_table(_wc_headers(model), _wc_rows(model),
                               ["warn" if row["marks"] else "" for row in model["rows"]])
              if model.get("rows") else None)
     html = await off_loop(lambda: request.app[TEMPLATES].get_template(

@@ -23,7 +23,7 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from debug_server.analysis.members import MIN_CHARS, map_lists
+from debug_server.protocol.members import MIN_CHARS, map_lists
 
 __all__ = ["INLINE_RANKS_CHARS", "MAX_ENTRIES_PER_RANK", "MEMBERS_KEY", "cap_entries", "encode",
            "expand"]

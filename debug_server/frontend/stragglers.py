@@ -31,7 +31,7 @@ from tabulate import tabulate
 from debug_server.analysis import stragglers
 from debug_server.analysis.digest import SNAPSHOT_TIME_KEY
 from debug_server.analysis.stragglers import Clock, Rule
-from debug_server.frontend import views
+from debug_server.frontend import render
 from debug_server.frontend.fanout import (
     FR_HANDLER,
     Collector,
@@ -256,7 +256,7 @@ routes = web.RouteTableDef()
 
 @routes.get("/stragglers")
 async def stragglers_page(request: web.Request) -> web.Response:
-    q = _query(request, {"format": _format, "refresh": views.parse_refresh})
+    q = _query(request, {"format": _format, "refresh": render.parse_refresh})
     fmt = negotiate(request, q.get("format"))
     watch = watch_of(request.app)
     result = await watch.poll()

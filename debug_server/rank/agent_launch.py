@@ -1,6 +1,6 @@
 """Starting a host's agent from its local rank 0, and the names both sides share.
 
-The agent itself (``python -m debug_server.frontend.agent``) is a frontend-side process: it
+The agent itself (``python -m debug_server.agent``) is a frontend-side process: it
 fans out to this host's rank workers and answers rank 0's frontend once per page for the whole
 host (see that module). This module is the rank side's part: whether a job runs agents
 (:func:`wanted`), which host id a rank names in its registration sidecar (:func:`rank_meta`),
@@ -26,7 +26,7 @@ from debug_server.config import TOKEN_FROM_STORE_ENV, JobEnv, ServerConfig, Sett
 
 logger = logging.getLogger(__name__)
 
-AGENT_MODULE = "debug_server.frontend.agent"
+AGENT_MODULE = "debug_server.agent"
 META_KEY = "agent"
 """Key of a rank's registration sidecar that names its host's agent."""
 MAX_RANKS_PARAM = 64 * 1024

@@ -30,7 +30,7 @@ from typing import Any
 
 from aiohttp import web
 
-from debug_server.rank.wire import HandlerError
+from debug_server.protocol.wire import HandlerError
 
 logger = logging.getLogger(__name__)
 

@@ -29,11 +29,11 @@ from typing import Any, Protocol
 
 from aiohttp import web
 
-from debug_server.analysis import frwindow, members
 from debug_server.auth import TokenGate, auth_middleware
 from debug_server.listen import start_sites
+from debug_server.protocol import frwindow, members
+from debug_server.protocol.wire import STACKS_SEP, WITH_STACKS, HandlerError, handler_routes
 from debug_server.rank import clock, jobpids, pyspy, rank_capture
-from debug_server.rank.wire import STACKS_SEP, WITH_STACKS, HandlerError, handler_routes
 from debug_server.recording.lazy import Cut, LazyDump
 from debug_server.stacks import capture_stacks
 

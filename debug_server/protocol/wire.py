@@ -1,5 +1,5 @@
 """The wire protocol's two routes, shared by the worker (``rank.worker``) and the host agent
-(``frontend.agent``): ``GET /handler/`` lists the handler names as JSON, ``POST
+(``agent``): ``GET /handler/`` lists the handler names as JSON, ``POST
 /handler/<name>?<params>`` runs one (the paths of torch's C++ ``WorkerServer``).
 
 Unknown name: 404. ``HandlerError``: its status and one-line reason. Any other failure: a

@@ -54,7 +54,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from debug_server.analysis.frwindow import ACTIVE_KEY, MAX_SEQ, WINDOW_KEY, _group, _is_p2p
+from debug_server.protocol.frwindow import ACTIVE_KEY, MAX_SEQ, WINDOW_KEY, _group, _is_p2p
 
 __all__ = ["NOT_COVERED", "facts", "mark"]
 

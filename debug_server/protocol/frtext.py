@@ -32,7 +32,7 @@ import json
 import re
 from typing import Any
 
-from debug_server.analysis.frwindow import WINDOW_KEY, Window, _facts
+from debug_server.protocol.frwindow import WINDOW_KEY, Window, _facts
 
 __all__ = ["cut_text"]
 

@@ -2,7 +2,7 @@
 
 Without agents, rank 0's frontend sends one request per rank for every page and every health
 poll (16384 requests from one host that also trains). With them, each host's local rank 0
-starts one small process (``python -m debug_server.frontend.agent``, started by
+starts one small process (``python -m debug_server.agent``, started by
 ``rank.agent_launch.start_for_rank``)
 that outlives a stuck trainer; the frontend asks it once per page and it asks the ranks on its
 host (the frontend's own ``fanout.Collector``, so the same timeouts, py-spy fallback for a
@@ -65,7 +65,6 @@ import aiohttp
 from aiohttp import web
 
 from debug_server import auth
-from debug_server.analysis import frwindow, members
 from debug_server.analysis.digest import SNAPSHOT_TIME_KEY
 from debug_server.config import take_secrets
 from debug_server.errors import first_line
@@ -80,6 +79,9 @@ from debug_server.frontend.fanout import (
 )
 from debug_server.frontend.leanhttp import LeanClient
 from debug_server.listen import start_sites
+from debug_server.protocol import frwindow, members
+from debug_server.protocol.agentwire import FETCH, FETCHABLE, FR, INFO, STACKS, TAG
+from debug_server.protocol.wire import WITH_STACKS, HandlerError, handler_routes
 from debug_server.rank import discovery, jobpids
 from debug_server.rank.agent_launch import (
     AGENT_ENV,
@@ -91,23 +93,12 @@ from debug_server.rank.agent_launch import (
     parse_ranks,
 )
 from debug_server.rank.discovery import NOT_REGISTERED, WorkerAddr
-from debug_server.rank.wire import WITH_STACKS, HandlerError, handler_routes
 
 if TYPE_CHECKING:
     import torch.distributed as dist
 
 logger = logging.getLogger(__name__)
 
-FR = "agent_fr"
-STACKS = "agent_stacks"
-FETCH = "agent_fetch"
-INFO = "agent_info"
-TAG = "tag"
-"""``agent_fr``'s conditional ask: the ``tag`` of the asker's last reply for the same question;
-when nothing but the ranks' read times changed since, the reply is ``"unchanged": true`` with
-the rank records and each rank's ``dump_time_ns`` (``"snap"``) instead of the dumps."""
-FETCHABLE = frozenset({"ping", "torchcomms_health_check", "torchcomms_fr_dump_file"})
-"""Worker handlers ``agent_fetch`` relays (no parameters; the frontend asks the rest directly)."""
 PARENT_POLL_S = 1.0
 REGISTER_TIMEOUT_S = 300.0
 
@@ -632,7 +623,7 @@ async def _watch_parent(pid: int, done: asyncio.Event, registry: Any = None) -> 
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m debug_server.frontend.agent",
+    p = argparse.ArgumentParser(prog="python -m debug_server.agent",
                                 description="One host's debug_server agent.")
     p.add_argument("--host-id", default=None, help=f"default ${AGENT_ID_ENV} or the host name")
     p.add_argument("--ranks", required=True, help="this host's ranks, e.g. 0-7")
