@@ -263,13 +263,10 @@ def start_debug_server(
             oldest cycles are deleted first, the newest is always kept.
         max_concurrency: Most worker requests the frontend has in flight at once (default 64).
         stall_timeout: Seconds an op may stay in flight before it counts as stalled (default
-            60): the process default of every ``FlightRecorderHook`` created with
-            ``stall_timeout=None`` (a hook's own value wins). A stalled op makes this rank's
-            health check (``torchcomms_health_check``, ``/``, ``/metrics``) unhealthy, the
-            hook's watchdog writes this rank's pickle and ``stalled_stacks_r<rank>.txt`` at
-            once, and the frontend writes ``hang_report_<ts>.txt/.json`` into ``dump_dir``.
-            Keep it well under the communicator's timeout and above the longest legitimate
-            wait (a barrier while rank 0 saves a checkpoint). None: no default.
+            60), for every ``FlightRecorderHook`` created with ``stall_timeout=None``. A stalled
+            op makes this rank unhealthy, writes its pickle and ``stalled_stacks_r<rank>.txt``,
+            and the frontend writes ``hang_report_<ts>.txt/.json`` into ``dump_dir``. Keep it
+            under the communicator's timeout and above the longest legitimate wait. None: off.
         auth: Access control of the workers and the frontend. ``"auto"`` (default): require
             a token when they listen beyond loopback (a multi-host job, or an explicit
             non-loopback ``host``) or when ``auth_token`` is given; a single-host job binds
@@ -282,12 +279,9 @@ def start_debug_server(
             (bounded wait) before registering. Requests carry it in the header
             ``X-Debug-Server-Token``; a browser opens ``handle.browser_url`` (``/?token=...``,
             logged by rank 0) once and then holds an HttpOnly cookie. Missing: 401, wrong: 403.
-        signal_stacks: Opt in to stacks by signal (``sigstack``) for when py-spy cannot read
-            this rank (absent, or ptrace not permitted) and its worker does not answer. The
-            signal interrupts a ``sleep``/``poll`` the rank sits in (EINTR), so it changes what
-            the rank does; off by default. None (default): ``$DEBUG_SERVER_SIGNAL_STACKS=1``
-            turns it on. Stacks come first from the worker, then from py-spy outside the
-            process (which never signals or pauses the rank), and only then by signal.
+        signal_stacks: Opt in to stacks by signal (``sigstack``) for a rank that py-spy cannot
+            read and whose worker does not answer; the signal interrupts a ``sleep``/``poll``
+            (EINTR), so it is off by default. None: ``$DEBUG_SERVER_SIGNAL_STACKS=1`` turns it on.
 
     Returns:
         A ``DebugServer`` handle; ``handle.stop()`` (or ``stop_debug_server()``) ends it.
@@ -297,7 +291,6 @@ def start_debug_server(
         debug_server.config.ConfigError: on a missing torchrun variable or a bad argument.
         OSError: if a port cannot be bound (the message names it).
     """
-    global _CURRENT
     job = JobEnv.from_env()
     settings = Settings.from_env()  # every variable of ours, read once (docs/settings.md)
     bind_host = host if host is not None else default_bind_host(job)
@@ -312,6 +305,20 @@ def start_debug_server(
         stall_timeout=stall_timeout, auth_token=auth_token,
         host=bind_host,
     )
+    handle, advertised, pg_existed = _start_locked(job, config, required, settings, signal_stacks)
+    atexit.register(handle._quiesce_at_exit)
+    # No exit hook ends the frontend: rank 0 may finish first (uneven data) while the other
+    # ranks hang, which is when the pages are needed. It notices this process's end within a
+    # second and exits by itself once every rank is gone, or after orphan_exit_s without a
+    # sign of the job (frontend/departed.py). Only an explicit stop() ends it.
+    _log_started(handle, advertised, pg_existed)
+    return handle
+
+
+def _start_locked(job: JobEnv, config: ServerConfig, required: bool, settings: Settings,
+                  signal_stacks: bool | None) -> tuple[DebugServer, Advertised, bool]:
+    """Start this process's parts once (under the lock) and make the handle current."""
+    global _CURRENT
     with _LOCK:
         if _CURRENT is not None:
             raise RuntimeError("debug server already running in this process; "
@@ -325,17 +332,12 @@ def start_debug_server(
         handle, advertised = _start_parts(job, config, required, settings.signal_stacks
                                           if signal_stacks is None else signal_stacks)
         handle.fr_env_set = fr_env_set
-        # This host's agent (agent.py), on its local rank 0 of a multi-host job; never waited for.
+        # This host's agent (debug_server.agent), on its local rank 0 of a multi-host job; never
+        # waited for.
         handle.agent = host_agent.start_for_rank(config, job, advertised.host, required)
         _CURRENT = handle
-        _set_recording_defaults(config.stall_timeout, _pickle_prefix(settings, dump_dir))
-    atexit.register(handle._quiesce_at_exit)
-    # No exit hook ends the frontend: rank 0 may finish first (uneven data) while the other
-    # ranks hang, which is when the pages are needed. It notices this process's end within a
-    # second and exits by itself once every rank is gone, or after orphan_exit_s without a
-    # sign of the job (frontend/departed.py). Only an explicit stop() ends it.
-    _log_started(handle, advertised, pg_existed)
-    return handle
+        _set_recording_defaults(config.stall_timeout, _pickle_prefix(settings, config.dump_dir))
+    return handle, advertised, pg_existed
 
 
 def _pickle_prefix(settings: Settings, dump_dir: str | None) -> str | None:
