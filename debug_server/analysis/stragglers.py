@@ -332,7 +332,8 @@ def analyze(dumps: Mapping[int, Mapping[str, Any]], clocks: Mapping[int, Clock] 
 
     ``clocks``: each rank's clock against the reader's (:func:`estimate`, :func:`best_clock`);
     ranks without one are taken as on the reader's clock. Returns ``stragglers`` (one row per
-    slow rank and group: ``rank, group, median_lag_ms, last_share, side``), ``groups_checked``
+    slow rank and group: ``rank, group, label, median_lag_ms, last_share, side``; ``label`` names
+    the group as the pages do, e.g. ``default_pg`` for c10d's group ``0``), ``groups_checked``
     (groups with enough complete collectives in the window: ``needed_ops``), ``window_ops``, and
     ``groups`` (per group its rows, slowest first, for the pages).
     """
@@ -343,7 +344,7 @@ def analyze(dumps: Mapping[int, Mapping[str, Any]], clocks: Mapping[int, Clock] 
         if res is not None:
             groups.append(res)
     checked = [g for g in groups if g["ops"] >= needed_ops(rule, g["size"])]
-    stragglers = [{"rank": row["rank"], "group": g["group"],
+    stragglers = [{"rank": row["rank"], "group": g["group"], "label": g["label"],
                    "median_lag_ms": round(row["median_lag_ms"], 1),
                    "last_share": round(row["last_share"], 2), "side": row["side"]}
                   for g in checked for row in g["rows"] if row["slow"]]
