@@ -29,7 +29,7 @@ from debug_server.dumpio import FR_VERSION, write_dump_atomic
 from debug_server.recording import c10d_fr, stall
 from debug_server.recording.comms import Comm
 from debug_server.recording.entries import records_source
-from debug_server.recording.frames import capture
+from debug_server.recording.frames import capture, release_idle
 from debug_server.recording.lazy import Cut, LazyDump
 from debug_server.recording.records import HookHandle, InFlight, OpRecord
 from debug_server.recording.watchdog import add_watchdog_check
@@ -103,6 +103,7 @@ class FlightRecorderHook:
                 # A c10d-backed communicator's ops are in c10d's own recorder (read at dump
                 # time): no pre-hook, so its op path stays free of records and stacks.
                 self._handles.append(comm.register_pre_hook(self._on_pre))
+                add_watchdog_check(release_idle)  # see frames: a returned frame is let go
             self._handles.append(comm.register_abort_hook(self._on_abort))
             self._handles.append(comm.register_split_listener(self.register_with_comm))
         for child in comm.children:
@@ -129,7 +130,9 @@ class FlightRecorderHook:
     # -- hot path -----------------------------------------------------------------------------
     def _on_pre(self, rec: OpRecord) -> None:
         if rec.traceback is None:
-            rec.traceback = capture()
+            # From the op method up (this function and Comm._run are left out; the op
+            # method's frame is dropped when the stack is symbolised, see frames.OP_PATH_FILES).
+            rec.traceback = capture(3)
         self._ring[next(self._counter) % self.max_entries] = rec
 
     def _on_abort(self, rec: OpRecord, err: BaseException) -> None:
