@@ -163,8 +163,8 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def op_by_op(args: argparse.Namespace, pg: Any, comm: Any, plain: Any) -> dict[str, float]:
-    """gloo: bare, ours and ours without the hook timed one op at a time, by turns (A B C A B
-    C ...), 20 frames deep; medians of the single ops. On a shared box a preempted op lands in
+    """gloo: bare, ours and ours without the hook timed one op at a time, by turns (A B C C B
+    A ...), 20 frames deep (the ops called from one frame, as a training loop's are); medians of the single ops. On a shared box a preempted op lands in
     the tail, and slow spells hit the three alike, so the medians hold where block timings
     scatter."""
     t = torch.ones(1)
@@ -172,18 +172,16 @@ def op_by_op(args: argparse.Namespace, pg: Any, comm: Any, plain: Any) -> dict[s
     n = args.iters * args.rounds
 
     def run() -> float:
-        b, h, u = [], [], []
-        for _ in range(n):
-            t0 = clock()
-            dist.all_reduce(t, group=pg)
-            t1 = clock()
-            comm.all_reduce(t)
-            t2 = clock()
-            plain.all_reduce(t)
-            t3 = clock()
-            b.append(t1 - t0)
-            h.append(t2 - t1)
-            u.append(t3 - t2)
+        b: list[int] = []
+        h: list[int] = []
+        u: list[int] = []
+        ops = ((b, lambda: dist.all_reduce(t, group=pg)), (h, lambda: comm.all_reduce(t)),
+               (u, lambda: plain.all_reduce(t)))
+        for i in range(n):
+            for times, op in ops if i % 2 else ops[::-1]:  # A B C, then C B A: no fixed neighbour
+                t0 = clock()
+                op()
+                times.append(clock() - t0)
         res.update(bare=statistics.median(b) / 1e3, ours=statistics.median(h) / 1e3,
                    ours_no_hook=statistics.median(u) / 1e3,
                    diff=statistics.median(y - x for x, y in zip(b, h, strict=True)) / 1e3)

@@ -130,9 +130,10 @@ class FlightRecorderHook:
     # -- hot path -----------------------------------------------------------------------------
     def _on_pre(self, rec: OpRecord) -> None:
         if rec.traceback is None:
-            # From the op method up (this function and Comm._run are left out; the op
-            # method's frame is dropped when the stack is symbolised, see frames.OP_PATH_FILES).
-            rec.traceback = capture(3)
+            # From the user's call site up: this function, Comm._run and the op method (ops)
+            # are left out (a stack is symbolised from its first frame outside the op path,
+            # frames.OP_PATH_FILES, so a deeper op path would only be dropped there).
+            rec.traceback = capture(4)
         self._ring[next(self._counter) % self.max_entries] = rec
 
     def _on_abort(self, rec: OpRecord, err: BaseException) -> None:
