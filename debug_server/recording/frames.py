@@ -47,7 +47,7 @@ _anchor: tuple[Any, tuple[Any, ...]] | None = None
 _hit = False  # the anchor was met since it was set
 _used = False  # the anchor was met since the last release_idle
 _seen = 0  # id() of the anchor release_idle saw last (an id, not the anchor: it would hold it)
-_reach = 2  # frames from the capture's start to the next anchor: doubled after an anchor no capture met
+_reach = 1  # frames from the capture's start to the next anchor: doubled after an anchor no capture met
 
 
 def capture(skip: int = 1) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
