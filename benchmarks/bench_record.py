@@ -73,6 +73,12 @@ def per_op_us(op: Callable[[], object], iters: int, sync: Callable[[], None]) ->
     return at_depth(20, run)
 
 
+def quartiles(xs: list[float]) -> tuple[float, float]:
+    """The first and third quartiles of ``xs``."""
+    q = statistics.quantiles(xs, n=4) if len(xs) > 1 else [xs[0]] * 3
+    return q[0], q[2]
+
+
 def rss_bytes() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
@@ -139,15 +145,51 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
                 bc.append(per_op_us(bare_cpp, args.iters, sync))
                 h.append(per_op_us(hooked, args.iters, sync))
                 u.append(per_op_us(unhooked, args.iters, sync))
+            # Paired: ours over bare of the same round (neighbours in time), so load that comes
+            # and goes on a shared box hits both sides of each ratio.
+            paired = sorted(x / y for x, y in zip(h, b, strict=True))
             out["rows"].append({
                 "async_op": async_op, "numel": numel, "bare": statistics.median(b),
+                "paired": statistics.median(paired), "paired_q": quartiles(paired),
                 "bare_timed": statistics.median(bt), "bare_cpp": statistics.median(bc),
                 "ours": statistics.median(h), "ours_no_hook": statistics.median(u),
             })
+    if not cuda:
+        out["op_by_op"] = op_by_op(args, pg, comm, plain)
     if args.extras:
         out["extras"] = extras(args, comm, plain, hook, dev, sync)
     dist.destroy_process_group()
     return out
+
+
+def op_by_op(args: argparse.Namespace, pg: Any, comm: Any, plain: Any) -> dict[str, float]:
+    """gloo: bare, ours and ours without the hook timed one op at a time, by turns (A B C C B
+    A ...), 20 frames deep (the ops called from one frame, as a training loop's are); medians of the single ops. On a shared box a preempted op lands in
+    the tail, and slow spells hit the three alike, so the medians hold where block timings
+    scatter."""
+    t = torch.ones(1)
+    clock = time.perf_counter_ns
+    n = args.iters * args.rounds
+
+    def run() -> float:
+        b: list[int] = []
+        h: list[int] = []
+        u: list[int] = []
+        ops = ((b, lambda: dist.all_reduce(t, group=pg)), (h, lambda: comm.all_reduce(t)),
+               (u, lambda: plain.all_reduce(t)))
+        for i in range(n):
+            for times, op in ops if i % 2 else ops[::-1]:  # A B C, then C B A: no fixed neighbour
+                t0 = clock()
+                op()
+                times.append(clock() - t0)
+        res.update(bare=statistics.median(b) / 1e3, ours=statistics.median(h) / 1e3,
+                   ours_no_hook=statistics.median(u) / 1e3,
+                   diff=statistics.median(y - x for x, y in zip(b, h, strict=True)) / 1e3)
+        return 0.0
+
+    res: dict[str, float] = {}
+    at_depth(20, run)
+    return res
 
 
 def extras(
@@ -279,6 +321,12 @@ def main() -> None:
               f"{fr_adds:>12.2f} {r_on['ours']:>8.2f} {ours_adds:>9.2f} {timing_adds:>11.2f} "
               f"{r_off['ours']:>9.2f} {ours_adds_off:>15.2f} {r_on['ours_no_hook']:>10.2f} "
               f"{r_on['bare_cpp']:>11.2f}")
+    for name, r in (("off", off), ("on", on)):
+        o = r.get("op_by_op")
+        if o:
+            print(f"op by op (c10d FR {name}), medians of single ops: bare {o['bare']:.2f} us, ours "
+                  f"{o['ours']:.2f} us, ours without the hook {o['ours_no_hook']:.2f} us; ours/bare "
+                  f"{o['ours'] / o['bare']:.3f}, ours - bare (median of pairs) {o['diff']:+.2f} us")
     ex = on["extras"]
     print(f"without the collective: communicator path {ex['path_plain']:.2f} us, with the FR hook "
           f"{ex['path_hooked']:.2f} us (the hook adds {ex['path_hooked'] - ex['path_plain']:.2f} us)")
@@ -288,8 +336,10 @@ def main() -> None:
     max_ours = max(o for o, _ in worst)
     max_fr = max(f for _, f in worst)
     ratios = [r["ours"] / r["bare"] for r in on["rows"]]
+    paired = " ".join(f"{r['paired']:.3f} ({r['paired_q'][0]:.3f}-{r['paired_q'][1]:.3f})" for r in on["rows"])
     print(f"SUMMARY ours adds at most {max_ours:.2f} us per op; c10d FR adds at most {max_fr:.2f} us; "
-          f"ours/bare (c10d FR on) {' '.join(f'{x:.3f}' for x in ratios)}")
+          f"ours/bare (c10d FR on) {' '.join(f'{x:.3f}' for x in ratios)}; paired per round, "
+          f"median (quartiles): {paired}")
 
 
 if __name__ == "__main__":

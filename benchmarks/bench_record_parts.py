@@ -1,12 +1,21 @@
 """Where the recording cost goes, piece by piece (median us per call), on CPU or CUDA.
 
     python benchmarks/bench_record_parts.py [--device cuda]
+    python benchmarks/bench_record_parts.py --by-turns [--ops N]   # gloo: the hook's pieces in situ
+
+``--by-turns``: communicators that differ only in one pre-hook (none, an empty one, a 2000-slot
+ring store, the stack capture, ``sys._getframe``, the capture into a 1-slot ring, the real
+``FlightRecorderHook``) and bare ``dist.all_reduce``, one op each by turns (forward, then
+backward), 20 frames deep; medians of the single ops and of each one's difference from the
+communicator without a hook. A piece timed in a tight loop runs hot in the cache; after a
+collective's wait it does not, which is what these show.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import itertools
 import os
 import statistics
 import sys
@@ -19,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from debug_server.recording import comms, hooks  # noqa: E402
+from debug_server.recording import comms, frames, hooks  # noqa: E402
 from debug_server.recording.comms import new_comm  # noqa: E402
 
 
@@ -44,9 +53,57 @@ def us(fn: Callable[[], object], n: int = 200, rounds: int = 41) -> float:
     return statistics.median(at_depth(20, run) for _ in range(rounds))
 
 
+def by_turns(ops: int) -> None:
+    """The hook's pieces in situ (see the module doc); gloo, after init_process_group."""
+    t = torch.ones(1)
+    pg = dist.new_group([0], backend="gloo")
+    ring: list[object] = [None] * 2000
+    one: list[object] = [None]
+    count = itertools.count()
+
+    def with_pre(name: str, pre: Callable[[object], object] | None) -> Callable[[], object]:
+        c = new_comm("gloo", torch.device("cpu"), name)
+        if pre is not None:
+            c.register_pre_hook(pre)
+        return lambda: c.all_reduce(t)
+
+    hooked = new_comm("gloo", torch.device("cpu"), "hooked")
+    hooks.FlightRecorderHook(2000).register_with_comm(hooked)
+    variants: dict[str, Callable[[], object]] = {
+        "bare": lambda: dist.all_reduce(t, group=pg),
+        "no hook": with_pre("none", None),
+        "empty pre-hook": with_pre("empty", lambda rec: None),
+        "ring store only": with_pre("ring", lambda rec: ring.__setitem__(next(count) % 2000, rec)),
+        "capture only": with_pre("capture", lambda rec: frames.capture(4)),
+        "sys._getframe only": with_pre("getframe", lambda rec: sys._getframe(4)),
+        "capture, 1-slot ring": with_pre("cap1", lambda rec: one.__setitem__(0, (rec, frames.capture(4)))),
+        "FlightRecorderHook": lambda: hooked.all_reduce(t),
+    }
+    items = list(variants.items())
+
+    def run() -> dict[str, list[int]]:
+        times: dict[str, list[int]] = {k: [] for k in variants}
+        clock = time.perf_counter_ns
+        for i in range(ops):
+            for k, op in items if i % 2 else items[::-1]:
+                t0 = clock()
+                op()
+                times[k].append(clock() - t0)
+        return times
+
+    times = at_depth(20, run)
+    base = times["no hook"]
+    print(f"by turns, {ops} ops each, 20 frames deep: median us per op, and over 'no hook'")
+    for k, v in times.items():
+        over = statistics.median(y - x for x, y in zip(base, v, strict=True)) / 1e3
+        print(f"{k:22s} {statistics.median(v) / 1e3:8.2f} {over:+7.2f}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--by-turns", action="store_true", help="gloo: the hook's pieces in situ")
+    ap.add_argument("--ops", type=int, default=12000)
     args = ap.parse_args()
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29556")
@@ -58,10 +115,14 @@ def main() -> None:
         torch.cuda.set_device(dev)
     backend = "nccl" if cuda else "gloo"
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=60))
+    if args.by_turns:
+        by_turns(args.ops)
+        dist.destroy_process_group()
+        return
     comm = new_comm(backend, dev, "parts")
     t = torch.ones(4, device=dev)
     print(f"python {sys.version.split()[0]}, torch {torch.__version__}, {dev}")
-    print(f"capture (depth ~25)       {us(lambda: hooks._capture()):7.2f}")
+    print(f"capture (depth ~25, met)  {us(lambda: frames.capture()):7.2f}  (frames above the anchor not walked)")
     print(f"_record1                  {us(lambda: comm._record1('all_reduce', t, True)):7.2f}")
     print(f"tensor.shape + dtype      {us(lambda: (t.shape, t.dtype)):7.2f}")
     print(f"time.time_ns              {us(time.time_ns):7.2f}")

@@ -11,8 +11,8 @@ c10d's Flight Recorder records inside the C++ call, so it sees the same op eithe
 cached: the communicator's ranks are its group's ranks (checked once), so no translation is
 needed per op, and the wrapper's "not in group" case cannot arise (a communicator exists only
 on its members: ``split`` refuses others). It returns ``(fn, args, kwargs)``; the communicator's op path (``comms``) makes
-the call, so that the stack c10d records for the op has only ``comms.py`` frames above the
-user's call site, which the recorders drop. The caller then waits when ``async_op`` is False
+the call, so that the stack c10d records for the op has only op path frames above the
+user's call site (``frames.OP_PATH_FILES``), which the recorders drop. The caller then waits when ``async_op`` is False
 and a work came back, exactly as torch's wrapper does.
 
 Where the wrapper does more than the call, the public function is used instead (the fallback,

@@ -3,49 +3,15 @@
 ``new_comm(backend, device, name)`` gives one process group per communicator, with the ops of
 TorchComms' API and three kinds of callbacks: pre-op, post-op and abort.
 
-This module holds ``Comm``, its op methods and the op path (``_run``, ``_issue``): the frames
-between the user's call site and c10d, which the recorders drop from the stacks they keep, so
-the op path stays in this one file. Each op makes c10d's C++ call itself, as
+This module holds ``Comm`` and the op path (``_run``, ``_issue``); its op methods are ``ops``'s.
+The frames of both lie between the user's call site and c10d, and the recorders drop them from
+the stacks they keep (``frames.OP_PATH_FILES``). Each op makes c10d's C++ call itself, as
 ``torch.distributed``'s wrapper would, without the wrapper (``calls``). The rest lives beside
 it: ``records`` (``OpRecord``), ``work`` (work objects and waits), ``watchdog`` (timeouts off
 the hot path), ``abort`` (the abort path), ``groups`` (process groups, which recorder runs).
 
-Which recorder runs where:
-
-* **NCCL, c10d's Flight Recorder on** (``TORCH_FR_BUFFER_SIZE``, else
-  ``TORCH_NCCL_TRACE_BUFFER_SIZE``, > 0; unset means on, 2000 entries, in torch 2.11 and 2.13;
-  ``start_debug_server`` sets 2000 when neither is set): the communicator is *c10d-backed*.
-  c10d already records every op of the communicator's own process group, with its Python stack,
-  in C++; the op path here only counts, calls torch and appends ``(seq, op, time)`` to an
-  in-flight list for the watchdog: no stack capture, no CUDA events, no record object. The
-  Flight Recorder hook records nothing per op; at dump time ``c10d_fr`` maps c10d's entries of
-  that group to the communicator (its name, sequence numbers from 0, stacks from the user's
-  call site, c10d's states). c10d without its timing events never says ``started``; so a
-  collective records one untimed CUDA event (a fixed slot, no allocation) on the issuing
-  stream just before the call (``groups.MARKS_ENV``: by default on a collective issued
-  ``groups.MARK_GAP_US`` or more after the previous one, the first of a burst; or on every
-  collective, or none; on the GPU an event between two small kernels costs more than its host
-  time). It fires when everything the stream did before the collective is done; the
-  oldest collective c10d has not completed, whose mark fired, is ``started`` (``c10d_fr``
-  applies this when it reads the recorder); one without a mark of its own is never called
-  ``started``. ``TIMING_OPT_ENV=1`` makes
-  the group with c10d's own timing events instead (``duration_ms`` too, at 3-5 us per op and
-  more on the GPU). A user's own pre/post hook turns on building an ``OpRecord`` per op again
-  (a few microseconds each).
-* **gloo, or c10d's recorder off, or a torch without its dump API**: our own recorder. Every op
-  builds one ``OpRecord`` (what, which sequence number, shapes, dtypes, true state); hooks such
-  as the Flight Recorder keep references to those records instead of copying them.
-* ``RECORDER_ENV=python`` forces ours everywhere; ``=c10d`` forces c10d's wherever it
-  records (on gloo too, where c10d never moves an op past ``scheduled``; the tests use it).
-
-Measured on 2x H200, torch 2.11 (``benchmarks/bench_record.py``, ``bench_step.py``; the README
-has the table): c10d's recorder adds 2.4-5.2 us per op; the c10d-backed path adds 8.3-9.2 us,
-of which the start events of its group 3.0-5.3 us, our Python path 0.75 us, and (sync ops, in
-that run) ~4.6 us of c10d's async-call path, which sync collectives no longer take (not yet
-re-measured). Those figures predate the direct C++ calls (``calls``), which leave out the
-wrapper's 1.5-2.5 us per op (one CPU core; ``bench_record.py``'s "bare C++" column shows it on
-any device). Since then c10d's timing events are opt-in (see ``groups.TIMING_OPT_ENV``): on 2x
-H200 they cost 2-20 % of the mixed, small and DDP-like steps of ``bench_step.py``.
+Which recorder records a communicator's ops (c10d's own Flight Recorder, the *c10d-backed*
+path, or ours), and what each costs per op: the ``groups`` module doc.
 
 Semantics worth knowing (those of ``torch.distributed`` and TorchComms):
 
@@ -58,23 +24,8 @@ Semantics worth knowing (those of ``torch.distributed`` and TorchComms):
   c10d's does.)
 * gloo (CPU): ``async_op=False`` and ``wait()`` wait on the host, bounded by the communicator's
   timeout, as gloo always does.
-* Timeouts: a per-process watchdog thread sees an op in flight longer than its communicator's
-  timeout, runs the abort hooks (the recorder writes this rank's pickle), aborts the NCCL
-  communicator, and the next op or ``wait()`` on that communicator raises a ``RuntimeError``
-  naming the op, the communicator and its sequence number; with
-  ``abort_process_on_timeout_or_error=True`` the process aborts after the hooks ran instead. The
-  process group gets a longer timeout, so this happens before c10d's own watchdog acts. A gloo op
-  that times out on the host raises the same error at the call site. After a timeout (or any
-  failure on NCCL) the communicator is unusable.
-* States are true, found by non-blocking queries when read: ``scheduled`` -> ``started`` (CUDA:
-  an event recorded on the issuing stream before the op fired) -> ``completed`` (an event after
-  it, c10d's work, or a later collective of the same communicator completed). No record keeps a
-  tensor; a record keeps c10d's work only until the watchdog (or a reader) sees it completed.
-  c10d-backed: c10d computes the states from its own events when its recorder is read; the
-  watchdog learns completion from c10d's ``pg_status`` (one small read per pass, no entries) and
-  keeps no work of a collective, so no tensor either. P2P ops keep their work until the watchdog
-  sees it completed (c10d's status counts P2P and collectives with one number), and so do a
-  communicator's collectives once it has issued P2P.
+* Timeouts and failures: the ``watchdog`` module doc. States (``scheduled``, ``started``,
+  ``completed``), true when read, and what a record keeps: the ``records`` module doc.
 """
 
 from __future__ import annotations
@@ -83,7 +34,6 @@ import collections
 import datetime
 import itertools
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -104,7 +54,9 @@ from debug_server.recording.groups import (
     _mark_gap_ns,
     _new_group,
     _timing_wanted,
+    init_default_group,
 )
+from debug_server.recording.ops import CommOps
 from debug_server.recording.records import (
     _SLOT_MASK,
     _SLOTS,
@@ -127,13 +79,12 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-# What an op returns: a work object when async_op=True, else None.
-AnyWork = CommWork | BackedWork | None
 _DEFAULT_TIMEOUT = datetime.timedelta(minutes=10)
 _pg_counter = itertools.count()
 
-class Comm:
-    """A communicator: one process group, its own sequence numbers, and hooks."""
+class Comm(CommOps):
+    """A communicator: one process group, its own sequence numbers, and hooks (its op methods:
+    ``ops.CommOps``)."""
 
     def __init__(
         self,
@@ -526,85 +477,6 @@ class Comm:
             raise_broken(self)
         return None
 
-    # -- ops ----------------------------------------------------------------------------------
-    # Each op makes the call torch.distributed's own function makes (calls.DirectCalls): with
-    # async_op=False, c10d orders the current stream after the collective (NCCL) or waits on the
-    # host (gloo), exactly as a bare torch.distributed call does. ``async_op or self._had_p2p``:
-    # see _issue.
-    def all_reduce(self, tensor: torch.Tensor, op: Any = ReduceOp.SUM, async_op: bool = False) -> AnyWork:
-        call = self._calls.all_reduce(tensor, op, async_op or self._had_p2p)
-        if self._backed and not self._pre_hooks and not self._post_hooks:
-            return self._issue("all_reduce", call, async_op)
-        return self._run(self._record1("all_reduce", tensor, async_op), call)
-
-    def broadcast(self, tensor: torch.Tensor, root: int, async_op: bool = False) -> AnyWork:
-        call = self._calls.broadcast(tensor, root, async_op or self._had_p2p)
-        if self._backed and not self._pre_hooks and not self._post_hooks:
-            return self._issue("broadcast", call, async_op)
-        return self._run(self._record1("broadcast", tensor, async_op), call)
-
-    def reduce(self, tensor: torch.Tensor, root: int, op: Any = ReduceOp.SUM, async_op: bool = False) -> AnyWork:
-        call = self._calls.reduce(tensor, root, op, async_op or self._had_p2p)
-        if self._backed and not self._pre_hooks and not self._post_hooks:
-            return self._issue("reduce", call, async_op)
-        return self._run(self._record1("reduce", tensor, async_op), call)
-
-    def all_gather(self, tensor_list: list[torch.Tensor], tensor: torch.Tensor, async_op: bool = False) -> AnyWork:
-        call = self._calls.all_gather(tensor_list, tensor, async_op or self._had_p2p)
-        if self._backed and not self._pre_hooks and not self._post_hooks:
-            return self._issue("all_gather", call, async_op)
-        # Sizes as c10d's recorder writes them: the outputs as one flattened tensor, so analyzers
-        # apply the same numel rule (output = input x group size) to both APIs.
-        out = (torch.Size([sum(t.shape[0] if t.dim() else 1 for t in tensor_list), *tensor.shape[1:]]),)
-        return self._run(self._record("all_gather", (tensor,), tensor_list[:1], async_op, output_shapes=out), call)
-
-    def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False) -> AnyWork:
-        call = self._calls.all_gather_single(output, input, async_op or self._had_p2p)
-        if self._backed and not self._pre_hooks and not self._post_hooks:
-            return self._issue("all_gather_single", call, async_op)
-        return self._run(self._record("all_gather_single", (input,), (output,), async_op), call)
-
-    def reduce_scatter(
-        self, output: torch.Tensor, input_list: list[torch.Tensor], op: Any = ReduceOp.SUM, async_op: bool = False
-    ) -> AnyWork:
-        call = self._calls.reduce_scatter(output, input_list, op, async_op or self._had_p2p)
-        if self._backed and not self._pre_hooks and not self._post_hooks:
-            return self._issue("reduce_scatter", call, async_op)
-        inp = (torch.Size([sum(t.shape[0] if t.dim() else 1 for t in input_list), *output.shape[1:]]),)
-        return self._run(self._record("reduce_scatter", input_list[:1], (output,), async_op, input_shapes=inp), call)
-
-    def all_to_all_single(
-        self,
-        output: torch.Tensor,
-        input: torch.Tensor,
-        output_split_sizes: list[int] | None = None,
-        input_split_sizes: list[int] | None = None,
-        async_op: bool = False,
-    ) -> AnyWork:
-        call = self._calls.all_to_all_single(output, input, output_split_sizes, input_split_sizes,
-                                             async_op or self._had_p2p)
-        if self._backed and not self._pre_hooks and not self._post_hooks:
-            return self._issue("all_to_all_single", call, async_op)
-        return self._run(self._record("all_to_all_single", (input,), (output,), async_op), call)
-
-    def send(self, tensor: torch.Tensor, dst: int, async_op: bool = False) -> AnyWork:
-        call = self._calls.send(tensor, dst, async_op)
-        if self._backed and not self._pre_hooks and not self._post_hooks:
-            return self._issue("send", call, async_op, p2p=True)
-        return self._run(self._record1("send", tensor, async_op, peer=f"{self._rank}->{dst}"), call)
-
-    def recv(self, tensor: torch.Tensor, src: int, async_op: bool = False) -> AnyWork:
-        call = self._calls.recv(tensor, src, async_op)
-        if self._backed and not self._pre_hooks and not self._post_hooks:
-            return self._issue("recv", call, async_op, p2p=True)
-        return self._run(self._record1("recv", tensor, async_op, peer=f"{self._rank}<-{src}"), call)
-
-    def barrier(self, async_op: bool = False) -> AnyWork:
-        call = self._calls.barrier(async_op or self._had_p2p)
-        if self._backed and not self._pre_hooks and not self._post_hooks:
-            return self._issue("barrier", call, async_op)
-        return self._run(self._record("barrier", (), (), async_op), call)
-
     # -- lifecycle ----------------------------------------------------------------------------
     def split(self, ranks: Sequence[int], name: str) -> Comm:
         """A new communicator over ``ranks`` (ranks in this communicator), called by its members.
@@ -664,14 +536,14 @@ def new_comm(
 
     When the default group is not initialised yet, ``new_comm`` initialises it, on CUDA bound
     to ``device`` (``device_id``): every group made after it is then split from one NCCL
-    communicator, the user's own included (``_init_default_group`` says why).
+    communicator, the user's own included (``groups.init_default_group`` says why).
 
     All ranks must call ``new_comm`` in the same order (it creates a process group).
     """
     dev = torch.device(device)
     td = _as_timedelta(timeout) or _DEFAULT_TIMEOUT
     if not dist.is_initialized():
-        _init_default_group(backend, dev, td, store)
+        init_default_group(backend, dev, td, store)
     world = dist.get_world_size()
     ranks = list(range(world))
     backed = _c10d_backed(backend)
@@ -680,24 +552,3 @@ def new_comm(
     pg = _new_group(ranks, backend, td, name, local_sync=False, timing=backed and _timing_wanted(backend))
     return Comm(pg, name, backend, dev, ranks, td, bool(abort_process_on_timeout_or_error), c10d_backed=backed)
 
-
-def _init_default_group(backend: str, dev: torch.device, timeout: datetime.timedelta, store: Any) -> None:
-    """``init_process_group`` for a job that left it to ``new_comm``; on CUDA bound to ``dev``.
-
-    Why ``device_id``: it makes the default group's NCCL communicator at once, and every group
-    created after it (ours, the user's own, DDP's) is then split from it (``ncclCommSplit``).
-    Without it each group is a communicator of its own, made at its first collective, and two
-    such communicators run the same overlapped step up to 9 % apart, bare torch against bare
-    torch (2 and 4 H200s, torch 2.11, NCCL 2.28.9, ``scripts/gpu_step_groups.py --plain``):
-    whichever group a user compared with ours gained or lost that much. Split from one parent,
-    ours / bare on a group of its own is 1.000 (issue 31).
-    """
-    kwargs: dict[str, Any] = {"backend": backend, "timeout": timeout}
-    if store is not None:
-        kwargs.update(store=store, rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
-    if dev.type == "cuda":
-        if dev.index is None:
-            dev = torch.device("cuda", torch.cuda.current_device())
-        torch.cuda.set_device(dev)
-        kwargs["device_id"] = dev
-    dist.init_process_group(**kwargs)

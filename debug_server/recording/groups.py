@@ -1,9 +1,47 @@
 """The process group behind a communicator, and which recorder records its ops.
 
-``_c10d_backed`` decides between c10d's own Flight Recorder and ours (see the ``comms`` module
-doc and ``RECORDER_ENV``); ``_new_group`` makes the group: a longer timeout than the
+``_c10d_backed`` decides between c10d's own Flight Recorder and ours (below, and
+``RECORDER_ENV``); ``_new_group`` makes the group: a longer timeout than the
 communicator's on NCCL (so our watchdog acts before c10d's) and, when asked
-(``TIMING_OPT_ENV``), c10d's own timing events.
+(``TIMING_OPT_ENV``), c10d's own timing events; ``init_default_group`` the default group when
+``new_comm`` makes it.
+
+Which recorder runs where:
+
+* **NCCL, c10d's Flight Recorder on** (``TORCH_FR_BUFFER_SIZE``, else
+  ``TORCH_NCCL_TRACE_BUFFER_SIZE``, > 0; unset means on, 2000 entries, in torch 2.11 and 2.13;
+  ``start_debug_server`` sets 2000 when neither is set): the communicator is *c10d-backed*.
+  c10d already records every op of the communicator's own process group, with its Python stack,
+  in C++; the op path (``comms.Comm._issue``) only counts, calls torch and appends ``(seq, op, time)`` to an
+  in-flight list for the watchdog: no stack capture, no CUDA events, no record object. The
+  Flight Recorder hook records nothing per op; at dump time ``c10d_merge`` maps c10d's entries of
+  that group to the communicator (its name, sequence numbers from 0, stacks from the user's
+  call site, c10d's states). c10d without its timing events never says ``started``; so a
+  collective records one untimed CUDA event (a fixed slot, no allocation) on the issuing
+  stream just before the call (``groups.MARKS_ENV``: by default on a collective issued
+  ``groups.MARK_GAP_US`` or more after the previous one, the first of a burst; or on every
+  collective, or none; on the GPU an event between two small kernels costs more than its host
+  time). It fires when everything the stream did before the collective is done; the
+  oldest collective c10d has not completed, whose mark fired, is ``started`` (``c10d_merge``
+  applies this when it reads the recorder); one without a mark of its own is never called
+  ``started``. ``TIMING_OPT_ENV=1`` makes
+  the group with c10d's own timing events instead (``duration_ms`` too, at 3-5 us per op and
+  more on the GPU). A user's own pre/post hook turns on building an ``OpRecord`` per op again
+  (a few microseconds each).
+* **gloo, or c10d's recorder off, or a torch without its dump API**: our own recorder. Every op
+  builds one ``OpRecord`` (what, which sequence number, shapes, dtypes, true state); hooks such
+  as the Flight Recorder keep references to those records instead of copying them.
+* ``RECORDER_ENV=python`` forces ours everywhere; ``=c10d`` forces c10d's wherever it
+  records (on gloo too, where c10d never moves an op past ``scheduled``; the tests use it).
+
+Measured on 2x H200, torch 2.11 (``benchmarks/bench_record.py``, ``bench_step.py``; the README
+has the table): c10d's recorder adds 2.4-5.2 us per op; the c10d-backed path adds 8.3-9.2 us,
+of which the start events of its group 3.0-5.3 us, our Python path 0.75 us, and (sync ops, in
+that run) ~4.6 us of c10d's async-call path, which sync collectives no longer take (not yet
+re-measured). Those figures predate the direct C++ calls (``calls``), which leave out the
+wrapper's 1.5-2.5 us per op (one CPU core; ``bench_record.py``'s "bare C++" column shows it on
+any device). Since then c10d's timing events are opt-in (see ``groups.TIMING_OPT_ENV``): on 2x
+H200 they cost 2-20 % of the mixed, small and DDP-like steps of ``bench_step.py``.
 """
 
 from __future__ import annotations
@@ -15,6 +53,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from debug_server.config import MARKS_ENV as MARKS_ENV
@@ -152,3 +191,24 @@ def _new_group(
             logger.debug("enabling collective timing on %r failed", name, exc_info=True)
     return pg
 
+
+def init_default_group(backend: str, dev: torch.device, timeout: datetime.timedelta, store: Any) -> None:
+    """``init_process_group`` for a job that left it to ``new_comm``; on CUDA bound to ``dev``.
+
+    Why ``device_id``: it makes the default group's NCCL communicator at once, and every group
+    created after it (ours, the user's own, DDP's) is then split from it (``ncclCommSplit``).
+    Without it each group is a communicator of its own, made at its first collective, and two
+    such communicators run the same overlapped step up to 9 % apart, bare torch against bare
+    torch (2 and 4 H200s, torch 2.11, NCCL 2.28.9, ``scripts/gpu_step_groups.py --plain``):
+    whichever group a user compared with ours gained or lost that much. Split from one parent,
+    ours / bare on a group of its own is 1.000 (issue 31).
+    """
+    kwargs: dict[str, Any] = {"backend": backend, "timeout": timeout}
+    if store is not None:
+        kwargs.update(store=store, rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+    if dev.type == "cuda":
+        if dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+        torch.cuda.set_device(dev)
+        kwargs["device_id"] = dev
+    dist.init_process_group(**kwargs)

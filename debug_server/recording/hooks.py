@@ -14,29 +14,26 @@ The module also keeps the list of live hooks of this process, which the per-rank
 
 from __future__ import annotations
 
-import functools
 import itertools
 import logging
-import operator
 import os
-import sys
 import threading
 import time
 import weakref
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from debug_server.config import Settings
 from debug_server.dumpio import FR_VERSION, write_dump_atomic
 from debug_server.recording import c10d_fr, stall
-from debug_server.recording.lazy import Cut, LazyDump, Source
+from debug_server.recording.comms import Comm
+from debug_server.recording.entries import records_source
+from debug_server.recording.frames import capture, release_idle
+from debug_server.recording.lazy import Cut, LazyDump
+from debug_server.recording.records import HookHandle, InFlight, OpRecord
 from debug_server.recording.watchdog import add_watchdog_check
 from debug_server.stacks import capture_stacks
-
-if TYPE_CHECKING:
-    from debug_server.recording.comms import Comm, HookHandle, InFlight, OpRecord
 
 __all__ = [
     "FlightRecorderHook",
@@ -56,188 +53,6 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 DEFAULT_DUMP_PREFIX = os.path.join("~", ".cache", "torch", "comm_lib_trace_rank_")
-
-def _capture() -> tuple[Any, ...]:
-    """The caller's stack as a flat (code, lasti, code, lasti, ...) tuple: ~2 us at depth 20.
-
-    Code objects and instruction offsets only: no line numbers (computed lazily at dump time
-    from the line table), no frame objects (they would keep the caller's locals, tensors
-    included, alive). torch's CapturedTraceback is cheaper to capture, but its symbolisation
-    took seconds per dump on CUDA builds (23 s for 2000 entries on an H200 host).
-    """
-    f: Any = sys._getframe(2)  # skip _capture and the hook's _on_pre
-    out: list[Any] = []
-    app = out.append
-    while f is not None:
-        app(f.f_code)
-        app(f.f_lasti)
-        f = f.f_back
-    return tuple(out)
-
-
-_OWN_FILES = tuple(
-    os.path.join(os.path.dirname(os.path.abspath(__file__)), name) for name in ("comms.py", "hooks.py")
-)
-
-# c10d's names for dtypes ("Float", not "torch.float32"), which PyTorch's analyzer compares.
-_DTYPE_NAMES: dict[Any, str] = {
-    torch.float32: "Float",
-    torch.float64: "Double",
-    torch.float16: "Half",
-    torch.bfloat16: "BFloat16",
-    torch.int64: "Long",
-    torch.int32: "Int",
-    torch.int16: "Short",
-    torch.int8: "Char",
-    torch.uint8: "Byte",
-    torch.bool: "Bool",
-    torch.complex64: "ComplexFloat",
-    torch.complex128: "ComplexDouble",
-}
-
-
-def _dtype_name(dtype: Any) -> str:
-    return _DTYPE_NAMES.get(dtype) or str(dtype).replace("torch.", "")
-
-
-# Symbolised stacks are interned: a training loop issues the same few call sites again and
-# again, so records share one frame list (and frames share one dict) instead of each holding
-# ~20 fresh dicts. This keeps a full ring with stacks well under a megabyte. Keys use id(code);
-# the cached value holds the code object, so an id is never reused while its entry lives.
-_INTERN_LIMIT = 50_000
-_frame_cache: dict[tuple[int, int], tuple[Any, dict[str, Any]]] = {}
-_stack_cache: dict[tuple[int, ...], list[dict[str, Any]]] = {}
-
-
-def _line_of(code: Any, lasti: int) -> int:
-    for start, end, line in code.co_lines():
-        if start <= lasti < end and line is not None:
-            return int(line)
-    return int(code.co_firstlineno)
-
-
-def _frame(code: Any, lasti: int) -> dict[str, Any]:
-    key = (id(code), lasti)
-    hit = _frame_cache.get(key)
-    if hit is not None:
-        return hit[1]
-    d = {"name": code.co_name, "filename": code.co_filename, "line": _line_of(code, lasti)}
-    _frame_cache[key] = (code, d)
-    return d
-
-
-def _frames_of(raw: tuple[Any, ...]) -> list[dict[str, Any]]:
-    """Symbolise a captured stack, innermost first, starting at the user's call site."""
-    i = 0
-    while i < len(raw) and raw[i].co_filename in _OWN_FILES:
-        i += 2
-    key = tuple(id(x) if j % 2 == 0 else x for j, x in enumerate(raw[i:]))
-    cached = _stack_cache.get(key)
-    if cached is not None:
-        return cached
-    if len(_stack_cache) > _INTERN_LIMIT or len(_frame_cache) > _INTERN_LIMIT:
-        _stack_cache.clear()
-        _frame_cache.clear()
-    frames = [_frame(raw[j], raw[j + 1]) for j in range(i, len(raw), 2)]
-    _stack_cache[key] = frames
-    return frames
-
-
-def _symbolized(rec: OpRecord) -> list[dict[str, Any]]:
-    """The record's stack as (interned) frame lists; the raw capture is replaced, once."""
-    raw = rec.traceback
-    if raw is not None and not isinstance(raw, list):
-        rec.traceback = raw = _frames_of(raw)
-    return raw if isinstance(raw, list) else []
-
-
-def _thread_name(ident: int | None) -> str:
-    for t in threading.enumerate():
-        if t.ident == ident:
-            return t.name
-    return f"thread-{ident}"
-
-
-def _shared(shared: dict[Any, Any], key: Any, make: Callable[[], Any]) -> Any:
-    """The value made for an equal ``key`` earlier in this dump, else ``make()`` remembered.
-
-    Entries of one dump share their equal size, dtype and group values (as they share frame
-    lists), so the pickle writes each once and refers back to it: unpickling and freeing a
-    2000-entry ring takes 0.6x the time (fewer objects), and the analyzer's digest compares
-    them by identity. Readers never mutate entries. An unhashable key (an odd shape type) just
-    gets its own value.
-    """
-    try:
-        hit = shared.get(key)
-    except TypeError:
-        return make()
-    if hit is None:
-        hit = shared[key] = make()
-    return hit
-
-
-def _key(rec: OpRecord, shared: dict[Any, Any]) -> dict[str, Any]:
-    """The fields that decide whether an entry is kept (``lazy.KEY_FIELDS``), read once: the
-    entry built from it (``_entry``) takes its state from here, so a cut and the entries it
-    keeps agree even while the op advances."""
-    comm = rec.comm
-    pg_key = ("pg", comm.get_name(), comm.get_backend())
-    state = rec.state
-    return {
-        "record_id": rec.record_id,
-        "process_group": _shared(shared, pg_key, lambda: pg_key[1:]),
-        "collective_seq_id": rec.seq,
-        "profiling_name": rec.profiling_name,
-        "state": state,
-        "retired": state == "completed",
-        "is_p2p": rec.is_p2p,
-        "time_created_ns": rec.time_created_ns,
-        "time_discovered_started_ns": rec.time_started_ns,
-        "time_discovered_completed_ns": rec.time_completed_ns,
-    }
-
-
-def _entry(rec: OpRecord, key: dict[str, Any] | None, shared: dict[Any, Any]) -> dict[str, Any]:
-    comm = rec.comm
-    if key is None:
-        started, completed, state = rec.time_started_ns, rec.time_completed_ns, rec.state
-    else:  # the state the cut saw
-        started, completed = key["time_discovered_started_ns"], key["time_discovered_completed_ns"]
-        state = key["state"]
-    duration = (completed - started) / 1e6 if completed is not None and started is not None else None
-    ins, outs, ind, outd = rec.input_shapes, rec.output_shapes, rec.input_dtypes, rec.output_dtypes
-    pg_key = ("pg", comm.get_name(), comm.get_backend())
-    return {
-        "record_id": rec.record_id,
-        "pg_id": comm.pg_id,
-        "process_group": _shared(shared, pg_key, lambda: pg_key[1:]),
-        "thread_name": rec.thread_name or _thread_name(rec.thread_id),
-        "thread_id": rec.thread_id,
-        "collective_seq_id": rec.seq,
-        "p2p_seq_id": rec.p2p_seq,
-        "op_id": rec.op_id,
-        "profiling_name": rec.profiling_name,
-        "time_created_ns": rec.time_created_ns,
-        "duration_ms": duration,
-        "input_sizes": _shared(shared, ("sizes", ins), lambda: [list(s) for s in ins]),
-        "input_dtypes": _shared(shared, ("dtypes", ind), lambda: [_dtype_name(d) for d in ind]),
-        "output_sizes": _shared(shared, ("sizes", outs), lambda: [list(s) for s in outs]),
-        "output_dtypes": _shared(shared, ("dtypes", outd), lambda: [_dtype_name(d) for d in outd]),
-        "state": state,
-        "time_discovered_started_ns": started,
-        "time_discovered_completed_ns": completed,
-        "retired": state == "completed",
-        "timeout_ms": int(comm.timeout.total_seconds() * 1000),
-        "is_p2p": rec.is_p2p,
-        "frames": _symbolized(rec),
-    }
-
-
-def _records_source(shared: dict[Any, Any]) -> Source:
-    """Our records as ``lazy`` entries of one dump (``shared``: that dump's shared values)."""
-    return Source(functools.partial(_key, shared=shared), functools.partial(_entry, shared=shared),
-                  operator.attrgetter("time_created_ns"), fresh=True)
-
 
 class FlightRecorderHook:
     """Records the newest ``max_entries`` ops of the communicators it is registered with.
@@ -288,6 +103,7 @@ class FlightRecorderHook:
                 # A c10d-backed communicator's ops are in c10d's own recorder (read at dump
                 # time): no pre-hook, so its op path stays free of records and stacks.
                 self._handles.append(comm.register_pre_hook(self._on_pre))
+                add_watchdog_check(release_idle)  # see frames: a returned frame is let go
             self._handles.append(comm.register_abort_hook(self._on_abort))
             self._handles.append(comm.register_split_listener(self.register_with_comm))
         for child in comm.children:
@@ -314,7 +130,10 @@ class FlightRecorderHook:
     # -- hot path -----------------------------------------------------------------------------
     def _on_pre(self, rec: OpRecord) -> None:
         if rec.traceback is None:
-            rec.traceback = _capture()
+            # From the user's call site up: this function, Comm._run and the op method (ops)
+            # are left out (a stack is symbolised from its first frame outside the op path,
+            # frames.OP_PATH_FILES, so a deeper op path would only be dropped there).
+            rec.traceback = capture(4)
         self._ring[next(self._counter) % self.max_entries] = rec
 
     def _on_abort(self, rec: OpRecord, err: BaseException) -> None:
@@ -379,7 +198,7 @@ class FlightRecorderHook:
             "pg_status": self._pg_status(everything),
         })
         # One per dump: equal sizes/dtypes/groups are pickled once.
-        out.extend(recs, _records_source({}))
+        out.extend(recs, records_source({}))
         return out
 
     def _pg_config(self) -> dict[str, dict[str, str]]:

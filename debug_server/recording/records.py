@@ -5,6 +5,16 @@
 to it. ``InFlight`` is what a c10d-backed communicator (no records) reports of an op not yet
 seen completed. ``HookHandle`` removes a registration. The CUDA event slots that the states of
 CUDA ops come from are sized here (``_SLOTS``); ``comms.Comm`` owns them.
+
+States are true, found by non-blocking queries when read: ``scheduled`` -> ``started`` (CUDA:
+an event recorded on the issuing stream before the op fired) -> ``completed`` (an event after
+it, c10d's work, or a later collective of the same communicator completed). No record keeps a
+tensor; a record keeps c10d's work only until the watchdog (or a reader) sees it completed.
+c10d-backed: c10d computes the states from its own events when its recorder is read; the
+watchdog learns completion from c10d's ``pg_status`` (one small read per pass, no entries) and
+keeps no work of a collective, so no tensor either. P2P ops keep their work until the watchdog
+sees it completed (c10d's status counts P2P and collectives with one number), and so do a
+communicator's collectives once it has issued P2P.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any, NamedTuple, Protocol
 
 __all__ = ["InFlightOp", "StallWatch", "age_s", "is_stalled", "oldest_stalled",
-           "report", "report_op"]
+           "int_or", "report", "report_op"]
 
 
 class InFlightOp(Protocol):
@@ -59,8 +59,8 @@ def oldest_stalled(ops: Iterable[tuple[InFlightOp, float | None]], now_ns: int
     return best
 
 
-def _int(v: Any, default: int) -> int:
-    """``int(v)``, or ``default`` for what c10d writes as missing or text (also used by c10d_fr)."""
+def int_or(v: Any, default: int) -> int:
+    """``int(v)``, or ``default`` for what c10d writes as missing or text (also used by the c10d merge)."""
     try:
         return int(v)
     except (TypeError, ValueError):
@@ -107,8 +107,8 @@ class StallWatch:
         still: dict[str, _Pending] = {}
         unread = []
         for name, st in status.items():
-            key = (_int(st.get("last_enqueued_collective"), -1),
-                   _int(st.get("last_completed_collective"), -1))
+            key = (int_or(st.get("last_enqueued_collective"), -1),
+                   int_or(st.get("last_completed_collective"), -1))
             if key[0] <= key[1]:
                 continue
             prev = self._pending.get(name)
@@ -131,13 +131,13 @@ class StallWatch:
         if not pending:  # the status lagged: nothing is in flight
             self._pending[group] = p._replace(read=True)
             return
-        e = min(pending, key=lambda e: _int(e.get("collective_seq_id"), 0))
+        e = min(pending, key=lambda e: int_or(e.get("collective_seq_id"), 0))
         pg = e.get("process_group") or ("", "")
         self._pending[group] = p._replace(
-            read=True, seq=_int(e.get("collective_seq_id"), -1),
+            read=True, seq=int_or(e.get("collective_seq_id"), -1),
             op=str(e.get("profiling_name", "")).partition(":")[2].split(" ")[0],
             desc=str(pg[1]) if len(pg) > 1 else "",
-            created_ns=_int(e.get("time_created_ns"), 0) or p.seen_ns)
+            created_ns=int_or(e.get("time_created_ns"), 0) or p.seen_ns)
 
     def stalled(self, stall_timeout: float, now_ns: int) -> list[tuple[str, float, _Pending]]:
         """``(group, age_s, pending)`` of every pending op older than ``stall_timeout``."""

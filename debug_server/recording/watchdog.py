@@ -6,6 +6,15 @@ issue order), lets go of c10d's works (and so the tensors) of completed ops, and
 path (``abort.fail``) for an op in flight longer than its communicator's timeout; the next op
 or ``wait()`` then raises. Other modules' checks run on the same thread
 (``add_watchdog_check``: the recorder's stall check). The training thread only appends to lists.
+
+What a user sees of a timeout: the watchdog finds an op in flight longer than its
+communicator's timeout, runs the abort hooks (the recorder writes this rank's pickle), aborts the NCCL
+communicator, and the next op or ``wait()`` on that communicator raises a ``RuntimeError``
+naming the op, the communicator and its sequence number; with
+``abort_process_on_timeout_or_error=True`` the process aborts after the hooks ran instead. The
+process group gets a longer timeout, so this happens before c10d's own watchdog acts. A gloo op
+that times out on the host raises the same error at the call site. After a timeout (or any
+failure on NCCL) the communicator is unusable.
 """
 
 from __future__ import annotations
