@@ -55,7 +55,7 @@ PAGES = (("fr_s", "/fr_trace"), ("overview_s", "/"), ("stacks_s", "/stacks"))
 async def _serve_agents(first: int, last: int, world: int, urls_file: str) -> None:
     """Agents of fake hosts ``first..last - 1`` (8 ranks each) on this loop (``serve_apps``)."""
     from debug_server.agent import app as agent
-    from debug_server.frontend import fanout
+    from debug_server.fanout import transport
 
     urls = Path(urls_file).read_text().split(",")
     apps = []
@@ -63,7 +63,7 @@ async def _serve_agents(first: int, last: int, world: int, urls_file: str) -> No
         lo = h * PER_HOST
         apps.append(agent.make_agent_app(agent.StaticHostRegistry(urls[lo:lo + PER_HOST], lo, world),
                                          f"fh{h}", fetch_timeout=120.0, max_concurrency=PER_HOST))
-    fanout.settle_gc()  # as an agent's own process does (agent.main)
+    transport.settle_gc()  # as an agent's own process does (agent.main)
     await ff.serve_apps(apps)
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from debug_server.frontend import c10d_workers
+from debug_server.fanout import c10d_workers
 
 
 def _entry(group: str, seq: int, t: int, rid: int, op: str = "nccl:all_reduce") -> dict[str, Any]:

@@ -9,7 +9,9 @@ import pytest
 from aiohttp import web
 from conftest import closed_port_url
 
-from debug_server.frontend.fanout import Collector, RankResult, fan_out, parse_dumps
+from debug_server.fanout.live import LiveCollector
+from debug_server.fanout.reply import parse_dumps
+from debug_server.fanout.transport import RankResult, fan_out
 from debug_server.rank.discovery import StaticRegistry, WorkerAddr
 from debug_server.tools import synthetic
 
@@ -117,7 +119,7 @@ async def test_collector_falls_back_to_c10d_fr_for_torch_workers(aiohttp_server:
     app.router.add_post("/handler/fr_trace_json", c10d)
     torch_worker = str((await aiohttp_server(app)).make_url("")).rstrip("/")
     ours = await fake_rank(_dumps()[0])
-    collector = Collector(session, StaticRegistry([ours, torch_worker]), timeout=2)
+    collector = LiveCollector(session, StaticRegistry([ours, torch_worker]), timeout=2)
     fr = await collector.fr(only_active=False)
     assert sorted(fr.dumps) == [0, 1]
     assert "entries" not in fr.dumps[1] and fr.unavailable() == {}

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from debug_server.frontend import fastjson
+from debug_server.fanout import fastjson
 from debug_server.tools import synthetic
 
 _DUMP = synthetic.hang_job(4, n_entries=5, missing_rank=3)[0]

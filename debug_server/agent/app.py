@@ -68,16 +68,11 @@ from debug_server import auth
 from debug_server.analysis.digest import SNAPSHOT_TIME_KEY
 from debug_server.config import take_secrets
 from debug_server.errors import first_line
-from debug_server.frontend import departed, fastjson
-from debug_server.frontend.fanout import (
-    INLINE_DUMPS,
-    MAX_BODY_BYTES,
-    Collector,
-    FrData,
-    RankResult,
-    settle_gc,
-)
-from debug_server.frontend.leanhttp import LeanClient
+from debug_server.fanout import fastjson
+from debug_server.fanout.leanhttp import LeanClient
+from debug_server.fanout.live import LiveCollector
+from debug_server.fanout.reply import INLINE_DUMPS, FrData
+from debug_server.fanout.transport import MAX_BODY_BYTES, RankResult, settle_gc
 from debug_server.listen import start_sites
 from debug_server.protocol import frwindow, members
 from debug_server.protocol.agentwire import FETCH, FETCHABLE, FR, INFO, STACKS, TAG
@@ -210,7 +205,7 @@ class StaticHostRegistry:
 # ---------------------------------------------------------------------------------------------
 # The agent app
 
-COLLECTOR = web.AppKey("collector", Collector)
+COLLECTOR = web.AppKey("collector", LiveCollector)
 REGISTRY = web.AppKey("registry", Any)
 HOST_ID = web.AppKey("host_id", str)
 COUNTS = web.AppKey("counts", dict)
@@ -422,7 +417,7 @@ async def _agent_fr(request: web.Request, q: Mapping[str, str]) -> web.Response:
         except ValueError as e:
             raise BadParam(f"bad parameter since: {e}") from None
         groups = request.app[GROUPS]
-        fr = await collector.fr_since(since, addrs, {a.rank: set(groups.get(a.rank, since))
+        fr = await collector.since_round(since, addrs, {a.rank: set(groups.get(a.rank, since))
                                                      for a in addrs})
     elif _flag(q, "whole") or _flag(q, "onlyactive"):
         fr = await collector.fr(whole=_flag(q, "whole"), only_active=_flag(q, "onlyactive"),
@@ -436,7 +431,7 @@ async def _agent_fr(request: web.Request, q: Mapping[str, str]) -> web.Response:
         # With stacks=true the ranks' stacks come in the same requests (Collector.fr_stacks),
         # and go with every reply, "unchanged" ones too: stacks are always read fresh.
         texts: dict[int, str] | None = {} if want_stacks else None
-        first = await collector.fr_first_round(addrs, texts)
+        first = await collector.first_round(addrs, texts)
         stacks_read = (asyncio.ensure_future(collector.stacks_after_fr(addrs, first, texts))
                        if texts is not None else None)
         tag = fr_tag(q, first)
@@ -453,7 +448,7 @@ async def _agent_fr(request: web.Request, q: Mapping[str, str]) -> web.Response:
             return web.Response(text=_with_part(request.app, first, tag, part, stacks,
                                                 _read_times(first)),
                                 content_type="application/json")
-        fr = await collector.fr_after_first(addrs, first)
+        fr = await collector.complete(addrs, first)
         stacks = await stacks_read if stacks_read is not None else None
         keep = True
     if tag is None:
@@ -535,7 +530,7 @@ async def _client_ctx(app: web.Application) -> AsyncIterator[None]:
     try:
         async with aiohttp.ClientSession(connector=connector, headers=headers) as session:
             # A host's few ranks: one asked first on the first FR ask (fanout.PRIME_RANKS).
-            app[COLLECTOR] = Collector(session, app[REGISTRY], timeout=s["timeout"],
+            app[COLLECTOR] = LiveCollector(session, app[REGISTRY], timeout=s["timeout"],
                                        max_concurrency=s["concurrency"], http=http,
                                        prime_ranks=2)
             yield
@@ -614,7 +609,7 @@ async def _watch_parent(pid: int, done: asyncio.Event, registry: Any = None) -> 
         polls += 1
         if parent_here:
             continue
-        if departed.running_here(known):
+        if jobpids.running_here(known):
             continue
         logger.warning("debug_server agent: parent process %d is gone and no rank of this "
                        "host runs; exiting", pid)

@@ -40,8 +40,11 @@ from debug_server.config import (
     take_secrets,
 )
 from debug_server.errors import first_line
+from debug_server.fanout import agents as agent_fanout
+from debug_server.fanout.leanhttp import LeanClient
+from debug_server.fanout.pagefirst import in_background
+from debug_server.fanout.transport import GONE, MAX_BODY_BYTES, RankResult, Registry, settle_gc
 from debug_server.frontend import (
-    agent_fanout,
     attach,
     departed,
     export,
@@ -52,17 +55,8 @@ from debug_server.frontend import (
     stragglers,
 )
 from debug_server.frontend.dumps import Dumper, analyze_fr, fr_trace_text, stacks_report
-from debug_server.frontend.fanout import (
-    GONE,
-    MAX_BODY_BYTES,
-    RankResult,
-    Registry,
-    settle_gc,
-)
 from debug_server.frontend.hangreport import HEALTH_HANDLER, HangWatch, parse_health
-from debug_server.frontend.leanhttp import LeanClient
 from debug_server.frontend.metrics import metrics_response
-from debug_server.frontend.pagefirst import in_background
 from debug_server.frontend.pagekit import (  # noqa: F401 (re-exported: app.load_templates, ...)
     COLLECTOR,
     CONFIG,

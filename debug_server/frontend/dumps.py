@@ -38,8 +38,10 @@ from debug_server.analysis.ranks import format_ranks
 from debug_server.analysis.stackgroups import stack_groups
 from debug_server.config import ALL_DUMPS
 from debug_server.dumpio import write_atomic
+from debug_server.fanout.collector import Collector
+from debug_server.fanout.reply import FrData
+from debug_server.fanout.transport import GONE, RankResult
 from debug_server.frontend import snapshot
-from debug_server.frontend.fanout import GONE, Collector, FrData, RankResult
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")

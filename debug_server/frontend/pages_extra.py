@@ -35,8 +35,9 @@ from debug_server.analysis import profile_merge, wait_counters
 from debug_server.analysis.ranks import format_ranks
 from debug_server.auth import TOKEN_HEADER
 from debug_server.errors import first_line
+from debug_server.fanout.collector import Collector
+from debug_server.fanout.transport import RankResult, fan_out
 from debug_server.frontend import render
-from debug_server.frontend.fanout import Collector, RankResult, fan_out
 from debug_server.frontend.pagekit import (
     COLLECTOR,
     CONFIG,

@@ -22,6 +22,25 @@ from debug_server.errors import first_line
 logger = logging.getLogger(__name__)
 
 
+FR_HANDLER = "torchcomms_fr_trace_json"
+"""Our FR handler (the window parameters below, ``pgknown``, ``stacks``)."""
+C10D_FR_HANDLER = "fr_trace_json"
+"""c10d's own FR handler (torch's C++ worker has only this one; ours answers it too)."""
+STACKS_HANDLER = "dump_traceback"
+PING_HANDLER = "ping"
+HEALTH_HANDLER = "torchcomms_health_check"
+DUMP_FILE_HANDLER = "torchcomms_fr_dump_file"
+
+ONLY_ACTIVE = "onlyactive"
+"""torch's FR parameter: only the entries not yet completed."""
+INCLUDE_COLLECTIVES = "includecollectives"
+INCLUDE_STACKTRACES = "includestacktraces"
+"""torch's FR parameter (``false``: entries without their call-site frames)."""
+SINCE = "since"
+"""Our FR parameter: per group, the first collective seq wanted (``frwindow.format_since``)."""
+WINDOW = "window"
+"""Our FR parameter: each group from the rank's own frontier less this many ops."""
+
 WITH_STACKS = "stacks"
 """Our FR handler's parameter (``stacks=true``): the reply carries this rank's thread stacks too,
 after the FR JSON and :data:`STACKS_SEP`, so one request per rank serves a page that shows both
@@ -88,4 +107,6 @@ def handler_routes(handlers: Mapping[str, Callable[[Any, dict[str, str]], Any]],
     return table
 
 
-__all__ = ["STACKS_SEP", "WITH_STACKS", "HandlerError", "handler_routes", "split_stacks"]
+__all__ = ["C10D_FR_HANDLER", "DUMP_FILE_HANDLER", "FR_HANDLER", "HEALTH_HANDLER",
+           "INCLUDE_COLLECTIVES", "INCLUDE_STACKTRACES", "ONLY_ACTIVE", "PING_HANDLER", "SINCE",
+           "STACKS_HANDLER", "STACKS_SEP", "WINDOW", "WITH_STACKS", "HandlerError", "handler_routes", "split_stacks"]
