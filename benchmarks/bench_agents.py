@@ -55,13 +55,14 @@ PAGES = (("fr_s", "/fr_trace"), ("overview_s", "/"), ("stacks_s", "/stacks"))
 async def _serve_agents(first: int, last: int, world: int, urls_file: str) -> None:
     """Agents of fake hosts ``first..last - 1`` (8 ranks each) on this loop (``serve_apps``)."""
     from debug_server.agent import app as agent
+    from debug_server.agent.registry import StaticHostRegistry
     from debug_server.fanout import transport
 
     urls = Path(urls_file).read_text().split(",")
     apps = []
     for h in range(first, last):
         lo = h * PER_HOST
-        apps.append(agent.make_agent_app(agent.StaticHostRegistry(urls[lo:lo + PER_HOST], lo, world),
+        apps.append(agent.make_agent_app(StaticHostRegistry(urls[lo:lo + PER_HOST], lo, world),
                                          f"fh{h}", fetch_timeout=120.0, max_concurrency=PER_HOST))
     transport.settle_gc()  # as an agent's own process does (agent.main)
     await ff.serve_apps(apps)

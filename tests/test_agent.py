@@ -30,6 +30,7 @@ from aiohttp import web
 from mpjob import free_port, kill_all, rank_env
 
 from debug_server.agent import app as agent
+from debug_server.agent.registry import StaticHostRegistry
 from debug_server.config import JobEnv
 from debug_server.fanout import agents as agents_mod
 from debug_server.fanout.live import LiveCollector
@@ -50,13 +51,13 @@ HANG_STACK = ('Thread 0x00007f0000000001 (most recent call first):\n'
 
 
 def test_rank_list_text_round_trips_with_ranges() -> None:
-    assert agent.format_ranks([7, 0, 1, 2, 3, 9]) == "0-3,7,9"
-    assert agent.parse_ranks("0-3,7,9") == [0, 1, 2, 3, 7, 9]
+    assert agent_launch.format_ranks([7, 0, 1, 2, 3, 9]) == "0-3,7,9"
+    assert agent_launch.parse_ranks("0-3,7,9") == [0, 1, 2, 3, 7, 9]
 
 
 def test_rank_list_text_refuses_a_backwards_range() -> None:
     with pytest.raises(ValueError, match="bad range '5-2'"):
-        agent.parse_ranks("5-2")
+        agent_launch.parse_ranks("5-2")
 
 
 def test_torchrun_layout_gives_the_hosts_contiguous_ranks() -> None:
@@ -122,7 +123,7 @@ async def _start_agents(urls: list[str], runners: list[web.AppRunner],
     found = {}
     for h in range(len(urls) // per_host):
         lo = h * per_host
-        app = agent.make_agent_app(agent.StaticHostRegistry(urls[lo:lo + per_host], lo,
+        app = agent.make_agent_app(StaticHostRegistry(urls[lo:lo + per_host], lo,
                                                             len(urls)),
                                    f"h{h}", fetch_timeout=3.0)
         found[f"h{h}"] = agents_mod.AgentAddr(f"h{h}", await _start(app, runners),
@@ -144,7 +145,7 @@ async def fleet() -> AsyncIterator[dict[str, Any]]:
     agent_runners = {}
     for h in range(WORLD // PER_HOST):
         ranks = list(range(h * PER_HOST, (h + 1) * PER_HOST))
-        app = agent.make_agent_app(agent.StaticHostRegistry(urls[ranks[0]:ranks[-1] + 1],
+        app = agent.make_agent_app(StaticHostRegistry(urls[ranks[0]:ranks[-1] + 1],
                                                             ranks[0], WORLD),
                                    f"h{h}", fetch_timeout=3.0)
         url = await _start(app, runners)

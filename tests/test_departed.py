@@ -8,7 +8,7 @@ import subprocess
 import sys
 from typing import Any
 
-from debug_server.agent import app as agent
+from debug_server.agent import main as agent_main
 from debug_server.fanout.reply import FrData
 from debug_server.fanout.transport import GONE, OK, UNREACHABLE, RankResult
 from debug_server.frontend import departed
@@ -104,7 +104,7 @@ async def test_agent_outlives_its_local_rank_0_while_a_rank_of_its_host_runs() -
     done = asyncio.Event()
     try:
         watch = asyncio.create_task(
-            agent._watch_parent(parent.pid, done, _HostRanks([parent.pid, rank1.pid])))
+            agent_main._watch_parent(parent.pid, done, _HostRanks([parent.pid, rank1.pid])))
         await asyncio.sleep(1.5)  # a poll has read the host's ranks
         parent.kill()
         parent.wait()

@@ -15,6 +15,7 @@ from aiohttp import web
 from test_agent import _Directory, _Registry, _start, _start_agents  # the same fakes
 
 from debug_server.agent import app as agent
+from debug_server.agent.registry import StaticHostRegistry
 from debug_server.fanout import agents as agents_mod
 from debug_server.fanout.collector import PRIME_RANKS
 from debug_server.fanout.live import LiveCollector
@@ -227,7 +228,7 @@ async def test_an_agent_asks_one_of_its_ranks_first_then_tells_the_others_the_li
     urls, seen = await _counted_workers({r: dumps[r] for r in range(8)}, -1, runners)
     for name, empty in (("_text_of", {}), ("_digest_of", {}), ("_weight", {}), ("_chars", 0)):
         monkeypatch.setattr(members, name, empty)
-    app = agent.make_agent_app(agent.StaticHostRegistry(urls, 0, world), "h0",
+    app = agent.make_agent_app(StaticHostRegistry(urls, 0, world), "h0",
                                fetch_timeout=5.0, max_concurrency=8)
     try:
         url = await _start(app, runners)
