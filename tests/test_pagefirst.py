@@ -13,7 +13,8 @@ from aiohttp import web
 
 from debug_server.fanout.live import LiveCollector
 from debug_server.fanout.pagefirst import BACKGROUND, PageFirstSemaphore, in_background
-from debug_server.frontend.hangreport import HEALTH_HANDLER, HangWatch
+from debug_server.frontend.hangreport import HangWatch
+from debug_server.protocol.names import HEALTH_HANDLER
 from debug_server.rank.discovery import StaticRegistry
 
 

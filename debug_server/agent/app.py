@@ -67,20 +67,13 @@ from debug_server.protocol.agentwire import (
     FR,
     HANDLER,
     INFO,
-    NATIVE,
     RANKS,
     STACKS,
     TAG,
     WHOLE,
 )
-from debug_server.protocol.wire import (
-    ONLY_ACTIVE,
-    SINCE,
-    WINDOW,
-    WITH_STACKS,
-    HandlerError,
-    handler_routes,
-)
+from debug_server.protocol.names import NATIVE, ONLY_ACTIVE, SINCE, WINDOW, WITH_STACKS
+from debug_server.protocol.wire import HandlerError, handler_routes
 from debug_server.rank.agent_launch import parse_ranks
 from debug_server.rank.discovery import WorkerAddr
 

@@ -21,7 +21,7 @@ from debug_server.fanout.reply import FrData
 from debug_server.fanout.transport import RankResult
 from debug_server.protocol import members
 from debug_server.protocol.agentwire import TAG
-from debug_server.protocol.wire import WITH_STACKS
+from debug_server.protocol.names import WITH_STACKS
 
 
 def records(results: Sequence[RankResult], with_body: bool) -> tuple[list[dict[str, Any]],

@@ -54,7 +54,7 @@ from debug_server.fanout.live import LiveCollector
 from debug_server.fanout.reply import INLINE_BYTES, FrData, cut_off_loop, parse_off_loop
 from debug_server.fanout.transport import RankResult, Registry, fetch_one
 from debug_server.protocol import agentwire, frwindow, members
-from debug_server.protocol.wire import ONLY_ACTIVE, SINCE, WINDOW, WITH_STACKS
+from debug_server.protocol.names import NATIVE, ONLY_ACTIVE, SINCE, WINDOW, WITH_STACKS
 from debug_server.rank import agent_launch, discovery
 from debug_server.rank.discovery import NOT_REGISTERED, WorkerAddr
 
@@ -259,7 +259,7 @@ class AgentRoute:
         plan, direct = await self._plan(addrs)
         if not plan:
             return None
-        params = {agentwire.NATIVE: str(native).lower(),
+        params = {NATIVE: str(native).lower(),
                   agentwire.EVERY: str(every or native).lower()}
         return await self._grouped(agentwire.STACKS, params, plan, direct,
                                    lambda rest: self.c.direct_stacks(rest, native=native,

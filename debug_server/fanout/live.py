@@ -33,7 +33,7 @@ from debug_server.fanout.transport import (
     fetch_one,
 )
 from debug_server.protocol import frwindow
-from debug_server.protocol.wire import INCLUDE_STACKTRACES, ONLY_ACTIVE, STACKS_HANDLER, WINDOW
+from debug_server.protocol.names import INCLUDE_STACKTRACES, ONLY_ACTIVE, STACKS_HANDLER, WINDOW
 from debug_server.rank import pyspy
 from debug_server.rank.discovery import NOT_REGISTERED, WorkerAddr
 from debug_server.rank.sigstack import SignalCapture

@@ -30,6 +30,7 @@ from debug_server.errors import first_line
 from debug_server.fanout import c10d_workers, fastjson
 from debug_server.fanout.transport import FAILED, RankResult
 from debug_server.protocol import activecover, frtext, frwindow, members
+from debug_server.protocol.names import SINCE, WINDOW
 from debug_server.protocol.wire import split_stacks
 
 Cut = Callable[[dict[str, Any]], dict[str, Any]]
@@ -109,10 +110,10 @@ async def cut_off_loop(dumps: Mapping[int, dict[str, Any]],
 
 def param_cut(params: Mapping[str, str]) -> Cut | None:
     """The window an FR request's parameters ask for (None: whole rings or active entries)."""
-    if "since" in params:
-        return frwindow.Window(since=frwindow.parse_since(params["since"]))
-    if "window" in params:
-        return frwindow.Window(slack=int(params["window"]))
+    if SINCE in params:
+        return frwindow.Window(since=frwindow.parse_since(params[SINCE]))
+    if WINDOW in params:
+        return frwindow.Window(slack=int(params[WINDOW]))
     return None
 
 

@@ -29,7 +29,7 @@ from debug_server.fanout.reply import (
 )
 from debug_server.fanout.transport import RankResult, fetch_one
 from debug_server.protocol import frwindow, members
-from debug_server.protocol.wire import (
+from debug_server.protocol.names import (
     C10D_FR_HANDLER,
     FR_HANDLER,
     ONLY_ACTIVE,

@@ -55,7 +55,7 @@ from debug_server.frontend import (
     stragglers,
 )
 from debug_server.frontend.dumps import Dumper, analyze_fr, fr_trace_text, stacks_report
-from debug_server.frontend.hangreport import HEALTH_HANDLER, HangWatch, parse_health
+from debug_server.frontend.hangreport import HangWatch, parse_health
 from debug_server.frontend.metrics import metrics_response
 from debug_server.frontend.pagekit import (  # noqa: F401 (re-exported: app.load_templates, ...)
     COLLECTOR,
@@ -76,6 +76,7 @@ from debug_server.frontend.pagekit import parse_format as _format
 from debug_server.frontend.pagekit import query as _query
 from debug_server.frontend.pagekit import respond as _respond
 from debug_server.listen import own_server, start_sites, stop_on_signals
+from debug_server.protocol.names import HEALTH_HANDLER
 from debug_server.rank.discovery import StaticRegistry, StoreRegistry
 
 logger = logging.getLogger(__name__)

@@ -38,10 +38,10 @@ from debug_server.frontend.dumps import (
     dump_file_lines,
     fr_trace_text,
 )
+from debug_server.protocol.names import HEALTH_HANDLER
 
 logger = logging.getLogger(__name__)
 
-HEALTH_HANDLER = "torchcomms_health_check"
 MAX_POLL_INTERVAL = 2.0
 """Seconds between health polls at most, however long ``dump_interval`` is."""
 MAX_POLLS_PER_S = 512

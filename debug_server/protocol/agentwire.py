@@ -6,7 +6,7 @@ these are the names and the one conditional parameter both sides spell.
 
 from __future__ import annotations
 
-from debug_server.protocol.wire import DUMP_FILE_HANDLER, HEALTH_HANDLER, PING_HANDLER
+from debug_server.protocol.names import DUMP_FILE_HANDLER, HEALTH_HANDLER, PING_HANDLER
 
 FR = "agent_fr"
 STACKS = "agent_stacks"
@@ -22,9 +22,8 @@ WHOLE = "whole"
 """``agent_fr``: whole rings (with ``onlyactive``: torch's FR parameter)."""
 HANDLER = "handler"
 """``agent_fetch``: which worker handler to relay (one of :data:`FETCHABLE`)."""
-NATIVE = "native"
 EVERY = "every"
-"""``agent_stacks``: py-spy ``--native`` for every rank; py-spy for every rank, not only the
-stuck ones."""
+"""``agent_stacks``: py-spy for every rank, not only the stuck ones (with ``native``:
+``names.NATIVE``, py-spy ``--native`` for every rank)."""
 FETCHABLE = frozenset({PING_HANDLER, HEALTH_HANDLER, DUMP_FILE_HANDLER})
 """Worker handlers ``agent_fetch`` relays (no parameters; the frontend asks the rest directly)."""

@@ -18,33 +18,24 @@ from typing import Any
 from aiohttp import web
 
 from debug_server.errors import first_line
+from debug_server.protocol.names import (  # noqa: F401 (the names the wire spells, also here)
+    C10D_FR_HANDLER,
+    DUMP_FILE_HANDLER,
+    FR_HANDLER,
+    HEALTH_HANDLER,
+    INCLUDE_COLLECTIVES,
+    INCLUDE_STACKTRACES,
+    ONLY_ACTIVE,
+    PING_HANDLER,
+    SINCE,
+    STACKS_HANDLER,
+    WINDOW,
+    WITH_STACKS,
+)
 
 logger = logging.getLogger(__name__)
 
 
-FR_HANDLER = "torchcomms_fr_trace_json"
-"""Our FR handler (the window parameters below, ``pgknown``, ``stacks``)."""
-C10D_FR_HANDLER = "fr_trace_json"
-"""c10d's own FR handler (torch's C++ worker has only this one; ours answers it too)."""
-STACKS_HANDLER = "dump_traceback"
-PING_HANDLER = "ping"
-HEALTH_HANDLER = "torchcomms_health_check"
-DUMP_FILE_HANDLER = "torchcomms_fr_dump_file"
-
-ONLY_ACTIVE = "onlyactive"
-"""torch's FR parameter: only the entries not yet completed."""
-INCLUDE_COLLECTIVES = "includecollectives"
-INCLUDE_STACKTRACES = "includestacktraces"
-"""torch's FR parameter (``false``: entries without their call-site frames)."""
-SINCE = "since"
-"""Our FR parameter: per group, the first collective seq wanted (``frwindow.format_since``)."""
-WINDOW = "window"
-"""Our FR parameter: each group from the rank's own frontier less this many ops."""
-
-WITH_STACKS = "stacks"
-"""Our FR handler's parameter (``stacks=true``): the reply carries this rank's thread stacks too,
-after the FR JSON and :data:`STACKS_SEP`, so one request per rank serves a page that shows both
-(``/fr_trace`` and the overview: half the requests per rank and per host agent)."""
 STACKS_SEP = "\n\x1e"
 """Between the FR JSON and the stacks text of a ``stacks=true`` reply. JSON escapes every control
 character, so the first ``\\x1e`` of a reply is always this one."""
