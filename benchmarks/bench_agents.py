@@ -20,7 +20,7 @@ watch's first poll (as on the frontend of a job that has run a while), since the
 takes its health column from that poll (``frontend.health_held``); each row says which it used.
 At 16384 the watch's second poll (2048 agent requests) falls in the overview's timed pages (they
 follow three /fr_trace pages); a page that a poll overlaps pays part of the poll's cost on this
-box (its requests go first, ``frontend.pagefirst``, but the poll's agents and fakes share the
+box (its requests go first, ``fanout.pagefirst``, but the poll's agents and fakes share the
 cores), as a user's page would. The CPU seconds per page of each kind of
 process are printed too: on this box the fake ranks, the agents and the frontend share two
 cores, so end-to-end seconds include the agents' work, which a real job spreads over its hosts.

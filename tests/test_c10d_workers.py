@@ -1,4 +1,4 @@
-"""Merging c10d's CPU and NCCL recorder dumps of one rank (``frontend.c10d_workers``)."""
+"""Merging c10d's CPU and NCCL recorder dumps of one rank (``fanout.c10d_workers``)."""
 
 from __future__ import annotations
 

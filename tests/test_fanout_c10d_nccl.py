@@ -1,6 +1,6 @@
 """torch's own C++ workers on a CUDA build: the collector reads c10d's NCCL recorder
 (``dump_nccl_trace_json``) next to its CPU recorder (``fr_trace_json``), one dump per rank
-(``frontend.c10d_workers``). The fake workers answer as ``FlightRecorderCuda.cpp`` says torch's
+(``fanout.c10d_workers``). The fake workers answer as ``FlightRecorderCuda.cpp`` says torch's
 do (``fakefleet.make_c10d_worker_app(nccl=...)``); a real NCCL job is checked on GPUs
 (``scripts/gpu_check_c10d_workers.py``)."""
 

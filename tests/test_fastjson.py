@@ -1,4 +1,4 @@
-"""``frontend.fastjson``: the same values as ``json`` for what the fan-outs parse and write,
+"""``fanout.fastjson``: the same values as ``json`` for what the fan-outs parse and write,
 with ``orjson`` and without it (a source tree run where it is missing)."""
 
 from __future__ import annotations

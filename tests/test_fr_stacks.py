@@ -1,4 +1,4 @@
-"""A page that shows FR and stacks asks each rank once for both (``Collector.fr_stacks``,
+"""A page that shows FR and stacks asks each rank once for both (``LiveCollector.fr_stacks``,
 ``wire.WITH_STACKS``), directly and through the host agents, and gives what asking each apart
 gives. Real worker and agent apps on 127.0.0.1 port 0; each worker counts the requests it gets.
 """

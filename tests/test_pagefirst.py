@@ -1,5 +1,5 @@
 """A page's requests go before the hang watch's poll in the frontend's bound on requests in
-flight (``frontend.pagefirst``): the slot order, cancellation, and a real poll against real
+flight (``fanout.pagefirst``): the slot order, cancellation, and a real poll against real
 workers yielding to a page's fan-out."""
 
 from __future__ import annotations

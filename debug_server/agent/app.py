@@ -183,7 +183,7 @@ async def _agent_fr(request: web.Request, q: Mapping[str, str]) -> web.Response:
                            f"{frwindow.LOCAL_SLACK} is supported")
         # Cut at this host's frontier; a host whose ranks' windows did not change since the
         # asker's tag is answered before any of them is parsed.
-        # With stacks=true the ranks' stacks come in the same requests (Collector.fr_stacks),
+        # With stacks=true the ranks' stacks come in the same requests (LiveCollector.fr_stacks),
         # and go with every reply, "unchanged" ones too: stacks are always read fresh.
         texts: dict[int, str] | None = {} if want_stacks else None
         first = await collector.first_round(addrs, texts)

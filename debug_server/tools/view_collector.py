@@ -1,4 +1,4 @@
-"""``fanout.Collector``'s twin for the post-mortem viewer: the ranks' answers from files.
+"""The post-mortem viewer's collector (``fanout.collector.Collector``): answers from files.
 
 The frontend's handlers ask a collector for every rank's FR dump and stacks; :class:`DiskCollector`
 answers from the cycle the request chose (:data:`CURRENT`, set by ``tools/view.py``'s
@@ -46,7 +46,7 @@ class DiskRegistry:
 
 
 class DiskCollector:
-    """``fanout.Collector``'s methods over the chosen cycle's files instead of live workers.
+    """``fanout.collector.Collector`` over the chosen cycle's files instead of live workers.
 
     Extra keyword arguments (new fetch options of the live collector) are accepted and
     ignored: on disk there is one recorded answer per rank.
@@ -76,7 +76,7 @@ class DiskCollector:
 
     async def fr_stacks(self, addrs: Sequence[WorkerAddr] | None = None,
                         ) -> tuple[FrData, list[RankResult]]:
-        """The live collector's pair for a page that shows both (``Collector.fr_stacks``)."""
+        """The live collector's pair for a page that shows both (``LiveCollector.fr_stacks``)."""
         return await self.fr(addrs=addrs), await self.stacks(addrs)
 
     async def fr(self, *, only_active: bool = False, whole: bool = False,
