@@ -20,7 +20,7 @@ watch's first poll (as on the frontend of a job that has run a while), since the
 takes its health column from that poll (``frontend.health_held``); each row says which it used.
 At 16384 the watch's second poll (2048 agent requests) falls in the overview's timed pages (they
 follow three /fr_trace pages); a page that a poll overlaps pays part of the poll's cost on this
-box (its requests go first, ``frontend.pagefirst``, but the poll's agents and fakes share the
+box (its requests go first, ``fanout.pagefirst``, but the poll's agents and fakes share the
 cores), as a user's page would. The CPU seconds per page of each kind of
 process are printed too: on this box the fake ranks, the agents and the frontend share two
 cores, so end-to-end seconds include the agents' work, which a real job spreads over its hosts.
@@ -55,15 +55,16 @@ PAGES = (("fr_s", "/fr_trace"), ("overview_s", "/"), ("stacks_s", "/stacks"))
 async def _serve_agents(first: int, last: int, world: int, urls_file: str) -> None:
     """Agents of fake hosts ``first..last - 1`` (8 ranks each) on this loop (``serve_apps``)."""
     from debug_server.agent import app as agent
-    from debug_server.frontend import fanout
+    from debug_server.agent.registry import StaticHostRegistry
+    from debug_server.fanout import transport
 
     urls = Path(urls_file).read_text().split(",")
     apps = []
     for h in range(first, last):
         lo = h * PER_HOST
-        apps.append(agent.make_agent_app(agent.StaticHostRegistry(urls[lo:lo + PER_HOST], lo, world),
+        apps.append(agent.make_agent_app(StaticHostRegistry(urls[lo:lo + PER_HOST], lo, world),
                                          f"fh{h}", fetch_timeout=120.0, max_concurrency=PER_HOST))
-    fanout.settle_gc()  # as an agent's own process does (agent.main)
+    transport.settle_gc()  # as an agent's own process does (agent.main)
     await ff.serve_apps(apps)
 
 

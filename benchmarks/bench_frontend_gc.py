@@ -21,8 +21,9 @@ sys.path.insert(0, str(REPO / "tests"))
 import aiohttp  # noqa: E402
 from fakefleet import start_fleet, stop_fleet  # noqa: E402
 
+from debug_server.fanout.live import LiveCollector  # noqa: E402
+from debug_server.fanout.transport import GC_THRESHOLDS  # noqa: E402
 from debug_server.frontend.app import CONNECTIONS_PER_RANK  # noqa: E402
-from debug_server.frontend.fanout import GC_THRESHOLDS, Collector  # noqa: E402
 from debug_server.rank.discovery import StaticRegistry  # noqa: E402
 
 DEFAULT = (700, 10, 10)
@@ -34,7 +35,7 @@ async def run(ranks: int, rounds: int, helpers: int) -> dict[tuple[int, int, int
     try:
         connector = aiohttp.TCPConnector(limit=64, limit_per_host=CONNECTIONS_PER_RANK)
         async with aiohttp.ClientSession(connector=connector) as session:
-            c = Collector(session, StaticRegistry(urls), timeout=120)
+            c = LiveCollector(session, StaticRegistry(urls), timeout=120)
             await c.fr()  # warm: connections, member lists learnt
             for i in range(2 * rounds):
                 th = DEFAULT if i % 2 == 0 else GC_THRESHOLDS

@@ -29,9 +29,10 @@ sys.path.insert(0, str(REPO / "tests"))
 
 import fakefleet  # noqa: E402
 
+from debug_server.fanout.reply import FrData  # noqa: E402
+from debug_server.fanout.transport import RankResult  # noqa: E402
 from debug_server.frontend.app import load_templates  # noqa: E402
 from debug_server.frontend.dumps import analyze_fr  # noqa: E402
-from debug_server.frontend.fanout import FrData, RankResult  # noqa: E402
 from debug_server.frontend.render import overview_model, render_fr_html  # noqa: E402
 from debug_server.tools import synthetic  # noqa: E402
 

@@ -34,8 +34,8 @@ sys.path.insert(0, str(REPO / "tests"))
 from fakefleet import start_fleet, stop_fleet  # noqa: E402
 
 from debug_server.config import ServerConfig  # noqa: E402
+from debug_server.fanout.transport import settle_gc  # noqa: E402
 from debug_server.frontend.app import make_frontend_app  # noqa: E402
-from debug_server.frontend.fanout import settle_gc  # noqa: E402
 from debug_server.rank.discovery import StaticRegistry  # noqa: E402
 
 

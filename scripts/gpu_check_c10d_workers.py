@@ -9,7 +9,7 @@ torch's ``_WorkerServer`` registered in the job's store as torch's server regist
 which rank 1 never joins (it sleeps). c10d keeps NCCL's ops in its NCCL recorder
 (``dump_nccl_trace_json``), not in the CPU one that ``fr_trace_json`` serves. A frontend attached
 by store (``python -m debug_server.frontend --store ...``) must name rank 1 missing from
-all_reduce #4 on pg 0 (``frontend.c10d_workers``), and each rank's NCCL recorder, asked
+all_reduce #4 on pg 0 (``fanout.c10d_workers``), and each rank's NCCL recorder, asked
 ``onlyactive=true`` as the frontend's first round asks it, must vouch for its cut from #4 on
 (``analysis.activecover``; else every page reads whole rings). Exits 1 naming what failed. ``--cpu``: gloo (only ``fr_trace_json``;
 the NCCL handler answers 404), to try the check itself without GPUs.

@@ -1,7 +1,7 @@
-"""One agent per host (``agent/app.py``, ``frontend/agent_fanout.py``, ``rank/agent_launch.py``).
+"""One agent per host (``agent/app.py``, ``fanout/agents.py``, ``rank/agent_launch.py``).
 
 In process: real worker apps on port 0 behind real agent apps on port 0, read by the frontend's
-``AgentCollector``. Then a real gloo job of 4 ranks "on two hosts": two groups of two processes
+``agents_mod.AgentRoute``. Then a real gloo job of 4 ranks "on two hosts": two groups of two processes
 on 127.0.0.1 with torchrun's per-host variables (``LOCAL_RANK``, ``LOCAL_WORLD_SIZE=2``) and one
 agent id per group, so each group's local rank 0 starts one agent; rank 3 sleeps instead of
 joining all_reduce #3. Every process is ended by its process group (each rank has its own
@@ -30,10 +30,11 @@ from aiohttp import web
 from mpjob import free_port, kill_all, rank_env
 
 from debug_server.agent import app as agent
+from debug_server.agent.registry import StaticHostRegistry
 from debug_server.config import JobEnv
-from debug_server.frontend import agent_fanout
+from debug_server.fanout import agents as agents_mod
+from debug_server.fanout.live import LiveCollector
 from debug_server.frontend.dumps import analyze_fr
-from debug_server.frontend.fanout import Collector
 from debug_server.rank import agent_launch
 from debug_server.rank.discovery import WorkerAddr
 from debug_server.rank.worker import StaticProvider, make_worker_app
@@ -50,13 +51,13 @@ HANG_STACK = ('Thread 0x00007f0000000001 (most recent call first):\n'
 
 
 def test_rank_list_text_round_trips_with_ranges() -> None:
-    assert agent.format_ranks([7, 0, 1, 2, 3, 9]) == "0-3,7,9"
-    assert agent.parse_ranks("0-3,7,9") == [0, 1, 2, 3, 7, 9]
+    assert agent_launch.format_ranks([7, 0, 1, 2, 3, 9]) == "0-3,7,9"
+    assert agent_launch.parse_ranks("0-3,7,9") == [0, 1, 2, 3, 7, 9]
 
 
 def test_rank_list_text_refuses_a_backwards_range() -> None:
     with pytest.raises(ValueError, match="bad range '5-2'"):
-        agent.parse_ranks("5-2")
+        agent_launch.parse_ranks("5-2")
 
 
 def test_torchrun_layout_gives_the_hosts_contiguous_ranks() -> None:
@@ -82,10 +83,10 @@ def test_single_host_job_runs_no_agent_unless_asked() -> None:
 class _Directory:
     """The agents' registrations, as ``AgentDirectory`` reads them from a store."""
 
-    def __init__(self, agents: dict[str, agent_fanout.AgentAddr]) -> None:
+    def __init__(self, agents: dict[str, agents_mod.AgentAddr]) -> None:
         self.agents = agents
 
-    async def lookup(self, ids: set[str]) -> dict[str, agent_fanout.AgentAddr]:
+    async def lookup(self, ids: set[str]) -> dict[str, agents_mod.AgentAddr]:
         return {i: a for i, a in self.agents.items() if i in ids}
 
     def forget(self, agent_id: str) -> None:
@@ -117,15 +118,15 @@ async def _start(app: web.Application, runners: list[web.AppRunner]) -> str:
 
 
 async def _start_agents(urls: list[str], runners: list[web.AppRunner],
-                        per_host: int) -> dict[str, agent_fanout.AgentAddr]:
+                        per_host: int) -> dict[str, agents_mod.AgentAddr]:
     """One real agent app per ``per_host`` of the workers at ``urls``, hosts ``h0``, ``h1``..."""
     found = {}
     for h in range(len(urls) // per_host):
         lo = h * per_host
-        app = agent.make_agent_app(agent.StaticHostRegistry(urls[lo:lo + per_host], lo,
+        app = agent.make_agent_app(StaticHostRegistry(urls[lo:lo + per_host], lo,
                                                             len(urls)),
                                    f"h{h}", fetch_timeout=3.0)
-        found[f"h{h}"] = agent_fanout.AgentAddr(f"h{h}", await _start(app, runners),
+        found[f"h{h}"] = agents_mod.AgentAddr(f"h{h}", await _start(app, runners),
                                                 frozenset(range(lo, lo + per_host)))
     return found
 
@@ -144,17 +145,17 @@ async def fleet() -> AsyncIterator[dict[str, Any]]:
     agent_runners = {}
     for h in range(WORLD // PER_HOST):
         ranks = list(range(h * PER_HOST, (h + 1) * PER_HOST))
-        app = agent.make_agent_app(agent.StaticHostRegistry(urls[ranks[0]:ranks[-1] + 1],
+        app = agent.make_agent_app(StaticHostRegistry(urls[ranks[0]:ranks[-1] + 1],
                                                             ranks[0], WORLD),
                                    f"h{h}", fetch_timeout=3.0)
         url = await _start(app, runners)
         agent_runners[f"h{h}"] = runners[-1]
-        agents[f"h{h}"] = agent_fanout.AgentAddr(f"h{h}", url, frozenset(ranks))
+        agents[f"h{h}"] = agents_mod.AgentAddr(f"h{h}", url, frozenset(ranks))
     async with aiohttp.ClientSession() as session:
         registry = _Registry(urls, PER_HOST)
-        through = agent_fanout.AgentCollector(session, registry, _Directory(agents),  # type: ignore[arg-type]
-                                              timeout=3.0)
-        plain = Collector(session, registry, timeout=3.0)
+        through = LiveCollector(session, registry, timeout=3.0,
+                                route=agents_mod.AgentRoute(_Directory(agents)))  # type: ignore[arg-type]
+        plain = LiveCollector(session, registry, timeout=3.0)
         yield {"through": through, "plain": plain, "agents": agents,
                "agent_runners": agent_runners, "urls": urls}
     for r in runners:

@@ -1,7 +1,7 @@
 """Conditional asks of a host's agent (``agentwire.TAG``): a hung host costs little on a second page.
 
 Real worker apps on port 0 (each stamping its dump with the time it was read, as a live rank's
-recorder does) behind real agent apps on port 0, read by the frontend's ``AgentCollector``.
+recorder does) behind real agent apps on port 0, read by the frontend's ``agents_mod.AgentRoute``.
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ from test_agent import _Directory, _Registry, _start, _start_agents  # the same 
 from debug_server.agent import app as agent
 from debug_server.analysis.core import analyze
 from debug_server.analysis.digest import SNAPSHOT_TIME_KEY, DigestMemo, digest_dump
-from debug_server.frontend import agent_fanout
+from debug_server.fanout import agents as agents_mod
+from debug_server.fanout.live import LiveCollector
 from debug_server.frontend.dumps import analyze_fr
 from debug_server.protocol import agentwire
 from debug_server.rank.worker import StaticProvider, make_worker_app
@@ -43,8 +44,8 @@ async def fleet() -> AsyncIterator[dict[str, Any]]:
     urls = [await _start(make_worker_app(p), runners) for p in providers]
     agents = await _start_agents(urls, runners, PER_HOST)
     async with aiohttp.ClientSession() as session:
-        through = agent_fanout.AgentCollector(session, _Registry(urls, PER_HOST),  # type: ignore[arg-type]
-                                              _Directory(agents), timeout=3.0)
+        through = LiveCollector(session, _Registry(urls, PER_HOST), timeout=3.0,  # type: ignore[arg-type]
+                                route=agents_mod.AgentRoute(_Directory(agents)))  # type: ignore[arg-type]
         yield {"through": through, "providers": providers, "agents": agents}
     for r in runners:
         await r.cleanup()
@@ -65,7 +66,7 @@ async def test_second_ask_of_a_hung_host_is_answered_unchanged_with_new_read_tim
     through = fleet["through"]
     first = await through.fr()
     second = await through.fr()
-    assert through.agent_unchanged == WORLD // PER_HOST
+    assert through.route.agent_unchanged == WORLD // PER_HOST
     for r in range(WORLD):
         assert _entries(second.dumps[r]) == _entries(first.dumps[r]), r
         assert second.dumps[r][SNAPSHOT_TIME_KEY] > first.dumps[r][SNAPSHOT_TIME_KEY], r
@@ -85,7 +86,7 @@ async def test_a_changed_ring_gets_its_host_a_whole_reply_and_the_other_host_unc
     newest["state"] = "started" if newest["state"] == "completed" else "completed"
     p.dump = {**p.dump, "entries": entries}
     second = await through.fr()
-    assert through.agent_unchanged == 1  # host h1 only
+    assert through.route.agent_unchanged == 1  # host h1 only
     assert second.dumps[1]["entries"][-1]["record_id"] == newest["record_id"]
     assert second.dumps[1]["entries"][-1]["state"] == newest["state"]
     assert first.dumps[1]["entries"][-1]["state"] != newest["state"]
@@ -96,9 +97,9 @@ async def test_a_page_of_hosts_that_all_answer_with_their_last_tags_reuses_the_w
         fleet: dict[str, Any]) -> None:
     through = fleet["through"]
     first = await through.fr()
-    assert through.cuts_reused == 0
+    assert through.route.cuts_reused == 0
     second = await through.fr()
-    assert through.cuts_reused == 1
+    assert through.route.cuts_reused == 1
     assert second.window == first.window == {"main_comm": first.window["main_comm"]}
     for r in range(WORLD):
         # The same cut entry objects, with this page's read times (as a fresh cut gives).
@@ -119,11 +120,11 @@ async def test_one_changed_host_makes_the_page_cut_again_and_see_the_change(
     entries[-1]["state"] = "completed" if entries[-1]["state"] != "completed" else "started"
     p.dump = {**p.dump, "entries": entries}
     second = await through.fr()
-    assert through.cuts_reused == 0 and through.agent_unchanged == 1  # host h0 unchanged
+    assert through.route.cuts_reused == 0 and through.route.agent_unchanged == 1  # host h0 unchanged
     assert second.dumps[MISSING]["entries"][-1]["state"] == entries[-1]["state"]
     assert first.dumps[MISSING]["entries"][-1]["state"] != entries[-1]["state"]
     await through.fr()
-    assert through.cuts_reused == 1  # and the page after it reuses the new cut
+    assert through.route.cuts_reused == 1  # and the page after it reuses the new cut
 
 
 async def test_agent_answers_unchanged_only_to_the_tag_of_its_last_reply(
@@ -143,9 +144,9 @@ async def test_an_unchanged_reply_for_dumps_no_longer_held_is_asked_again_plainl
     through = fleet["through"]
     first = await through.fr()
     # As if another page had replaced what was held after this ask's tag was sent.
-    through._held = {slot: (q, tag, {}) for slot, (q, tag, _) in through._held.items()}
+    through.route._held = {slot: (q, tag, {}) for slot, (q, tag, _) in through.route._held.items()}
     second = await through.fr()
-    assert through.agent_unchanged == 0
+    assert through.route.agent_unchanged == 0
     assert sorted(second.dumps) == list(range(WORLD))
     assert [r.note for r in second.results] == [f"via agent h{r // PER_HOST}" for r in range(WORLD)]
     assert _entries(second.dumps[MISSING]) == _entries(first.dumps[MISSING])
@@ -155,10 +156,10 @@ async def test_analysis_of_unchanged_hosts_reuses_each_digest_and_finds_the_same
         fleet: dict[str, Any]) -> None:
     through = fleet["through"]
     analyze_fr(await through.fr(), None, WORLD)
-    assert through.digest_memo.hits == 0
+    assert through.route.digest_memo.hits == 0
     second = await through.fr()
     reused = analyze_fr(second, None, WORLD)
-    assert through.digest_memo.hits == WORLD
+    assert through.route.digest_memo.hits == WORLD
     fresh = analyze(second.dumps, world_size=WORLD, unavailable=second.unavailable())
     assert reused == fresh and f"Rank {MISSING} never joined" in reused["verdict"]
 
@@ -178,11 +179,11 @@ def test_digest_memo_digests_again_a_dump_with_one_new_entry_object() -> None:
 
 
 async def _restarted(fleet: dict[str, Any], session: aiohttp.ClientSession,
-                     ) -> agent_fanout.AgentCollector:
+                     ) -> LiveCollector:
     """A new frontend's collector (restarted, or attached from elsewhere): it holds no tag."""
     urls = [a.url for a in fleet["through"].registry.addrs]
-    return agent_fanout.AgentCollector(session, _Registry(urls, PER_HOST),  # type: ignore[arg-type]
-                                       _Directory(fleet["agents"]), timeout=3.0)
+    return LiveCollector(session, _Registry(urls, PER_HOST), timeout=3.0,  # type: ignore[arg-type]
+                         route=agents_mod.AgentRoute(_Directory(fleet["agents"])))  # type: ignore[arg-type]
 
 
 async def _from_last(fleet: dict[str, Any]) -> dict[str, int]:

@@ -1,10 +1,10 @@
-"""Merging c10d's CPU and NCCL recorder dumps of one rank (``frontend.c10d_workers``)."""
+"""Merging c10d's CPU and NCCL recorder dumps of one rank (``fanout.c10d_workers``)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from debug_server.frontend import c10d_workers
+from debug_server.fanout import c10d_workers
 
 
 def _entry(group: str, seq: int, t: int, rid: int, op: str = "nccl:all_reduce") -> dict[str, Any]:

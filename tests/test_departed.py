@@ -8,9 +8,10 @@ import subprocess
 import sys
 from typing import Any
 
-from debug_server.agent import app as agent
+from debug_server.agent import main as agent_main
+from debug_server.fanout.reply import FrData
+from debug_server.fanout.transport import GONE, OK, UNREACHABLE, RankResult
 from debug_server.frontend import departed
-from debug_server.frontend.fanout import GONE, OK, UNREACHABLE, FrData, RankResult
 from debug_server.rank import jobpids
 from debug_server.rank.discovery import WorkerAddr
 
@@ -103,7 +104,7 @@ async def test_agent_outlives_its_local_rank_0_while_a_rank_of_its_host_runs() -
     done = asyncio.Event()
     try:
         watch = asyncio.create_task(
-            agent._watch_parent(parent.pid, done, _HostRanks([parent.pid, rank1.pid])))
+            agent_main._watch_parent(parent.pid, done, _HostRanks([parent.pid, rank1.pid])))
         await asyncio.sleep(1.5)  # a poll has read the host's ranks
         parent.kill()
         parent.wait()
@@ -128,7 +129,7 @@ async def test_agents_found_before_stay_when_the_store_dies_with_rank_0(monkeypa
     import torch.distributed as dist
     from mpjob import free_port
 
-    from debug_server.frontend import agent_fanout
+    from debug_server.fanout import agents as agents_mod
     from debug_server.rank.agent_launch import agent_key
     from debug_server.rank.discovery import store_client
 
@@ -137,8 +138,8 @@ async def test_agents_found_before_stay_when_the_store_dies_with_rank_0(monkeypa
                            timeout=timedelta(seconds=5))
     store_client("127.0.0.1", port, 5).set(agent_key("h1"), json.dumps(
         {"url": "http://h1:1", "ranks": "0-1", "restart": 0}))
-    monkeypatch.setattr(agent_fanout, "AGENT_TTL_S", 0.0)  # read it again on every lookup
-    directory = agent_fanout.AgentDirectory("127.0.0.1", port, 0, timeout=1.0)
+    monkeypatch.setattr(agents_mod, "AGENT_TTL_S", 0.0)  # read it again on every lookup
+    directory = agents_mod.AgentDirectory("127.0.0.1", port, 0, timeout=1.0)
     try:
         assert set(await directory.lookup({"h1"})) == {"h1"}
         del master  # rank 0 hosted the store: it is gone with it

@@ -15,10 +15,11 @@ import pytest
 from conftest import closed_port_url
 
 from debug_server.config import ServerConfig
+from debug_server.fanout.collector import Collector
+from debug_server.fanout.live import LiveCollector
 from debug_server.frontend import dumps as dumps_mod
 from debug_server.frontend.app import DUMPER, make_frontend_app
 from debug_server.frontend.dumps import DumpDir, Dumper, FileThread, write_atomic
-from debug_server.frontend.fanout import Collector
 from debug_server.rank.discovery import StaticRegistry
 from debug_server.tools import synthetic
 
@@ -79,7 +80,7 @@ async def collector() -> Any:
 
     def make(urls: list[str | None]) -> Collector:
         sessions.append(aiohttp.ClientSession())
-        return Collector(sessions[-1], StaticRegistry(urls), timeout=2)
+        return LiveCollector(sessions[-1], StaticRegistry(urls), timeout=2)
 
     yield make
     for s in sessions:
@@ -215,8 +216,8 @@ def _stack(func: str, line: int) -> str:
 
 
 def test_stacks_report_groups_identical_ranks_odd_one_first() -> None:
+    from debug_server.fanout.transport import OK, RankResult
     from debug_server.frontend.dumps import stacks_report
-    from debug_server.frontend.fanout import OK, RankResult
 
     results = [
         RankResult(r, f"http://h:{r}", OK, body=_stack("hang_phase", 66) if r == 5 else _stack("step", 138))

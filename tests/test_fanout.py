@@ -9,7 +9,9 @@ import pytest
 from aiohttp import web
 from conftest import closed_port_url
 
-from debug_server.frontend.fanout import Collector, RankResult, fan_out, parse_dumps
+from debug_server.fanout.live import LiveCollector
+from debug_server.fanout.reply import parse_dumps
+from debug_server.fanout.transport import RankResult, fan_out
 from debug_server.rank.discovery import StaticRegistry, WorkerAddr
 from debug_server.tools import synthetic
 
@@ -117,7 +119,36 @@ async def test_collector_falls_back_to_c10d_fr_for_torch_workers(aiohttp_server:
     app.router.add_post("/handler/fr_trace_json", c10d)
     torch_worker = str((await aiohttp_server(app)).make_url("")).rstrip("/")
     ours = await fake_rank(_dumps()[0])
-    collector = Collector(session, StaticRegistry([ours, torch_worker]), timeout=2)
+    collector = LiveCollector(session, StaticRegistry([ours, torch_worker]), timeout=2)
     fr = await collector.fr(only_active=False)
     assert sorted(fr.dumps) == [0, 1]
     assert "entries" not in fr.dumps[1] and fr.unavailable() == {}
+
+
+def test_every_collector_answers_the_collector_protocol() -> None:
+    """The live collector (plain and through agents), ``KeepLast`` around it and the viewer's
+    ``DiskCollector`` all answer every method of ``collector.Collector`` with its parameters,
+    so a page, the dumper or the hang watch takes any of them."""
+    import inspect
+
+    from debug_server.fanout.agents import AgentDirectory, AgentRoute
+    from debug_server.fanout.collector import Collector
+    from debug_server.frontend.departed import Departures, KeepLast
+    from debug_server.tools.view_collector import DiskCollector
+
+    registry = StaticRegistry([None, None])
+    live = LiveCollector(None, registry, timeout=1.0)  # type: ignore[arg-type]
+    directory = AgentDirectory("127.0.0.1", 1, 0)
+    through = LiveCollector(None, registry, timeout=1.0,  # type: ignore[arg-type]
+                            route=AgentRoute(directory))
+    try:
+        for c in (live, through, KeepLast(live, Departures()), DiskCollector()):
+            assert isinstance(c, Collector), type(c)
+            for name in ("fetch", "fr", "stacks", "fr_stacks", "data_time_ns"):
+                want = inspect.signature(getattr(Collector, name)).parameters
+                have = inspect.signature(getattr(c, name)).parameters
+                takes_any = any(p.kind is p.VAR_KEYWORD for p in have.values())
+                missing = [p for p in want if p != "self" and p not in have and not takes_any]
+                assert missing == [], (type(c).__name__, name, missing)
+    finally:
+        directory.close()

@@ -12,11 +12,12 @@ import pytest
 from fakefleet import c10d_dump, make_c10d_worker_app
 
 from debug_server.analysis.core import analyze
-from debug_server.frontend import fanout
-from debug_server.frontend.agent_fanout import AgentCollector
+from debug_server.fanout import reply
+from debug_server.fanout.agents import AgentRoute
+from debug_server.fanout.leanhttp import LeanClient
+from debug_server.fanout.live import LiveCollector
+from debug_server.fanout.reply import FrData
 from debug_server.frontend.dumps import analyze_fr
-from debug_server.frontend.fanout import Collector, FrData
-from debug_server.frontend.leanhttp import LeanClient
 from debug_server.rank.discovery import StaticRegistry
 from debug_server.tools import synthetic
 
@@ -38,17 +39,17 @@ async def _fr(urls: list[str]) -> FrData:
     http = LeanClient()
     try:
         async with aiohttp.ClientSession() as session:
-            return await Collector(session, StaticRegistry(urls), timeout=10, http=http).fr()
+            return await LiveCollector(session, StaticRegistry(urls), timeout=10, http=http).fr()
     finally:
         http.close()
 
 
 async def test_whole_c10d_rings_are_cut_to_the_window_as_they_arrive(torch_workers: Any) -> None:
     urls, whole = torch_workers
-    assert len(json.dumps(whole[0])) > fanout.CUT_ON_ARRIVAL_BYTES  # what makes them cut early
+    assert len(json.dumps(whole[0])) > reply.CUT_ON_ARRIVAL_BYTES  # what makes them cut early
     fr = await _fr(urls)
     assert [r.status for r in fr.results] == ["ok", "ok", "ok"]
-    assert all(len(r.body or "") < fanout.CUT_ON_ARRIVAL_BYTES for r in fr.results)
+    assert all(len(r.body or "") < reply.CUT_ON_ARRIVAL_BYTES for r in fr.results)
     for r in range(3):
         seqs = [e["collective_seq_id"] for e in fr.dumps[r]["entries"]]
         assert seqs and min(seqs) >= fr.window["0"] and len(seqs) < 10
@@ -80,12 +81,13 @@ async def test_agent_collector_cuts_torch_rings_when_it_asks_the_ranks_directly(
     http = LeanClient()
     try:
         async with aiohttp.ClientSession() as session:
-            collector = AgentCollector(session, StaticRegistry(urls), _NoAgents(),  # type: ignore[arg-type]
-                                       timeout=10, http=http)
+            route = AgentRoute(_NoAgents())  # type: ignore[arg-type]
+            collector = LiveCollector(session, StaticRegistry(urls), timeout=10, http=http,
+                                      route=route)
             fr = await collector.fr()
     finally:
         http.close()
-    assert sorted(fr.dumps) == [0, 1, 2] and collector.agent_requests == 0
+    assert sorted(fr.dumps) == [0, 1, 2] and route.agent_requests == 0
     assert all(len(d["entries"]) < 10 for d in fr.dumps.values())
 
 
@@ -105,7 +107,7 @@ async def test_a_hung_fleet_of_torch_workers_needs_one_request_per_rank_per_page
     http = LeanClient()
     try:
         async with aiohttp.ClientSession() as session:
-            collector = Collector(session, StaticRegistry(urls), timeout=10, http=http)
+            collector = LiveCollector(session, StaticRegistry(urls), timeout=10, http=http)
             await collector.fr()
             assert [dict(a) for a in asked] == [
                 {"torchcomms_fr_trace_json": 1, "fr_trace_json": 1, "dump_nccl_trace_json": 1}] * 3

@@ -20,9 +20,10 @@ from fakefleet import c10d_dump, c10d_empty_dump, c10d_nccl_dump, make_c10d_work
 from hypothesis import HealthCheck, given, settings
 from test_live_equals_postmortem import FAILURES, _errors, jobs
 
+from debug_server.fanout.leanhttp import LeanClient
+from debug_server.fanout.live import LiveCollector
+from debug_server.fanout.reply import FrData
 from debug_server.frontend.dumps import analyze_fr
-from debug_server.frontend.fanout import Collector, FrData
-from debug_server.frontend.leanhttp import LeanClient
 from debug_server.rank.discovery import StaticRegistry
 from debug_server.rank.worker import StaticProvider, make_worker_app
 from debug_server.tools import synthetic
@@ -75,7 +76,7 @@ async def _pages(apps: list[web.Application], *, n: int = 1, whole: bool = False
     http = LeanClient()
     try:
         async with aiohttp.ClientSession() as session:
-            collector = Collector(session, StaticRegistry(urls), timeout=10, http=http)
+            collector = LiveCollector(session, StaticRegistry(urls), timeout=10, http=http)
             frs = [await collector.fr() for _ in range(n)]
             if whole:
                 frs.append(await collector.fr(whole=True))

@@ -1,6 +1,6 @@
 """torch's own C++ workers on a CUDA build: the collector reads c10d's NCCL recorder
 (``dump_nccl_trace_json``) next to its CPU recorder (``fr_trace_json``), one dump per rank
-(``frontend.c10d_workers``). The fake workers answer as ``FlightRecorderCuda.cpp`` says torch's
+(``fanout.c10d_workers``). The fake workers answer as ``FlightRecorderCuda.cpp`` says torch's
 do (``fakefleet.make_c10d_worker_app(nccl=...)``); a real NCCL job is checked on GPUs
 (``scripts/gpu_check_c10d_workers.py``)."""
 
@@ -13,10 +13,11 @@ import aiohttp
 from aiohttp import web
 from fakefleet import c10d_dump, c10d_empty_dump, c10d_nccl_dump, make_c10d_worker_app
 
-from debug_server.frontend import c10d_workers
+from debug_server.fanout import c10d_workers
+from debug_server.fanout.leanhttp import LeanClient
+from debug_server.fanout.live import LiveCollector
+from debug_server.fanout.reply import FrData
 from debug_server.frontend.dumps import analyze_fr
-from debug_server.frontend.fanout import Collector, FrData
-from debug_server.frontend.leanhttp import LeanClient
 from debug_server.rank.discovery import StaticRegistry
 from debug_server.tools import synthetic
 
@@ -35,7 +36,7 @@ async def _pages(urls: list[str], n: int = 1) -> FrData:
     http = LeanClient()
     try:
         async with aiohttp.ClientSession() as session:
-            collector = Collector(session, StaticRegistry(urls), timeout=10, http=http)
+            collector = LiveCollector(session, StaticRegistry(urls), timeout=10, http=http)
             for _ in range(n):
                 fr = await collector.fr()
             return fr
@@ -107,7 +108,7 @@ async def test_the_gloo_side_is_cut_at_its_own_frontier_page_after_page(
     http = LeanClient()
     try:
         async with aiohttp.ClientSession() as session:
-            collector = Collector(session, StaticRegistry(urls), timeout=10, http=http)
+            collector = LiveCollector(session, StaticRegistry(urls), timeout=10, http=http)
             for _ in range(3):
                 fr = await collector.fr()
                 assert fr.window == {"0:gloo": 1987, "0": 1999}  # NCCL read active-only

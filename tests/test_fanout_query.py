@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from urllib.parse import parse_qsl, urlencode
 
-from debug_server.frontend.fanout import handler_url
+from debug_server.fanout.transport import handler_url
 
 
 def test_a_handlers_url_carries_its_parameters_encoded_as_urlencode_does() -> None:

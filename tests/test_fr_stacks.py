@@ -1,4 +1,4 @@
-"""A page that shows FR and stacks asks each rank once for both (``Collector.fr_stacks``,
+"""A page that shows FR and stacks asks each rank once for both (``LiveCollector.fr_stacks``,
 ``wire.WITH_STACKS``), directly and through the host agents, and gives what asking each apart
 gives. Real worker and agent apps on 127.0.0.1 port 0; each worker counts the requests it gets.
 """
@@ -15,9 +15,12 @@ from aiohttp import web
 from test_agent import _Directory, _Registry, _start, _start_agents  # the same fakes
 
 from debug_server.agent import app as agent
-from debug_server.frontend import agent_fanout
+from debug_server.agent.registry import StaticHostRegistry
+from debug_server.fanout import agents as agents_mod
+from debug_server.fanout.collector import PRIME_RANKS
+from debug_server.fanout.live import LiveCollector
+from debug_server.fanout.transport import OK
 from debug_server.frontend.dumps import analyze_fr
-from debug_server.frontend.fanout import OK, PRIME_RANKS, Collector
 from debug_server.protocol import agentwire, members
 from debug_server.protocol.wire import STACKS_SEP, split_stacks
 from debug_server.rank.discovery import StaticRegistry
@@ -84,7 +87,7 @@ async def test_one_request_per_rank_brings_fr_and_stacks_equal_to_asking_each_ap
         workers: dict[str, Any]) -> None:
     seen = workers["seen"]
     async with aiohttp.ClientSession() as session:
-        c = Collector(session, StaticRegistry(workers["urls"]), timeout=5.0)
+        c = LiveCollector(session, StaticRegistry(workers["urls"]), timeout=5.0)
         apart_fr, apart_stacks = await c.fr(), await c.stacks()
         for r in seen:
             seen[r].clear()
@@ -113,7 +116,7 @@ async def test_a_worker_that_does_not_answer_keeps_its_record_in_both(
     urls = list(workers["urls"])
     urls[5] = "http://127.0.0.1:9"  # nothing listens on the discard port
     async with aiohttp.ClientSession() as session:
-        fr, stacks = await Collector(session, StaticRegistry(urls), timeout=5.0).fr_stacks()
+        fr, stacks = await LiveCollector(session, StaticRegistry(urls), timeout=5.0).fr_stacks()
     by_rank = {r.rank: r for r in stacks}
     assert by_rank[5].status == "unreachable" and by_rank[5].body is None
     assert {r.rank for r in fr.results if r.status == "unreachable"} == {5}
@@ -144,7 +147,7 @@ async def agents(workers: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
                                                     PER_HOST)}
 
 
-async def _agent_counts(agents: Mapping[str, agent_fanout.AgentAddr]) -> dict[str, dict[str, int]]:
+async def _agent_counts(agents: Mapping[str, agents_mod.AgentAddr]) -> dict[str, dict[str, int]]:
     out = {}
     async with aiohttp.ClientSession() as s:
         for aid, ag in agents.items():
@@ -157,13 +160,13 @@ async def test_through_agents_each_agent_and_each_rank_is_asked_once_per_page(
         agents: dict[str, Any]) -> None:
     seen = agents["seen"]
     async with aiohttp.ClientSession() as session:
-        through = agent_fanout.AgentCollector(
-            session, _Registry(agents["urls"], PER_HOST),  # type: ignore[arg-type]
-            _Directory(agents["agents"]), timeout=3.0)
+        through = LiveCollector(
+            session, _Registry(agents["urls"], PER_HOST), timeout=3.0,  # type: ignore[arg-type]
+            route=agents_mod.AgentRoute(_Directory(agents["agents"])))  # type: ignore[arg-type]
         pages = [await through.fr_stacks() for _ in range(2)]
     counts = await _agent_counts(agents["agents"])
     assert counts == {h: {agentwire.FR: 2, agentwire.INFO: 1} for h in counts}, counts
-    assert through.agent_unchanged == WORLD // PER_HOST  # the second page: a hung job
+    assert through.route.agent_unchanged == WORLD // PER_HOST  # the second page: a hung job
     for r in range(WORLD):
         if r == 3:  # the older worker: refused once, remembered on the second page
             assert seen[r] == ["/handler/torchcomms_fr_trace_json?window=4&stacks=true"] + [
@@ -200,7 +203,7 @@ async def test_a_big_job_s_first_rank_asked_alone_gets_its_stacks_apart_and_list
         monkeypatch.setattr(members, name, empty)
     try:
         async with aiohttp.ClientSession() as session:
-            c = Collector(session, StaticRegistry(urls), timeout=5.0)
+            c = LiveCollector(session, StaticRegistry(urls), timeout=5.0)
             fr, stacks = await c.fr_stacks()
             await c.fr_stacks()
     finally:
@@ -225,7 +228,7 @@ async def test_an_agent_asks_one_of_its_ranks_first_then_tells_the_others_the_li
     urls, seen = await _counted_workers({r: dumps[r] for r in range(8)}, -1, runners)
     for name, empty in (("_text_of", {}), ("_digest_of", {}), ("_weight", {}), ("_chars", 0)):
         monkeypatch.setattr(members, name, empty)
-    app = agent.make_agent_app(agent.StaticHostRegistry(urls, 0, world), "h0",
+    app = agent.make_agent_app(StaticHostRegistry(urls, 0, world), "h0",
                                fetch_timeout=5.0, max_concurrency=8)
     try:
         url = await _start(app, runners)
@@ -257,15 +260,15 @@ async def test_a_job_whose_lists_are_short_has_one_rank_asked_alone_once_not_eve
     fan_outs: list[int] = []
     try:
         async with aiohttp.ClientSession() as session:
-            c = Collector(session, StaticRegistry(urls), timeout=5.0, prime_ranks=2)
-            fetch = c.fetch
+            c = LiveCollector(session, StaticRegistry(urls), timeout=5.0, prime_ranks=2)
+            fetch = c.direct_fetch
 
             async def counted(handler: str, params: Any = None, addrs: Any = None,
                               each: Any = None) -> Any:
                 fan_outs.append(len(addrs))
                 return await fetch(handler, params, addrs, each)
 
-            monkeypatch.setattr(c, "fetch", counted)
+            monkeypatch.setattr(c, "direct_fetch", counted)
             for _ in range(3):
                 fr = await c.fr()
                 assert fr.dumps.keys() == set(range(WORLD))

@@ -9,7 +9,7 @@ import pytest
 from aiohttp import web
 
 from debug_server.analysis import core as analysis
-from debug_server.frontend.fanout import Collector
+from debug_server.fanout.live import LiveCollector
 from debug_server.protocol import frwindow
 from debug_server.rank.discovery import StaticRegistry
 from debug_server.rank.worker import StaticProvider, make_worker_app
@@ -160,7 +160,7 @@ async def test_torch_only_workers_get_whole_rings_cut_to_the_same_window(
         server = await aiohttp_server(_torch_worker(dumps[r], refuse_unknown=refuse_unknown))
         urls.append(str(server.make_url("")).rstrip("/"))
     async with aiohttp.ClientSession() as session:
-        collector = Collector(session, StaticRegistry(urls), timeout=5)
+        collector = LiveCollector(session, StaticRegistry(urls), timeout=5)
         for _ in range(2):  # the second page remembers which workers refuse since
             fr = await collector.fr()
             assert fr.window == {"main_comm": 48 - frwindow.FRONTIER_MARGIN}
@@ -168,7 +168,7 @@ async def test_torch_only_workers_get_whole_rings_cut_to_the_same_window(
             result = analysis.analyze(fr.dumps)
             assert [(f["kind"], f["seq"], f["ranks"]) for f in result["findings"]] == [
                 ("missing_ranks", 49, [1])]
-        assert (collector._no_since == set(urls)) is refuse_unknown
+        assert (collector.rounds._no_since == set(urls)) is refuse_unknown
 
 
 def test_window_keeps_a_rank_busy_in_another_group_missing_not_history_lost() -> None:
@@ -203,7 +203,7 @@ async def test_rank_cut_above_the_job_frontier_is_asked_again_for_the_job_window
     dumps = {0: make_dump(_ring(40), GROUPS), 1: make_dump(_ring(21, active_from=21), GROUPS)}
     urls = await fake_job(dumps)
     async with aiohttp.ClientSession() as session:
-        fr = await Collector(session, StaticRegistry(urls), timeout=5).fr()
+        fr = await LiveCollector(session, StaticRegistry(urls), timeout=5).fr()
     assert fr.window == {"main_comm": 18}
     assert [e["collective_seq_id"] for e in fr.dumps[0]["entries"]] == list(range(18, 41))
     assert [e["collective_seq_id"] for e in fr.dumps[1]["entries"]] == list(range(18, 22))

@@ -7,8 +7,9 @@ from typing import Any
 import aiohttp
 
 from debug_server.config import ServerConfig
+from debug_server.fanout.live import LiveCollector
+from debug_server.fanout.transport import FAILED, OK, RankResult
 from debug_server.frontend.app import make_frontend_app
-from debug_server.frontend.fanout import FAILED, OK, Collector, RankResult
 from debug_server.frontend.hangreport import HangWatch, parse_health
 from debug_server.rank.discovery import StaticRegistry
 from debug_server.tools import synthetic
@@ -32,7 +33,7 @@ async def test_overview_and_hang_report_give_a_stalled_rank_the_same_line(
     urls = [await fake_rank(dumps[0], health=STALLED), await fake_rank(dumps[1])]
     overview = await _overview(aiohttp_client, urls)
     async with aiohttp.ClientSession() as session:
-        watch = HangWatch(Collector(session, StaticRegistry(urls), timeout=2.0), None,
+        watch = HangWatch(LiveCollector(session, StaticRegistry(urls), timeout=2.0), None,
                           interval=3600.0)
         report = await watch.poll()
     line = "UNHEALTHY: main_comm seq 2 all_reduce in flight for 612.4 s"

@@ -11,8 +11,8 @@ import pytest
 from conftest import closed_port_url
 
 from debug_server.config import ServerConfig
+from debug_server.fanout.transport import OK, UNREACHABLE, RankResult
 from debug_server.frontend.app import HANG_WATCH, make_frontend_app
-from debug_server.frontend.fanout import OK, UNREACHABLE, RankResult
 from debug_server.frontend.hangreport import HangWatch, RankHealth
 from debug_server.frontend.health_held import MAX_AGE_POLLS, held_health
 from debug_server.rank.discovery import StaticRegistry

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from debug_server.frontend.fanout import RankResult
+from debug_server.fanout.transport import RankResult
 from debug_server.frontend.hangreport import parse_health
 
 

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 PKG = Path(__file__).resolve().parents[1] / "debug_server"
-PARTS = ("protocol", "recording", "rank", "frontend", "agent", "analysis", "tools")
+PARTS = ("protocol", "recording", "rank", "fanout", "frontend", "agent", "analysis", "tools")
 COMMON = {"config", "auth", "listen", "dumpio", "errors", "stacks"}
 # The two-line modules that keep documented imports and commands at their old names.
 SHIMS = {"comms", "hooks", "fr_trace", "nccl_log", "preflight", "view"}
@@ -25,9 +25,10 @@ ALLOWED = {
     "recording": set(),
     "analysis": {"protocol"},
     "rank": {"recording", "analysis", "protocol"},
-    "frontend": {"rank", "analysis", "protocol"},
-    "agent": {"frontend", "rank", "analysis", "protocol"},
-    "tools": {"frontend", "rank", "analysis", "protocol"},
+    "fanout": {"rank", "analysis", "protocol"},
+    "frontend": {"fanout", "rank", "analysis", "protocol"},
+    "agent": {"fanout", "rank", "analysis", "protocol"},
+    "tools": {"frontend", "fanout", "rank", "analysis", "protocol"},
 }
 
 

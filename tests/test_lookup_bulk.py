@@ -70,7 +70,7 @@ def test_a_sidecar_whose_restart_is_a_numeric_string_is_read_as_before(tcp_store
 
 
 def test_an_agent_reads_its_hosts_registrations_with_two_checks(tcp_store: Any) -> None:
-    from debug_server.agent.app import HostRegistry
+    from debug_server.agent.registry import HostRegistry
 
     store = store_client("127.0.0.1", tcp_store.port, timeout=5)
     for r in range(4, 8):
@@ -90,7 +90,7 @@ def test_an_agent_reads_its_hosts_registrations_with_two_checks(tcp_store: Any) 
 
 
 def test_an_agent_reads_ranks_without_sidecars_and_refuses_stale_ones(tcp_store: Any) -> None:
-    from debug_server.agent.app import HostRegistry
+    from debug_server.agent.registry import HostRegistry
 
     store = store_client("127.0.0.1", tcp_store.port, timeout=5)
     register_worker(store, make_job(0, 3, tcp_store.port, restart=2), "http://ours:1",

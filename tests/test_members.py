@@ -9,7 +9,7 @@ import aiohttp
 import pytest
 
 from debug_server.analysis import core as analysis
-from debug_server.frontend.fanout import Collector
+from debug_server.fanout.live import LiveCollector
 from debug_server.protocol import members
 from debug_server.rank import worker
 from debug_server.rank.discovery import StaticRegistry
@@ -59,7 +59,7 @@ async def test_second_fetch_moves_no_member_lists_and_still_finds_the_missing_ra
     world = 3001  # a member list no other test has taught this process's cache
     urls = await fake_job(_job(world, 4))
     async with aiohttp.ClientSession() as session:
-        c = Collector(session, StaticRegistry(urls), timeout=5)
+        c = LiveCollector(session, StaticRegistry(urls), timeout=5)
         first = await c.fr()
         second = await c.fr()
     list_chars = len(json.dumps(list(range(world))))
@@ -80,7 +80,7 @@ async def test_worker_that_refuses_pgknown_is_asked_without_it(
                                                          "since", "window"}))
     urls = await fake_job(_job(3002, 2))
     async with aiohttp.ClientSession() as session:
-        c = Collector(session, StaticRegistry(urls), timeout=5)
+        c = LiveCollector(session, StaticRegistry(urls), timeout=5)
         await c.fr()  # learns the list: the next fetch would name it
         fr = await c.fr()
     assert [r.status for r in fr.results] == ["ok", "ok"]
@@ -90,14 +90,14 @@ async def test_worker_that_refuses_pgknown_is_asked_without_it(
 
 async def test_first_fetch_of_a_big_job_learns_the_lists_from_one_rank(
         fake_job: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    from debug_server.frontend import fanout
+    from debug_server.fanout import rounds
 
-    monkeypatch.setattr(fanout, "PRIME_RANKS", 3)
+    monkeypatch.setattr(rounds, "PRIME_RANKS", 3)
     monkeypatch.setattr(members, "known_param", _only_lists_of(members.known_param, 3003))
     world = 3003
     urls = await fake_job(_job(world, 4))
     async with aiohttp.ClientSession() as session:
-        fr = await Collector(session, StaticRegistry(urls), timeout=5).fr()
+        fr = await LiveCollector(session, StaticRegistry(urls), timeout=5).fr()
     list_chars = len(json.dumps(list(range(world))))
     full = [r.rank for r in fr.results if len(r.body or "") > list_chars]
     assert full == [0]  # the other three were sent a reference

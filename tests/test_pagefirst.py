@@ -1,5 +1,5 @@
 """A page's requests go before the hang watch's poll in the frontend's bound on requests in
-flight (``frontend.pagefirst``): the slot order, cancellation, and a real poll against real
+flight (``fanout.pagefirst``): the slot order, cancellation, and a real poll against real
 workers yielding to a page's fan-out."""
 
 from __future__ import annotations
@@ -11,9 +11,10 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from debug_server.frontend.fanout import Collector
-from debug_server.frontend.hangreport import HEALTH_HANDLER, HangWatch
-from debug_server.frontend.pagefirst import BACKGROUND, PageFirstSemaphore, in_background
+from debug_server.fanout.live import LiveCollector
+from debug_server.fanout.pagefirst import BACKGROUND, PageFirstSemaphore, in_background
+from debug_server.frontend.hangreport import HangWatch
+from debug_server.protocol.names import HEALTH_HANDLER
 from debug_server.rank.discovery import StaticRegistry
 
 
@@ -42,7 +43,7 @@ async def test_a_freed_slot_goes_to_a_page_before_a_background_request_that_wait
 
 async def test_a_background_request_waiting_past_the_limit_goes_before_a_page(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    from debug_server.frontend import pagefirst
+    from debug_server.fanout import pagefirst
 
     monkeypatch.setattr(pagefirst, "BACKGROUND_MAX_WAIT_S", 0.05)
     sem = PageFirstSemaphore(1)
@@ -137,7 +138,7 @@ async def test_a_page_fan_out_started_during_a_health_poll_is_served_before_the_
     servers = [await aiohttp_server(app) for _ in range(4)]
     urls = [str(s.make_url("")) for s in servers]
     async with aiohttp.ClientSession() as session:
-        collector = Collector(session, StaticRegistry(urls), timeout=5, max_concurrency=1)
+        collector = LiveCollector(session, StaticRegistry(urls), timeout=5, max_concurrency=1)
         watch = HangWatch(collector, None, interval=60.0)
         poll = in_background(watch.poll(), name="poll")
         await asyncio.wait_for(first_poll.wait(), 5)

@@ -24,9 +24,9 @@ from rankprocs import RankProcs
 
 from debug_server.analysis import stackparse
 from debug_server.config import ServerConfig
+from debug_server.fanout.transport import OK, RankResult
 from debug_server.frontend import render
 from debug_server.frontend.app import COLLECTOR, make_frontend_app
-from debug_server.frontend.fanout import OK, RankResult
 from debug_server.rank import pyspy
 from debug_server.rank.discovery import StaticRegistry, StoreRegistry
 from debug_server.rank.worker import StaticProvider, make_worker_app

@@ -10,7 +10,7 @@ import aiohttp
 from debug_server import dumpio
 from debug_server.analysis import core as analysis
 from debug_server.analysis.digest import digest_dump
-from debug_server.frontend.fanout import Collector
+from debug_server.fanout.live import LiveCollector
 from debug_server.frontend.hangreport import MAX_POLL_INTERVAL, HangWatch
 from debug_server.protocol import frwindow
 from debug_server.rank.discovery import StaticRegistry
@@ -52,7 +52,7 @@ def test_frontier_still_waits_for_a_member_that_reported_nothing() -> None:
 async def test_health_poll_interval_grows_with_the_job_above_1024_ranks() -> None:
     async with aiohttp.ClientSession() as session:
         def watch(world: int) -> HangWatch:
-            c = Collector(session, StaticRegistry([None] * world), timeout=1)
+            c = LiveCollector(session, StaticRegistry([None] * world), timeout=1)
             return HangWatch(c, None, interval=60)
 
         assert watch(1024).poll_interval() == MAX_POLL_INTERVAL

@@ -13,11 +13,12 @@ import pytest
 
 from debug_server.analysis import core as analysis
 from debug_server.config import ServerConfig
+from debug_server.fanout.collector import Collector
+from debug_server.fanout.live import LiveCollector
 from debug_server.frontend import app as frontend
 from debug_server.frontend import snapshot
 from debug_server.frontend.app import make_frontend_app
 from debug_server.frontend.dumps import SNAPSHOT_PREFIX, Dumper
-from debug_server.frontend.fanout import Collector
 from debug_server.rank.discovery import StaticRegistry
 from debug_server.tools import synthetic
 
@@ -26,7 +27,7 @@ from debug_server.tools import synthetic
 async def collector() -> AsyncIterator[Callable[[list[str | None]], Collector]]:
     """``collector(urls)``: a Collector over those workers; one client session per test."""
     async with aiohttp.ClientSession() as session:
-        yield lambda urls: Collector(session, StaticRegistry(urls), timeout=5)
+        yield lambda urls: LiveCollector(session, StaticRegistry(urls), timeout=5)
 
 
 def _snapshot_bytes(dump_dir: Path) -> int:

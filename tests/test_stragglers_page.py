@@ -11,9 +11,9 @@ from test_stragglers import MS, _dumps
 
 from debug_server.analysis import stragglers
 from debug_server.config import ServerConfig
+from debug_server.fanout.live import LiveCollector
 from debug_server.frontend import stragglers as page
 from debug_server.frontend.app import load_templates, make_frontend_app
-from debug_server.frontend.fanout import Collector
 from debug_server.rank import clock
 from debug_server.rank.discovery import StaticRegistry
 from debug_server.rank.worker import StaticProvider, make_worker_app
@@ -48,7 +48,7 @@ def test_html_escapes_group_names_and_draws_a_sparkline_per_rank() -> None:
 
 
 def test_streak_survives_polls_and_restarts_after_a_gap() -> None:
-    watch = page.StragglerWatch(Collector(None, StaticRegistry([None] * 4), timeout=1.0))  # type: ignore[arg-type]
+    watch = page.StragglerWatch(LiveCollector(None, StaticRegistry([None] * 4), timeout=1.0))  # type: ignore[arg-type]
     res = stragglers.analyze(_slow_rank_2())
     t0 = 1_000_000.0
     for i in range(8):  # named at every poll, 2 s apart

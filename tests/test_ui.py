@@ -10,9 +10,10 @@ import pytest
 from conftest import MAIN_STACK, closed_port_url
 
 from debug_server.config import ServerConfig
+from debug_server.fanout.reply import FrData
+from debug_server.fanout.transport import RankResult
 from debug_server.frontend.app import load_templates, make_frontend_app
 from debug_server.frontend.dumps import analyze_fr
-from debug_server.frontend.fanout import FrData, RankResult
 from debug_server.frontend.render import overview_model
 from debug_server.rank.discovery import StaticRegistry
 from debug_server.tools import synthetic

@@ -16,9 +16,9 @@ from conftest import closed_port_url
 from debug_server.analysis import core as analysis
 from debug_server.analysis import report
 from debug_server.config import ServerConfig
+from debug_server.fanout.live import LiveCollector
 from debug_server.frontend import render
 from debug_server.frontend.app import make_frontend_app
-from debug_server.frontend.fanout import Collector
 from debug_server.frontend.hangreport import HangWatch, RankHealth
 from debug_server.rank.discovery import StaticRegistry
 from debug_server.tools.synthetic import make_dump, make_entry
@@ -167,7 +167,7 @@ async def test_hang_report_json_and_text_carry_the_category(fake_job: Any, tmp_p
 
     urls = await fake_job(_issue_case("size"))
     async with aiohttp.ClientSession() as session:
-        collector = Collector(session, StaticRegistry([*urls, closed_port_url()]), timeout=2)
+        collector = LiveCollector(session, StaticRegistry([*urls, closed_port_url()]), timeout=2)
         watch = HangWatch(collector, str(tmp_path), interval=1.0, per_rank=False)
         rep = await watch.write_report([RankHealth(1, True, False)], [])
     (path,) = tmp_path.glob("hang_report_*.json")

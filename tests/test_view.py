@@ -22,8 +22,9 @@ from conftest import free_port
 
 from debug_server.auth import TOKEN_ENV, TOKEN_HEADER
 from debug_server.dumpio import write_dump_atomic
+from debug_server.fanout.reply import FrData
+from debug_server.fanout.transport import OK, UNREACHABLE, RankResult
 from debug_server.frontend.dumps import snapshot_json, stacks_report
-from debug_server.frontend.fanout import OK, UNREACHABLE, FrData, RankResult
 from debug_server.tools.view import DiskCollector, make_view_app, scan_dir
 from debug_server.tools.view_collector import CURRENT
 from debug_server.tools.view_disk import load_cycle

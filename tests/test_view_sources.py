@@ -14,8 +14,9 @@ import _scenarios as S
 from test_view import NEW, OLD, RANK0_STACK, RANK1_STACK, write_cycle
 
 from debug_server.dumpio import write_dump_atomic
+from debug_server.fanout.reply import FrData
+from debug_server.fanout.transport import OK, TIMED_OUT, RankResult
 from debug_server.frontend.dumps import snapshot_json, stacks_report
-from debug_server.frontend.fanout import OK, TIMED_OUT, FrData, RankResult
 from debug_server.tools.view import make_view_app
 
 LATER = "20240101_100030"

@@ -21,8 +21,9 @@ from mpjob import REFERENCE_ENV, assert_ok, demo_hang_line, free_port, run_job
 
 from debug_server.config import ServerConfig
 from debug_server.dumpio import load_dump
+from debug_server.fanout.reply import FrData
+from debug_server.fanout.transport import OK, TIMED_OUT, RankResult
 from debug_server.frontend.app import HANG_WATCH, make_frontend_app
-from debug_server.frontend.fanout import OK, TIMED_OUT, FrData, RankResult
 from debug_server.frontend.hangreport import MAX_POLL_INTERVAL, HangWatch
 from debug_server.rank.discovery import StaticRegistry
 from debug_server.rank.worker import StaticProvider

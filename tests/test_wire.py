@@ -7,7 +7,8 @@ from typing import Any
 
 import pytest
 
-from debug_server.agent.app import StaticHostRegistry, make_agent_app
+from debug_server.agent.app import make_agent_app
+from debug_server.agent.registry import StaticHostRegistry
 from debug_server.rank.discovery import WorkerAddr
 
 URLS = ["http://127.0.0.1:9", "http://127.0.0.1:9"]  # agent_info never asks the ranks

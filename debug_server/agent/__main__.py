@@ -2,7 +2,7 @@
 
 import sys
 
-from debug_server.agent.app import main
+from debug_server.agent.main import main
 
 if __name__ == "__main__":
     sys.exit(main())

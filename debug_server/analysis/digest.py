@@ -174,7 +174,7 @@ def _pg_status(
 class DigestMemo:
     """Digests of the last analysis, used again for a dump made of the very same objects.
 
-    A frontend that reuses the dumps it holds (an agent's "unchanged" reply, ``agent_fanout``)
+    A frontend that reuses the dumps it holds (an agent's "unchanged" reply, ``fanout.agents``)
     hands the analysis new dicts over the same entry, ``pg_config`` and ``pg_status`` objects
     (nothing mutates those after parsing). A rank whose dump matches the last one by object
     identity of those parts, ``version`` and ring facts gets its last digest with the new read

@@ -40,8 +40,11 @@ from debug_server.config import (
     take_secrets,
 )
 from debug_server.errors import first_line
+from debug_server.fanout import agents
+from debug_server.fanout.leanhttp import LeanClient
+from debug_server.fanout.pagefirst import in_background
+from debug_server.fanout.transport import GONE, MAX_BODY_BYTES, RankResult, Registry, settle_gc
 from debug_server.frontend import (
-    agent_fanout,
     attach,
     departed,
     export,
@@ -52,17 +55,8 @@ from debug_server.frontend import (
     stragglers,
 )
 from debug_server.frontend.dumps import Dumper, analyze_fr, fr_trace_text, stacks_report
-from debug_server.frontend.fanout import (
-    GONE,
-    MAX_BODY_BYTES,
-    RankResult,
-    Registry,
-    settle_gc,
-)
-from debug_server.frontend.hangreport import HEALTH_HANDLER, HangWatch, parse_health
-from debug_server.frontend.leanhttp import LeanClient
+from debug_server.frontend.hangreport import HangWatch, parse_health
 from debug_server.frontend.metrics import metrics_response
-from debug_server.frontend.pagefirst import in_background
 from debug_server.frontend.pagekit import (  # noqa: F401 (re-exported: app.load_templates, ...)
     COLLECTOR,
     CONFIG,
@@ -82,6 +76,7 @@ from debug_server.frontend.pagekit import parse_format as _format
 from debug_server.frontend.pagekit import query as _query
 from debug_server.frontend.pagekit import respond as _respond
 from debug_server.listen import own_server, start_sites, stop_on_signals
+from debug_server.protocol.names import HEALTH_HANDLER
 from debug_server.rank.discovery import StaticRegistry, StoreRegistry
 
 logger = logging.getLogger(__name__)
@@ -123,7 +118,7 @@ async def _fr_page(request: web.Request) -> web.Response:
     whole = not q.get("onlyactive", True)
     collector = request.app[COLLECTOR]
     addrs = await collector.registry.lookup()
-    # One request per rank for both where it can (Collector.fr_stacks); whole rings apart.
+    # One request per rank for both where it can (LiveCollector.fr_stacks); whole rings apart.
     fr, stacks = await (asyncio.gather(collector.fr(whole=True, addrs=addrs),
                                        collector.stacks(addrs)) if whole
                         else collector.fr_stacks(addrs))
@@ -339,14 +334,15 @@ async def _client_ctx(app: web.Application) -> AsyncIterator[None]:
                       max_body=MAX_BODY_BYTES)
     try:
         async with aiohttp.ClientSession(connector=connector, headers=headers) as session:
-            # Through each host's agent where the store names one (agent_fanout), else per rank.
-            collector = agent_fanout.collector_for(session, app[REGISTRY],
+            # Through each host's agent where the store names one (fanout.agents), else per rank.
+            collector = agents.collector_for(session, app[REGISTRY],
                                                    timeout=config.fetch_timeout,
                                                    max_concurrency=config.max_concurrency,
                                                    http=http)
             # A rank that is gone keeps its last data on every page, dump and report (departed).
             app[COLLECTOR] = departed.KeepLast(collector, app[DEPARTURES])
             yield
+            collector.close()  # the agents' directory (its store client's thread)
     finally:
         http.close()
     app[REGISTRY].close()

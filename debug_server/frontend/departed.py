@@ -28,12 +28,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import socket
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
-from debug_server.frontend.fanout import GONE, OK, UNREACHABLE, FrData, RankResult
+from debug_server.fanout.reply import FrData
+from debug_server.fanout.transport import GONE, OK, UNREACHABLE, RankResult
 from debug_server.rank import jobpids
 from debug_server.rank.discovery import WorkerAddr
 
@@ -193,24 +193,16 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _local(addrs: Sequence[WorkerAddr], host: str | None) -> list[tuple[int, str | None]]:
-    """(rank, how it ended or None while it runs) of each rank announced on this host."""
-    host = socket.gethostname() if host is None else host
-    return [(a.rank, jobpids.fate(a.meta["pid"], a.meta.get("start"))) for a in addrs
-            if a.meta is not None and a.meta.get("host") == host
-            and isinstance(a.meta.get("pid"), int)]
-
-
 def running_here(addrs: Sequence[WorkerAddr], host: str | None = None) -> bool:
-    """Whether a rank announced on this host still runs."""
-    return any(how is None for _, how in _local(addrs, host))
+    """Whether a rank announced on this host still runs (``jobpids.running_here``)."""
+    return jobpids.running_here(addrs, host)
 
 
 def local_fates(addrs: Sequence[WorkerAddr], departures: Departures,
                 host: str | None = None) -> bool:
     """Mark the ranks of this host whose process ended; True if one of them still runs."""
     running = False
-    for rank, how in _local(addrs, host):
+    for rank, how in jobpids.local_fates(addrs, host):
         if how is None:
             running = True
         else:

@@ -38,8 +38,11 @@ from debug_server.analysis.ranks import format_ranks
 from debug_server.analysis.stackgroups import stack_groups
 from debug_server.config import ALL_DUMPS
 from debug_server.dumpio import write_atomic
+from debug_server.fanout.collector import Collector
+from debug_server.fanout.reply import FrData
+from debug_server.fanout.transport import GONE, RankResult
 from debug_server.frontend import snapshot
-from debug_server.frontend.fanout import GONE, Collector, FrData, RankResult
+from debug_server.protocol.names import DUMP_FILE_HANDLER
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -50,7 +53,6 @@ STACKS_PREFIX = "stacks"
 SNAPSHOT_PREFIX = "fr_snapshot"
 HANG_REPORT_PREFIX = "hang_report"
 """``hang_report_<ts>.txt/.json``: written by ``hangreport.HangWatch``, never pruned."""
-DUMP_FILE_HANDLER = "torchcomms_fr_dump_file"
 
 _CYCLE_FILE = re.compile(
     rf"^(?:{FR_TRACE_PREFIX}|{STACKS_PREFIX}|{SNAPSHOT_PREFIX})_(\d{{8}}_\d{{6}})(?:_(\d+))?\.(?:txt|json)$"

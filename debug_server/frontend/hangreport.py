@@ -25,6 +25,10 @@ from typing import Any
 
 from debug_server.analysis import stackparse
 from debug_server.analysis.verdict import category_line
+from debug_server.fanout.collector import Collector
+from debug_server.fanout.pagefirst import poll_forever
+from debug_server.fanout.reply import FrData
+from debug_server.fanout.transport import TIMED_OUT, RankResult
 from debug_server.frontend.dumps import (
     DUMP_FILE_HANDLER,
     HANG_REPORT_PREFIX,
@@ -34,12 +38,10 @@ from debug_server.frontend.dumps import (
     dump_file_lines,
     fr_trace_text,
 )
-from debug_server.frontend.fanout import TIMED_OUT, Collector, FrData, RankResult
-from debug_server.frontend.pagefirst import poll_forever
+from debug_server.protocol.names import HEALTH_HANDLER
 
 logger = logging.getLogger(__name__)
 
-HEALTH_HANDLER = "torchcomms_health_check"
 MAX_POLL_INTERVAL = 2.0
 """Seconds between health polls at most, however long ``dump_interval`` is."""
 MAX_POLLS_PER_S = 512

@@ -22,7 +22,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from debug_server.frontend.fanout import RankResult
+from debug_server.fanout.transport import RankResult
 from debug_server.frontend.hangreport import HangWatch, RankHealth
 
 __all__ = ["MAX_AGE_POLLS", "HeldHealth", "held_health"]

@@ -40,9 +40,11 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector as PromCollector
 
+from debug_server.fanout.collector import Collector
+from debug_server.fanout.reply import FrData
 from debug_server.frontend.dumps import analyze_fr
-from debug_server.frontend.fanout import Collector, FrData
-from debug_server.frontend.hangreport import HEALTH_HANDLER, RankHealth, parse_health
+from debug_server.frontend.hangreport import RankHealth, parse_health
+from debug_server.protocol.names import HEALTH_HANDLER
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 PREFIX = "debug_server"

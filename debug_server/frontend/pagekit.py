@@ -18,8 +18,9 @@ import jinja2
 from aiohttp import web
 
 from debug_server.config import ServerConfig
-from debug_server.frontend import fastjson
-from debug_server.frontend.fanout import Collector, Registry
+from debug_server.fanout import fastjson
+from debug_server.fanout.collector import Collector
+from debug_server.fanout.transport import Registry
 
 FORMATS = ("html", "text", "json")
 PAGE_ROWS = 1000

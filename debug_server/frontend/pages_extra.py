@@ -35,8 +35,9 @@ from debug_server.analysis import profile_merge, wait_counters
 from debug_server.analysis.ranks import format_ranks
 from debug_server.auth import TOKEN_HEADER
 from debug_server.errors import first_line
+from debug_server.fanout.collector import Collector
+from debug_server.fanout.transport import RankResult, fan_out
 from debug_server.frontend import render
-from debug_server.frontend.fanout import Collector, RankResult, fan_out
 from debug_server.frontend.pagekit import (
     COLLECTOR,
     CONFIG,
@@ -58,13 +59,9 @@ from debug_server.frontend.store_keys import (
     StoreReader,
     StoreReadError,
 )
+from debug_server.protocol.names import DURATION, PROFILE_HANDLER, WAIT_COUNTERS_HANDLER
 from debug_server.rank.discovery import StoreRegistry
-from debug_server.rank.rank_capture import (
-    MAX_PROFILE_S,
-    PROFILE_HANDLER,
-    WAIT_COUNTERS_HANDLER,
-    parse_duration,
-)
+from debug_server.rank.rank_capture import MAX_PROFILE_S, parse_duration
 
 logger = logging.getLogger(__name__)
 
@@ -312,7 +309,7 @@ async def _capture(app: web.Application, collector: Collector, duration: float,
     capture_id = state.next_id
     state.next_id += 1
     started = time.strftime("%Y-%m-%d %H:%M:%S %Z")
-    results = await fan_out(state.session, addrs, PROFILE_HANDLER, {"duration": repr(duration)},
+    results = await fan_out(state.session, addrs, PROFILE_HANDLER, {DURATION: repr(duration)},
                             timeout=duration + collector.timeout + EXPORT_SLACK_S)
     return await off_loop(lambda: build_capture(results, capture_id=capture_id,
                                                  duration=duration, ranks=ranks, started=started))

@@ -23,7 +23,8 @@ from markupsafe import Markup, escape
 
 from debug_server.analysis import report, stackparse
 from debug_server.analysis.verdict import CATEGORY_MEANING
-from debug_server.frontend.fanout import GONE, FrData, RankResult
+from debug_server.fanout.reply import FrData
+from debug_server.fanout.transport import GONE, RankResult
 from debug_server.rank.discovery import NOT_REGISTERED
 
 logger = logging.getLogger(__name__)

@@ -31,15 +31,11 @@ from tabulate import tabulate
 from debug_server.analysis import stragglers
 from debug_server.analysis.digest import SNAPSHOT_TIME_KEY
 from debug_server.analysis.stragglers import Clock, Rule
+from debug_server.fanout.collector import Collector
+from debug_server.fanout.pagefirst import poll_forever
+from debug_server.fanout.reply import FrData, parse_off_loop
+from debug_server.fanout.transport import RankResult
 from debug_server.frontend import render
-from debug_server.frontend.fanout import (
-    FR_HANDLER,
-    Collector,
-    FrData,
-    RankResult,
-    parse_off_loop,
-)
-from debug_server.frontend.pagefirst import poll_forever
 from debug_server.frontend.pagekit import (
     COLLECTOR,
     TEMPLATES,
@@ -49,6 +45,7 @@ from debug_server.frontend.pagekit import off_loop as _off_loop
 from debug_server.frontend.pagekit import parse_format as _format
 from debug_server.frontend.pagekit import query as _query
 from debug_server.frontend.pagekit import respond as _respond
+from debug_server.protocol.names import FR_HANDLER, INCLUDE_COLLECTIVES
 
 logger = logging.getLogger(__name__)
 
@@ -71,7 +68,7 @@ STREAK_GRACE_S = 30.0
 ROWS_SHOWN = 32
 """Ranks per group on the page and in the text (the slowest); JSON names every straggler."""
 SPARK_W, SPARK_H = 120, 20
-CLOCK_PARAMS = {"includecollectives": "false"}
+CLOCK_PARAMS = {INCLUDE_COLLECTIVES: "false"}
 """The clock round's FR ask: config, status and ``dump_time_ns``, no entries."""
 
 

@@ -1,10 +1,10 @@
 """An ``onlyactive`` Flight Recorder reply read as a window: what it holds, and when it is enough.
 
 torch's C++ worker on a CUDA build serves its NCCL recorder (``dump_nccl_trace_json``,
-``frontend.c10d_workers``) either whole or ``onlyactive=true``: ``pg_config``, ``pg_status`` and
+``fanout.c10d_workers``) either whole or ``onlyactive=true``: ``pg_config``, ``pg_status`` and
 the entries whose completion was not discovered, nothing in between. Whole rings from 4096 ranks
 are 3.7 GB per page; the active entries are a few per rank. So the frontend's first round asks
-for those (``Collector._c10d_round``), and this module says what such a reply holds in the terms
+for those (``fanout.c10d_round``), and this module says what such a reply holds in the terms
 ``frwindow`` uses for every cut (``fr_window``: ``since``, ``covers``), so the rest of the
 windowed fetch runs unchanged.
 

@@ -34,7 +34,7 @@ from typing import Any
 
 from debug_server.protocol.frwindow import WINDOW_KEY, Window, _facts
 
-__all__ = ["cut_text"]
+__all__ = ["cut_dump", "cut_text"]
 
 _HEAD = '{"comm_lib_version":'
 _ENTRIES = '"entries":['
@@ -51,8 +51,14 @@ _P2P = re.compile(r'"profiling_name":"(?:[^":\\]*:)?(?:send|recv)[ "]')
 def cut_text(body: str, win: Window) -> str | None:
     """``win`` applied to the c10d dump ``body`` (JSON text), as compact JSON text; None where
     the text is not what this reads (see the module doc): parse it whole instead."""
-    cut = _cut(body, win)
+    cut = cut_dump(body, win)
     return None if cut is None else json.dumps(cut, separators=(",", ":"), default=str)
+
+
+def cut_dump(body: str, win: Window) -> dict[str, Any] | None:
+    """:func:`cut_text` as the dump itself, never encoded (the fan-out keeps replies parsed:
+    ``fanout.reply``)."""
+    return _cut(body, win)
 
 
 def _cut(body: str, win: Window) -> dict[str, Any] | None:

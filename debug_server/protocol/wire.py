@@ -18,14 +18,24 @@ from typing import Any
 from aiohttp import web
 
 from debug_server.errors import first_line
+from debug_server.protocol.names import (  # noqa: F401 (the names the wire spells, also here)
+    C10D_FR_HANDLER,
+    DUMP_FILE_HANDLER,
+    FR_HANDLER,
+    HEALTH_HANDLER,
+    INCLUDE_COLLECTIVES,
+    INCLUDE_STACKTRACES,
+    ONLY_ACTIVE,
+    PING_HANDLER,
+    SINCE,
+    STACKS_HANDLER,
+    WINDOW,
+    WITH_STACKS,
+)
 
 logger = logging.getLogger(__name__)
 
 
-WITH_STACKS = "stacks"
-"""Our FR handler's parameter (``stacks=true``): the reply carries this rank's thread stacks too,
-after the FR JSON and :data:`STACKS_SEP`, so one request per rank serves a page that shows both
-(``/fr_trace`` and the overview: half the requests per rank and per host agent)."""
 STACKS_SEP = "\n\x1e"
 """Between the FR JSON and the stacks text of a ``stacks=true`` reply. JSON escapes every control
 character, so the first ``\\x1e`` of a reply is always this one."""
@@ -88,4 +98,6 @@ def handler_routes(handlers: Mapping[str, Callable[[Any, dict[str, str]], Any]],
     return table
 
 
-__all__ = ["STACKS_SEP", "WITH_STACKS", "HandlerError", "handler_routes", "split_stacks"]
+__all__ = ["C10D_FR_HANDLER", "DUMP_FILE_HANDLER", "FR_HANDLER", "HEALTH_HANDLER",
+           "INCLUDE_COLLECTIVES", "INCLUDE_STACKTRACES", "ONLY_ACTIVE", "PING_HANDLER", "SINCE",
+           "STACKS_HANDLER", "STACKS_SEP", "WINDOW", "WITH_STACKS", "HandlerError", "handler_routes", "split_stacks"]

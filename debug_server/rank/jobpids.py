@@ -37,7 +37,7 @@ import signal
 import socket
 import sys
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from debug_server.config import Settings
@@ -47,6 +47,7 @@ if TYPE_CHECKING:
     import torch.distributed as dist
 
     from debug_server.config import JobEnv
+    from debug_server.rank.discovery import WorkerAddr
 
 logger = logging.getLogger(__name__)
 
@@ -114,6 +115,22 @@ def fate(pid: int, start: int | None) -> str | None:
             name = f"signal {sig}"
         return f"killed by {name}"
     return f"exited with code {(status >> 8) & 0xFF}"
+
+
+def local_fates(addrs: Sequence[WorkerAddr], host: str | None = None,
+                ) -> list[tuple[int, str | None]]:
+    """(rank, how it ended or None while it runs) of each rank announced on this host
+    (``host``: this machine's name by default)."""
+    host = socket.gethostname() if host is None else host
+    return [(a.rank, fate(a.meta["pid"], a.meta.get("start"))) for a in addrs
+            if a.meta is not None and a.meta.get("host") == host
+            and isinstance(a.meta.get("pid"), int)]
+
+
+def running_here(addrs: Sequence[WorkerAddr], host: str | None = None) -> bool:
+    """Whether a rank announced on this host still runs (the frontend and an agent stay while
+    one does)."""
+    return any(how is None for _, how in local_fates(addrs, host))
 
 
 def _int(fields: list[str], i: int) -> int | None:
@@ -257,5 +274,6 @@ class PtracerKeeper:
 
 
 __all__ = ["FRONTEND_READER_KEY", "PtracerKeeper", "check",
-           "choose_reader", "fate", "identity", "publish_frontend", "set_ptracer",
+           "choose_reader", "fate", "identity", "local_fates", "publish_frontend", "running_here",
+           "set_ptracer",
            "start_time"]

@@ -55,12 +55,13 @@ from typing import Any
 
 from debug_server.config import PTRACER_ENV as PTRACER_ENV
 from debug_server.config import PYSPY_ENV, Settings
+from debug_server.protocol.names import NATIVE, NONBLOCKING, PID, PYSPY_HANDLER
 from debug_server.rank import jobpids
 from debug_server.stacks import with_source
 
 logger = logging.getLogger(__name__)
 
-HANDLER = "pyspy_dump"
+HANDLER = PYSPY_HANDLER
 """The worker handler (torch's name): py-spy on this process, or on a sibling with ``pid=``."""
 TIMEOUT_S = 1.0
 """Bound on one ``--nonblocking`` read (they take ~10 ms)."""
@@ -343,9 +344,9 @@ class PySpyCapture:
     async def _ask(self, ask: Ask, helper: Any, pid: int | None, native: bool) -> str:
         # PyTorch's C++ worker runs its own pyspy_dump and takes any non-empty value as "on":
         # send only the flags that are on, as PyTorch's frontend does.
-        params = {"native": "1"} if native else {"nonblocking": "1"}
+        params = {NATIVE: "1"} if native else {NONBLOCKING: "1"}
         if pid is not None:
-            params["pid"] = str(pid)
+            params[PID] = str(pid)
         res = await ask(helper, params, self._limit(native) + HELPER_SLACK_S)
         if res.ok and res.body is not None:
             return str(res.body)

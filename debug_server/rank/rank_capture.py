@@ -30,12 +30,11 @@ from typing import Any
 
 from aiohttp import web
 
+from debug_server.protocol.names import DURATION, PROFILE_HANDLER, WAIT_COUNTERS_HANDLER
 from debug_server.protocol.wire import HandlerError
 
 logger = logging.getLogger(__name__)
 
-PROFILE_HANDLER = "torch_profile"
-WAIT_COUNTERS_HANDLER = "wait_counter_values"
 MAX_PROFILE_S = 30.0
 """Longest capture a request may ask for (seconds)."""
 MAX_TRACE_BYTES = 200 * 1024 * 1024
@@ -119,11 +118,11 @@ async def _profile_reply(duration: float) -> web.Response:
 
 def torch_profile(provider: object, params: Mapping[str, str]) -> Awaitable[web.Response]:
     """Worker handler ``torch_profile?duration=S`` (torch's name and parameter)."""
-    extra = sorted(set(params) - {"duration"})
+    extra = sorted(set(params) - {DURATION})
     if extra:
         raise _fail(400, f"unknown parameter {extra[0]!r} (allowed: duration)")
     try:
-        duration = parse_duration(params.get("duration"))
+        duration = parse_duration(params.get(DURATION))
     except ValueError as e:
         raise _fail(400, f"parameter duration: {e}") from None
     return _profile_reply(duration)

@@ -32,7 +32,25 @@ from aiohttp import web
 from debug_server.auth import TokenGate, auth_middleware
 from debug_server.listen import start_sites
 from debug_server.protocol import frwindow, members
-from debug_server.protocol.wire import STACKS_SEP, WITH_STACKS, HandlerError, handler_routes
+from debug_server.protocol.names import (
+    C10D_FR_HANDLER,
+    DUMP_FILE_HANDLER,
+    FR_HANDLER,
+    HEALTH_HANDLER,
+    INCLUDE_COLLECTIVES,
+    INCLUDE_STACKTRACES,
+    NATIVE,
+    NONBLOCKING,
+    ONLY_ACTIVE,
+    PID,
+    PING_HANDLER,
+    SINCE,
+    STACKS_HANDLER,
+    SUBPROCESSES,
+    WINDOW,
+    WITH_STACKS,
+)
+from debug_server.protocol.wire import STACKS_SEP, HandlerError, handler_routes
 from debug_server.rank import clock, jobpids, pyspy, rank_capture
 from debug_server.recording.lazy import Cut, LazyDump
 from debug_server.stacks import capture_stacks
@@ -203,8 +221,8 @@ def _only(params: Mapping[str, str], allowed: frozenset[str]) -> None:
         raise HandlerError(400, f"unknown parameter {extra[0]!r} (allowed: {names})")
 
 
-_FR_PARAMS = frozenset({"onlyactive", "includecollectives", "since", "window", members.PARAM,
-                        "includestacktraces"})
+_FR_PARAMS = frozenset({ONLY_ACTIVE, INCLUDE_COLLECTIVES, SINCE, WINDOW, members.PARAM,
+                        INCLUDE_STACKTRACES})
 _MAX_SLACK = 1_000_000
 _NO_PARAMS: frozenset[str] = frozenset()
 
@@ -222,15 +240,15 @@ def _dump_traceback(p: Provider, q: Mapping[str, str]) -> str:
 def _fr_args(q: Mapping[str, str]) -> dict[str, bool]:
     _only(q, _FR_PARAMS)
     return {
-        "only_active": _flag(q, "onlyactive", False),
-        "include_collectives": _flag(q, "includecollectives", True),
+        "only_active": _flag(q, ONLY_ACTIVE, False),
+        "include_collectives": _flag(q, INCLUDE_COLLECTIVES, True),
     }
 
 
 def _cut_arg(q: Mapping[str, str]) -> Cut | None:
     """The live window (``frwindow``): ``since={"<group>": <seq>}`` keeps each named group from
     that seq on; ``window=<slack>`` cuts at this rank's own frontier less ``slack``."""
-    raw, slack = q.get("since"), q.get("window")
+    raw, slack = q.get(SINCE), q.get(WINDOW)
     if raw is not None:
         try:
             return frwindow.cutter(since=frwindow.parse_since(raw))
@@ -269,7 +287,7 @@ def _torchcomms_fr_trace_json(p: Provider, q: Mapping[str, str]) -> Mapping[str,
     q = {k: v for k, v in q.items() if k != WITH_STACKS}
     args, cut, known = _fr_args(q), _cut_arg(q), _known_members(q)
     dump = members.share(p.fr_snapshot(**args, cut=cut), known)
-    if not _flag(q, "includestacktraces", True):  # torch's name: entries without their frames
+    if not _flag(q, INCLUDE_STACKTRACES, True):  # torch's name: entries without their frames
         dump = without_frames(dump)
     if not with_stacks:
         return dump
@@ -312,7 +330,7 @@ def _torchcomms_health_check(p: Provider, q: Mapping[str, str]) -> Mapping[str, 
     return p.health()
 
 
-_PYSPY_PARAMS = frozenset({"native", "nonblocking", "subprocesses", "pid"})
+_PYSPY_PARAMS = frozenset({NATIVE, NONBLOCKING, SUBPROCESSES, PID})
 _BOOL01 = {"1": True, "0": False, "true": True, "false": False}
 
 
@@ -322,7 +340,7 @@ def _pyspy_dump(p: Provider, q: Mapping[str, str]) -> str:
     the frontend gets read."""
     _only(q, _PYSPY_PARAMS)
     flags = {}
-    for name in ("native", "nonblocking", "subprocesses"):
+    for name in (NATIVE, NONBLOCKING, SUBPROCESSES):
         raw = q.get(name, "0").lower()
         if raw not in _BOOL01:
             raise HandlerError(400, f"parameter {name}={raw[:20]!r} must be 0/1 or true/false")
@@ -330,9 +348,9 @@ def _pyspy_dump(p: Provider, q: Mapping[str, str]) -> str:
     # nonblocking is accepted for torch's frontend (it always sends it): every read here is
     # non-blocking unless native frames are asked for, which py-spy can only unwind paused.
     pid = os.getpid()
-    if "pid" in q:
+    if PID in q:
         try:
-            pid = int(q["pid"])
+            pid = int(q[PID])
         except ValueError:
             raise HandlerError(400, f"parameter pid={q['pid'][:20]!r} must be an integer") from None
     peers = getattr(p, "peers", None)
@@ -340,19 +358,19 @@ def _pyspy_dump(p: Provider, q: Mapping[str, str]) -> str:
                  else peers(pid) if peers is not None else None)
     try:
         pyspy.check_target(pid, announced)
-        return pyspy.read(pid, native=flags["native"], subprocesses=flags["subprocesses"])
+        return pyspy.read(pid, native=flags[NATIVE], subprocesses=flags[SUBPROCESSES])
     except pyspy.PySpyError as e:
         code = 403 if e.kind == pyspy.REFUSED else 404 if e.kind == pyspy.GONE else 500
         raise HandlerError(code, e.reason) from None
 
 
 HANDLERS: dict[str, Handler] = {
-    "ping": _ping,
-    "dump_traceback": _dump_traceback,
-    "torchcomms_fr_trace_json": _torchcomms_fr_trace_json,
-    "fr_trace_json": _fr_trace_json,
-    "torchcomms_fr_dump_file": _torchcomms_fr_dump_file,
-    "torchcomms_health_check": _torchcomms_health_check,
+    PING_HANDLER: _ping,
+    STACKS_HANDLER: _dump_traceback,
+    FR_HANDLER: _torchcomms_fr_trace_json,
+    C10D_FR_HANDLER: _fr_trace_json,
+    DUMP_FILE_HANDLER: _torchcomms_fr_dump_file,
+    HEALTH_HANDLER: _torchcomms_health_check,
     pyspy.HANDLER: _pyspy_dump,
     **rank_capture.HANDLERS,  # torch_profile, wait_counter_values
 }

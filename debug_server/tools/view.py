@@ -21,7 +21,7 @@ the per-rank dumps (``per_rank/``, ours or PyTorch's) and says so. Nothing here 
 that cannot be used is one line on the page and in the log.
 
 The pages are the frontend's own handlers and templates: :class:`DiskCollector`
-(``tools/view_collector.py``) has the methods of ``fanout.Collector`` and answers them from the
+(``tools/view_collector.py``) has the methods of ``fanout.collector.Collector`` and answers them from the
 chosen cycle's files, which ``tools/view_disk.py`` finds and reads. This module is the app (the
 cycle choice, the banner, the files route) and the command.
 """

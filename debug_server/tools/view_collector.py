@@ -1,4 +1,4 @@
-"""``fanout.Collector``'s twin for the post-mortem viewer: the ranks' answers from files.
+"""The post-mortem viewer's collector (``fanout.collector.Collector``): answers from files.
 
 The frontend's handlers ask a collector for every rank's FR dump and stacks; :class:`DiskCollector`
 answers from the cycle the request chose (:data:`CURRENT`, set by ``tools/view.py``'s
@@ -12,16 +12,9 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from debug_server.frontend.fanout import (
-    C10D_FR_HANDLER,
-    FAILED,
-    FR_HANDLER,
-    OK,
-    STACKS_HANDLER,
-    FrData,
-    RankResult,
-    RankStates,
-)
+from debug_server.fanout.reply import FrData
+from debug_server.fanout.transport import FAILED, OK, RankResult, RankStates
+from debug_server.protocol.names import C10D_FR_HANDLER, FR_HANDLER, STACKS_HANDLER
 from debug_server.rank.discovery import WorkerAddr
 from debug_server.tools.view_disk import CycleData
 
@@ -53,7 +46,7 @@ class DiskRegistry:
 
 
 class DiskCollector:
-    """``fanout.Collector``'s methods over the chosen cycle's files instead of live workers.
+    """``fanout.collector.Collector`` over the chosen cycle's files instead of live workers.
 
     Extra keyword arguments (new fetch options of the live collector) are accepted and
     ignored: on disk there is one recorded answer per rank.
@@ -83,7 +76,7 @@ class DiskCollector:
 
     async def fr_stacks(self, addrs: Sequence[WorkerAddr] | None = None,
                         ) -> tuple[FrData, list[RankResult]]:
-        """The live collector's pair for a page that shows both (``Collector.fr_stacks``)."""
+        """The live collector's pair for a page that shows both (``LiveCollector.fr_stacks``)."""
         return await self.fr(addrs=addrs), await self.stacks(addrs)
 
     async def fr(self, *, only_active: bool = False, whole: bool = False,

@@ -1,9 +1,11 @@
-"""The frontend's way through the per-host agents (``agent``), and back to the ranks without them.
+"""The live collector's way through the per-host agents (``agent``), and back to the ranks without them.
 
-:class:`AgentCollector` is a ``fanout.Collector`` whose ``fr``, ``stacks`` and ``fetch`` (for
-the handlers an agent relays: health, ping, pickle dump) ask one agent per host instead of every
-rank, and return exactly what the plain collector returns (one ``RankResult`` per rank, the
-parsed dumps, the job's FR window), so every page, dump and verdict is computed as before.
+:class:`AgentRoute` is the route (``collector.Route``) a ``live.LiveCollector`` is given where
+the workers are found in a store: its ``fr``, ``stacks``, ``fr_stacks`` and ``fetch`` (for the
+handlers an agent relays: health, ping, pickle dump) ask one agent per host instead of every
+rank, and return exactly what the collector's direct methods return (one ``RankResult`` per
+rank, the parsed dumps, the job's FR window), so every page, dump and verdict is computed as
+before. The agents' replies are read by ``agentreply``.
 
 Which rank goes where: a rank whose registration sidecar names an agent (``"agent": <host id>``)
 that is registered in the store (``debug_server/agent/<id>``) for this restart and lists the rank
@@ -32,28 +34,27 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import aiohttp
 
 from debug_server.analysis.digest import SNAPSHOT_TIME_KEY, DigestMemo
-from debug_server.frontend import fastjson
-from debug_server.frontend.fanout import (
-    INLINE_BYTES,
-    Collector,
-    FrData,
-    RankResult,
-    Registry,
-    cut_off_loop,
-    fetch_one,
-    parse_off_loop,
+from debug_server.fanout.agentreply import (
+    AgentAddr,
+    keep_stacks,
+    parse_fr,
+    parse_grouped,
+    ranks_param,
+    with_snap,
 )
-from debug_server.frontend.leanhttp import LeanClient
+from debug_server.fanout.leanhttp import LeanClient
+from debug_server.fanout.live import LiveCollector
+from debug_server.fanout.reply import INLINE_BYTES, FrData, cut_off_loop, parse_off_loop
+from debug_server.fanout.transport import RankResult, Registry, fetch_one
 from debug_server.protocol import agentwire, frwindow, members
-from debug_server.protocol.wire import WITH_STACKS
+from debug_server.protocol.names import NATIVE, ONLY_ACTIVE, SINCE, WINDOW, WITH_STACKS
 from debug_server.rank import agent_launch, discovery
 from debug_server.rank.discovery import NOT_REGISTERED, WorkerAddr
 
@@ -70,15 +71,6 @@ MISSING_TTL_S = 1.0
 STORE_RETRY_S = 15.0
 """After the store failed to answer, how long the agents found before are used without asking."""
 AGENT_SLACK_S = 2.0
-
-
-@dataclass(slots=True, frozen=True)
-class AgentAddr:
-    """One registered agent: its host id, URL and the ranks it serves."""
-
-    id: str
-    url: str
-    ranks: frozenset[int]
 
 
 class AgentDirectory:
@@ -153,16 +145,13 @@ class AgentFailed(Exception):
     """An agent that did not give a usable reply; the text is one line."""
 
 
-class AgentCollector(Collector):
-    """A ``Collector`` that asks one agent per host (module doc); same results as its parent."""
+class AgentRoute:
+    """The live collector's way through one agent per host (module doc): a ``collector.Route``;
+    every answer is what the collector's direct methods give for the same ranks."""
 
-    def __init__(self, session: aiohttp.ClientSession, registry: Registry,
-                 agents: AgentDirectory, *, timeout: float, max_concurrency: int = 64,
-                 http: LeanClient | None = None) -> None:
-        super().__init__(session, registry, timeout=timeout, max_concurrency=max_concurrency,
-                         http=http)
+    def __init__(self, agents: AgentDirectory) -> None:
         self.agents = agents
-        self.agent_timeout = 2 * timeout + AGENT_SLACK_S
+        self._c: LiveCollector | None = None
         self._down: dict[str, float] = {}
         self.agent_requests = 0
         """Agent requests that gave a usable reply (tests and benchmarks read it)."""
@@ -177,6 +166,21 @@ class AgentCollector(Collector):
         last ``fr`` whose ranks all came through agents in one round."""
         self.cuts_reused = 0
         """``fr`` calls that used the last window and cut again (every agent's tag the same)."""
+
+    def attach(self, c: LiveCollector) -> None:
+        self._c = c
+
+    @property
+    def c(self) -> LiveCollector:
+        assert self._c is not None, "AgentRoute used before LiveCollector(route=) attached it"
+        return self._c
+
+    @property
+    def agent_timeout(self) -> float:
+        return 2 * self.c.timeout + AGENT_SLACK_S
+
+    def close(self) -> None:
+        self.agents.close()
 
     # -- which rank goes where --------------------------------------------------------------
 
@@ -199,9 +203,10 @@ class AgentCollector(Collector):
         return [(found[i], rs) for i, rs in by_agent.items()], direct
 
     async def _ask(self, ag: AgentAddr, handler: str, params: Mapping[str, str]) -> str:
-        async with self.semaphore:
-            r = await fetch_one(self.session, WorkerAddr(-1, ag.url), handler, params,
-                                self.agent_timeout, self.http)
+        c = self.c
+        async with c.semaphore:
+            r = await fetch_one(c.session, WorkerAddr(-1, ag.url), handler, params,
+                                self.agent_timeout, c.http)
         if not r.ok or r.body is None:
             self._fail(ag, r.error or r.status)
         return r.body or ""
@@ -211,7 +216,7 @@ class AgentCollector(Collector):
         """``parse(body, ag, rs)`` of one agent's reply for ranks ``rs``, parsed off the loop;
         None when the agent failed or its reply is unusable (then it is skipped a while)."""
         try:
-            body = await self._ask(ag, handler, {**params, "ranks": _ranks(rs)})
+            body = await self._ask(ag, handler, {**params, agentwire.RANKS: ranks_param(rs)})
             # A host's reply is small (~20 KB for 8 ranks): parsed here, a thread hop costs more.
             out = parse(body, ag, rs) if len(body) < INLINE_BYTES else \
                 await asyncio.get_running_loop().run_in_executor(None, parse, body, ag, rs)
@@ -239,37 +244,31 @@ class AgentCollector(Collector):
 
     # -- the three fan-outs -------------------------------------------------------------------
 
-    async def fetch(self, handler: str, params: Mapping[str, str] | None = None,
-                    addrs: Sequence[WorkerAddr] | None = None,
-                    each: Callable[[RankResult], Awaitable[None]] | None = None,
-                    ) -> list[RankResult]:
-        if handler not in agentwire.FETCHABLE or params or each is not None:
-            return await super().fetch(handler, params, addrs, each)
-        if addrs is None:
-            addrs = await self.registry.lookup()
+    async def fetch(self, handler: str, addrs: Sequence[WorkerAddr]) -> list[RankResult] | None:
+        """A handler an agent relays (``agentwire.FETCHABLE``, no parameters)."""
+        if handler not in agentwire.FETCHABLE:
+            return None
         plan, direct = await self._plan(addrs)
         if not plan:
-            return await super().fetch(handler, params, addrs)
-        return await self._grouped(agentwire.FETCH, {"handler": handler}, plan, direct,
-                                   lambda rest: super(AgentCollector, self).fetch(handler, None,
-                                                                                  rest))
+            return None
+        return await self._grouped(agentwire.FETCH, {agentwire.HANDLER: handler}, plan, direct,
+                                   lambda rest: self.c.direct_fetch(handler, None, rest))
 
-    async def stacks(self, addrs: Sequence[WorkerAddr] | None = None, *, native: bool = False,
-                     every: bool = False) -> list[RankResult]:
-        if addrs is None:
-            addrs = await self.registry.lookup()
+    async def stacks(self, addrs: Sequence[WorkerAddr], *, native: bool, every: bool,
+                     ) -> list[RankResult] | None:
         plan, direct = await self._plan(addrs)
         if not plan:
-            return await super().stacks(addrs, native=native, every=every)
-        params = {"native": str(native).lower(), "every": str(every or native).lower()}
+            return None
+        params = {NATIVE: str(native).lower(),
+                  agentwire.EVERY: str(every or native).lower()}
         return await self._grouped(agentwire.STACKS, params, plan, direct,
-                                   lambda rest: super(AgentCollector, self).stacks(
-                                       rest, native=native, every=every))
+                                   lambda rest: self.c.direct_stacks(rest, native=native,
+                                                                     every=every))
 
     async def _grouped(self, handler: str, params: Mapping[str, str],
                        plan: list[tuple[AgentAddr, list[WorkerAddr]]], direct: list[WorkerAddr],
                        directly: Any) -> list[RankResult]:
-        replies = await asyncio.gather(*(self._reply(ag, rs, handler, params, _parse_grouped)
+        replies = await asyncio.gather(*(self._reply(ag, rs, handler, params, parse_grouped)
                                          for ag, rs in plan),
                                        directly(direct) if direct else asyncio.sleep(0))
         results: list[RankResult] = list(replies[-1] or [])
@@ -283,35 +282,31 @@ class AgentCollector(Collector):
             rest += [a for a in rs if a.rank not in fine]
         if rest:
             results += await directly(rest)
-        self.states.update(results)
+        self.c.states.update(results)
         return sorted(results, key=lambda r: r.rank)
 
-    async def fr_stacks(self, addrs: Sequence[WorkerAddr] | None = None,
-                        ) -> tuple[FrData, list[RankResult]]:
-        """``Collector.fr_stacks`` through the agents: each agent is asked once for both
+    async def fr_stacks(self, addrs: Sequence[WorkerAddr],
+                        ) -> tuple[FrData, list[RankResult]] | None:
+        """``fr_stacks`` through the agents: each agent is asked once for both
         (``agent_fr?stacks=true``) and asks each of its ranks once; ranks asked directly get
-        theirs with their FR too (``Collector.stacks_after_fr``)."""
-        if addrs is None:
-            addrs = await self.registry.lookup()
+        theirs with their FR too (``LiveCollector.stacks_after_fr``)."""
         plan, direct = await self._plan(addrs)
         if not plan:
-            return await super().fr_stacks(addrs)
+            return None
         got: list[RankResult] = []
         texts: dict[int, str] = {}
         fr = await self._fr_window(plan, direct, (got, texts))
         have = {r.rank for r in got}
         rest = [a for a in addrs if a.rank not in have]
         if rest:
-            got += await self.stacks_after_fr(rest, fr.results, texts)
+            got += await self.c.stacks_after_fr(rest, fr.results, texts)
         return fr, sorted(got, key=lambda r: r.rank)
 
-    async def fr(self, *, only_active: bool = False, whole: bool = False,
-                 addrs: Sequence[WorkerAddr] | None = None) -> FrData:
-        if addrs is None:
-            addrs = await self.registry.lookup()
+    async def fr(self, addrs: Sequence[WorkerAddr], *, only_active: bool, whole: bool,
+                 ) -> FrData | None:
         plan, direct = await self._plan(addrs)
         if not plan:
-            return await super().fr(only_active=only_active, whole=whole, addrs=addrs)
+            return None
         if whole or only_active:
             return await self._fr_plain(plan, direct, only_active=only_active, whole=whole)
         return await self._fr_window(plan, direct)
@@ -325,7 +320,7 @@ class AgentCollector(Collector):
         stacks_got, texts = stacks if stacks is not None else (None, None)
         addrs = [a for _, rs in plan for a in rs] + list(direct)
         # Round 1: agents cut at their host's frontier, direct ranks at their own.
-        window = {"window": str(frwindow.LOCAL_SLACK),
+        window = {WINDOW: str(frwindow.LOCAL_SLACK),
                   **({WITH_STACKS: "true"} if stacks is not None else {})}
         first: list[Any] = []
         tags: dict[str, str] = {}
@@ -366,7 +361,7 @@ class AgentCollector(Collector):
         if key is not None and last is not None and last[0] == key and last[2].keys() == \
                 dumps.keys():
             since = dict(last[1])
-            dumps = {r: _with_snap(last[2][r], d.get(SNAPSHOT_TIME_KEY)) for r, d in dumps.items()}
+            dumps = {r: with_snap(last[2][r], d.get(SNAPSHOT_TIME_KEY)) for r, d in dumps.items()}
             self.cuts_reused += 1
         else:
             since = frwindow.frontier(dumps)
@@ -376,7 +371,7 @@ class AgentCollector(Collector):
             dumps = await cut_off_loop(dumps, since)
             # Not after a round 2: its replies are not covered by the first round's tags.
             self._last_cut = (key, since, dumps) if key is not None and not again else None
-        self.states.update(results)
+        self.c.states.update(results)
         return FrData(sorted(results, key=lambda r: r.rank), dumps, since,
                       digest_memo=self.digest_memo)
 
@@ -406,7 +401,7 @@ class AgentCollector(Collector):
                 groups |= frwindow.rank_groups(dumps[a.rank])
             text = frwindow.since_for(since, groups)
             reply = None if text is None else await self._agent_fr(
-                ag, rs, {"since": text, members.PARAM: known})
+                ag, rs, {SINCE: text, members.PARAM: known})
             if reply is None:  # the agent failed now: the same ranks directly
                 return await self._direct_since(since, rs, dumps)
             return reply
@@ -428,7 +423,7 @@ class AgentCollector(Collector):
             list[RankResult], dict[int, dict[str, Any]]]:
         if not addrs:
             return [], {}
-        results = await self._fr_local_round(addrs, texts)
+        results = await self.c.first_round(addrs, texts)
         dumps = await parse_off_loop(results)
         return results, dumps
 
@@ -437,7 +432,7 @@ class AgentCollector(Collector):
             list[RankResult], dict[int, dict[str, Any]]]:
         if not addrs:
             return [], {}
-        results = await self._fr_window_round(since, addrs, first)
+        results = await self.c.rounds.since(since, addrs, first)
         dumps = await parse_off_loop(results)
         return results, dumps
 
@@ -455,16 +450,16 @@ class AgentCollector(Collector):
         held dumps are used again (shallow copies with the new ``dump_time_ns``)."""
         # Not for whole rings (``_fr_plain``): holding every rank's ring would double the
         # frontend's memory for the pages that are asked least.
-        conditional = "whole" not in params
-        slot = (ag.id, "since" if "since" in params else "local")
+        conditional = agentwire.WHOLE not in params
+        slot = (ag.id, SINCE if SINCE in params else "local")
         # The FR part does not depend on stacks=true: both asks share what is held.
-        question = (_ranks(rs), tuple(sorted((k, v) for k, v in params.items()
+        question = (ranks_param(rs), tuple(sorted((k, v) for k, v in params.items()
                                              if k not in (members.PARAM, WITH_STACKS))))
         held = self._held.get(slot) if conditional else None
         if held is not None and held[0] != question:
             held = None
         ask = {**params, agentwire.TAG: held[1]} if held is not None else params
-        reply = await self._reply(ag, rs, agentwire.FR, ask, _parse_fr)
+        reply = await self._reply(ag, rs, agentwire.FR, ask, parse_fr)
         if reply is None:
             return None
         recs, dumps, tag, snap, stk = reply
@@ -472,24 +467,24 @@ class AgentCollector(Collector):
             if held is None or tag != held[1] or not all(
                     r.rank in held[2] for r in recs if r.ok):
                 # Another page replaced what this one held meanwhile: ask once more, plainly.
-                reply = await self._reply(ag, rs, agentwire.FR, params, _parse_fr)
+                reply = await self._reply(ag, rs, agentwire.FR, params, parse_fr)
                 if reply is None or reply[3] is not None:
                     return None
                 recs, dumps, tag, snap, stk = reply
-                _keep_stacks(stacks, stk)
+                keep_stacks(stacks, stk)
                 return self._held_reply(slot, question, conditional, recs, dumps, tag, tags)
-            _keep_stacks(stacks, stk)
+            keep_stacks(stacks, stk)
             if tags is not None:
                 tags[ag.id] = tag
             dumps = {}
             for r in recs:
                 if r.ok:
-                    dumps[r.rank] = _with_snap(held[2][r.rank], snap.get(str(r.rank)))
+                    dumps[r.rank] = with_snap(held[2][r.rank], snap.get(str(r.rank)))
                     r.body = ""
             self.agent_unchanged += 1
             recs = [r for r in recs if r.status != NOT_REGISTERED]
             return recs, {r.rank: dumps[r.rank] for r in recs if r.rank in dumps}
-        _keep_stacks(stacks, stk)
+        keep_stacks(stacks, stk)
         return self._held_reply(slot, question, conditional, recs, dumps, tag, tags)
 
     def _held_reply(self, slot: tuple[str, str], question: Any, conditional: bool,
@@ -506,7 +501,7 @@ class AgentCollector(Collector):
 
     async def _fr_plain(self, plan: list[tuple[AgentAddr, list[WorkerAddr]]],
                         direct: list[WorkerAddr], *, only_active: bool, whole: bool) -> FrData:
-        params = {"whole": str(whole).lower(), "onlyactive": str(only_active).lower(),
+        params = {agentwire.WHOLE: str(whole).lower(), ONLY_ACTIVE: str(only_active).lower(),
                   members.PARAM: members.known_param() or ""}
         replies = await asyncio.gather(*(self._agent_fr(ag, rs, params) for ag, rs in plan))
         results: list[RankResult] = []
@@ -521,149 +516,25 @@ class AgentCollector(Collector):
             served = {r.rank for r in reply[0]}
             rest += [a for a in rs if a.rank not in served]
         if rest:
-            plain = await super().fr(only_active=only_active, whole=whole, addrs=rest)
+            plain = await self.c.direct_fr(rest, only_active=only_active, whole=whole)
             results += plain.results
             dumps.update(plain.dumps)
-        self.states.update(results)
+        self.c.states.update(results)
         return FrData(sorted(results, key=lambda r: r.rank), dumps)
 
 
-def _keep_stacks(into: list[RankResult] | None, got: list[RankResult] | None) -> None:
-    """An agent's stacks records, where they were asked for (ranks it does not serve left out:
-    they are asked directly)."""
-    if into is not None and got is not None:
-        into.extend(r for r in got if r.status != NOT_REGISTERED)
-
-
-def _ranks(rs: Sequence[WorkerAddr]) -> str:
-    return agent_launch.format_ranks([a.rank for a in rs])
-
-
-def _record(row: Any, ag: AgentAddr, by_rank: Mapping[int, WorkerAddr],
-            body: str | None) -> RankResult:
-    if not isinstance(row, dict) or type(row.get("rank")) is not int \
-            or row["rank"] not in by_rank or not isinstance(row.get("status"), str):
-        raise ValueError("a rank record is malformed or names a rank not asked for")
-    note = row.get("note") if isinstance(row.get("note"), str) else None
-    via = f"via agent {ag.id}"
-    elapsed = row.get("elapsed_s")
-    code = row.get("http_status")
-    return RankResult(row["rank"], by_rank[row["rank"]].url, row["status"], body,
-                      row.get("error") if isinstance(row.get("error"), str) else None,
-                      float(elapsed) if isinstance(elapsed, int | float) else 0.0,
-                      code if type(code) is int else None,
-                      f"{note}; {via}" if note else via)
-
-
-def _load(body: str) -> dict[str, Any]:
-    obj = fastjson.loads(body)
-    if not isinstance(obj, dict) or not isinstance(obj.get("ranks"), list):
-        raise ValueError("not an agent reply (no ranks list)")
-    return obj
-
-
-def _parse_grouped(body: str, ag: AgentAddr,
-                   rs: Sequence[WorkerAddr]) -> list[RankResult]:
-    """``agent_stacks``/``agent_fetch``: records whose bodies are shared by index."""
-    return _grouped_records(_load(body), ag, rs)
-
-
-def _grouped_records(obj: dict[str, Any], ag: AgentAddr,
-                     rs: Sequence[WorkerAddr]) -> list[RankResult]:
-    if not isinstance(obj.get("ranks"), list):
-        raise ValueError("not an agent reply (no ranks list)")
-    texts = obj.get("bodies")
-    if not isinstance(texts, list) or not all(isinstance(t, str) for t in texts):
-        raise ValueError("bodies is not a list of texts")
-    by_rank = {a.rank: a for a in rs}
-    out = []
-    for row in obj["ranks"]:
-        i = row.get("body") if isinstance(row, dict) else None
-        if i is not None and (type(i) is not int or not 0 <= i < len(texts)):
-            raise ValueError("a body index is out of range")
-        out.append(_record(row, ag, by_rank, texts[i] if i is not None else None))
-    return out
-
-
-def _with_snap(dump: Mapping[str, Any], snap: Any) -> dict[str, Any]:
-    out = dict(dump)
-    if type(snap) is int:
-        out[SNAPSHOT_TIME_KEY] = snap
-    else:
-        out.pop(SNAPSHOT_TIME_KEY, None)
-    return out
-
-
-_FrReply = tuple[list[RankResult], dict[int, dict[str, Any]], str, dict[str, Any] | None,
-                 list[RankResult] | None]
-
-
-def _parse_fr(body: str, ag: AgentAddr, rs: Sequence[WorkerAddr]) -> _FrReply:
-    """``agent_fr``: records, each rank's dump with its member lists put back, the reply's tag,
-    for an "unchanged" reply (no dumps) each rank's read time (else None), and the ranks'
-    stacks records where it was asked ``stacks=true`` (else None)."""
-    obj = _load(body)
-    tag = obj.get(agentwire.TAG) if isinstance(obj.get(agentwire.TAG), str) else ""
-    part = obj.get("stacks")
-    if part is not None and not isinstance(part, dict):
-        raise ValueError("stacks is not an object")
-    stacks = _grouped_records(part, ag, rs) if part is not None else None
-    if obj.get("unchanged") is True:
-        snap = obj.get("snap")
-        if not isinstance(snap, dict) or not tag:
-            raise ValueError("an unchanged reply without its tag or read times")
-        by_rank = {a.rank: a for a in rs}
-        return [_record(row, ag, by_rank, None) for row in obj["ranks"]], {}, tag, snap, stacks
-    lists, raw = obj.get("lists", {}), obj.get("dumps", {})
-    if not isinstance(lists, dict) or not isinstance(raw, dict):
-        raise ValueError("lists or dumps is not an object")
-    for text in lists.values():
-        if isinstance(text, str):
-            members.learn({"pg_config": {"_": {"ranks": text}}})
-    frame_sets = obj.get("frames", [])
-    if not isinstance(frame_sets, list):
-        raise ValueError("frames is not a list")
-    # A full reply the agent made for an earlier ask (agent.LAST_FULL) carries this ask's
-    # read times apart.
-    fresh = obj.get("snap")
-    if fresh is not None and not isinstance(fresh, dict):
-        raise ValueError("snap is not an object")
-    by_rank = {a.rank: a for a in rs}
-    recs = [_record(row, ag, by_rank, None) for row in obj["ranks"]]
-    dumps: dict[int, dict[str, Any]] = {}
-    for r in recs:
-        d = raw.get(str(r.rank))
-        if not r.ok:
-            continue
-        if not isinstance(d, dict):
-            r.status, r.error = "failed", f"rank {r.rank}: the agent sent no dump"
-            continue
-        for e in d.get("entries") if isinstance(d.get("entries"), list) else ():
-            i = e.get("frames") if isinstance(e, dict) else None
-            if type(i) is int:  # one shared list per distinct stack (agent.share_frames)
-                if not 0 <= i < len(frame_sets):
-                    raise ValueError("a frames index is out of range")
-                e["frames"] = frame_sets[i]
-        members.inline(d)
-        members.learn(d)
-        dumps[r.rank] = d if fresh is None else _with_snap(d, fresh.get(str(r.rank)))
-        r.body = ""  # answered (the dump is parsed already); the snapshot keys on a body
-    return recs, dumps, tag, None, stacks
-
-
 def collector_for(session: aiohttp.ClientSession, registry: Registry, *, timeout: float,
-                  max_concurrency: int, http: LeanClient | None = None) -> Collector:
+                  max_concurrency: int, http: LeanClient | None = None) -> LiveCollector:
     """The frontend's collector: through the agents where the workers are found in a store
-    (rank 0's frontend and an attached one), the plain one for fixed URLs; ``http``: the lean
-    client for the fan-outs (``fanout.fetch_one``)."""
+    (rank 0's frontend and an attached one), every rank directly for fixed URLs; ``http``: the
+    lean client for the fan-outs (``transport.fetch_one``)."""
     store = getattr(registry, "store_address", None)
-    if not isinstance(store, tuple):
-        return Collector(session, registry, timeout=timeout, max_concurrency=max_concurrency,
-                         http=http)
-    directory = AgentDirectory(store[0], store[1], getattr(registry, "restart_count", 0),
-                               timeout=getattr(registry, "store_timeout", 5.0))
-    return AgentCollector(session, registry, directory, timeout=timeout,
-                          max_concurrency=max_concurrency, http=http)
+    route = None
+    if isinstance(store, tuple):
+        route = AgentRoute(AgentDirectory(store[0], store[1], getattr(registry, "restart_count", 0),
+                                          timeout=getattr(registry, "store_timeout", 5.0)))
+    return LiveCollector(session, registry, timeout=timeout, max_concurrency=max_concurrency,
+                         http=http, route=route)
 
 
-__all__ = ["AGENT_RETRY_S", "AgentAddr", "AgentCollector", "AgentDirectory", "collector_for"]
+__all__ = ["AGENT_RETRY_S", "AgentAddr", "AgentDirectory", "AgentRoute", "collector_for"]

@@ -1,0 +1,180 @@
+"""An agent's ``agent_fr``/``agent_stacks`` reply body, made from its host's ranks' records.
+
+What makes an agent's reply small and cheap to compare (``protocol.agentwire``, read back by
+``fanout.agentreply``): each distinct body once (:func:`records`), long member lists and
+call-site stacks once per reply (:func:`share_lists`, :func:`share_frames`), the host's mismatch
+signatures (:func:`signatures`), and the reply's :func:`fr_tag`, computed before any dump is
+parsed, with an "unchanged" reply carrying only records and read times (:func:`unchanged_reply`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from debug_server.analysis.digest import SNAPSHOT_TIME_KEY
+from debug_server.fanout import fastjson
+from debug_server.fanout.reply import FrData
+from debug_server.fanout.transport import RankResult
+from debug_server.protocol import members
+from debug_server.protocol.agentwire import TAG
+from debug_server.protocol.names import WITH_STACKS
+
+
+def records(results: Sequence[RankResult], with_body: bool) -> tuple[list[dict[str, Any]],
+                                                                      list[str]]:
+    """Per-rank summaries, and with ``with_body`` each distinct body once (``"body"``: index)."""
+    texts: list[str] = []
+    index: dict[str, int] = {}
+    rows = []
+    for r in results:
+        row = r.summary()
+        if with_body and r.body is not None:
+            i = index.get(r.body)
+            if i is None:
+                i = index[r.body] = len(texts)
+                texts.append(r.body)
+            row["body"] = i
+        rows.append(row)
+    return rows, texts
+
+
+def signatures(dumps: Mapping[int, Mapping[str, Any]]) -> dict[str, dict[str, dict[str, list[int]]]]:
+    """Per group and collective seq, each distinct ``op sizes dtypes`` with the ranks that issued
+    it: the host's part of the mismatch check, in a few bytes per op."""
+    out: dict[str, dict[str, dict[str, list[int]]]] = {}
+    texts: dict[str, str] = {}  # repr of the fields -> their JSON (one encode per distinct op)
+    for rank, d in sorted(dumps.items()):
+        entries = d.get("entries")
+        for e in entries if isinstance(entries, list) else ():
+            try:
+                g = str(e["process_group"][0])
+                seq = int(e["collective_seq_id"])
+                name = str(e["profiling_name"]).partition(":")[2] or str(e["profiling_name"])
+            except (KeyError, TypeError, ValueError, IndexError):
+                continue
+            if name.partition(" ")[0] in ("send", "recv"):
+                continue
+            fields = [name, e.get("input_sizes"), e.get("input_dtypes"), e.get("output_sizes")]
+            key = repr(fields)
+            sig = texts.get(key)
+            if sig is None:
+                sig = texts[key] = json.dumps(fields, separators=(",", ":"))
+            out.setdefault(g, {}).setdefault(str(seq), {}).setdefault(sig, []).append(rank)
+    return out
+
+
+def share_lists(dumps: Mapping[int, Mapping[str, Any]],
+                 known: frozenset[str]) -> tuple[dict[str, Mapping[str, Any]], dict[str, str]]:
+    """Dumps with each long member list as a reference, and the lists the frontend lacks."""
+    lists: dict[str, str] = {}
+
+    def ref(text: str) -> str:
+        d = members.digest(text)
+        if d not in known:
+            lists[d] = text
+        return d
+
+    return {str(r): members.map_lists(d, ref) for r, d in dumps.items()}, lists
+
+
+def share_frames(dumps: Mapping[str, Mapping[str, Any]]) -> tuple[dict[str, Any], list[Any]]:
+    """Dumps whose entries name their call-site stack by index into one list of the distinct
+    stacks: the ranks of a host issue the same ops from the same lines, and a real stack is
+    most of an entry's bytes."""
+    frame_sets: list[Any] = []
+    index: dict[str, int] = {}
+    out: dict[str, Any] = {}
+    for r, d in dumps.items():
+        entries = d.get("entries")
+        if not isinstance(entries, list):
+            out[r] = d
+            continue
+        shared = []
+        for e in entries:
+            frames = e.get("frames") if isinstance(e, dict) else None
+            if not isinstance(frames, list):
+                shared.append(e)
+                continue
+            key = repr(frames)  # equal stacks read from JSON print alike
+            i = index.get(key)
+            if i is None:
+                i = index[key] = len(frame_sets)
+                frame_sets.append(frames)
+            shared.append({**e, "frames": i})
+        out[r] = {**d, "entries": shared}
+    return out, frame_sets
+
+
+_SNAP_RE = re.compile(r'"' + SNAPSHOT_TIME_KEY + r'"\s*:\s*-?\d+')
+
+
+def fr_tag(q: Mapping[str, str], results: Sequence[RankResult]) -> str:
+    """What one ``agent_fr`` reply for query ``q`` holds, as a short hash: the question, this
+    agent's member lists, and each rank's status and reply text less its read time
+    (``dump_time_ns`` changes on every ask of a live rank; a hung one's ring does not). For the
+    default ask, ``results`` are the first round's (the rest follows from them)."""
+    h = hashlib.blake2b(digest_size=12)
+    h.update(json.dumps(sorted((k, v) for k, v in q.items() if k not in (TAG, WITH_STACKS)),
+                        separators=(",", ":")).encode())
+    h.update((members.known_param() or "").encode())
+    for r in results:
+        h.update(f"\0{r.rank}\0{r.status}\0".encode())
+        h.update(_SNAP_RE.sub("", r.body or "").encode(errors="replace"))
+    return h.hexdigest()
+
+
+def stacks_part(stacks: Sequence[RankResult] | None) -> dict[str, Any]:
+    """``stacks=true``: the ranks' stacks as ``agent_stacks`` sends them, under ``"stacks"``."""
+    if stacks is None:
+        return {}
+    rows, texts = records(stacks, with_body=True)
+    return {"stacks": {"ranks": rows, "bodies": texts}}
+
+
+def read_times(results: Sequence[RankResult]) -> dict[str, int | None]:
+    """Each answering rank's read time (``dump_time_ns``), read off its reply text (no parse)."""
+    snap: dict[str, int | None] = {}
+    for r in results:
+        if r.ok:
+            m = _SNAP_RE.search(r.body or "")
+            snap[str(r.rank)] = int(m.group(0).rpartition(":")[2]) if m else None
+    return snap
+
+
+def unchanged_reply(host: str, results: Sequence[RankResult], tag: str,
+                    stacks: Sequence[RankResult] | None = None) -> str:
+    """The records and each rank's read time, read off its reply text (no parse)."""
+    rows, _ = records(results, with_body=False)
+    return fastjson.dumps({"host": host, "ranks": rows, TAG: tag, "unchanged": True,
+                           "snap": read_times(results), **stacks_part(stacks)})
+
+
+
+def data_part(fr: FrData, known: frozenset[str]) -> str:
+    """A full reply's data, as JSON text: what its tag stands for (the ranks' windows and the
+    asker's lists), so the same text serves any asker of the same tag (``app.LAST_FULL``)."""
+    dumps, lists = share_lists(fr.dumps, known)
+    dumps, frame_sets = share_frames(dumps)
+    return fastjson.dumps({"dumps": dumps, "lists": lists, "frames": frame_sets,
+                           "window": fr.window, "signatures": signatures(fr.dumps)}, default=str)
+
+
+def with_part(host: str, results: Sequence[RankResult], tag: str, part: str,
+              stacks: Sequence[RankResult] | None, snap: Mapping[str, int | None] | None,
+              ) -> str:
+    """A full reply: this ask's records (and stacks, and read times where the data part was
+    made for an earlier ask) around the data part's text (``data_part``: an object, whose
+    members follow the head's)."""
+    rows, _ = records(results, with_body=False)
+    head = fastjson.dumps({"host": host, "ranks": rows, TAG: tag,
+                           **({"snap": snap} if snap is not None else {}),
+                           **stacks_part(stacks)}, default=str)
+    return head[:-1] + "," + part[1:]
+
+
+__all__ = ["data_part", "fr_tag", "read_times", "records", "share_frames", "share_lists",
+           "signatures", "stacks_part", "unchanged_reply", "with_part"]

@@ -1,0 +1,95 @@
+"""Where the agent's host's ranks are: read from the job's store (only these ranks' keys), or
+fixed URLs (``--worker-urls``: tests, benchmarks)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING
+
+from debug_server.errors import first_line
+from debug_server.rank import discovery
+from debug_server.rank.agent_launch import META_KEY
+from debug_server.rank.discovery import NOT_REGISTERED, WorkerAddr
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
+
+
+class HostRegistry:
+    """This host's ranks' workers, read from the job's store (only these ranks' keys)."""
+
+    def __init__(self, master_addr: str, master_port: int, world_size: int, restart: int,
+                 ranks: Sequence[int], my_id: str, timeout: float) -> None:
+        self.world_size = world_size
+        self.ranks = list(ranks)
+        self._addr = (master_addr, master_port)
+        self._restart = restart
+        self._id = my_id
+        self._timeout = timeout
+        self._store: dist.Store | None = None
+        # One thread: a TCPStore client is not to be shared between threads (fr and stacks
+        # of one page arrive together).
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="debug_server.agent")
+
+    def store(self) -> dist.Store:
+        if self._store is None:
+            self._store = discovery.store_client(*self._addr, timeout=self._timeout)
+        return self._store
+
+    def _lookup_sync(self) -> list[WorkerAddr]:
+        try:
+            store = self.store()
+            keys = [discovery.url_key(r) for r in self.ranks]
+            present = self.ranks if store.check(keys) else [
+                r for r in self.ranks if store.check([discovery.url_key(r)])]
+            metas_keys = [discovery.meta_key(r) for r in present]
+            # One round trip to the job's store where every rank has its sidecar (ours do).
+            with_meta = present if present and store.check(metas_keys) else [
+                r for r in present if store.check([discovery.meta_key(r)])]
+            urls = dict(zip(present, store.multi_get([discovery.url_key(r) for r in present]),
+                            strict=True)) if present else {}
+            metas = dict(zip(with_meta, store.multi_get([discovery.meta_key(r) for r in with_meta]),
+                             strict=True)) if with_meta else {}
+        except Exception as e:  # the store is gone: every rank unknown, one reason
+            self._store = None
+            reason = f"{NOT_REGISTERED} (agent: store unavailable: {first_line(e, 200)})"
+            return [WorkerAddr(r, None, reason) for r in self.ranks]
+        out = []
+        for r in self.ranks:
+            if r not in urls:
+                out.append(WorkerAddr(r, None, NOT_REGISTERED))
+                continue
+            meta = discovery.meta_dict(metas.get(r))
+            if r in metas and (meta is None or meta.get("restart") != self._restart):
+                out.append(WorkerAddr(r, None, f"{NOT_REGISTERED} (stale or unreadable sidecar)"))
+            elif meta is not None and meta.get(META_KEY) not in (None, self._id):
+                continue  # another host's agent serves it
+            else:
+                out.append(WorkerAddr(r, urls[r].decode(errors="replace").rstrip("/"), meta=meta))
+        return out
+
+    async def lookup(self) -> list[WorkerAddr]:
+        return await asyncio.get_running_loop().run_in_executor(self._pool, self._lookup_sync)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+class StaticHostRegistry:
+    """Fixed URLs for ranks ``first..`` (benchmarks, and tests without a store)."""
+
+    def __init__(self, urls: Sequence[str], first: int, world_size: int) -> None:
+        self.world_size = world_size
+        self.ranks = list(range(first, first + len(urls)))
+        self._urls = [u.rstrip("/") for u in urls]
+
+    async def lookup(self) -> list[WorkerAddr]:
+        return [WorkerAddr(r, u) for r, u in zip(self.ranks, self._urls, strict=True)]
+
+    def close(self) -> None:
+        pass
+
+
+__all__ = ["HostRegistry", "StaticHostRegistry"]

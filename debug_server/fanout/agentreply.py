@@ -1,0 +1,155 @@
+"""Reading an agent's reply: one record per rank it served, and for ``agent_fr`` their dumps.
+
+An agent (``agent``) answers for its host's ranks in one reply (``protocol.agentwire``): the
+ranks' records (status, error, timing), each distinct body once (``agent_stacks``,
+``agent_fetch``), and for ``agent_fr`` each rank's dump with its call-site stacks and long member
+lists shared (``"frames"``, ``"lists"``), or ``"unchanged": true`` with only the read times. These
+functions turn a reply into the records and parsed dumps the live collector's direct fetch
+would have given; anything malformed raises ``ValueError`` (the agent is then skipped a while and
+its ranks asked directly: ``agents.AgentRoute``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from debug_server.analysis.digest import SNAPSHOT_TIME_KEY
+from debug_server.fanout import fastjson
+from debug_server.fanout.transport import FAILED, RankResult
+from debug_server.protocol import agentwire, members
+from debug_server.rank import agent_launch
+from debug_server.rank.discovery import NOT_REGISTERED, WorkerAddr
+
+
+@dataclass(slots=True, frozen=True)
+class AgentAddr:
+    """One registered agent: its host id, URL and the ranks it serves."""
+
+    id: str
+    url: str
+    ranks: frozenset[int]
+
+
+def keep_stacks(into: list[RankResult] | None, got: list[RankResult] | None) -> None:
+    """An agent's stacks records, where they were asked for (ranks it does not serve left out:
+    they are asked directly)."""
+    if into is not None and got is not None:
+        into.extend(r for r in got if r.status != NOT_REGISTERED)
+
+
+def ranks_param(rs: Sequence[WorkerAddr]) -> str:
+    return agent_launch.format_ranks([a.rank for a in rs])
+
+
+def _record(row: Any, ag: AgentAddr, by_rank: Mapping[int, WorkerAddr],
+            body: str | None) -> RankResult:
+    if not isinstance(row, dict) or type(row.get("rank")) is not int \
+            or row["rank"] not in by_rank or not isinstance(row.get("status"), str):
+        raise ValueError("a rank record is malformed or names a rank not asked for")
+    note = row.get("note") if isinstance(row.get("note"), str) else None
+    via = f"via agent {ag.id}"
+    elapsed = row.get("elapsed_s")
+    code = row.get("http_status")
+    return RankResult(row["rank"], by_rank[row["rank"]].url, row["status"], body,
+                      row.get("error") if isinstance(row.get("error"), str) else None,
+                      float(elapsed) if isinstance(elapsed, int | float) else 0.0,
+                      code if type(code) is int else None,
+                      f"{note}; {via}" if note else via)
+
+
+def _load(body: str) -> dict[str, Any]:
+    obj = fastjson.loads(body)
+    if not isinstance(obj, dict) or not isinstance(obj.get("ranks"), list):
+        raise ValueError("not an agent reply (no ranks list)")
+    return obj
+
+
+def parse_grouped(body: str, ag: AgentAddr,
+                   rs: Sequence[WorkerAddr]) -> list[RankResult]:
+    """``agent_stacks``/``agent_fetch``: records whose bodies are shared by index."""
+    return _grouped_records(_load(body), ag, rs)
+
+
+def _grouped_records(obj: dict[str, Any], ag: AgentAddr,
+                     rs: Sequence[WorkerAddr]) -> list[RankResult]:
+    if not isinstance(obj.get("ranks"), list):
+        raise ValueError("not an agent reply (no ranks list)")
+    texts = obj.get("bodies")
+    if not isinstance(texts, list) or not all(isinstance(t, str) for t in texts):
+        raise ValueError("bodies is not a list of texts")
+    by_rank = {a.rank: a for a in rs}
+    out = []
+    for row in obj["ranks"]:
+        i = row.get("body") if isinstance(row, dict) else None
+        if i is not None and (type(i) is not int or not 0 <= i < len(texts)):
+            raise ValueError("a body index is out of range")
+        out.append(_record(row, ag, by_rank, texts[i] if i is not None else None))
+    return out
+
+
+def with_snap(dump: Mapping[str, Any], snap: Any) -> dict[str, Any]:
+    out = dict(dump)
+    if type(snap) is int:
+        out[SNAPSHOT_TIME_KEY] = snap
+    else:
+        out.pop(SNAPSHOT_TIME_KEY, None)
+    return out
+
+
+_FrReply = tuple[list[RankResult], dict[int, dict[str, Any]], str, dict[str, Any] | None,
+                 list[RankResult] | None]
+
+
+def parse_fr(body: str, ag: AgentAddr, rs: Sequence[WorkerAddr]) -> _FrReply:
+    """``agent_fr``: records, each rank's dump with its member lists put back, the reply's tag,
+    for an "unchanged" reply (no dumps) each rank's read time (else None), and the ranks'
+    stacks records where it was asked ``stacks=true`` (else None)."""
+    obj = _load(body)
+    tag = obj.get(agentwire.TAG) if isinstance(obj.get(agentwire.TAG), str) else ""
+    part = obj.get("stacks")
+    if part is not None and not isinstance(part, dict):
+        raise ValueError("stacks is not an object")
+    stacks = _grouped_records(part, ag, rs) if part is not None else None
+    if obj.get("unchanged") is True:
+        snap = obj.get("snap")
+        if not isinstance(snap, dict) or not tag:
+            raise ValueError("an unchanged reply without its tag or read times")
+        by_rank = {a.rank: a for a in rs}
+        return [_record(row, ag, by_rank, None) for row in obj["ranks"]], {}, tag, snap, stacks
+    lists, raw = obj.get("lists", {}), obj.get("dumps", {})
+    if not isinstance(lists, dict) or not isinstance(raw, dict):
+        raise ValueError("lists or dumps is not an object")
+    for text in lists.values():
+        if isinstance(text, str):
+            members.learn({"pg_config": {"_": {"ranks": text}}})
+    frame_sets = obj.get("frames", [])
+    if not isinstance(frame_sets, list):
+        raise ValueError("frames is not a list")
+    # A full reply the agent made for an earlier ask (agent.LAST_FULL) carries this ask's
+    # read times apart.
+    fresh = obj.get("snap")
+    if fresh is not None and not isinstance(fresh, dict):
+        raise ValueError("snap is not an object")
+    by_rank = {a.rank: a for a in rs}
+    recs = [_record(row, ag, by_rank, None) for row in obj["ranks"]]
+    dumps: dict[int, dict[str, Any]] = {}
+    for r in recs:
+        d = raw.get(str(r.rank))
+        if not r.ok:
+            continue
+        if not isinstance(d, dict):
+            r.status, r.error = FAILED, f"rank {r.rank}: the agent sent no dump"
+            continue
+        for e in d.get("entries") if isinstance(d.get("entries"), list) else ():
+            i = e.get("frames") if isinstance(e, dict) else None
+            if type(i) is int:  # one shared list per distinct stack (agent.share_frames)
+                if not 0 <= i < len(frame_sets):
+                    raise ValueError("a frames index is out of range")
+                e["frames"] = frame_sets[i]
+        members.inline(d)
+        members.learn(d)
+        dumps[r.rank] = d if fresh is None else with_snap(d, fresh.get(str(r.rank)))
+        r.body = ""  # answered (the dump is parsed already); the snapshot keys on a body
+    return recs, dumps, tag, None, stacks
