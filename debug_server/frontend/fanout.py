@@ -12,8 +12,8 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
-import sys
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -125,7 +125,8 @@ async def fetch_one(
 
     try:
         if http is not None and http.handles(url):
-            code, text = await _within(_lean_post(http, url), timeout)
+            code, raw = await http.post(url, timeout)
+            text = raw.decode("utf-8", errors="replace")
         else:
             code, text = await asyncio.wait_for(_post(session, url), timeout)
     except asyncio.TimeoutError:  # builtin TimeoutError only from 3.11 on
@@ -147,21 +148,6 @@ async def fetch_one(
 
 class _TooBig(Exception):
     pass
-
-
-if sys.version_info >= (3, 11):
-    async def _within(coro: Any, timeout: float) -> Any:
-        # asyncio.timeout: no task per request, as wait_for makes (a fan-out sends thousands)
-        async with asyncio.timeout(timeout):
-            return await coro
-else:  # pragma: no cover - Python 3.10
-    async def _within(coro: Any, timeout: float) -> Any:
-        return await asyncio.wait_for(coro, timeout)
-
-
-async def _lean_post(http: LeanClient, url: str) -> tuple[int, str]:
-    code, raw = await http.post(url)
-    return code, raw.decode("utf-8", errors="replace")
 
 
 async def _post(session: aiohttp.ClientSession, url: str) -> tuple[int, str]:
@@ -192,21 +178,52 @@ async def fan_out(
     """
 
     query = urlencode(params) if params else None  # the same for every rank: encoded once
+    results: list[RankResult | None] = [None] * len(addrs)
+    todo = deque(range(len(addrs)))
 
-    async def fetch(addr: WorkerAddr) -> RankResult:
-        r = await fetch_one(session, addr, handler, query, timeout, http)
-        if each is not None:
-            await each(r)
-        return r
+    # A few workers that each take the next rank, not a task per rank: a task, its wrapper
+    # coroutines and their scheduling were a third of the frontend's CPU per request (issue 31:
+    # 8192 requests per page at 4096 ranks). Between two ranks a worker renews its slot of
+    # ``semaphore`` as a request queued from the start would take it (``pagefirst``: pages
+    # first), so pages and background polls share the slots as before.
+    async def worker() -> None:
+        held = False
+        try:
+            while todo:
+                i = todo.popleft()
+                addr = addrs[i]
+                if not held and semaphore is not None and addr.url is not None:
+                    await semaphore.acquire()
+                    held = True
+                r = await fetch_one(session, addr, handler, query, timeout, http)
+                if each is not None:
+                    await each(r)
+                results[i] = r
+                if held and todo:
+                    held = False  # renew hands the slot on or keeps it; it holds one on return
+                    await _renew(semaphore)  # type: ignore[arg-type]
+                    held = True
+        finally:
+            if held:
+                semaphore.release()  # type: ignore[union-attr]
 
-    async def one(addr: WorkerAddr) -> RankResult:
-        if semaphore is None or addr.url is None:
-            return await fetch(addr)
-        async with semaphore:
-            return await fetch(addr)
+    slots = getattr(semaphore, "size", None) if semaphore is not None else None
+    workers = min(len(addrs), slots or len(addrs))
+    if workers == 1:
+        await worker()
+    elif workers:
+        await asyncio.gather(*(worker() for _ in range(workers)))
+    return sorted(results, key=lambda r: r.rank)  # type: ignore[arg-type,union-attr]
 
-    results = await asyncio.gather(*(one(a) for a in addrs))
-    return sorted(results, key=lambda r: r.rank)
+
+async def _renew(semaphore: asyncio.Semaphore | PageFirstSemaphore) -> None:
+    """Between two requests of one worker: ``PageFirstSemaphore.renew``, else release and
+    acquire (a plain semaphore serves its waiters in order)."""
+    if isinstance(semaphore, PageFirstSemaphore):
+        await semaphore.renew()
+        return
+    semaphore.release()
+    await semaphore.acquire()
 
 
 class Registry(Protocol):
@@ -536,9 +553,9 @@ class Collector:
         held_ranks = {a.rank for a in held}
         cpu, nccl = await asyncio.gather(
             self.fetch(C10D_FR_HANDLER, params, [a for a in addrs if a.rank not in held_ranks],
-                       _cutter_by_record(cpu_cut)),
+                       _lists_referred(_cutter_by_record(cpu_cut))),
             self.fetch(c10d_workers.NCCL_HANDLER, nccl_params, nccl_addrs,
-                       None if active else _cutter_on_arrival(cut))
+                       _lists_referred(None if active else _cutter_on_arrival(cut)))
             if nccl_addrs else _no_results())
         for r in cpu:
             self._note_cpu_empty(r, now)
@@ -806,6 +823,21 @@ def _cutter_by_record(cut_for: Callable[[RankResult], Callable[[dict[str, Any]],
             if cut is not None:
                 r.body = await asyncio.get_running_loop().run_in_executor(None, _cut_body,
                                                                           r.body, cut)
+
+    return each
+
+
+def _lists_referred(then: Callable[[RankResult], Awaitable[None]] | None,
+                    ) -> Callable[[RankResult], Awaitable[None]]:
+    """An ``each`` that runs ``then`` (a cut), then writes each long member list of the reply
+    as a reference (``members.refer_text``; ``parse_dumps`` puts the shared copy back): torch's
+    C++ workers send the world's list in every reply."""
+
+    async def each(r: RankResult) -> None:
+        if then is not None:
+            await then(r)
+        if r.ok and r.body is not None:
+            r.body = members.refer_text(r.body)
 
     return each
 
