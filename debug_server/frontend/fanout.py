@@ -27,6 +27,7 @@ from debug_server.frontend import c10d_workers, fastjson
 from debug_server.frontend.leanhttp import BodyTooLarge, LeanClient, ProtocolError
 from debug_server.frontend.pagefirst import PageFirstSemaphore
 from debug_server.protocol import activecover, frtext, frwindow, members
+from debug_server.protocol.frwindow import WINDOW_KEY
 from debug_server.protocol.wire import WITH_STACKS, split_stacks
 from debug_server.rank import pyspy
 from debug_server.rank.discovery import NOT_REGISTERED, WorkerAddr
@@ -870,13 +871,22 @@ def _merge_bodies(pairs: Sequence[tuple[RankResult, RankResult]], active: bool =
     NCCL replies are ``onlyactive`` ones, marked as such a cut (``activecover.mark``)."""
     out: list[tuple[str | None, frozenset[str]]] = []
     for cpu, nccl in pairs:
-        a, b = _json_object(cpu.body), _json_object(nccl.body)
+        b = _json_object(nccl.body)
+        # An empty CPU recorder (an NCCL-only job; held, CPU_EMPTY_TTL_S): the NCCL reply is
+        # the merged one, as its own text (marked where active), parsed once here, not encoded.
+        a = _EMPTY_CPU if cpu.body == c10d_workers.EMPTY_CPU_BODY else _json_object(cpu.body)
         if a is None or b is None or not c10d_workers.has_groups(b):
             out.append((cpu.body, frozenset()))
-            continue
-        merged, renamed = c10d_workers.merge(a, activecover.mark(b) if active else b)
-        out.append((_encoded(merged), renamed))
+        elif c10d_workers.is_empty(a) and WINDOW_KEY not in b:
+            out.append((activecover.mark_text(nccl.body or "", b) if active else nccl.body,
+                        frozenset()))
+        else:
+            merged, renamed = c10d_workers.merge(a, activecover.mark(b) if active else b)
+            out.append((_encoded(merged), renamed))
     return out
+
+
+_EMPTY_CPU: dict[str, Any] = fastjson.loads(c10d_workers.EMPTY_CPU_BODY)
 
 
 def _json_object(body: str | None) -> dict[str, Any] | None:
