@@ -24,6 +24,7 @@ import aiohttp
 from debug_server.analysis.digest import DigestMemo
 from debug_server.errors import first_line
 from debug_server.frontend import c10d_workers, fastjson
+from debug_server.frontend.absent import KnownAbsent
 from debug_server.frontend.leanhttp import BodyTooLarge, LeanClient, ProtocolError
 from debug_server.frontend.pagefirst import PageFirstSemaphore
 from debug_server.protocol import activecover, frtext, frwindow, members
@@ -353,6 +354,7 @@ class Collector:
         # torch's C++ workers whose CPU recorder was empty when last asked, and until when that
         # answer stands in for asking again (CPU_EMPTY_TTL_S).
         self._cpu_empty_until: dict[str, float] = {}
+        self._absent = KnownAbsent()  # handlers a worker answered 404 to (absent.py)
 
     @property
     def world_size(self) -> int:
@@ -369,8 +371,12 @@ class Collector:
     ) -> list[RankResult]:
         if addrs is None:
             addrs = await self.registry.lookup()
-        results = await fan_out(self.session, addrs, handler, params, timeout=self.timeout,
+        ask, held = self._absent.split(handler, addrs)  # a 404 stands for a while (absent)
+        results = await fan_out(self.session, ask, handler, params, timeout=self.timeout,
                                 semaphore=self.semaphore, http=self.http, each=each)
+        self._absent.note(handler, results)
+        if held:
+            results = sorted(results + held, key=lambda r: r.rank)
         self.states.update(results)
         return results
 
@@ -519,6 +525,7 @@ class Collector:
             for a in theirs:  # a restarted worker on the same URL may be ours again
                 if done[a.rank].http_status == 404:
                     self._fr_handler.pop(a.url or "", None)
+                    self._absent.forget(a.url or "")
             results = [done.pop(r.rank, r) for r in results] + list(done.values())
         return sorted(results, key=lambda r: r.rank)
 

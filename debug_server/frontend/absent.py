@@ -1,0 +1,69 @@
+"""Handlers a worker does not have: its 404 stands for asking it again, for a while.
+
+A rank served by torch's own C++ worker answers 404 to every handler of ours: the hang watch's
+health poll, the straggler watch's clock reads, the overview's health column. At 4096 ranks the
+health poll alone is 4096 such requests every 8 s, and each costs the frontend and the worker
+what a real answer costs (issue 31: a page's own 8192 requests shared the box with them). Such
+an answer cannot change while the same server listens on that address, so :class:`KnownAbsent`
+answers it from memory for :data:`ABSENT_TTL_S`, then asks once more (a worker of ours restarted
+on the same address shows within that long; ``Collector`` forgets an address at once where it
+learns that it is ours again). The record given is the worker's own last 404 (status, error
+line), with no time spent.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from debug_server.frontend.fanout import RankResult
+    from debug_server.rank.discovery import WorkerAddr
+
+__all__ = ["ABSENT_TTL_S", "KnownAbsent"]
+
+ABSENT_TTL_S = 30.0
+"""How long a worker's 404 to a handler stands for asking it that handler again."""
+
+
+class KnownAbsent:
+    """Per (worker address, handler): the last 404 and until when it stands (module doc)."""
+
+    def __init__(self, ttl_s: float = ABSENT_TTL_S) -> None:
+        self.ttl_s = ttl_s
+        self._held: dict[tuple[str, str], tuple[float, RankResult]] = {}
+
+    def split(self, handler: str, addrs: Sequence[WorkerAddr],
+              ) -> tuple[list[WorkerAddr], list[RankResult]]:
+        """The addresses to ask, and the records of those whose 404 still stands."""
+        if not self._held:
+            return list(addrs), []
+        now = time.monotonic()
+        ask: list[WorkerAddr] = []
+        held: list[RankResult] = []
+        for a in addrs:
+            hit = self._held.get((a.url or "", handler))
+            if hit is None or hit[0] <= now:
+                ask.append(a)
+            else:
+                held.append(replace(hit[1], rank=a.rank, elapsed_s=0.0, done_ns=time.time_ns()))
+        return ask, held
+
+    def note(self, handler: str, results: Sequence[RankResult]) -> None:
+        """Remember each 404 of ``results``; any other answer ends the one held."""
+        until = time.monotonic() + self.ttl_s
+        for r in results:
+            if r.url is None:
+                continue
+            key = (r.url, handler)
+            if r.http_status == 404:
+                self._held[key] = (until, r)
+            elif key in self._held:
+                del self._held[key]
+
+    def forget(self, url: str) -> None:
+        """Every 404 held for ``url`` (its worker turned out to be another)."""
+        for key in [k for k in self._held if k[0] == url]:
+            del self._held[key]
