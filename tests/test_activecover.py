@@ -124,3 +124,13 @@ def test_a_rank_busy_in_another_group_reads_missing_not_evicted_from_its_status(
     marked = analyze({r: activecover.mark(d) for r, d in active.items()}, world_size=2)
     assert [(f["kind"], f["group"], f["seq"], f["ranks"]) for f in marked["findings"]] == [
         ("missing_ranks", "0", 5, [1]), ("stuck_everywhere", "1", 0, [1])]
+
+
+def test_mark_text_reads_as_mark_without_encoding_the_reply_again() -> None:
+    dump = synthetic.hang_job(3, n_entries=40, missing_rank=2)[0]
+    status, body = _nccl_handler(c10d_nccl_dump(dump))({"onlyactive": "true"})
+    text = body.decode()
+    parsed = json.loads(text)
+    marked = activecover.mark_text(text + "\n", parsed)
+    assert marked.startswith(text[:-1])  # the reply's own text, the facts appended
+    assert json.loads(marked) == activecover.mark(parsed)

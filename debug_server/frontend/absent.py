@@ -31,8 +31,8 @@ ABSENT_TTL_S = 30.0
 class KnownAbsent:
     """Per (worker address, handler): the last 404 and until when it stands (module doc)."""
 
-    def __init__(self, ttl_s: float = ABSENT_TTL_S) -> None:
-        self.ttl_s = ttl_s
+    def __init__(self, ttl_s: float | None = None) -> None:
+        self.ttl_s = ABSENT_TTL_S if ttl_s is None else ttl_s
         self._held: dict[tuple[str, str], tuple[float, RankResult]] = {}
 
     def split(self, handler: str, addrs: Sequence[WorkerAddr],
