@@ -33,18 +33,20 @@ class KnownAbsent:
 
     def __init__(self, ttl_s: float | None = None) -> None:
         self.ttl_s = ABSENT_TTL_S if ttl_s is None else ttl_s
-        self._held: dict[tuple[str, str], tuple[float, RankResult]] = {}
+        # handler -> worker address -> (until when, its 404's record)
+        self._held: dict[str, dict[str, tuple[float, RankResult]]] = {}
 
     def split(self, handler: str, addrs: Sequence[WorkerAddr],
-              ) -> tuple[list[WorkerAddr], list[RankResult]]:
+              ) -> tuple[Sequence[WorkerAddr], list[RankResult]]:
         """The addresses to ask, and the records of those whose 404 still stands."""
-        if not self._held:
-            return list(addrs), []
+        held_for = self._held.get(handler)
+        if not held_for:
+            return addrs, []
         now = time.monotonic()
         ask: list[WorkerAddr] = []
         held: list[RankResult] = []
         for a in addrs:
-            hit = self._held.get((a.url or "", handler))
+            hit = held_for.get(a.url or "")
             if hit is None or hit[0] <= now:
                 ask.append(a)
             else:
@@ -54,16 +56,18 @@ class KnownAbsent:
     def note(self, handler: str, results: Sequence[RankResult]) -> None:
         """Remember each 404 of ``results``; any other answer ends the one held."""
         until = time.monotonic() + self.ttl_s
+        held_for = self._held.get(handler)
         for r in results:
             if r.url is None:
                 continue
-            key = (r.url, handler)
             if r.http_status == 404:
-                self._held[key] = (until, r)
-            elif key in self._held:
-                del self._held[key]
+                if held_for is None:
+                    held_for = self._held[handler] = {}
+                held_for[r.url] = (until, r)
+            elif held_for and r.url in held_for:
+                del held_for[r.url]
 
     def forget(self, url: str) -> None:
         """Every 404 held for ``url`` (its worker turned out to be another)."""
-        for key in [k for k in self._held if k[0] == url]:
-            del self._held[key]
+        for held_for in self._held.values():
+            held_for.pop(url, None)

@@ -55,6 +55,11 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
+try:
+    import orjson
+except ImportError:  # a source tree without it: json writes the same text, slower
+    orjson = None  # type: ignore[assignment]
+
 from debug_server.protocol.frwindow import ACTIVE_KEY, MAX_SEQ, WINDOW_KEY, _group, _is_p2p
 
 __all__ = ["NOT_COVERED", "facts", "mark", "mark_text"]
@@ -124,5 +129,8 @@ def mark_text(text: str, dump: Mapping[str, Any]) -> str:
     body = text.rstrip()
     if not body.endswith("}"):
         raise ValueError("not a JSON object's text")
-    return f'{body[:-1]},"{WINDOW_KEY}":{json.dumps(facts(dump), separators=(",", ":"))}}}'
+    cut = facts(dump)
+    text_of = orjson.dumps(cut).decode() if orjson is not None else json.dumps(
+        cut, separators=(",", ":"))
+    return f'{body[:-1]},"{WINDOW_KEY}":{text_of}}}'
 
