@@ -144,8 +144,9 @@ async def test_a_rank_whose_nccl_recorder_fails_reads_failed_not_ok(aiohttp_serv
                                     "HTTP 500: watchdog is gone")
 
 
+
 async def test_torchs_replies_arrive_with_the_world_list_as_one_shared_copy(
-        aiohttp_server: Any) -> None:
+        aiohttp_server: Any, fresh_members: None) -> None:
     # Each rank's NCCL reply writes the world's member list (96 % of an onlyactive reply at
     # 4096 ranks); on arrival it becomes a reference and the parsed dumps share one copy.
     world = 24

@@ -116,10 +116,12 @@ def _only_lists_of(real: Any, world: int) -> Any:
     return known_param
 
 
-def test_refer_text_writes_torchs_lists_as_references_that_inline_puts_back() -> None:
+
+def test_refer_text_writes_torchs_lists_as_references_that_inline_puts_back(
+        fresh_members: None) -> None:
     # torch's C++ worker writes the world's list in every reply (compact JSON, pg_config after
     # entries): the first reply teaches it, and every copy then travels as one reference.
-    world = 3003  # a list no other test has taught this process's cache
+    world = 3003
     ranks = json.dumps(list(range(world)))
     dump = {"entries": [{"process_group": ["0", "main"], "note": '"ranks":"x'}],
             "pg_config": {"0": {"desc": "main", "name": "0", "ranks": ranks},
@@ -138,7 +140,7 @@ def test_refer_text_writes_torchs_lists_as_references_that_inline_puts_back() ->
     assert parsed[0]["pg_config"]["0"]["ranks"] is parsed[1]["pg_config"]["0"]["ranks"]
 
 
-def test_refer_text_leaves_a_list_written_with_escapes_as_it_is() -> None:
+def test_refer_text_leaves_a_list_written_with_escapes_as_it_is(fresh_members: None) -> None:
     # "\u0031" is "1": the text is not the string it stands for, so it cannot be matched as one
     listed = ", ".join(map(str, range(40))) + ", \\u0031"
     text = '{"pg_config":{"0":{"ranks":"[' + listed + ']"}}}'
