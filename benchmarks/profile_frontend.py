@@ -10,6 +10,7 @@ helper processes as ``bench_frontend.py`` (``tests/fakefleet.py``: real worker a
     python benchmarks/profile_frontend.py --ranks 4096 --page / --top 25
     python benchmarks/profile_frontend.py --ranks 256 --c10d --reps 3
     python benchmarks/profile_frontend.py --ranks 4096 --c10d-nccl --page '/fr_trace?format=json'
+    python benchmarks/profile_frontend.py --ranks 4096 --c10d-nccl --page / --cpu --warm /stacks /
 """
 
 from __future__ import annotations
@@ -61,7 +62,8 @@ def _client(url: str, accept: str, reps: int, out: list[float], ready: threading
         out.append(time.perf_counter() - t0)
 
 
-async def _run(urls: list[str], page: str, accept: str, reps: int, prof: cProfile.Profile) -> list[float]:
+async def _run(urls: list[str], page: str, accept: str, reps: int, prof: cProfile.Profile,
+               warm_pages: list[str]) -> list[float]:
     from aiohttp import web
 
     asyncio.get_running_loop().set_default_executor(InlineExecutor())
@@ -78,10 +80,12 @@ async def _run(urls: list[str], page: str, accept: str, reps: int, prof: cProfil
     ready = threading.Event()
     ready.set()
     # One unprofiled warm-up (connections, template compilation), then the profiled reps.
-    t = threading.Thread(target=_client, args=(f"http://127.0.0.1:{port}/stacks", "*/*", 1, warm, ready))
-    t.start()
-    while t.is_alive():
-        await asyncio.sleep(0.05)
+    for w in warm_pages:
+        t = threading.Thread(target=_client, args=(f"http://127.0.0.1:{port}{w}", accept, 1, warm,
+                                                   ready))
+        t.start()
+        while t.is_alive():
+            await asyncio.sleep(0.05)
     go = threading.Event()
     t = threading.Thread(target=_client, args=(f"http://127.0.0.1:{port}{page}", accept, reps, times, go))
     t.start()
@@ -104,6 +108,12 @@ def main() -> None:
     p.add_argument("--top", type=int, default=30)
     p.add_argument("--sort", default="cumulative")
     p.add_argument("--out", help="write the raw pstats here")
+    p.add_argument("--warm", nargs="*", default=["/stacks"],
+                   help="pages asked once, unprofiled, before the profiled reps (default: /stacks;"
+                        " name the profiled page too for its steady state)")
+    p.add_argument("--cpu", action="store_true",
+                   help="profile this process's CPU time instead of wall time (on a shared box "
+                        "wall time counts every other process's turn as the frontend's)")
     p.add_argument("--memo", action="store_true", help="fake ranks memoise replies (fakefleet)")
     p.add_argument("--c10d", action="store_true",
                    help="fake ranks answer as torch's C++ worker (whole rings, c10d schema)")
@@ -111,9 +121,9 @@ def main() -> None:
                    help="fake ranks answer as torch's C++ worker on a CUDA build (its NCCL recorder)")
     args = p.parse_args()
     fleet, urls = start_fleet(args.ranks, args.helpers, args.memo, c10d=args.c10d, c10d_nccl=args.c10d_nccl)
-    prof = cProfile.Profile()
+    prof = cProfile.Profile(time.process_time) if args.cpu else cProfile.Profile()
     try:
-        times = asyncio.run(_run(urls, args.page, args.accept, args.reps, prof))
+        times = asyncio.run(_run(urls, args.page, args.accept, args.reps, prof, args.warm))
     finally:
         stop_fleet(fleet)
     print(f"{args.page} ({args.accept}) at {args.ranks} ranks: "

@@ -237,3 +237,15 @@ def browser() -> Iterator[Any]:
         if service.process is not None and service.process.poll() is None:
             service.process.kill()
         shutil.rmtree(profile, ignore_errors=True)
+
+
+@pytest.fixture
+def fresh_members(monkeypatch: pytest.MonkeyPatch) -> None:
+    """This process's member-list cache (``protocol.members``), empty for the test and as it was
+    after it: a frontend that holds a list sends ``pgknown``, so tests that count requests or
+    learn lists must not see each other's."""
+    from debug_server.protocol import members
+
+    for name, empty in (("_text_of", {}), ("_digest_of", {}), ("_weight", {}), ("_chars", 0),
+                        ("_by_len", {})):
+        monkeypatch.setattr(members, name, empty)

@@ -10,6 +10,7 @@ from aiohttp import web
 from conftest import closed_port_url
 
 from debug_server.fanout.live import LiveCollector
+from debug_server.fanout.pagefirst import PageFirstSemaphore
 from debug_server.fanout.reply import parse_dumps
 from debug_server.fanout.transport import RankResult, fan_out
 from debug_server.rank.discovery import StaticRegistry, WorkerAddr
@@ -152,3 +153,27 @@ def test_every_collector_answers_the_collector_protocol() -> None:
                 assert missing == [], (type(c).__name__, name, missing)
     finally:
         directory.close()
+
+
+async def test_a_fan_out_runs_no_more_tasks_than_its_semaphore_has_slots(
+        aiohttp_server: Any, session: Any) -> None:
+    # 40 ranks through 4 slots: 4 workers take the ranks in turn, not a task per rank (issue 31:
+    # at 4096 ranks the tasks' own cost was a third of the frontend's CPU per request).
+    track: list[int] = []
+    url = await _slow_server(aiohttp_server, 0.01, track)
+    loop = asyncio.get_running_loop()
+    made: list[str] = []
+
+    def factory(loop: asyncio.AbstractEventLoop, coro: Any, **kw: Any) -> asyncio.Task[Any]:
+        made.append(getattr(coro, "__qualname__", ""))
+        return asyncio.Task(coro, loop=loop, **kw)
+
+    loop.set_task_factory(factory)
+    try:
+        results = await fan_out(session, [WorkerAddr(r, url) for r in range(40)], "x",
+                                timeout=5, semaphore=PageFirstSemaphore(4))
+    finally:
+        loop.set_task_factory(None)
+    assert [r.rank for r in results if r.ok] == list(range(40))
+    assert max(track) <= 4
+    assert len([m for m in made if m.startswith("fan_out.")]) == 4, made

@@ -13,11 +13,12 @@ import aiohttp
 from aiohttp import web
 from fakefleet import c10d_dump, c10d_empty_dump, c10d_nccl_dump, make_c10d_worker_app
 
-from debug_server.fanout import c10d_workers
+from debug_server.fanout import c10d_workers, fastjson
 from debug_server.fanout.leanhttp import LeanClient
 from debug_server.fanout.live import LiveCollector
 from debug_server.fanout.reply import FrData
 from debug_server.frontend.dumps import analyze_fr
+from debug_server.protocol import members
 from debug_server.rank.discovery import StaticRegistry
 from debug_server.tools import synthetic
 
@@ -142,3 +143,28 @@ async def test_a_rank_whose_nccl_recorder_fails_reads_failed_not_ok(aiohttp_serv
     assert fr.results[1].status == "failed"
     assert fr.results[1].line() == ("rank 1: NCCL recorder (dump_nccl_trace_json): "
                                     "HTTP 500: watchdog is gone")
+
+
+
+async def test_torchs_replies_arrive_with_the_world_list_as_one_shared_copy(
+        aiohttp_server: Any, fresh_members: None, monkeypatch: Any) -> None:
+    # Each rank's NCCL reply writes the world's member list (96 % of an onlyactive reply at
+    # 4096 ranks); on arrival it becomes a reference and the parsed dumps share one copy.
+    world = 24
+    nccl = {r: c10d_nccl_dump(d) for r, d in synthetic.hang_job(
+        world, n_entries=20, missing_rank=world - 1).items()}
+    text = nccl[0]["pg_config"]["0"]["ranks"]
+    assert len(text) > members.MIN_CHARS
+    urls = await _serve(aiohttp_server, [make_c10d_worker_app(EMPTY, nccl=nccl[r])
+                                         for r in range(world)])
+    parsed: list[str] = []
+    loads = fastjson.loads
+    monkeypatch.setattr(fastjson, "loads", lambda t: parsed.append(t) or loads(t))
+    fr = await _pages(urls)
+    # The world's list is parsed at most once, not once per reply: every other reply the
+    # frontend parsed carried it as a reference.
+    with_list = [t for t in parsed if text in t]
+    assert len(parsed) >= world and len(with_list) <= 1, (len(parsed), len(with_list))
+    lists = [fr.dumps[r]["pg_config"]["0"]["ranks"] for r in range(world)]
+    assert lists[0] == text and all(x is lists[0] for x in lists)
+    assert _findings(fr, world) == [("missing_ranks", 19, [world - 1])]

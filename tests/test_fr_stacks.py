@@ -84,7 +84,7 @@ def _stack_bodies(results: list[Any]) -> dict[int, str]:
 
 
 async def test_one_request_per_rank_brings_fr_and_stacks_equal_to_asking_each_apart(
-        workers: dict[str, Any]) -> None:
+        workers: dict[str, Any], fresh_members: None) -> None:
     seen = workers["seen"]
     async with aiohttp.ClientSession() as session:
         c = LiveCollector(session, StaticRegistry(workers["urls"]), timeout=5.0)
@@ -157,7 +157,7 @@ async def _agent_counts(agents: Mapping[str, agents_mod.AgentAddr]) -> dict[str,
 
 
 async def test_through_agents_each_agent_and_each_rank_is_asked_once_per_page(
-        agents: dict[str, Any]) -> None:
+        agents: dict[str, Any], fresh_members: None) -> None:
     seen = agents["seen"]
     async with aiohttp.ClientSession() as session:
         through = LiveCollector(

@@ -114,3 +114,35 @@ def _only_lists_of(real: Any, world: int) -> Any:
         return mine if got and mine in got.split(",") else None
 
     return known_param
+
+
+
+def test_refer_text_writes_torchs_lists_as_references_that_inline_puts_back(
+        fresh_members: None) -> None:
+    # torch's C++ worker writes the world's list in every reply (compact JSON, pg_config after
+    # entries): the first reply teaches it, and every copy then travels as one reference.
+    world = 3003
+    ranks = json.dumps(list(range(world)))
+    dump = {"entries": [{"process_group": ["0", "main"], "note": '"ranks":"x'}],
+            "pg_config": {"0": {"desc": "main", "name": "0", "ranks": ranks},
+                          "1": {"desc": "pair", "name": "1", "ranks": "[0, 1]"}},
+            "pg_status": {}, "version": "2.10"}
+    text = json.dumps(dump, separators=(",", ":"))
+    first, again = members.refer_text(text), members.refer_text(text[:-1] + " }")
+    ref = "@" + members.digest(ranks)
+    assert ranks not in first and ranks not in again
+    assert f'"ranks":"{ref}"' in first and '"ranks":"[0, 1]"' in first  # short lists stay
+    parsed = [json.loads(t) for t in (first, again)]
+    for d in parsed:
+        members.inline(d)
+        assert d == dump
+    # one shared copy: parsed, hashed and held once however many ranks send it
+    assert parsed[0]["pg_config"]["0"]["ranks"] is parsed[1]["pg_config"]["0"]["ranks"]
+
+
+def test_refer_text_leaves_a_list_written_with_escapes_as_it_is(fresh_members: None) -> None:
+    # "\u0031" is "1": the text is not the string it stands for, so it cannot be matched as one
+    listed = ", ".join(map(str, range(40))) + ", \\u0031"
+    text = '{"pg_config":{"0":{"ranks":"[' + listed + ']"}}}'
+    assert len(listed) > members.MIN_CHARS
+    assert members.refer_text(text) == text

@@ -147,3 +147,49 @@ async def test_a_page_fan_out_started_during_a_health_poll_is_served_before_the_
     assert [r.rank for r in page if r.ok] == [0, 1, 2, 3]
     assert sorted(h.rank for h in watch.last) == [0, 1, 2, 3]
     assert seen == [HEALTH_HANDLER] + ["dump_traceback"] * 4 + [HEALTH_HANDLER] * 3
+
+
+async def test_renew_keeps_the_slot_while_nobody_waits() -> None:
+    sem = PageFirstSemaphore(1)
+    await sem.acquire()
+    await asyncio.wait_for(sem.renew(), 5)  # would wait for ever had it given the slot away
+    other = asyncio.create_task(sem.acquire())
+    await _settle()
+    assert not other.done()  # the slot is still held
+    sem.release()
+    await asyncio.wait_for(other, 5)
+
+
+async def test_a_background_renew_hands_the_slot_to_a_waiting_page_and_queues_behind_it() -> None:
+    sem = PageFirstSemaphore(1)
+    order: list[str] = []
+
+    async def background_worker() -> None:
+        await sem.acquire()
+        order.append("background 1")
+        await page_waits.wait()
+        await sem.renew()  # between two of its requests
+        order.append("background 2")
+        sem.release()
+
+    page_waits = asyncio.Event()
+    worker = in_background(background_worker(), name="bg")
+    await _settle()
+    page = asyncio.create_task(_waiter(sem, "page", order))
+    await _settle()
+    page_waits.set()
+    await asyncio.wait_for(asyncio.gather(worker, page), 5)
+    assert order == ["background 1", "page", "background 2"]
+
+
+async def test_a_page_renew_keeps_the_slot_before_background_waiters() -> None:
+    sem = PageFirstSemaphore(1)
+    order: list[str] = []
+    await sem.acquire()
+    bg = in_background(_waiter(sem, "background", order), name="bg")
+    await _settle()
+    await sem.renew()  # a page's worker between two ranks: its next request goes first
+    order.append("page 2")
+    sem.release()
+    await asyncio.wait_for(bg, 5)
+    assert order == ["page 2", "background"]

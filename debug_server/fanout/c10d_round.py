@@ -22,6 +22,7 @@ from debug_server.fanout.reply import (
     cut_on_arrival,
     cutter,
     keep_parsed,
+    lists_referred,
     marked_active,
     merge_c10d,
 )
@@ -83,9 +84,9 @@ class C10dRound:
         held_ranks = {a.rank for a in held}
         cpu, nccl = await asyncio.gather(
             self._fetch(C10D_FR_HANDLER, params, [a for a in addrs if a.rank not in held_ranks],
-                        cutter(self._cpu_cut(cut))),
+                        lists_referred(cutter(self._cpu_cut(cut)))),
             self._fetch(c10d_workers.NCCL_HANDLER, nccl_params, nccl_addrs,
-                        None if active else cut_on_arrival(cut))
+                        lists_referred(None if active else cut_on_arrival(cut)))
             if nccl_addrs else _no_results())
         for r in cpu:
             self._note_cpu_empty(r, now)

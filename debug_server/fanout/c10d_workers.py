@@ -29,7 +29,7 @@ from debug_server.protocol.frwindow import ACTIVE_KEY as _ACTIVE_KEY
 from debug_server.protocol.frwindow import WINDOW_KEY as _WINDOW_KEY
 
 __all__ = ["EMPTY_CPU_BODY", "GLOO_SUFFIX", "NCCL_HANDLER", "collisions", "cpu_since", "has_groups",
-           "is_empty_body", "merge", "nccl_params", "rename"]
+           "is_empty", "is_empty_body", "merge", "nccl_params", "rename"]
 
 NCCL_HANDLER = "dump_nccl_trace_json"
 GLOO_SUFFIX = ":gloo"
@@ -61,10 +61,11 @@ def _names(dump: Mapping[str, Any]) -> set[str]:
     return out
 
 
-def _empty(dump: Mapping[str, Any]) -> bool:
+def is_empty(dump: Mapping[str, Any]) -> bool:
     """A recorder that recorded nothing and names no group (the CPU recorder of an NCCL-only
-    job): merging it changes nothing but the work done."""
+    job): merging it changes nothing but the work done (:func:`merge` gives the other dump)."""
     return not dump.get("entries") and _WINDOW_KEY not in dump and not _names(dump)
+
 
 
 EMPTY_CPU_BODY = ('{"comm_lib_version":"","nccl_comm_state":{},"pg_config":{},"pg_status":{},'
@@ -78,7 +79,7 @@ def is_empty_body(body: str) -> bool:
         dump = fastjson.loads(body)
     except ValueError:
         return False
-    return isinstance(dump, dict) and _empty(dump)
+    return isinstance(dump, dict) and is_empty(dump)
 
 
 def has_groups(dump: Mapping[str, Any]) -> bool:
@@ -148,7 +149,7 @@ def merge(cpu: Mapping[str, Any], nccl: Mapping[str, Any]) -> tuple[dict[str, An
     groups are the union; the entries are one timeline by creation time, with record ids
     renumbered along it where both recorders have entries (each counts its own from 0).
     """
-    if _empty(cpu):
+    if is_empty(cpu):
         return dict(nccl), frozenset()
     clash = collisions(cpu, nccl)
     gloo = rename(cpu, clash)

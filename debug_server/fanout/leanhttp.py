@@ -251,23 +251,31 @@ class LeanClient:
         """Whether :meth:`post` takes ``url`` (plain http, ASCII)."""
         return url.startswith("http://") and url.isascii()
 
-    async def post(self, url: str) -> tuple[int, bytes]:
-        """(status, body) of ``POST url``; raises as the module doc says."""
+    async def post(self, url: str, timeout: float | None = None) -> tuple[int, bytes]:
+        """(status, body) of ``POST url``; raises as the module doc says, and
+        ``asyncio.TimeoutError`` where no whole reply came within ``timeout`` seconds.
+
+        ``timeout`` is one timer on the reply's future (and ``asyncio.timeout`` only around a
+        new connection): a fan-out sends thousands of requests, and a timeout context per
+        request cost more than the rest of this client's work for it (issue 31)."""
         netloc, _, path = url[len("http://"):].partition("/")
         head = (f"POST /{path} HTTP/1.1\r\nHost: {netloc}\r\nContent-Length: 0\r\n"
                 f"{self._extra}\r\n").encode("ascii")
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout is None else loop.time() + timeout
         conn = self._take(netloc)
         reused = conn is not None
         try:
             if conn is None:
-                conn = await self._connect(netloc)
+                conn = await self._connect_within(netloc, deadline)
             try:
-                status, body, keep = await conn.request(head)
+                status, body, keep = await _reply(conn.request(head), deadline)
             except _Stale:
                 if not reused:
                     raise
-                conn = await self._connect(netloc)  # the kept one had been closed: once more
-                status, body, keep = await conn.request(head)
+                # the kept one had been closed: once more
+                conn = await self._connect_within(netloc, deadline)
+                status, body, keep = await _reply(conn.request(head), deadline)
         except BaseException:
             if conn is not None:
                 conn.close()  # cancelled (timed out) or broken: a late reply must not be read
@@ -279,6 +287,12 @@ class LeanClient:
         else:
             conn.close()
         return status, body
+
+    async def _connect_within(self, netloc: str, deadline: float | None) -> _Conn:
+        if deadline is None:
+            return await self._connect(netloc)
+        left = deadline - asyncio.get_running_loop().time()
+        return await asyncio.wait_for(self._connect(netloc), max(0.0, left))
 
     def close(self) -> None:
         """Close every connection (idle or in use)."""
@@ -329,6 +343,22 @@ class LeanClient:
             addrs = [(str(a[4][0]), port) for a in infos]
         self._addrs[netloc] = (now + RESOLVE_TTL_S, addrs)
         return addrs
+
+
+async def _reply(fut: asyncio.Future[tuple[int, bytes, bool]],
+                 deadline: float | None) -> tuple[int, bytes, bool]:
+    if deadline is None:
+        return await fut
+    timer = asyncio.get_running_loop().call_at(deadline, _expire, fut)
+    try:
+        return await fut
+    finally:
+        timer.cancel()
+
+
+def _expire(fut: asyncio.Future[tuple[int, bytes, bool]]) -> None:
+    if not fut.done():
+        fut.set_exception(asyncio.TimeoutError())
 
 
 def _numeric(host: str) -> bool:

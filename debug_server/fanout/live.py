@@ -17,6 +17,7 @@ from collections.abc import Mapping, Sequence
 
 import aiohttp
 
+from debug_server.fanout.absent import KnownAbsent
 from debug_server.fanout.collector import Route
 from debug_server.fanout.leanhttp import LeanClient
 from debug_server.fanout.pagefirst import PageFirstSemaphore
@@ -59,6 +60,8 @@ class LiveCollector:
         self.states = RankStates()
         self.signal_capture = SignalCapture()
         self.pyspy = pyspy.PySpyCapture()
+        self.absent = KnownAbsent()
+        """Handlers a worker answered 404 to, asked again only after a while (``absent``)."""
         self.rounds = FrRounds(self, prime_ranks)
         if route is not None:
             route.attach(self)
@@ -160,8 +163,12 @@ class LiveCollector:
     async def direct_fetch(self, handler: str, params: Mapping[str, str] | None,
                            addrs: Sequence[WorkerAddr], each: Each | None = None,
                            ) -> list[RankResult]:
-        results = await fan_out(self.session, addrs, handler, params, timeout=self.timeout,
+        ask, held = self.absent.split(handler, addrs)  # a 404 stands for a while (absent)
+        results = await fan_out(self.session, ask, handler, params, timeout=self.timeout,
                                 semaphore=self.semaphore, http=self.http, each=each)
+        self.absent.note(handler, results)
+        if held:
+            results = sorted(results + held, key=lambda r: r.rank)
         self.states.update(results)
         return results
 

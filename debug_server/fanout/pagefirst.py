@@ -68,6 +68,8 @@ class PageFirstSemaphore:
     def __init__(self, value: int) -> None:
         if value < 1:
             raise ValueError(f"a semaphore needs at least one slot, not {value}")
+        self.size = value
+        """How many slots it has (a fan-out starts no more workers than this)."""
         self._free = value
         # Waiters with the loop time they started waiting at.
         self._pages: deque[tuple[asyncio.Future[None], float]] = deque()
@@ -77,11 +79,43 @@ class PageFirstSemaphore:
         if self._free > 0:  # slots are free only while nobody waits (release hands them over)
             self._free -= 1
             return
-        queue = self._background if BACKGROUND.get() else self._pages
+        await self._wait(self._background if BACKGROUND.get() else self._pages)
+
+    async def renew(self) -> None:
+        """Give back the slot this task holds and take one again, as a request that had queued
+        for it before the slot was given back would (a fan-out's worker between two of its
+        ranks: its next request is due, as a task per request was queued from the start).
+        The slot is kept at once where no waiter would be served first."""
+        bg, pages = self._background, self._pages
+        while bg and bg[0][0].done():
+            bg.popleft()
+        while pages and pages[0][0].done():
+            pages.popleft()
+        if BACKGROUND.get():
+            ahead = bool(pages or bg)
+        else:
+            ahead = bool(pages) or (bool(bg) and asyncio.get_running_loop().time() - bg[0][1]
+                                    >= BACKGROUND_MAX_WAIT_S)
+        if not ahead:
+            return
+        queue = bg if BACKGROUND.get() else pages
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[None] = loop.create_future()
         entry = (fut, loop.time())
         queue.append(entry)
+        self.release()  # to a waiter ahead of this one
+        await self._waiting(queue, fut, entry)
+
+    async def _wait(self, queue: deque[tuple[asyncio.Future[None], float]]) -> None:
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[None] = loop.create_future()
+        entry = (fut, loop.time())
+        queue.append(entry)
+        await self._waiting(queue, fut, entry)
+
+    async def _waiting(self, queue: deque[tuple[asyncio.Future[None], float]],
+                       fut: asyncio.Future[None], entry: tuple[asyncio.Future[None], float],
+                       ) -> None:
         try:
             await fut
         except asyncio.CancelledError:

@@ -88,6 +88,7 @@ class FrRounds:
             for a in theirs:  # a restarted worker on the same URL may be ours again
                 if done[a.rank].http_status == 404:
                     self._fr_handler.pop(a.url or "", None)
+                    self.c.absent.forget(a.url or "")
             results = [done.pop(r.rank, r) for r in results] + list(done.values())
         return sorted(results, key=lambda r: r.rank)
 

@@ -54,6 +54,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+try:
+    import orjson
+except ImportError:  # a source tree without it: json writes the same text, slower
+    orjson = None  # type: ignore[assignment]
+
 from debug_server.protocol.frwindow import ACTIVE_KEY, MAX_SEQ, WINDOW_KEY, _group, _is_p2p
 
 __all__ = ["NOT_COVERED", "facts", "mark"]

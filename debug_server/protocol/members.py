@@ -27,7 +27,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 __all__ = ["MIN_CHARS", "PARAM", "inline", "known_param", "learn", "map_lists", "parse_known",
-           "share"]
+           "refer_text", "share"]
 
 PARAM = "pgknown"
 MIN_CHARS = 64
@@ -44,6 +44,7 @@ _text_of: dict[str, str] = {}
 _digest_of: dict[str, str] = {}
 _weight: dict[str, int] = {}  # digest -> characters it saved or would save (how to rank them)
 _chars = 0
+_by_len: dict[int, list[str]] = {}  # length -> digests of lists learnt (refer_text's candidates)
 
 
 @functools.lru_cache(maxsize=256)
@@ -108,23 +109,84 @@ def share(dump: Mapping[str, Any], known: frozenset[str]) -> Mapping[str, Any]:
 
 def learn(dump: Mapping[str, Any]) -> None:
     """Remember the long member lists of one parsed reply (full ones only)."""
-    global _chars
     for c in _lists(dump):
         raw = c.get("ranks")
         if not isinstance(raw, str) or len(raw) <= MIN_CHARS or raw.startswith(_REF):
             continue
-        with _lock:
-            d = _digest_of.get(raw)
-            if d is None:
-                if len(_text_of) >= MAX_LISTS or _chars + len(raw) > MAX_CHARS:
-                    continue
-                d = digest(raw)
-                _digest_of[raw] = d
-                _text_of[d] = raw
-                _chars += len(raw)
-            else:
-                c["ranks"] = _text_of[d]  # one shared object: parsed and hashed once downstream
-            _weight[d] = _weight.get(d, 0) + len(raw)
+        d = _remember(raw)
+        if d is not None:
+            c["ranks"] = _text_of[d]  # one shared object: parsed and hashed once downstream
+
+
+def _remember(raw: str) -> str | None:
+    """``raw``'s digest, learnt now where it is new and the cache has room (else None)."""
+    global _chars
+    with _lock:
+        d = _digest_of.get(raw)
+        if d is None:
+            if len(_text_of) >= MAX_LISTS or _chars + len(raw) > MAX_CHARS:
+                return None
+            d = digest(raw)
+            _digest_of[raw] = d
+            _text_of[d] = raw
+            _chars += len(raw)
+            same = _by_len.setdefault(len(raw), [])
+            if d not in same:
+                same.append(d)
+        _weight[d] = _weight.get(d, 0) + len(raw)
+        return d
+
+
+_CONFIG_KEY = '"pg_config":'
+_RANKS_KEY = '"ranks":"'
+
+
+def refer_text(text: str) -> str:
+    """A reply's JSON ``text`` with each long member list under ``pg_config`` replaced by its
+    reference, as a worker told ``pgknown`` writes it; :func:`inline` puts the one shared copy
+    back after parsing. For replies whose writer cannot be told (torch's C++ workers write
+    the world's list in every reply): 4096 ranks' lists are 96 % of each ``onlyactive`` reply,
+    so parsing, hashing and holding them once per list instead of once per rank is most of what
+    such a reply costs the frontend.
+
+    Reads compact JSON as torch writes it (``"ranks":"[0, 1, ...]"``; any other spelling is
+    left as it is). A list not yet held is learnt here (within the cache's bounds). A value
+    with a backslash is left alone: its text is not the string it stands for.
+    """
+    start = text.find(_CONFIG_KEY)
+    if start < 0:
+        return text
+    parts: list[str] = []
+    done = 0
+    i = text.find(_RANKS_KEY, start)
+    while i >= 0:
+        v = i + len(_RANKS_KEY)
+        end = text.find('"', v)
+        if end < 0:
+            break
+        d = _held(text, v, end) if end - v > MIN_CHARS else None
+        if d is not None:
+            parts += (text[done:v], _REF, d)
+            done = end
+        i = text.find(_RANKS_KEY, end)
+    if not parts:
+        return text
+    parts.append(text[done:])
+    return "".join(parts)
+
+
+def _held(text: str, v: int, end: int) -> str | None:
+    """The digest of the list ``text[v:end]``, learnt now where it is new."""
+    for d in _by_len.get(end - v, ()):
+        known = _text_of.get(d)
+        if known is not None and text.startswith(known, v):  # one memcmp, no copy
+            with _lock:
+                _weight[d] = _weight.get(d, 0) + len(known)
+            return d
+    raw = text[v:end]
+    if "\\" in raw or raw.startswith(_REF):
+        return None
+    return _remember(raw)
 
 
 def inline(dump: Mapping[str, Any]) -> None:
