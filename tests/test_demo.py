@@ -50,7 +50,7 @@ def test_stacks_dump_shows_rank_1_sleeping_and_rank_0_in_all_reduce(demo_done: D
         if f'verify_flight_recorder.py", line {line} in hang_phase' in by_rank.get(1, ""):
             sleeping += 1
             # Before rank 0's timeout fires it is inside all_reduce; after, in the final wait.
-            if re.search(r'comms\.py", line \d+ in all_reduce', by_rank.get(0, "")):
+            if re.search(r'recording/(ops|comms)\.py", line \d+ in all_reduce', by_rank.get(0, "")):
                 both += 1
     assert sleeping, f"no stacks dump showed rank 1 at verify_flight_recorder.py:{line}"
     assert both, "no stacks dump showed rank 0 inside all_reduce while rank 1 slept"
