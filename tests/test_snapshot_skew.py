@@ -67,15 +67,19 @@ def _get(url: str) -> str:
         return r.read().decode()
 
 
-@pytest.mark.timeout(150)
+@pytest.mark.timeout(240)
 def test_healthy_all_reduce_loop_never_shows_a_finding_live_or_in_metrics(tmp_path: Path) -> None:
     job = LoopJob(tmp_path, dump_interval=3600)
     try:
         base = job.frontend()
         reads = 0
         newest: list[int] = []
-        deadline = time.monotonic() + 5
-        while time.monotonic() < deadline:
+        # Read until the job has visibly run on between reads (at least 5 reads, 100 newer
+        # collectives): every read on the way must be clean. A deadline, not a window: a loaded
+        # box makes reads slow, not wrong.
+        deadline = time.monotonic() + 120
+        while reads < 5 or newest[-1] - newest[0] < 100:
+            assert time.monotonic() < deadline, (reads, newest)
             result = json.loads(_get(f"{base}/fr_trace?format=json"))
             assert result["ranks_with_data"] == [0, 1], result["verdict"]
             assert result["findings"] == [], (reads, result["verdict"])
@@ -87,9 +91,6 @@ def test_healthy_all_reduce_loop_never_shows_a_finding_live_or_in_metrics(tmp_pa
                                      "debug_server_stuck_seq"))]
             assert bad == [], (reads, bad)
             reads += 1
-        # The job really ran on between reads: many reads, later ones seeing newer collectives.
-        assert reads >= 5
-        assert newest[-1] - newest[0] >= 100, newest
     finally:
         job.close()
 

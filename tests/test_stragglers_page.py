@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import random
 from collections.abc import AsyncIterator
 from typing import Any
@@ -94,11 +95,19 @@ async def test_worker_clock_offset_is_corrected_from_the_reply(aiohttp_server: A
         urls.append(str((await aiohttp_server(make_worker_app(provider))).make_url("")))
     client = await aiohttp_client(make_frontend_app(ServerConfig(port=0, fetch_timeout=5.0),
                                                     StaticRegistry(urls)))
-    body = await (await client.get("/stragglers?format=json")).json()
     # Uncorrected, rank 2's lag would read ~3000 ms; corrected it is the 40 ms it sleeps, give
-    # or take the offset's error (half a round trip to a loopback worker: more on a loaded box).
-    assert [s["rank"] for s in body["stragglers"]] == [2]
-    assert 30 <= body["stragglers"][0]["median_lag_ms"] <= 60, body["stragglers"]
+    # or take the offset's error (half a round trip to a loopback worker). On a loaded box a
+    # read's round trip can make that error larger than 40 ms, and a lag below the error is not
+    # reported, or it reads further from 40 ms: ask again until a read names rank 2 alone at
+    # 30-60 ms (a later read's round trip is shorter); no read may ever show the offset itself.
+    deadline = asyncio.get_running_loop().time() + 60
+    while True:
+        body = await (await client.get("/stragglers?format=json")).json()
+        rows = body["stragglers"]
+        assert all(s["median_lag_ms"] < 1000 for s in rows), rows
+        if [s["rank"] for s in rows] == [2] and 30 <= rows[0]["median_lag_ms"] <= 60:
+            break
+        assert asyncio.get_running_loop().time() < deadline, rows
 
 
 class _NowProvider(StaticProvider):
