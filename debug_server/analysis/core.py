@@ -35,6 +35,7 @@ from debug_server.analysis.match import match_collectives
 from debug_server.analysis.merge import FINDING_KINDS, NCCL_CALLS_FULL_LIMIT, Merge
 from debug_server.analysis.p2p import match_p2p
 from debug_server.analysis.progress import communicators
+from debug_server.analysis.silent import silent_findings
 from debug_server.analysis.stackgroups import group_stacks
 from debug_server.analysis.verdict import headlines, verdict
 
@@ -51,6 +52,7 @@ def analyze(
     unavailable: Mapping[int, str] | None = None,
     pg_filters: Sequence[str] | None = None,
     digest_memo: DigestMemo | None = None,
+    processes: Mapping[int, Mapping[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """Match every rank's Flight Recorder entries and say what hangs and why.
 
@@ -65,6 +67,9 @@ def analyze(
         pg_filters: only analyze groups whose name or desc is in this list.
         digest_memo: digests of the caller's last analysis, for dumps built of the same
             objects (``digest.DigestMemo``); the result is the same as without it.
+        processes: rank -> that rank's process as read from outside (state, since, holds_gil,
+            cpu_pct, wchan: :mod:`.silent`); a silent rank that it (or its stack) places
+            outside the collective its peers wait in is named as the missing one.
 
     Returns:
         The analysis result (docs/architecture.md, "Contracts"): ``world_size``,
@@ -95,6 +100,7 @@ def analyze(
         unavailable=unavailable,
         pg_filters=pg_filters,
         extra_notes=notes,
+        processes=processes,
     )
 
 
@@ -106,12 +112,14 @@ def analyze_digests(
     unavailable: Mapping[int, str] | None = None,
     pg_filters: Sequence[str] | None = None,
     extra_notes: Sequence[str] = (),
+    processes: Mapping[int, Mapping[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """:func:`analyze` over pre-computed digests (what the CLI's worker processes return)."""
-    m = Merge(digests, world_size, stacks, unavailable, extra_notes)
+    m = Merge(digests, world_size, stacks, unavailable, extra_notes, processes)
     shown = _match_groups(m, set(pg_filters) if pg_filters else None)
     calls, elided = _nccl_calls(m)
     stack_groups, positions = group_stacks(m.stacks, m.notes)
+    silent_findings(m, positions)
     m.findings.sort(
         key=lambda f: FINDING_KINDS.index(f["kind"]) if f["kind"] != "history_lost" else 99
     )
@@ -144,6 +152,7 @@ def analyze_digests(
         "stack_groups": stack_groups,
         "communicators": comms,
         "behind": behind,
+        "ranks": [{"rank": r, "process": dict(p)} for r, p in sorted(m.processes.items())],
         "notes": m.notes,
     }
 

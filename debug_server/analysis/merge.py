@@ -55,8 +55,11 @@ class Merge:
         stacks: Mapping[int, str] | None,
         unavailable: Mapping[int, str] | None,
         extra_notes: Sequence[str],
+        processes: Mapping[int, Mapping[str, Any]] | None = None,
     ) -> None:
         self.notes: list[str] = list(extra_notes)
+        self.processes = {int(k): v for k, v in (processes or {}).items()}
+        """rank -> its process as read from outside (``silent``'s docstring has the keys)."""
         self.total_entries = 0
         self.stacks = {int(k): v for k, v in (stacks or {}).items()}
         self.unavailable = {int(k): str(v) for k, v in (unavailable or {}).items()}

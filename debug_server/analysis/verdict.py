@@ -16,6 +16,8 @@ from typing import Any, NamedTuple
 from debug_server.analysis.causes import Causes, cause_order
 from debug_server.analysis.merge import MISMATCH_KINDS, Merge
 from debug_server.analysis.ranks import format_ranks, ranks_phrase
+from debug_server.analysis.silent import next_step as silent_step
+from debug_server.analysis.silent import process_phrase
 from debug_server.analysis.stackparse import Position
 
 __all__ = ["CATEGORIES", "CATEGORY_MEANING", "Verdict", "category_line", "headlines", "verdict"]
@@ -159,7 +161,8 @@ def _root_sentences(
         verb = "waits" if len(waiting) == 1 else "wait"
         tail = f" ({ranks_phrase(waiting)} {verb} in it)" if waiting else ""
         return [f"{subj} {format_ranks(rs)} never joined {_op_text(f)}{tail}.",
-                *_position_sentences(rs, positions)]
+                *_silent_sentences(f, m), *_position_sentences(rs, positions),
+                *_process_sentences(rs, m, f)]
     if kind == "unmatched_p2p":
         out = []
         for u in (f.get("unmatched") or [])[:2]:
@@ -299,6 +302,10 @@ def _elsewhere(causes: Causes, r: int, f: Finding) -> str:
 
 
 def _missing_step(f: Finding, causes: Causes, positions: Positions) -> str:
+    for key, ev in (f.get("silent") or {}).items():
+        step = silent_step(ev, int(key))
+        if step:
+            return step
     r = next((r for r in f["ranks"] if r in positions), f["ranks"][0])
     pos = positions.get(r)
     what = _op_text(f)
@@ -355,6 +362,34 @@ def _mismatch_step(f: Mapping[str, Any]) -> str:
         for s in sides[:3]
     )
     return f"make the calls of {f['op']} #{f['seq']} on {f['group_label']} agree: {text}."
+
+
+def _silent_sentences(f: Finding, m: Merge) -> list[str]:
+    """``Rank 2 cannot answer: its main thread holds the GIL in a C call at train.py:47.``"""
+    out = []
+    for key, ev in list((f.get("silent") or {}).items())[:3]:
+        proc = ev.get("process")
+        where = ev.get("position")
+        what = process_phrase(proc, gil=ev.get("holds_gil", False), where=where or "")
+        if not what and where:
+            what = f"its stack, read from outside, is at {where}"
+        elif not what:
+            what = "it gave no data"
+        out.append(f"Rank {key} cannot answer: {what}.")
+    return out
+
+
+def _process_sentences(ranks: Sequence[int], m: Merge, f: Finding) -> list[str]:
+    """The process state of answering ranks where it says more than their stack does."""
+    silent = f.get("silent") or {}
+    out = []
+    for r in list(ranks)[:3]:
+        if str(r) in silent:
+            continue
+        what = process_phrase(m.processes.get(r))
+        if what:
+            out.append(f"Rank {r}: {what}.")
+    return out
 
 
 def _position_sentences(ranks: Sequence[int], positions: Positions) -> list[str]:
