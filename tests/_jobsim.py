@@ -108,6 +108,14 @@ class JobSim:
                                           [(o, sizes, sizes) for o, _ in ch],
                                           [p for _, p in ch], p2p=True))
 
+    def swap(self, rank: int, i: int, j: int) -> None:
+        """Rank ``rank`` issues its program's items ``i`` and ``j`` in the other order (an
+        order inversion: a set iterated in another order, a rank-dependent branch)."""
+        prog = self.prog[rank]
+        a, b = prog[i], prog[j]
+        prog[i], prog[j] = b, a
+        a.call, b.call = b.call, a.call
+
     # -- the streams ---------------------------------------------------------------------------
 
     def _run(self) -> dict[int, list[_Item]]:

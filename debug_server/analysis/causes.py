@@ -21,23 +21,19 @@ first. Every other finding is a consequence and is listed after the root it lead
 
 from __future__ import annotations
 
-import bisect
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any, NamedTuple
 
-from debug_server.analysis.digest import DONE
 from debug_server.analysis.groups import Group, GroupKey, RankClass
 from debug_server.analysis.merge import MISMATCH_KINDS, Merge
 from debug_server.analysis.sigcheck import user_line
 from debug_server.analysis.stackparse import Position
+from debug_server.analysis.streams import UNKNOWN_T, ClassOps, OpKey
 
-__all__ = ["Causes", "Edge", "cause_order"]
+__all__ = ["Causes", "Edge", "cause_order", "sccs"]
 
 Finding = dict[str, Any]
-OpKey = tuple[str, bool, int]
-"""(group id, is P2P, seq): a collective's ``collective_seq_id`` or a P2P op's ``p2p_seq_id``."""
 
-_UNKNOWN_T = 1 << 62  # an op without time_created_ns sorts after every timed one
 _WALK_LIMIT = 10_000  # ops visited per finding when explaining through ops without findings
 
 
@@ -60,32 +56,6 @@ class Edge(NamedTuple):
     op_name: str | None
 
 
-class _ClassOps:
-    """One class's ops: seqs and issue times per group, pending P2P times, incomplete ops."""
-
-    __slots__ = ("colls", "p2p", "blocked", "pending")
-
-    def __init__(self) -> None:
-        self.colls: dict[str, tuple[list[int], Sequence[int]]] = {}
-        self.p2p: dict[OpKey, int] = {}
-        self.blocked: list[tuple[int, OpKey, int, int]] = []
-        """(issue time, op, signature id, frames id) of every op not completed, oldest first."""
-        self.pending: set[OpKey] = set()
-
-    def time(self, k: OpKey) -> int:
-        """When this class issued op ``k``; :data:`_UNKNOWN_T` when it did not or nobody knows."""
-        if k[1]:
-            return self.p2p.get(k, 0) or _UNKNOWN_T
-        held = self.colls.get(k[0])
-        if held is None:
-            return _UNKNOWN_T
-        seqs, ts = held
-        j = bisect.bisect_left(seqs, k[2])
-        if j < len(seqs) and seqs[j] == k[2] and j < len(ts):
-            return ts[j] or _UNKNOWN_T
-        return _UNKNOWN_T
-
-
 class Causes:
     """The explained-by graph over ``m``'s error findings, and what it needs of each rank."""
 
@@ -94,8 +64,9 @@ class Causes:
         self.by_id = {g.id: g for g in groups.values()}
         self.errors = [f for f in m.findings if f["severity"] == "error"]
         self.owner: dict[OpKey, Finding] = {}
+        self.inversions = [f for f in self.errors if f["kind"] == "order_inversion"]
         for f in self.errors:
-            if f["seq"] is None:
+            if f["seq"] is None or f["kind"] == "order_inversion":
                 continue
             k = (f["group"], False, f["seq"])
             held = self.owner.get(k)
@@ -105,42 +76,10 @@ class Causes:
         for f in self.errors:
             for u in f.get("unmatched") or ():
                 self.p2p_owner[(f["group"], u["rank"], u["p2p_seq"])] = f
-        self._class_ops: dict[int, _ClassOps] = {}
 
-    def _ops(self, c: RankClass) -> _ClassOps:
+    def _ops(self, c: RankClass) -> ClassOps:
         """A class's ops per group (for issue times) and its incomplete ops in issue order."""
-        held = self._class_ops.get(c.idx)
-        if held is not None:
-            return held
-        held = _ClassOps()
-        for (name, desc, cells), (_, ts) in zip(c.d.colls, c.d.times, strict=False):
-            g = self.groups.get(c.gkeys.get((name, desc), ("", ())))
-            if g is None:
-                continue
-            held.colls[g.id] = ([cell[0] for cell in cells], ts)
-            # The ops after the last completed one (scanned from the newest end: few).
-            for j in range(len(cells) - 1, -1, -1):
-                if cells[j][2] == DONE:
-                    break
-                t = ts[j] if j < len(ts) else 0
-                _, sidx, _, fidx = cells[j]
-                held.blocked.append((t or _UNKNOWN_T, (g.id, False, cells[j][0]), c.sig_g[sidx],
-                                     c.fr_g[fidx] if fidx >= 0 else -1))
-        ptimes = {(n, dsc): ts for n, dsc, ts in c.d.p2p_times}
-        for name, desc, _done, pending in c.d.p2p:
-            g = self.groups.get(c.gkeys.get((name, desc), ("", ())))
-            if g is None:
-                continue
-            ts = ptimes.get((name, desc), ())
-            for j, p in enumerate(pending):
-                t = ts[j] if j < len(ts) else 0
-                k = (g.id, True, p[0])
-                held.p2p[k] = t
-                held.blocked.append((t or _UNKNOWN_T, k, c.sig_g[p[1]], c.fr_g[p[3]] if p[3] >= 0 else -1))
-        held.blocked.sort()
-        held.pending = {x[1] for x in held.blocked}
-        self._class_ops[c.idx] = held
-        return held
+        return self.m.ops(c)
 
     def _finding_of(self, rank: int, k: OpKey) -> Finding | None:
         """The finding about op ``k`` of ``rank`` itself, if any."""
@@ -159,7 +98,7 @@ class Causes:
                 continue
             ops = self._ops(c)
             t_mine = ops.time(k) if rank != r else t_k
-            if t_mine == _UNKNOWN_T:
+            if t_mine == UNKNOWN_T:
                 continue
             for t, y, sig, _ in ops.blocked:
                 if t >= t_mine:
@@ -195,7 +134,7 @@ class Causes:
 
     def op_time(self, f: Mapping[str, Any]) -> int:
         """When the finding's op was first issued (the earliest issuing rank), or a large value."""
-        best = _UNKNOWN_T
+        best = UNKNOWN_T
         if f["kind"] == "unmatched_p2p":
             for u in f.get("unmatched") or ():
                 c = self.m.class_of.get(u["rank"])
@@ -212,6 +151,8 @@ class Causes:
         it does and that rank's op (None: the same op)."""
         out: list[Edge] = []
         seen: set[tuple[int, OpKey]] = set()
+        if f["kind"] != "order_inversion" and f["seq"] is not None:
+            out.extend(self._inverted(f))
         if f["kind"] == "stuck_everywhere":
             k = (f["group"], False, f["seq"])
             same = self.owner.get(k)
@@ -237,6 +178,25 @@ class Causes:
                         break
         return [e for e in out if e.cause is not f]
 
+    def _inverted(self, f: Finding) -> list[Edge]:
+        """The order inversion whose cycle holds ``f``'s op: the minority's first op is held up
+        by the majority ranks waiting in theirs, every other op of the cycle by the minority
+        ranks waiting in their first op."""
+        x = (f["group"], f["seq"])
+        out = []
+        for inv in self.inversions:
+            odd, usual = inv["ops"], inv["others_ops"]
+            if not any((o["group"], o["seq"]) == x for o in odd + usual):
+                continue
+            if (odd[0]["group"], odd[0]["seq"]) == x:
+                o, ranks = usual[0], inv["others"]
+            else:
+                o, ranks = odd[0], inv["ranks"]
+            g = self.by_id.get(f["group"])
+            r = next((r for r in ranks if g is None or r in g.rank_set), ranks[0])
+            out.append(Edge(inv, r, (o["group"], False, o["seq"]), o["op"]))
+        return out
+
     def _went_past(self, f: Mapping[str, Any], y: OpKey) -> bool:
         """Some rank that issued ``f``'s op issued collective ``y`` after it: in program order
         ``y`` comes after ``f``'s op, so a rank blocked in ``y`` skipped ``f``'s op."""
@@ -253,7 +213,7 @@ class Causes:
                 continue
             ops = self._ops(c)
             t_x, t_y = ops.time(x), ops.time(y)
-            if t_x != _UNKNOWN_T and t_y != _UNKNOWN_T and t_y > t_x:
+            if t_x != UNKNOWN_T and t_y != UNKNOWN_T and t_y > t_x:
                 return True
         return False
 
@@ -280,7 +240,7 @@ def cause_order(causes: Causes) -> tuple[list[Finding], list[Finding]]:
     n = len(errors)
     index = {id(f): i for i, f in enumerate(errors)}
     adj = [sorted({index[id(e.cause)] for e in causes.edges(f)}) for f in errors]
-    comp = _sccs(adj)
+    comp = sccs(adj)
     n_comp = max(comp, default=-1) + 1
     leaves = [False] * n_comp
     sink = [True] * n_comp
@@ -328,7 +288,7 @@ def cause_order(causes: Causes) -> tuple[list[Finding], list[Finding]]:
     return [errors[i] for i in roots], [errors[i] for i in ordered]
 
 
-def _sccs(adj: list[list[int]]) -> list[int]:
+def sccs(adj: list[list[int]]) -> list[int]:
     """Tarjan's strongly connected components, iteratively; the component id per node."""
     n = len(adj)
     index = [-1] * n

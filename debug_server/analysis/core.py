@@ -33,10 +33,12 @@ from debug_server.analysis.digest import STATES, DigestMemo, RankDigest, digest_
 from debug_server.analysis.groups import Group, resolve_groups
 from debug_server.analysis.match import match_collectives
 from debug_server.analysis.merge import FINDING_KINDS, NCCL_CALLS_FULL_LIMIT, Merge
+from debug_server.analysis.order import order_inversions
 from debug_server.analysis.p2p import match_p2p
 from debug_server.analysis.progress import communicators
 from debug_server.analysis.silent import silent_findings
 from debug_server.analysis.stackgroups import group_stacks
+from debug_server.analysis.streams import stream_lanes
 from debug_server.analysis.verdict import headlines, verdict
 
 logger = logging.getLogger(__name__)
@@ -119,6 +121,7 @@ def analyze_digests(
     shown = _match_groups(m, set(pg_filters) if pg_filters else None)
     calls, elided = _nccl_calls(m)
     stack_groups, positions = group_stacks(m.stacks, m.notes)
+    order_inversions(m, m.ops)
     silent_findings(m, positions)
     m.findings.sort(
         key=lambda f: FINDING_KINDS.index(f["kind"]) if f["kind"] != "history_lost" else 99
@@ -153,6 +156,7 @@ def analyze_digests(
         "communicators": comms,
         "behind": behind,
         "ranks": [{"rank": r, "process": dict(p)} for r, p in sorted(m.processes.items())],
+        "streams": stream_lanes(m.class_list, m.groups, m.ops, m.sigs),
         "notes": m.notes,
     }
 

@@ -78,10 +78,14 @@ class RankDigest(NamedTuple):
     pg_progress: tuple[tuple[str, int, int], ...] = ()
     """(group name, last enqueued seq, last completed seq) from ``pg_status``, -1 when unknown;
     groups only in ``pg_config`` are (name, -1, -1). Not part of the class key."""
+    pending_order: tuple[tuple[str, str, int], ...] = ()
+    """The incomplete collectives of two or more groups in issue order, ((name, desc, seq),
+    ...); empty when at most one group has any. Part of the class key: two ranks that issued
+    the same ops in other orders across groups are not the same (``order``)."""
 
     def key(self) -> tuple[Any, ...]:
         """What identical ranks share (no rank number, no timestamps)."""
-        return (self.pg, self.sigs, self.frames, self.colls, self.p2p)
+        return (self.pg, self.sigs, self.frames, self.colls, self.p2p, self.pending_order)
 
 
 def digest_dump(rank: int, dump: Mapping[str, Any]) -> RankDigest:
@@ -118,7 +122,22 @@ def digest_dump(rank: int, dump: Mapping[str, Any]) -> RankDigest:
         snap_ns=_snap_ns(dump.get(SNAPSHOT_TIME_KEY)),
         p2p_times=tuple((gk[0], gk[1], tuple(ts)) for gk, ts in sorted(b.p2p_t.items())),
         pg_progress=progress,
+        pending_order=_pending_order(colls, times),
     )
+
+
+def _pending_order(colls: tuple[tuple[str, str, tuple[Cell, ...]], ...],
+                   times: tuple[tuple[str, tuple[int, ...]], ...]) -> tuple[tuple[str, str, int], ...]:
+    """``RankDigest.pending_order``: the incomplete tail of each group, merged by issue time."""
+    tails = []
+    for (name, desc, cells), (_, ts) in zip(colls, times, strict=False):
+        j = len(cells) - 1
+        while j >= 0 and cells[j][2] != DONE:
+            tails.append((ts[j] if j < len(ts) else 0, name, desc, cells[j][0]))
+            j -= 1
+    if len({(n, d) for _, n, d, _ in tails}) < 2:
+        return ()
+    return tuple((n, d, seq) for _, n, d, seq in sorted(tails))
 
 
 def _pg_config(

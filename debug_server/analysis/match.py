@@ -206,9 +206,13 @@ class _GroupScan:
         if (not missing and not self.stuck_reported and len(present) == gsize
                 and not (m.any_snap and skew.just_issued(self.cls, items, seq))):
             self.stuck_reported = True
+            # Which members' devices started it (c10d with start timing, our recorder): the
+            # ones that did not are behind on their own stream (``verdict``: gpu_busy).
+            started = sorted(r for it in items if it[2] == 1 for r in self.cls_ranks[it[0]])
             m.finding(
                 "stuck_everywhere", g, seq, op, list(present),
                 f"all {gsize} ranks of {g.label} issued {op} #{seq} and none completed it",
+                started=started, not_started=sorted(set(present) - set(started)),
             )
         m.waiting.append(
             {"group": g.id, "seq": seq, "op": op, "label": g.label,

@@ -13,10 +13,12 @@ from typing import Any, NamedTuple
 
 from debug_server.analysis.digest import STATES, RankDigest
 from debug_server.analysis.groups import Group, GroupKey, RankClass
+from debug_server.analysis.streams import ClassOps, class_ops
 
 __all__ = ["FINDING_KINDS", "INFO_KINDS", "MISMATCH_KINDS", "Merge"]
 
 FINDING_KINDS = (
+    "order_inversion",
     "missing_ranks",
     "type_mismatch",
     "size_mismatch",
@@ -86,6 +88,14 @@ class Merge:
         self.waiting: list[dict[str, Any]] = []
         self.groups: dict[GroupKey, Group] = {}
         """Every group the entries name (``groups.resolve_groups``), filled before matching."""
+        self._ops: dict[int, ClassOps] = {}
+
+    def ops(self, c: RankClass) -> ClassOps:
+        """Class ``c``'s ops across groups in issue order (``streams.class_ops``), once."""
+        held = self._ops.get(c.idx)
+        if held is None:
+            held = self._ops[c.idx] = class_ops(c, self.groups)
+        return held
 
     def _add(self, d: RankDigest) -> int:
         """Fold one digest in; the largest rank it names (-1 for a duplicate)."""

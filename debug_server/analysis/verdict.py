@@ -15,22 +15,31 @@ from typing import Any, NamedTuple
 
 from debug_server.analysis.causes import Causes, cause_order
 from debug_server.analysis.merge import MISMATCH_KINDS, Merge
+from debug_server.analysis.order import ops_text
 from debug_server.analysis.ranks import format_ranks, ranks_phrase
 from debug_server.analysis.silent import next_step as silent_step
 from debug_server.analysis.silent import process_phrase
 from debug_server.analysis.stackparse import Position
+from debug_server.analysis.streams import UNKNOWN_T
 
 __all__ = ["CATEGORIES", "CATEGORY_MEANING", "Verdict", "category_line", "headlines", "verdict"]
 
-CATEGORIES = ("cpu_divergence", "gpu_or_network", "misconfigured_collective", "unknown")
-"""The result's ``category`` (PyTorch's Flight Recorder root-cause classes), absent when clean:
+CATEGORIES = ("cpu_divergence", "gpu_busy", "gpu_or_network", "misconfigured_collective",
+              "unknown")
+"""The result's ``category`` (PyTorch's Flight Recorder root-cause classes, and ``gpu_busy``),
+absent when clean:
 ``cpu_divergence`` a rank never reached the collective (or issued collectives in another order);
-``gpu_or_network`` every member issued it and none completed it, and nothing else explains that;
+``gpu_busy`` every member issued it, and some members' GPUs started it while a rank's GPU has it
+enqueued, not started (its stream is busy with earlier work);
+``gpu_or_network`` every member's GPU started it (or no start data can exist) and none completed
+it, and nothing else explains that;
 ``misconfigured_collective`` mismatched op, size or dtype, or unmatched P2P;
 ``unknown`` the evidence is too thin (ranks without data)."""
 
 CATEGORY_MEANING = {
-    "cpu_divergence": "a rank never reached the collective",
+    "cpu_divergence": "a rank never reached the collective, or ranks issued collectives in "
+                      "different orders",
+    "gpu_busy": "a rank's GPU has not started the collective its peers' GPUs are in",
     "gpu_or_network": "every member is inside the collective and it does not progress",
     "misconfigured_collective": "the ranks issued different ops, sizes or dtypes",
     "unknown": "too little evidence to tell",
@@ -174,14 +183,72 @@ def _root_sentences(
             out.append(f"P2P deadlock or missing peer: {f['detail']}.")
         out.extend(_position_sentences(f["ranks"][:3], positions))
         return out
+    if kind == "order_inversion":
+        return _inversion_sentences(f, positions)
     if kind == "stuck_everywhere":
-        return [
-            f"All {len(f['ranks'])} ranks of {f['group_label']} issued {f['op']} #{f['seq']} and "
-            "none completed it"
-            + ("; no rank is missing and no mismatch explains it, so suspect the GPU, the "
-               "network or the NCCL transport." if category == "gpu_or_network" else ".")
-        ]
+        head = (f"All {len(f['ranks'])} ranks of {f['group_label']} issued {f['op']} #{f['seq']} "
+                "and none completed it")
+        if category == "gpu_busy":
+            return [head + ".", *_busy_sentences(f, m)]
+        if category == "unknown":
+            return [head + "; no rank's record says its GPU started it (start timing is off), so "
+                    "it cannot tell whether one GPU is behind or the network is stuck."]
+        return [head + ("; every member's GPU is inside it, and no rank is missing and no "
+                        "mismatch explains it, so suspect the GPU, the network or the NCCL "
+                        "transport." if category == "gpu_or_network" else ".")]
     return [f"{f['detail']}."]
+
+
+def _inversion_sentences(f: Finding, positions: Positions) -> list[str]:
+    """The two orders, the odd ranks first, and why neither side can complete."""
+    rs, others = f["ranks"], f["others"]
+    subj = ranks_phrase(rs)
+    streams = ("Each rank runs its collectives in the order it issued them, so none of these "
+               "completes.")
+    if f.get("certain", True):
+        out = [f"Ranks issued collectives in different orders: {subj} issued "
+               f"{ops_text(f['ops'])}; {ranks_phrase(others)} issued "
+               f"{ops_text(f['others_ops'])}. {streams}"]
+    else:
+        first = f["ops"][0]
+        verb = "waits" if len(others) == 1 else "wait"
+        out = [f"{subj.capitalize()} never joined {_op_text(f)} ({ranks_phrase(others)} {verb} "
+               f"in it): {'it' if len(rs) == 1 else 'they'} issued {ops_text([first])} first, "
+               f"which {ranks_phrase(others)} issue{'s' if len(others) == 1 else ''} after it. "
+               f"The ranks issued these collectives in different orders (or {subj} skipped "
+               f"{_op_text(f)}). {streams}"]
+    out.extend(_position_sentences(f["ranks"][:1] + f["others"][:1], positions))
+    return out
+
+
+def _busy_sentences(f: Finding, m: Merge) -> list[str]:
+    """``Rank 1's GPU has not started it ...``: the busy ranks, what their stream last
+    completed and for how long the op has waited there."""
+    late, started = f["not_started"], f["started"]
+    subj = "Rank" if len(late) == 1 else "Ranks"
+    out = [f"{subj} {format_ranks(late)}'s GPU{'s have' if len(late) > 1 else ' has'} it "
+           f"enqueued but not started, while {ranks_phrase(started)}'s GPU"
+           f"{'s are' if len(started) > 1 else ' is'} inside it: "
+           f"{'that stream is' if len(late) == 1 else 'those streams are'} busy with earlier work "
+           "(a long kernel, a host-device copy, a synchronisation) or the GPU is stuck."]
+    r = late[0]
+    c = m.class_of.get(r)
+    if c is not None:
+        ops = m.ops(c)
+        k = (f["group"], False, f["seq"])
+        t, snap = ops.time(k), m.digest_of[r].snap_ns
+        last = ops.done[-1] if ops.done else None
+        parts = []
+        if last is not None:
+            g = next((g for g in m.groups.values() if g.id == last[1][0]), None)
+            parts.append(f"its stream last completed {m.sigs[last[2]][1]} #{last[1][2]} on "
+                         f"{g.label if g is not None else last[1][0]}")
+        if snap and t != UNKNOWN_T and snap > t:
+            parts.append(f"{f['op']} #{f['seq']} was enqueued {(snap - t) / 1e9:.1f} s before "
+                         "its record was read")
+        if parts:
+            out.append(f"Rank {r}: " + "; ".join(parts) + ".")
+    return out
 
 
 def _consequence_sentences(root: Finding, ordered: list[Finding], explained: set[int]) -> list[str]:
@@ -191,6 +258,8 @@ def _consequence_sentences(root: Finding, ordered: list[Finding], explained: set
     for f in ordered[start + 1:]:
         if id(f) not in explained:
             break
+        if _same_op_and_ranks(f, root):
+            continue  # the root says it already (an inversion's op the odd ranks never issued)
         under.append(f)
     if not under:
         return []
@@ -198,6 +267,11 @@ def _consequence_sentences(root: Finding, ordered: list[Finding], explained: set
     more = len(under) - CONSEQUENCES_SHOWN
     return ["Because of it: " + "; ".join(phrases)
             + (f"; and {more} more" if more > 0 else "") + "."]
+
+
+def _same_op_and_ranks(f: Finding, root: Finding) -> bool:
+    return (f["kind"] == "missing_ranks" and root["kind"] == "order_inversion"
+            and (f["group"], f["seq"], f["ranks"]) == (root["group"], root["seq"], root["ranks"]))
 
 
 def _consequence_phrase(f: Finding) -> str:
@@ -284,11 +358,33 @@ def _category(
         return "cpu_divergence", _missing_step(root, causes, positions)
     if kind == "unmatched_p2p":
         return _p2p_step(root, causes, positions)
+    if kind == "order_inversion":
+        return "cpu_divergence", _inversion_step(root)
+    if kind == "stuck_everywhere" and root.get("not_started") and root.get("started"):
+        late = root["not_started"]
+        return "gpu_busy", (
+            f"look at what {ranks_phrase(late)}'s GPU runs before {root['op']} #{root['seq']} "
+            "(nvidia-smi, py-spy dump --native, or a profile of the step); if nothing should be "
+            "running, move the job off that GPU.")
+    if kind == "stuck_everywhere" and root.get("not_started") and not root.get("started"):
+        return "unknown", (
+            "turn start timing on (TORCH_NCCL_ENABLE_TIMING=1, or call start_debug_server "
+            "before the first process group: it turns timing on) so the record says which GPU "
+            "is behind; if every GPU then starts the op, run `python -m debug_server.preflight`.")
     return "gpu_or_network", (
         "run `python -m debug_server.preflight` on these hosts (or nccl-tests' "
         "all_reduce_perf), then read the NCCL_DEBUG=INFO logs with "
         "`python -m debug_server.nccl_log`."
     )
+
+
+def _inversion_step(f: Finding) -> str:
+    """Issue them in one order on every rank: the odd ranks' call sites first."""
+    lines = [f"{o['op']} #{o['seq']} on {o['group_label']}"
+             + (f" at {o['line']}" if o.get("line") else "") for o in f["ops"] if o["issued"]]
+    return (f"issue these collectives in one order on every rank: {ranks_phrase(f['ranks'])} "
+            f"issued {', then '.join(lines)} first (look for iteration over a set or dict, a "
+            "rank-dependent branch, or a second thread issuing collectives).")
 
 
 def _elsewhere(causes: Causes, r: int, f: Finding) -> str:
