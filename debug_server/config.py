@@ -48,6 +48,7 @@ PTRACER_ENV = "DEBUG_SERVER_PTRACER"
 RECORDER_ENV = "DEBUG_SERVER_RECORDER"
 MARKS_ENV = "DEBUG_SERVER_START_MARKS"
 TIMING_OPT_ENV = "DEBUG_SERVER_NCCL_TIMING"
+C10D_TIMING_ENV = "DEBUG_SERVER_C10D_TIMING"
 AGENT_ENV = "DEBUG_SERVER_AGENT"
 AGENT_ID_ENV = "DEBUG_SERVER_AGENT_ID"
 TOKEN_ENV = "DEBUG_SERVER_AUTH_TOKEN"
@@ -156,6 +157,12 @@ class Settings:
         TIMING_OPT_ENV, False, "`1`: c10d-backed NCCL communicators' groups record c10d's "
         "timing events (which give `duration_ms`; 2-20 % of a launch-bound step on H200).",
         _flag, type_="bool", shown="0")
+    c10d_timing: bool = _setting(
+        C10D_TIMING_ENV, True, "`0`: leave c10d's start timing as torch has it. By default "
+        "`start_debug_server` turns it on for NCCL groups (`TORCH_NCCL_ENABLE_TIMING=1` for "
+        "groups made later, torch's `_enable_collectives_timing` on the ones that exist), so "
+        "a GPU that never started its collective is told apart from one inside it.",
+        _flag, type_="bool", shown="1")
     agent: bool | None = _setting(
         AGENT_ENV, None, "`1`: a per-host agent even on a single-host job; `0`: never "
         "(default: on jobs that span several hosts).", _flag, type_="bool")
@@ -210,10 +217,13 @@ SET_BY_US: tuple[tuple[str, str], ...] = (
     (FR_BUFFER_ENV[0], "`start_debug_server` before the first process group, when neither "
      "buffer variable is set: 2000 (the name this torch reads; `TORCH_NCCL_TRACE_BUFFER_SIZE` "
      "on torch < 2.8), taken back by `stop()`."),
+    (NCCL_TIMING_ENV, "`start_debug_server`, unless it is set or `DEBUG_SERVER_C10D_TIMING=0`: "
+     "`1` (for NCCL groups made later; the existing ones get torch's "
+     "`_enable_collectives_timing`), taken back by `stop()`."),
     (NCCL_TIMING_ENV, "`1` around the creation of a c10d-backed NCCL communicator's own group "
      "when `DEBUG_SERVER_NCCL_TIMING=1`, then put back."),
 )
-"""Torch's variables that the package sets, and when."""
+"""Torch's variables that the package sets, and when (a name may appear twice)."""
 
 
 def settings_markdown() -> str:

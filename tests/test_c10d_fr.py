@@ -25,6 +25,7 @@ from debug_server.recording.c10d_fr import (
     GroupInfo,
     merge_c10d,
     turn_on_env,
+    turn_on_timing,
 )
 from debug_server.recording.stall import StallWatch
 
@@ -277,3 +278,13 @@ def test_fixture_is_a_real_capture():
     assert recorder == "cpu" and dump["pg_config"] == {"": {"desc": "", "name": "", "ranks": "[]"}}
     assert all(e["state"] == "scheduled" and "frames" not in e for e in dump["entries"])
     assert os.path.basename(str(DATA)) == "c10d_merge_gloo.json"
+
+
+def test_turn_on_timing_sets_the_variable_unless_the_user_chose() -> None:
+    env: dict[str, str] = {}
+    assert turn_on_timing(env) == {"TORCH_NCCL_ENABLE_TIMING": "1"}
+    assert env == {"TORCH_NCCL_ENABLE_TIMING": "1"}
+    mine = {"TORCH_NCCL_ENABLE_TIMING": "0"}
+    assert turn_on_timing(mine) == {} and mine == {"TORCH_NCCL_ENABLE_TIMING": "0"}
+    off = {"DEBUG_SERVER_C10D_TIMING": "0"}
+    assert turn_on_timing(off) == {} and "TORCH_NCCL_ENABLE_TIMING" not in off

@@ -329,6 +329,9 @@ def _start_locked(job: JobEnv, config: ServerConfig, required: bool, settings: S
         # (below) can help. stop() takes ours back, like the dump path.
         pg_existed = c10d_fr.group_exists()
         fr_env_set = {} if pg_existed else c10d_fr.turn_on_env()
+        # Start timing on NCCL groups, so a GPU that never started its collective is told
+        # apart from one inside it (analysis: gpu_busy); the user's own setting stands.
+        fr_env_set.update(c10d_fr.turn_on_timing())
         handle, advertised = _start_parts(job, config, required, settings.signal_stacks
                                           if signal_stacks is None else signal_stacks)
         handle.fr_env_set = fr_env_set

@@ -49,7 +49,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from debug_server.config import FR_BUFFER_ENV as BUFFER_ENV
-from debug_server.config import Settings
+from debug_server.config import NCCL_TIMING_ENV, Settings
 from debug_server.errors import first_line
 from debug_server.recording.c10d_merge import (
     Backed,
@@ -69,6 +69,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "BUFFER_ENV",
+    "TIMING_ENV",
     "Backed",
     "DEFAULT_BUFFER_SIZE",
     "GroupInfo",
@@ -84,6 +85,7 @@ __all__ = [
     "status_by_name",
     "status_row",
     "turn_on_env",
+    "turn_on_timing",
     "warn_once",
 ]
 
@@ -358,6 +360,48 @@ def turn_on_env(environ: dict[str, str] | None = None) -> dict[str, str]:
     added = {buffer_env_name(): str(DEFAULT_BUFFER_SIZE)}
     env.update(added)
     return added
+
+
+TIMING_ENV = NCCL_TIMING_ENV
+"""c10d reads it in each NCCL group's constructor: with it, a collective's record turns
+``started`` when its GPU starts it (events on the NCCL stream), which is how the analysis tells
+a GPU that has not started its op from one inside it (``gpu_busy``)."""
+
+
+def turn_on_timing(environ: dict[str, str] | None = None) -> dict[str, str]:
+    """Turn c10d's start timing on unless the user set ``TORCH_NCCL_ENABLE_TIMING``: the
+    variable for NCCL groups made from now on, ``_enable_collectives_timing`` on the NCCL groups
+    that exist already. Returns the variables it set (empty when the user's setting stands).
+
+    Cost: one CUDA event recorded per collective on the NCCL stream; the step benchmark on GPUs
+    is in docs/benchmarks.md (``scripts/gpu_checks.sh step``).
+    """
+    env = os.environ if environ is None else environ
+    if TIMING_ENV in env or not Settings.from_env(env).c10d_timing:
+        return {}
+    env[TIMING_ENV] = "1"
+    if environ is None:
+        _time_existing_groups()
+    return {TIMING_ENV: "1"}
+
+
+def _time_existing_groups() -> None:
+    try:
+        import torch.distributed as dist
+    except ImportError:
+        return
+    if not dist.is_available() or not dist.is_initialized():
+        return
+    world = dist.distributed_c10d._world
+    for pg, entry in list(world.pg_map.items()):
+        if "nccl" not in str(entry[0] if entry else ""):
+            continue
+        try:
+            pg._enable_collectives_timing()
+        except Exception as e:  # noqa: BLE001 - an older torch or a backend without timing
+            warn_once("timing", f"could not turn c10d's start timing on ({type(e).__name__}: "
+                      f"{str(e)[:80]}); set TORCH_NCCL_ENABLE_TIMING=1 before init_process_group")
+            return
 
 
 def off_reason() -> str | None:
