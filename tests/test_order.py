@@ -160,3 +160,37 @@ def test_every_gpu_inside_the_op_is_gpu_or_network() -> None:
     r = analyze(_ddp({0: "started", 1: "started"}))
     assert r["category"] == "gpu_or_network"
     assert "every member's GPU is inside it" in r["verdict"]
+
+
+def test_pipeline_stage_with_nothing_in_flight_is_cpu_divergence() -> None:
+    # Stage 2 stops (a sleep, a loop that ended) instead of sending at step 3: c10d's dumps
+    # hold nothing of it after step 2, and no stacks. It issued nothing else: not a mismatch.
+    sim = JobSim(4, {"pp": ("pp", [0, 1, 2, 3]), "dp0": ("dp", [0, 1]), "dp1": ("dp", [2, 3])})
+    for step in range(4):
+        for s in range(3):
+            sim.p2p("pp", [(s, s + 1)], skip=[2] if (step, s) == (3, 2) else [],
+                    blocking_recv=True, line=40 + s)
+        if step < 3:
+            sim.coll("dp0", line=70, blocking=True)
+            sim.coll("dp1", line=70, blocking=True)
+    r = analyze(sim.dumps())
+    assert r["category"] == "cpu_divergence", r["verdict"]
+    assert r["next_step"].startswith("find out where rank 2 is: it has no op in flight")
+
+
+LEAVING = """Thread 0x00007f9a41b0c740 (most recent call first):
+  File "/usr/lib/python3/site-packages/torch/distributed/distributed_c10d.py", line 2100 in destroy_process_group
+  File "/job/train.py", line 99 in main
+  File "/job/train.py", line 120 in <module>
+"""
+
+
+def test_rank_in_destroy_process_group_is_said_to_be_leaving() -> None:
+    from debug_server.tools.synthetic import hang_job
+
+    r = analyze(hang_job(2, 5, missing_rank=1), stacks={1: LEAVING})
+    assert r["category"] == "cpu_divergence"
+    assert ("Rank 1 is leaving: it is tearing down its process groups (destroy_process_group) "
+            "at train.py:99 in main, not in a collective.") in r["verdict"]
+    assert "in a collective." not in r["verdict"].replace("not in a collective.", "")
+    assert r["next_step"].startswith("find out why rank 1 is leaving")

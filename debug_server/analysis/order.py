@@ -88,42 +88,57 @@ def _previous_order(m: Merge, ops_of: OpsOf, cycle: Sequence[OpKey]) -> tuple[Op
     return next(iter(seen)) if len(seen) == 1 else None
 
 
+def _pairs(o: Sequence[OpKey], issued: frozenset[OpKey]) -> set[tuple[OpKey, OpKey]]:
+    """What an order says: X before Y for every issued X and each op after it."""
+    return {(x, y) for i, x in enumerate(o) if x in issued for y in o[i + 1:]}
+
+
 def _finding(m: Merge, by_id: Mapping[str, Group], ops_of: OpsOf, cycle: list[OpKey]) -> None:
     orders: dict[tuple[OpKey, ...], list[RankClass]] = {}
-    whole: dict[tuple[OpKey, ...], bool] = {}  # that order's ranks issued every op of it
+    issued: dict[tuple[OpKey, ...], frozenset[OpKey]] = {}
     for c in m.class_list:
         ops = ops_of(c)
         o = _order(c, ops, cycle, by_id)
         if len({k[0] for k in o}) >= 2 and ops.time(o[0]) != UNKNOWN_T:
             orders.setdefault(o, []).append(c)
-            whole[o] = all(ops.time(k) != UNKNOWN_T for k in o)
+            issued[o] = frozenset(k for k in o if ops.time(k) != UNKNOWN_T)
     if len(orders) < 2:
         return
-    certain = all(whole.values())
+    pairs = {o: _pairs(o, issued[o]) for o in orders}
+
+    def agree(a: tuple[OpKey, ...], b: tuple[OpKey, ...]) -> bool:
+        return not any((y, x) in pairs[b] for x, y in pairs[a])
+
+    certain = all(len(issued[o]) == len(o) for o in orders)
     size = {o: sum(len(c.ranks) for c in cs) for o, cs in orders.items()}
+    support = {o: sum(size[b] for b in orders if agree(o, b)) for o in orders}
     usual = _previous_order(m, ops_of, cycle)
 
-    def as_usual(o: tuple[OpKey, ...]) -> bool:
-        return usual is not None and [k for k in usual if k in o] == list(o)
+    usual_pairs = _pairs(usual, frozenset(usual)) if usual is not None else set()
 
-    def rank_key(o: tuple[OpKey, ...]) -> tuple[int, int, int, int, int]:
-        # The odd ones: ranks that have not issued an op the others did, then the fewer; where
-        # some rank may have skipped an op, the ones whose first op was issued later (the
-        # others had issued theirs already); then the ones that left the previous step's
-        # order, then the higher ranks.
+    def as_usual(o: tuple[OpKey, ...]) -> bool:
+        return usual is not None and not any((y, x) in usual_pairs for x, y in pairs[o])
+
+    def rank_key(o: tuple[OpKey, ...]) -> tuple[int, int, int, int, int, int]:
+        # The usual order: the one most ranks agree with (ranks in fewer of the groups agree
+        # with every order they do not contradict); then one whose ranks issued every op (the
+        # others may have skipped one); where some rank may have skipped an op, the one whose
+        # first op was issued first; then the previous step's order; then the lowest rank's.
         t_first = 0 if certain else min(ops_of(c).time(o[0]) for c in orders[o])
-        return (0 if whole[o] else 1, -size[o], t_first, 0 if as_usual(o) else 1,
-                min(r for c in orders[o] for r in c.ranks))
+        return (-support[o], 0 if len(issued[o]) == len(o) else 1, -size[o], t_first,
+                0 if as_usual(o) else 1, min(r for c in orders[o] for r in c.ranks))
 
     major = min(orders, key=rank_key)
     if not certain and not as_usual(major):
         # A rank that has not issued an op of the cycle may have skipped it rather than put it
         # later: only the order the ranks kept at the previous step tells an inversion apart.
         return
-    odd = sorted((o for o in orders if o != major), key=rank_key)
+    odd = sorted((o for o in orders if not agree(o, major)), key=rank_key)
+    if not odd:
+        return
     minor = odd[0]
     ranks = sorted(r for o in odd for c in orders[o] for r in c.ranks)
-    others = sorted(r for c in orders[major] for r in c.ranks)
+    others = sorted(r for o in orders if agree(o, major) for c in orders[o] for r in c.ranks)
     ops = _ops(m, ops_of, orders[minor][0], minor, by_id)
     others_ops = _ops(m, ops_of, orders[major][0], major, by_id)
     # The finding's own op: where the odd ranks' order first departs from the others'. When

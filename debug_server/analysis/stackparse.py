@@ -90,6 +90,9 @@ class Position:
     """The call on the frame's shipped source line (``time.sleep``), else None."""
     native: str | None = None
     """The innermost named native frame (``clock_nanosleep``) when the stack has native frames."""
+    leaving: str | None = None
+    """Set when the thread is tearing down rather than working: ``it is tearing down its
+    groups (destroy_process_group)`` or ``the interpreter is exiting (threading._shutdown)``."""
 
 
 def parse_threads(text: str) -> list[Thread]:
@@ -187,6 +190,13 @@ def summarize(frames: list[Frame]) -> Position:
 def _summarize_python(frames: list[Frame]) -> Position:
     if not frames:
         return Position("no Python frame", "?", False, None)
+    leaving = _leaving(frames)
+    if leaving is not None:
+        what, i = leaving
+        user = next((f for f in frames[i + 1:] if not is_library_frame(f)), frames[i])
+        where = f"{os.path.basename(user.filename)}:{user.line}"
+        return Position(f"{frames[i].function} at {where}", f"{where} {user.function}", False,
+                        frames[i].function, leaving=what)
     in_coll = any(is_collective_frame(f) for f in frames)
     if in_coll:
         # Report the user's line that called into the collective, named by the collective.
@@ -202,6 +212,23 @@ def _summarize_python(frames: list[Frame]) -> Position:
     call = _source_call(top)
     summary = f"{call} at {where}" if call else f"{top.function} at {where}"
     return Position(summary, f"{where} {top.function}", False, call)
+
+
+# Frames that mean the thread is leaving, not working: a rank here while its peers wait in a
+# collective is tearing down (after an error, or at a normal end others did not reach).
+_LEAVING = {
+    "destroy_process_group": "it is tearing down its process groups (destroy_process_group)",
+    "_shutdown": "the interpreter is exiting (it waits for threads at exit)",
+    "_run_exitfuncs": "the interpreter is exiting (atexit handlers)",
+}
+
+
+def _leaving(frames: list[Frame]) -> tuple[str, int] | None:
+    for i, f in enumerate(frames):
+        what = _LEAVING.get(f.function)
+        if what is not None and (f.function != "_shutdown" or f.filename.endswith("threading.py")):
+            return what, i
+    return None
 
 
 def summarize_text(text: str) -> Position | None:

@@ -405,6 +405,10 @@ def _missing_step(f: Finding, causes: Causes, positions: Positions) -> str:
     r = next((r for r in f["ranks"] if r in positions), f["ranks"][0])
     pos = positions.get(r)
     what = _op_text(f)
+    if pos is not None and pos.leaving:
+        return (f"find out why rank {r} is leaving while its peers wait in {what} ({pos.leaving} "
+                f"at {pos.position.replace(' ', ' in ', 1)}): look for an error earlier in its "
+                "log, or a loop that ends sooner on that rank.")
     if pos is not None:
         loc = pos.summary if pos.in_collective else pos.position.replace(" ", " in ", 1)
         return (f"find out why rank {r} never reached {what}: its main thread is at {loc} "
@@ -433,10 +437,36 @@ def _p2p_step(f: Finding, causes: Causes, positions: Positions) -> tuple[str, st
                 f"find out why rank {r} never posted its {need}{waiter} on "
                 f"{f['group_label']}{away}{where}."
             )
+    idle = _idle_peer(f, causes.m)
+    if idle is not None:
+        u, last = idle
+        done = f" (the last collective it completed: {last})" if last else ""
+        return "cpu_divergence", (
+            f"find out where rank {u['peer']} is: it has no op in flight{done}, so it never "
+            f"reached its {'recv' if u['op'] == 'send' else 'send'} for rank {u['rank']} on "
+            f"{f['group_label']}; its stack (/stacks, or stacks_<ts>.txt) shows the line.")
     return "misconfigured_collective", (
         "post the matching send/recv on the peer, in the same order on both sides "
         f"({f['detail'].split('; ')[0]})."
     )
+
+
+def _idle_peer(f: Finding, m: Merge) -> tuple[dict[str, Any], str | None] | None:
+    """An unmatched P2P op whose peer has data and nothing in flight at all: the peer is away
+    on its CPU (a loop that stopped, a sleep, a branch), not posting in another order. Returns
+    that unmatched op and the peer's last completed op (``send p2p #2 on pp``), if known."""
+    for u in f.get("unmatched") or ():
+        c = m.class_of.get(u["peer"])
+        if c is None or m.ops(c).blocked:
+            continue
+        last = m.ops(c).done[-1] if m.ops(c).done else None
+        text = None
+        if last is not None:
+            g = next((g for g in m.groups.values() if g.id == last[1][0]), None)
+            text = (f"{m.sigs[last[2]][1]} #{last[1][2]} on "
+                    f"{g.label if g is not None else last[1][0]}")
+        return u, text
+    return None
 
 
 def _sig_text(sig: Mapping[str, Any]) -> str:
@@ -496,6 +526,10 @@ def _position_sentences(ranks: Sequence[int], positions: Positions) -> list[str]
             continue
         call = f" ({pos.call})" if pos.call and not pos.in_collective else ""
         where = "in a collective" if pos.in_collective else "not in a collective"
+        if pos.leaving:
+            out.append(f"Rank {r} is leaving: {pos.leaving} at "
+                       f"{pos.position.replace(' ', ' in ', 1)}, not in a collective.")
+            continue
         loc = pos.summary if pos.in_collective else f"{pos.position.replace(' ', ' in ', 1)}{call}"
         out.append(f"Rank {r}'s main thread is at {loc}, {where}.")
     return out
