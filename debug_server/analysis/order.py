@@ -88,14 +88,18 @@ def _previous_order(m: Merge, ops_of: OpsOf, cycle: Sequence[OpKey]) -> tuple[Op
     return next(iter(seen)) if len(seen) == 1 else None
 
 
-def _pairs(o: Sequence[OpKey], issued: frozenset[OpKey]) -> set[tuple[OpKey, OpKey]]:
+Pair = tuple[OpKey, OpKey]
+Order = tuple[OpKey, ...]
+
+
+def _pairs(o: Sequence[OpKey], issued: frozenset[OpKey]) -> set[Pair]:
     """What an order says: X before Y for every issued X and each op after it."""
     return {(x, y) for i, x in enumerate(o) if x in issued for y in o[i + 1:]}
 
 
 def _finding(m: Merge, by_id: Mapping[str, Group], ops_of: OpsOf, cycle: list[OpKey]) -> None:
-    orders: dict[tuple[OpKey, ...], list[RankClass]] = {}
-    issued: dict[tuple[OpKey, ...], frozenset[OpKey]] = {}
+    orders: dict[Order, list[RankClass]] = {}
+    issued: dict[Order, frozenset[OpKey]] = {}
     for c in m.class_list:
         ops = ops_of(c)
         o = _order(c, ops, cycle, by_id)
@@ -105,42 +109,27 @@ def _finding(m: Merge, by_id: Mapping[str, Group], ops_of: OpsOf, cycle: list[Op
     if len(orders) < 2:
         return
     pairs = {o: _pairs(o, issued[o]) for o in orders}
-
-    def agree(a: tuple[OpKey, ...], b: tuple[OpKey, ...]) -> bool:
-        return not any((y, x) in pairs[b] for x, y in pairs[a])
-
     certain = all(len(issued[o]) == len(o) for o in orders)
-    size = {o: sum(len(c.ranks) for c in cs) for o, cs in orders.items()}
-    support = {o: sum(size[b] for b in orders if agree(o, b)) for o in orders}
     usual = _previous_order(m, ops_of, cycle)
-
     usual_pairs = _pairs(usual, frozenset(usual)) if usual is not None else set()
-
-    def as_usual(o: tuple[OpKey, ...]) -> bool:
-        return usual is not None and not any((y, x) in usual_pairs for x, y in pairs[o])
-
-    def rank_key(o: tuple[OpKey, ...]) -> tuple[int, int, int, int, int, int]:
-        # The usual order: the one most ranks agree with (ranks in fewer of the groups agree
-        # with every order they do not contradict); then one whose ranks issued every op (the
-        # others may have skipped one); where some rank may have skipped an op, the one whose
-        # first op was issued first; then the previous step's order; then the lowest rank's.
-        t_first = 0 if certain else min(ops_of(c).time(o[0]) for c in orders[o])
-        return (-support[o], 0 if len(issued[o]) == len(o) else 1, -size[o], t_first,
-                0 if as_usual(o) else 1, min(r for c in orders[o] for r in c.ranks))
-
-    major = min(orders, key=rank_key)
-    if not certain and not as_usual(major):
+    usual_side = _usual_side(orders, pairs, usual_pairs, certain, ops_of)
+    if usual_side is None:
+        return
+    ref: set[Pair] = set().union(*(pairs[o] for o in usual_side))
+    if not certain and (usual is None or any((y, x) in usual_pairs for x, y in ref)):
         # A rank that has not issued an op of the cycle may have skipped it rather than put it
         # later: only the order the ranks kept at the previous step tells an inversion apart.
         return
-    odd = sorted((o for o in orders if not agree(o, major)), key=rank_key)
+    odd = [o for o in orders if o not in usual_side]
     if not odd:
         return
-    minor = odd[0]
+    minor = min(odd, key=lambda o: (-sum(len(c.ranks) for c in orders[o]),
+                                    min(r for c in orders[o] for r in c.ranks)))
     ranks = sorted(r for o in odd for c in orders[o] for r in c.ranks)
-    others = sorted(r for o in orders if agree(o, major) for c in orders[o] for r in c.ranks)
-    ops = _ops(m, ops_of, orders[minor][0], minor, by_id)
-    others_ops = _ops(m, ops_of, orders[major][0], major, by_id)
+    others = sorted(r for o in usual_side for c in orders[o] for r in c.ranks)
+    ref_order = sorted(cycle, key=lambda k: (-sum(1 for x, _ in ref if x == k), k))
+    ops = _ops(m, ops_of, orders[minor], minor, by_id)
+    others_ops = _ops(m, ops_of, [c for o in usual_side for c in orders[o]], ref_order, by_id)
     # The finding's own op: where the odd ranks' order first departs from the others'. When
     # they have not issued an op the others wait in, that op (they may have skipped it);
     # else the op their streams run first.
@@ -154,11 +143,52 @@ def _finding(m: Merge, by_id: Mapping[str, Group], ops_of: OpsOf, cycle: list[Op
     )
 
 
-def _ops(m: Merge, ops_of: OpsOf, c: RankClass, order: Sequence[OpKey],
+_EXACT_LIMIT = 12
+"""Distinct orders up to which every set of them is tried (beyond, greedily)."""
+
+
+def _usual_side(orders: Mapping[Order, list[RankClass]], pairs: Mapping[Order, set[Pair]],
+                usual_pairs: set[Pair], certain: bool, ops_of: OpsOf) -> list[Order] | None:
+    """The orders most ranks keep: the set of orders that contradict none of each other with
+    the most ranks (ranks in fewer of the cycle's groups agree with every order they do not
+    contradict). Between equally large sets: where every rank issued every op, the one that
+    keeps the previous step's order, then the one whose first op was issued first, then the
+    lowest rank's; where a rank may have skipped an op, none (no evidence either way)."""
+    keys = list(orders)
+    n = len(keys)
+    clash = [[any((y, x) in pairs[b] for x, y in pairs[a]) for b in keys] for a in keys]
+    size = [sum(len(c.ranks) for c in orders[k]) for k in keys]
+    first = [min(ops_of(c).time(k[0]) for c in orders[k]) for k in keys]
+    low = [min(r for c in orders[k] for r in c.ranks) for k in keys]
+    if n <= _EXACT_LIMIT:
+        sets = [[i for i in range(n) if mask >> i & 1] for mask in range(1, 1 << n)]
+        sets = [s for s in sets if not any(clash[i][j] for i in s for j in s)]
+    else:  # many distinct orders: greedily, the largest first
+        chosen: list[int] = []
+        for i in sorted(range(n), key=lambda i: -size[i]):
+            if not any(clash[i][j] for j in chosen):
+                chosen.append(i)
+        sets = [chosen]
+
+    def key(s: list[int]) -> tuple[int, int, int, int]:
+        against = any((y, x) in usual_pairs for i in s for x, y in pairs[keys[i]])
+        return (-sum(size[i] for i in s), 1 if against else 0, min(first[i] for i in s),
+                min(low[i] for i in s))
+
+    sets.sort(key=key)
+    if not certain and len(sets) > 1 and key(sets[0])[0] == key(sets[1])[0]:
+        return None
+    return [keys[i] for i in sets[0]]
+
+
+def _ops(m: Merge, ops_of: OpsOf, cs: Sequence[RankClass], order: Sequence[OpKey],
          by_id: Mapping[str, Group]) -> list[dict[str, Any]]:
-    """One side's ops as the finding lists them: group, label, seq, op, state, the user's line."""
-    ops = ops_of(c)
-    info = {k: (sig, fr) for _, k, sig, fr in ops.blocked}
+    """One side's ops as the finding lists them: group, label, seq, op, whether that side
+    issued it, the user's line (from the first of ``cs`` that issued it)."""
+    info: dict[OpKey, tuple[int, int]] = {}
+    for c in cs:
+        for _, k, sig, fr in ops_of(c).blocked:
+            info.setdefault(k, (sig, fr))
     out = []
     for k in order:
         sig, fr = info.get(k, (-1, -1))
@@ -166,7 +196,7 @@ def _ops(m: Merge, ops_of: OpsOf, c: RankClass, order: Sequence[OpKey],
         out.append({
             "group": k[0], "group_label": g.label if g is not None else k[0], "seq": k[2],
             "op": m.sigs[sig][1] if sig >= 0 else _op_name(m, k),
-            "issued": ops.time(k) != UNKNOWN_T,
+            "issued": k in info,
             "line": user_line(m.frames[fr]) if fr >= 0 and m.frames[fr] else None,
         })
     return out
