@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import json
 import random
+from pathlib import Path
 from typing import Any
 
 from _jobsim import JobSim
@@ -12,6 +14,7 @@ from hypothesis import strategies as st
 
 from debug_server.analysis.core import analyze
 from debug_server.tools.synthetic import make_dump, make_entry
+from debug_server.tools.view import make_view_app
 
 TWO = {"grad": ("grad_sync", [0, 1, 2, 3]), "metrics": ("metrics", [0, 1, 2, 3])}
 
@@ -194,3 +197,18 @@ def test_rank_in_destroy_process_group_is_said_to_be_leaving() -> None:
             "at train.py:99 in main, not in a collective.") in r["verdict"]
     assert "in a collective." not in r["verdict"].replace("not in a collective.", "")
     assert r["next_step"].startswith("find out why rank 1 is leaving")
+
+
+async def test_fr_trace_page_draws_the_odd_ranks_lane_first(aiohttp_client: Any, tmp_path: Path) -> None:
+    # The viewer serves the live pages from a dump dir: one JSON dump per rank here.
+    d = tmp_path / "dumps"
+    d.mkdir()
+    for r, dump in _inverted(4, [2], blocking=False).dumps().items():
+        (d / f"nccl_trace_rank_{r}.json").write_text(json.dumps(dump))
+    client = await aiohttp_client(make_view_app(str(d)))
+    html = await (await client.get("/fr_trace", headers={"Accept": "text/html"})).text()
+    lanes = html[html.index("<h2>Streams</h2>"):html.index("<h2>Collectives</h2>")]
+    assert lanes.index("Rank 2</strong>: its device runs all_reduce #3 on pg 1 (metrics)") < \
+        lanes.index("Ranks 0-1, 3</strong>: its device runs all_reduce #3 on pg 0 (grad_sync)")
+    assert '<td class="op-scheduled">all_reduce #3</td>' in lanes
+    assert 'class="lane odd"' in lanes

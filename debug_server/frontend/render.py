@@ -25,6 +25,7 @@ from debug_server.analysis import report, stackparse
 from debug_server.analysis.verdict import CATEGORY_MEANING
 from debug_server.fanout.reply import FrData
 from debug_server.fanout.transport import GONE, RankResult
+from debug_server.frontend.lanes import lanes_view
 from debug_server.rank.discovery import NOT_REGISTERED
 
 logger = logging.getLogger(__name__)
@@ -370,6 +371,7 @@ def render_fr_html(env: jinja2.Environment, result: Mapping[str, Any], fr: FrDat
         n_collectives=len(result.get("collectives", [])), n_failing=failing,
         calls=calls.html, calls_note=calls.note,
         full=full, page=page, whole=whole, window=fr.window, scope=fr.scope,
+        lanes=lanes_view(result),
         downloads=nav_links(), stamp=_stamp(),
     )
 
