@@ -246,6 +246,11 @@ def worker(args: argparse.Namespace) -> None:
         # The user's view: ours against bare torch on a group of its own (the headline column).
         out["paired_group"] = {sh: statistics.median(o / b for o, b in zip(times["ours"][sh], times["bare_group"][sh],
                                                                             strict=True)) for sh in SHAPES}
+        # What start_debug_server's timing costs a user's own group: bare torch on a group with
+        # start events against bare torch on a group without, side by side per round.
+        out["paired_timed"] = {sh: statistics.median(o / b for o, b in zip(times["timed"][sh],
+                                                                            times["bare_group"][sh],
+                                                                            strict=True)) for sh in SHAPES}
         out["paired_all"] = {v: {sh: statistics.median(o / b for o, b in zip(times[v][sh], times["bare"][sh],
                                                                              strict=True)) for sh in SHAPES}
                              for v in steps if v != "bare"}
@@ -287,6 +292,9 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=10, help="steps per round (median)")
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--port", type=int, default=int(os.environ.get("MASTER_PORT", "29460")))
+    ap.add_argument("--timing-max-ratio", type=float, default=None,
+                    help="exit 1 when bare torch with c10d's start timing over bare torch on a group "
+                         "of its own (paired per round, c10d FR on) exceeds this on some shape")
     ap.add_argument("--max-ratio", type=float, default=None,
                     help="exit 1 when ours / bare (c10d FR on) exceeds this on some shape")
     ap.add_argument("--job-timeout", type=float, default=400.0)
@@ -345,6 +353,11 @@ def main() -> int:
             if "small" in q:
                 print(f"  {v:>12}: " + " / ".join(f"{x:.3f}" for x in q["small"])
                       + f"   host {on['issued'][v]['small']:.3f}")
+    print("timing (start_debug_server turns c10d's start timing on): bare+timing / bare on a group of "
+          "its own, paired per round: " + "  ".join(f"{sh} {on['paired_timed'][sh]:.3f}" for sh in SHAPES))
+    if args.timing_max_ratio is not None:
+        over += [f"{sh} timing {on['paired_timed'][sh]:.3f}" for sh in SHAPES
+                 if on["paired_timed"][sh] > args.timing_max_ratio]
     if args.json:
         Path(args.json).write_text(json.dumps({"fr_off": off, "fr_on": on}, indent=1))
     if over:

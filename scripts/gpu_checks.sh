@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU checks for a 2-GPU machine (device tool, kind nvidia-h100-x2), run from the source tree:
-#   PYTHONPATH=. bash scripts/gpu_checks.sh OUTDIR [all|bench|marks|step|state|demo|preflight|nccllog|mismatch|native|ddp|profile|c10dworkers|rank0gone|layouts|stragglers]
+#   PYTHONPATH=. bash scripts/gpu_checks.sh OUTDIR [all|bench|marks|step|state|demo|preflight|nccllog|mismatch|native|ddp|profile|c10dworkers|rank0gone|layouts|stragglers|devicetruth|timing]
 # bench:     recording cost per NCCL op, c10d FR off/on and ours side by side (bench_record, 1 rank)
 # step:      ms per training-like step, bare / c10d FR / ours (bench_step, 2 and 4 ranks; fails when
 #            ours / bare or ours / bare on a group of its own is over 1.02; STEP_ARGS: more options)
@@ -28,6 +28,11 @@
 #            desc and its line (scripts/gpu_check_layouts.py; fails if not)
 # stragglers: DDP on NCCL, rank 1's data loader slowed 40 ms a batch mid-run: /stragglers names
 #            it within 10 s with its lag, nobody before; the step time shows the cost (fails if not)
+# devicetruth: plain torch.distributed on NCCL (2 GPUs, and 4 where there are): two groups'
+#            all_reduces issued in opposite orders by one rank, and one GPU busy with a long
+#            kernel before its all_reduce; live /fr_trace and our CLI on c10d's dumps name the
+#            rank (order_inversion / gpu_busy; fails if not). TIMING: the step benchmark's
+#            bare torch with c10d's start timing against without (fails over 1.02)
 set -u
 OUT=${1:-/tmp/gpu_checks}
 WHAT=${2:-all}
@@ -200,6 +205,22 @@ echo "=== DDP on NCCL, rank 1's data loader slowed mid-run: /stragglers names it
 timeout 400 python scripts/gpu_check_stragglers.py "$OUT/stragglers" --port 25994 --master-port 29619 2>&1 \
   | grep -v Warning | tee "$OUT/stragglers.txt"
 [ "${PIPESTATUS[0]}" -eq 0 ] || FAILED_CHECKS="$FAILED_CHECKS stragglers"
+fi
+
+if want devicetruth; then
+NPS="2"; [ "$(nvidia-smi -L | wc -l)" -ge 4 ] && NPS="2 4"
+echo "=== device truth: order inversion and a busy GPU on $NPS GPUs, live and CLI on c10d's dumps ==="
+# shellcheck disable=SC2086
+timeout 580 python scripts/gpu_check_device_truth.py "$OUT/devicetruth" --nproc $NPS 2>&1 \
+  | grep -v Warning | tee "$OUT/devicetruth.txt"
+[ "${PIPESTATUS[0]}" -eq 0 ] || FAILED_CHECKS="$FAILED_CHECKS devicetruth"
+fi
+
+if want timing; then
+echo "=== bench_step (2 ranks): c10d's start timing (turned on by start_debug_server) against without; fails over 1.02 ==="
+timeout 500 python benchmarks/bench_step.py --device cuda --nproc 2 --port 29716 --timing-max-ratio 1.02 \
+  --fr-on-only ${STEP_ARGS:-} --json "$OUT/bench_timing.json" 2>&1 | grep -v Warning | tee "$OUT/bench_timing.txt"
+[ "${PIPESTATUS[0]}" -eq 0 ] || FAILED_CHECKS="$FAILED_CHECKS timing"
 fi
 
 if [ -n "$FAILED_CHECKS" ]; then
