@@ -21,11 +21,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
+from debug_server.errors import first_line
 from debug_server.fanout import fastjson
 from debug_server.fanout.transport import OK, TIMED_OUT, UNREACHABLE, RankResult, fetch_one
 from debug_server.protocol.names import PID, PING_HANDLER
@@ -35,7 +37,9 @@ from debug_server.rank.discovery import WorkerAddr
 if TYPE_CHECKING:
     from debug_server.fanout.live import LiveCollector
 
-QUIET_ASK_S = 0.3
+logger = logging.getLogger(__name__)
+
+QUIET_ASK_S = 0.2
 """How long a quiet rank's worker is waited for on a page's path."""
 REREAD_S = 2.0
 """A quiet rank's kept outside read older than this is read again in the background."""
@@ -158,9 +162,14 @@ class OutsideReads:
                   and r.note is None]
         rec = RankResult(rank, addr.url, TIMED_OUT,
                          error=f"timed out after {c.timeout:.1f} s", elapsed_s=c.timeout)
-        ping, _ = await asyncio.gather(
-            fetch_one(c.session, addr, PING_HANDLER, None, c.timeout, c.http),
-            self._read([rec, *others], addrs, only={rank}))
+        try:
+            ping, _ = await asyncio.gather(
+                fetch_one(c.session, addr, PING_HANDLER, None, c.timeout, c.http),
+                self._read([rec, *others], addrs, only={rank}))
+        except Exception as e:  # a background task: its failure is a log line, not a page's
+            logger.warning("debug_server: reading quiet rank %d again failed: %s", rank,
+                           first_line(e))
+            return
         q = self.quiet.get(rank)
         if q is None:
             return
