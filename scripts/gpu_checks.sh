@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU checks for a 2-GPU machine (device tool, kind nvidia-h100-x2), run from the source tree:
-#   PYTHONPATH=. bash scripts/gpu_checks.sh OUTDIR [all|bench|marks|step|state|demo|preflight|nccllog|mismatch|native|ddp|profile|c10dworkers|rank0gone|layouts|stragglers]
+#   PYTHONPATH=. bash scripts/gpu_checks.sh OUTDIR [all|bench|marks|step|state|demo|preflight|nccllog|mismatch|native|ddp|profile|c10dworkers|rank0gone|layouts|stragglers|silent]
 # bench:     recording cost per NCCL op, c10d FR off/on and ours side by side (bench_record, 1 rank)
 # step:      ms per training-like step, bare / c10d FR / ours (bench_step, 2 and 4 ranks; fails when
 #            ours / bare or ours / bare on a group of its own is over 1.02; STEP_ARGS: more options)
@@ -28,6 +28,9 @@
 #            desc and its line (scripts/gpu_check_layouts.py; fails if not)
 # stragglers: DDP on NCCL, rank 1's data loader slowed 40 ms a batch mid-run: /stragglers names
 #            it within 10 s with its lag, nobody before; the step time shows the cost (fails if not)
+# silent:    rank 1 stops itself (SIGSTOP) at step 3 on NCCL, plain torch.distributed: the verdict
+#            names rank 1, cpu_divergence, its process stopped at its os.kill line, and the pages
+#            answer within 1 s while it is silent (scripts/gpu_silent_rank.py; fails if not)
 set -u
 OUT=${1:-/tmp/gpu_checks}
 WHAT=${2:-all}
@@ -200,6 +203,13 @@ echo "=== DDP on NCCL, rank 1's data loader slowed mid-run: /stragglers names it
 timeout 400 python scripts/gpu_check_stragglers.py "$OUT/stragglers" --port 25994 --master-port 29619 2>&1 \
   | grep -v Warning | tee "$OUT/stragglers.txt"
 [ "${PIPESTATUS[0]}" -eq 0 ] || FAILED_CHECKS="$FAILED_CHECKS stragglers"
+fi
+
+if want silent; then
+echo "=== NCCL, rank 1 stopped (SIGSTOP) at step 3: the verdict names it, its state and line; pages within 1 s ==="
+timeout 300 python scripts/gpu_silent_rank.py "$OUT/silent" --port 25993 --master-port 29620 2>&1 \
+  | grep -v Warning | tee "$OUT/silent.txt"
+[ "${PIPESTATUS[0]}" -eq 0 ] || FAILED_CHECKS="$FAILED_CHECKS silent"
 fi
 
 if [ -n "$FAILED_CHECKS" ]; then
