@@ -16,6 +16,7 @@ One job per case, every process ended by its process group.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import time
 from collections.abc import Iterator
@@ -26,6 +27,10 @@ import pytest
 from httpget import get_json, timed_get
 from mpjob import free_port, rank_env
 from rankprocs import RankProcs
+
+from debug_server.config import ServerConfig
+from debug_server.frontend.app import COLLECTOR, make_frontend_app
+from debug_server.rank.discovery import StoreRegistry
 
 WORLD, BAD = 3, 2
 FETCH_TIMEOUT = 3.0
@@ -62,7 +67,7 @@ class SilentJob(RankProcs):
     """``WORLD`` gloo ranks; rank ``BAD`` goes silent as ``case`` says."""
 
     def __init__(self, tmp: Path, case: str, extra: dict[str, str] | None = None) -> None:
-        port = free_port()
+        self.port = port = free_port()
         os.mkfifo(tmp / "fifo")
 
         def env(r: int) -> dict[str, str]:
@@ -201,3 +206,26 @@ def test_stopped_rank_read_through_its_hosts_agent(jobs: dict[str, SilentJob]) -
     ranks = get_json(f"{job.base}/stacks?format=json")["ranks"]
     assert "via agent" in (ranks[BAD].get("note") or ""), ranks[BAD]
     _assert_fast(job)
+
+
+@pytest.mark.timeout(180)
+async def test_stopped_rank_on_another_host_is_read_by_a_worker_there(
+        aiohttp_client: Any, jobs: dict[str, SilentJob]) -> None:
+    job = await asyncio.to_thread(jobs.__getitem__, "stop")
+    await asyncio.to_thread(job.wait_silent, "T")
+    client = await aiohttp_client(make_frontend_app(
+        ServerConfig(port=0, fetch_timeout=FETCH_TIMEOUT),
+        StoreRegistry("127.0.0.1", job.port, WORLD, 0)))
+    # This frontend believes it runs on another host: rank 2's process is read by an
+    # answering worker on rank 2's host (process_state?pid=), as its stacks are.
+    client.app[COLLECTOR].pyspy.host = "frontend-elsewhere"
+    deadline = time.monotonic() + 60
+    while True:
+        result = await (await client.get("/fr_trace?format=json")).json()
+        proc = next((r.get("process") for r in result["ranks"] if r["rank"] == BAD), None)
+        if proc or time.monotonic() > deadline:
+            break
+    assert proc is not None and proc["state"] == "stopped", result["ranks"]
+    assert proc["read_by"] in ("rank 0's worker", "rank 1's worker"), proc
+    assert result["category"] == "cpu_divergence", result["verdict"]
+    assert f"Rank {BAD} cannot answer: its process is stopped" in result["verdict"]
