@@ -68,3 +68,23 @@ async def test_quiet_rank_is_asked_briefly_until_it_answers_again(
     finally:
         gate.set()
         c.close()
+
+
+@pytest.mark.timeout(30)
+async def test_quiet_rank_slower_than_the_brief_ask_is_probed_back(
+        aiohttp_server: Any, fake_rank: Any, session: aiohttp.ClientSession) -> None:
+    gate = asyncio.Event()
+    c = LiveCollector(session, StaticRegistry([await _gated_worker(aiohttp_server, gate)]),
+                      timeout=TIMEOUT)
+    try:
+        await c.fetch("ping")
+        assert 0 in c.outside.quiet
+        await c.fetch("ping")  # asked briefly: times out again, and probes it in the background
+        probe = c.outside.quiet[0].probe
+        assert probe is not None and not probe.done()
+        gate.set()  # it answers now, but (say) slower than the brief ask: the probe sees it
+        await asyncio.wait_for(asyncio.shield(probe), TIMEOUT + 1)
+        assert 0 not in c.outside.quiet
+    finally:
+        gate.set()
+        c.close()

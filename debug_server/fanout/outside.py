@@ -11,10 +11,10 @@ system call shows its wait channel too.
 
 **Quiet ranks** (:class:`OutsideReads`): a rank that timed out is not waited on again on every
 page. Until it answers again its worker is asked for :data:`QUIET_ASK_S` only, and the page uses
-its last outside read (stacks and process), marked with its age, while a background task reads
-it again (and asks its worker with the whole timeout: a rank that answers leaves the quiet set at
-once). A page while one rank is stopped thus answers in a fraction of a second, not in
-``fetch_timeout``.
+its last outside read (stacks and process), marked with its age, while background tasks read it
+again and ask its worker with the whole timeout (each at most every :data:`REREAD_S`): a rank
+that answers either ask leaves the quiet set at once. A page while one rank is stopped thus
+answers in a fraction of a second, not in ``fetch_timeout``.
 """
 
 from __future__ import annotations
@@ -58,6 +58,17 @@ class _Quiet:
     read_at: float = 0.0
     """``time.monotonic()`` of the kept read."""
     task: asyncio.Task[None] | None = field(default=None, repr=False)
+    """The background outside read in flight."""
+    probe: asyncio.Task[None] | None = field(default=None, repr=False)
+    """The background ask of its worker with the whole timeout, in flight."""
+    probed_at: float = 0.0
+
+
+def _current_task() -> asyncio.Task[Any] | None:
+    try:
+        return asyncio.current_task()
+    except RuntimeError:  # no running loop (close() from a plain thread)
+        return None
 
 
 def _clock(t: float) -> str:
@@ -98,11 +109,30 @@ class OutsideReads:
                 if r.rank in asked_briefly:
                     r.error = (f"timed out (not answering since {_clock(q.since)}; asked for "
                                f"{QUIET_ASK_S:.1f} s while quiet)")
+                    self._probe_later(r, q)
+
+    def _probe_later(self, r: RankResult, q: _Quiet) -> None:
+        """Ask a quiet rank's worker with the whole timeout in the background (a slow worker
+        that answers within it is no longer quiet), at most every ``REREAD_S``."""
+        now = time.monotonic()
+        if (q.probe is not None and not q.probe.done()) or now - q.probed_at < REREAD_S:
+            return
+        q.probed_at = now
+        q.probe = asyncio.ensure_future(self._probe(WorkerAddr(r.rank, r.url)))
+
+    async def _probe(self, addr: WorkerAddr) -> None:
+        c = self.c
+        got = await fetch_one(c.session, addr, PING_HANDLER, None, c.timeout, c.http)
+        q = self.quiet.get(addr.rank)
+        if q is not None and q.url == addr.url and (got.status == OK
+                                                    or got.http_status is not None):
+            self.forget(addr.rank)  # it answers again: the next page asks it as any other
 
     def forget(self, rank: int) -> None:
         q = self.quiet.pop(rank, None)
-        if q is not None and q.task is not None:
-            q.task.cancel()
+        for task in (q.task, q.probe) if q is not None else ():
+            if task is not None and task is not _current_task():  # not the one forgetting it
+                task.cancel()
 
     def close(self) -> None:
         for rank in list(self.quiet):
@@ -152,7 +182,7 @@ class OutsideReads:
 
     async def _reread(self, rank: int, addrs: Sequence[WorkerAddr],
                       page: Sequence[RankResult]) -> None:
-        """A quiet rank read again from outside, its worker asked with the whole timeout."""
+        """A quiet rank read again from outside (its worker is probed apart: ``_probe``)."""
         addr = next((a for a in addrs if a.rank == rank), None)
         if addr is None:
             return
@@ -163,20 +193,14 @@ class OutsideReads:
         rec = RankResult(rank, addr.url, TIMED_OUT,
                          error=f"timed out after {c.timeout:.1f} s", elapsed_s=c.timeout)
         try:
-            ping, _ = await asyncio.gather(
-                fetch_one(c.session, addr, PING_HANDLER, None, c.timeout, c.http),
-                self._read([rec, *others], addrs, only={rank}))
+            await self._read([rec, *others], addrs, only={rank})
         except Exception as e:  # a background task: its failure is a log line, not a page's
             logger.warning("debug_server: reading quiet rank %d again failed: %s", rank,
                            first_line(e))
             return
         q = self.quiet.get(rank)
-        if q is None:
-            return
-        if ping.status == OK or ping.http_status is not None:
-            self.forget(rank)  # it answers again: the next page asks it as any other
-            return
-        q.kept, q.read_at = rec, time.monotonic()
+        if q is not None and q.url == addr.url:
+            q.kept, q.read_at = rec, time.monotonic()
 
     async def _read(self, results: list[RankResult], addrs: Sequence[WorkerAddr], *,
                     native: bool = False, every: bool = False,
