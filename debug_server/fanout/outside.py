@@ -107,7 +107,7 @@ class OutsideReads:
                     self.forget(r.rank)
                     q = self.quiet[r.rank] = _Quiet(r.url, time.time())
                 if r.rank in asked_briefly:
-                    r.error = (f"timed out (not answering since {_clock(q.since)}; asked for "
+                    r.error = (f"not answering since {_clock(q.since)} (timed out; asked for "
                                f"{QUIET_ASK_S:.1f} s while quiet)")
                     self._probe_later(r, q)
 
@@ -168,11 +168,11 @@ class OutsideReads:
     def _from_kept(self, r: RankResult, q: _Quiet, age: float) -> RankResult:
         k = q.kept
         assert k is not None
-        how = f"read {age:.0f} s ago, again in the background"
+        how = f"read {age:.0f} s ago"  # and again in the background (complete)
         out = replace(k, elapsed_s=r.elapsed_s, error=k.error if not k.ok else None)
         if k.ok:
             out.note = f"{k.note}; {how}" if k.note else how
-            head, sep, rest = (k.body or "").partition("\n")
+            head, _, rest = (k.body or "").partition("\n")
             out.body = f"{head.rstrip(')')}; {how})\n{rest}" if head.startswith("(") else k.body
         else:
             out.error = f"{r.error}; {k.error}"
