@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU checks for a 2-GPU machine (device tool, kind nvidia-h100-x2), run from the source tree:
-#   PYTHONPATH=. bash scripts/gpu_checks.sh OUTDIR [all|bench|marks|step|state|demo|preflight|nccllog|mismatch|native|ddp|profile|c10dworkers|rank0gone|layouts|stragglers|devicetruth|timing]
+#   PYTHONPATH=. bash scripts/gpu_checks.sh OUTDIR [all|bench|marks|step|state|demo|preflight|nccllog|mismatch|native|ddp|profile|c10dworkers|rank0gone|layouts|stragglers|devicetruth|timing|silent]
 # bench:     recording cost per NCCL op, c10d FR off/on and ours side by side (bench_record, 1 rank)
 # step:      ms per training-like step, bare / c10d FR / ours (bench_step, 2 and 4 ranks; fails when
 #            ours / bare or ours / bare on a group of its own is over 1.02; STEP_ARGS: more options)
@@ -33,6 +33,9 @@
 #            kernel before its all_reduce; live /fr_trace and our CLI on c10d's dumps name the
 #            rank (order_inversion / gpu_busy; fails if not). TIMING: the step benchmark's
 #            bare torch with c10d's start timing against without (fails over 1.02)
+# silent:    rank 1 stops itself (SIGSTOP) at step 3 on NCCL, plain torch.distributed: the verdict
+#            names rank 1, cpu_divergence, its process stopped at its os.kill line, and the pages
+#            answer within 1 s while it is silent (scripts/gpu_silent_rank.py; fails if not)
 set -u
 OUT=${1:-/tmp/gpu_checks}
 WHAT=${2:-all}
@@ -221,6 +224,13 @@ echo "=== bench_step (2 ranks): c10d's start timing (turned on by start_debug_se
 timeout 500 python benchmarks/bench_step.py --device cuda --nproc 2 --port 29716 --timing-max-ratio 1.02 \
   --fr-on-only ${STEP_ARGS:-} --json "$OUT/bench_timing.json" 2>&1 | grep -v Warning | tee "$OUT/bench_timing.txt"
 [ "${PIPESTATUS[0]}" -eq 0 ] || FAILED_CHECKS="$FAILED_CHECKS timing"
+fi
+
+if want silent; then
+echo "=== NCCL, rank 1 stopped (SIGSTOP) at step 3: the verdict names it, its state and line; pages within 1 s ==="
+timeout 300 python scripts/gpu_silent_rank.py "$OUT/silent" --port 25993 --master-port 29620 2>&1 \
+  | grep -v Warning | tee "$OUT/silent.txt"
+[ "${PIPESTATUS[0]}" -eq 0 ] || FAILED_CHECKS="$FAILED_CHECKS silent"
 fi
 
 if [ -n "$FAILED_CHECKS" ]; then

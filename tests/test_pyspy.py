@@ -182,8 +182,9 @@ def test_without_pyspy_the_page_says_why_in_one_line_and_the_rank_is_not_disturb
         status, text, took = timed_get(f"{base}/stacks")
         print(f"/stacks answered in {took:.3f} s (fetch_timeout {FETCH_TIMEOUT} s)")
         assert status == 200 and took < FETCH_TIMEOUT + 1.5, (took, text)
-        line = _section(text, 0).strip()
-        assert "\n" not in line
+        # The process, read from /proc, heads the section; the failure is one line after it.
+        proc, line = _section(text, 0).strip().split("\n", 1)
+        assert proc.startswith("Process: running (S sleeping)") and "\n" not in line, proc
         assert line.startswith("rank 0: timed out after 2.0 s; no py-spy stacks: py-spy not "
                                f"found at ${pyspy.PYSPY_ENV}={missing}"), line
         assert "pip install py-spy" in line

@@ -25,7 +25,7 @@ from debug_server.tools import synthetic
 
 HANDLER_NAMES = {"ping", "dump_traceback", "torchcomms_fr_trace_json", "fr_trace_json",
                  "torchcomms_fr_dump_file", "torchcomms_health_check", "pyspy_dump",
-                 "torch_profile", "wait_counter_values"}
+                 "torch_profile", "wait_counter_values", "process_state"}
 
 
 def _dump() -> dict[str, Any]:

@@ -288,7 +288,10 @@ async def _client_ctx(app: web.Application) -> AsyncIterator[None]:
             app[COLLECTOR] = LiveCollector(session, app[REGISTRY], timeout=s["timeout"],
                                        max_concurrency=s["concurrency"], http=http,
                                        prime_ranks=2)
-            yield
+            try:
+                yield
+            finally:
+                app[COLLECTOR].close()  # its background reads of quiet ranks (fanout.outside)
     finally:
         http.close()
     app[REGISTRY].close()

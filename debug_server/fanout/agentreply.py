@@ -52,11 +52,13 @@ def _record(row: Any, ag: AgentAddr, by_rank: Mapping[int, WorkerAddr],
     via = f"via agent {ag.id}"
     elapsed = row.get("elapsed_s")
     code = row.get("http_status")
+    proc = row.get("process")  # read by the agent on the rank's host (rank.procstate)
     return RankResult(row["rank"], by_rank[row["rank"]].url, row["status"], body,
                       row.get("error") if isinstance(row.get("error"), str) else None,
                       float(elapsed) if isinstance(elapsed, int | float) else 0.0,
                       code if type(code) is int else None,
-                      f"{note}; {via}" if note else via)
+                      f"{note}; {via}" if note else via,
+                      process=proc if isinstance(proc, dict) else None)
 
 
 def _load(body: str) -> dict[str, Any]:

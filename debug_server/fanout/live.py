@@ -20,6 +20,7 @@ import aiohttp
 from debug_server.fanout.absent import KnownAbsent
 from debug_server.fanout.collector import Route
 from debug_server.fanout.leanhttp import LeanClient
+from debug_server.fanout.outside import QUIET_ASK_S, OutsideReads
 from debug_server.fanout.pagefirst import PageFirstSemaphore
 from debug_server.fanout.reply import Each, FrData, cut_off_loop, parse_off_loop
 from debug_server.fanout.rounds import FrRounds
@@ -31,7 +32,6 @@ from debug_server.fanout.transport import (
     RankStates,
     Registry,
     fan_out,
-    fetch_one,
 )
 from debug_server.protocol import frwindow
 from debug_server.protocol.names import INCLUDE_STACKTRACES, ONLY_ACTIVE, STACKS_HANDLER, WINDOW
@@ -63,6 +63,8 @@ class LiveCollector:
         self.absent = KnownAbsent()
         """Handlers a worker answered 404 to, asked again only after a while (``absent``)."""
         self.rounds = FrRounds(self, prime_ranks)
+        self.outside = OutsideReads(self)
+        """Process states, and the ranks that went quiet (asked briefly, read in the background)."""
         if route is not None:
             route.attach(self)
 
@@ -164,10 +166,17 @@ class LiveCollector:
                            addrs: Sequence[WorkerAddr], each: Each | None = None,
                            ) -> list[RankResult]:
         ask, held = self.absent.split(handler, addrs)  # a 404 stands for a while (absent)
-        results = await fan_out(self.session, ask, handler, params, timeout=self.timeout,
-                                semaphore=self.semaphore, http=self.http, each=each)
+        # A rank that timed out lately is asked briefly: the page uses its last outside read
+        # (outside.OutsideReads), so one stopped rank does not cost every page a timeout.
+        ask, quiet = self.outside.split(ask)
+        results, briefly = await asyncio.gather(*(
+            fan_out(self.session, rs, handler, params, timeout=limit, semaphore=self.semaphore,
+                    http=self.http, each=each)
+            for rs, limit in ((ask, self.timeout), (quiet, min(self.timeout, QUIET_ASK_S)))))
+        results += briefly
+        self.outside.note(results, quiet)
         self.absent.note(handler, results)
-        if held:
+        if held or quiet:
             results = sorted(results + held, key=lambda r: r.rank)
         self.states.update(results)
         return results
@@ -248,20 +257,12 @@ class LiveCollector:
 
     async def _stuck_stacks(self, results: list[RankResult], addrs: Sequence[WorkerAddr], *,
                             native: bool = False, every: bool = False) -> list[RankResult]:
-        """``stacks``' records completed: a rank whose worker timed out (a thread holding the
-        GIL) read by py-spy, else by signal where it opted in; ``native``/``every`` as there."""
-
-        async def ask(helper: WorkerAddr, params: Mapping[str, str], timeout: float) -> RankResult:
-            return await fetch_one(self.session, helper, pyspy.HANDLER, params, timeout)
-
-        failed = await self.pyspy.fill(results, addrs, ask=ask, native=native,
-                                       every=every or native, ok=OK, timed_out=TIMED_OUT)
-        no_pyspy = [r for r in results if r.status == TIMED_OUT and r.rank in failed
-                    and failed[r.rank].kind in (pyspy.UNAVAILABLE, pyspy.NOT_PERMITTED)]
-        await self.signal_capture.fill(no_pyspy, {a.rank: a.meta for a in addrs}, TIMED_OUT)
-        return results
+        """``stacks``' records completed (``outside.OutsideReads.complete``): a rank whose worker
+        timed out read by py-spy, else by signal where it opted in; processes read."""
+        return await self.outside.complete(results, addrs, native=native, every=every)
 
     def close(self) -> None:
+        self.outside.close()
         if self.route is not None:
             self.route.close()
 

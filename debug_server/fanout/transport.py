@@ -68,6 +68,9 @@ class RankResult:
     """An FR reply already parsed as it arrived (``reply``: a big ring cut to its window, torch's
     C++ worker's two recorders merged); its ``body`` is then ``""`` (answered). Never encoded
     again: ``reply.parse_dumps`` takes it as it is."""
+    process: dict[str, Any] | None = None
+    """The rank's process as read from outside on its host (``rank.procstate``: state, since,
+    CPU use, wait channel, whether it holds the GIL), where it was read."""
 
     @property
     def ok(self) -> bool:
@@ -97,6 +100,7 @@ class RankResult:
             "rank": self.rank, "url": self.url, "status": self.status, "error": self.error,
             "elapsed_s": round(self.elapsed_s, 4), "http_status": self.http_status,
             **({"note": self.note} if self.note else {}),
+            **({"process": self.process} if self.process is not None else {}),
         }
 
 

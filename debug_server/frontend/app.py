@@ -105,8 +105,12 @@ HANG_WATCH = web.AppKey("hang_watch", HangWatch)
 routes = web.RouteTableDef()
 
 
-def _rank_rows(results: Sequence[RankResult]) -> list[dict[str, Any]]:
-    return [r.summary() | {"line": r.line()} for r in results]
+def _rank_rows(results: Sequence[RankResult],
+               stacks: Sequence[RankResult] = ()) -> list[dict[str, Any]]:
+    """Each rank's record; with ``stacks``, its process as read on its host (``process``)."""
+    procs = {r.rank: r.process for r in stacks if r.process is not None}
+    return [r.summary() | {"line": r.line()}
+            | ({"process": procs[r.rank]} if r.rank in procs else {}) for r in results]
 
 
 async def _fr_page(request: web.Request) -> web.Response:
@@ -124,7 +128,8 @@ async def _fr_page(request: web.Request) -> web.Response:
                         else collector.fr_stacks(addrs))
     result = await _off_loop(analyze_fr, fr, stacks, collector.world_size)
     if fmt == "json":
-        return _respond(fmt, {**result, "ranks": _rank_rows(fr.results), "fr_window": fr.window})
+        return _respond(fmt, {**result, "ranks": _rank_rows(fr.results, stacks),
+                              "fr_window": fr.window})
     if fmt == "text":
         return _respond(fmt, await _off_loop(fr_trace_text, result, fr))
     html = await _off_loop(lambda: render.render_fr_html(
@@ -256,7 +261,9 @@ async def index(request: web.Request) -> web.Response:
         return _respond(fmt, html)
     reach = {r.rank: r for r in stack_res}
     rows = [{"rank": r.rank, "url": r.url or "", "status": reach[r.rank].status,
-             "line": reach[r.rank].line(), "health": texts[r.rank]} for r in health]
+             "line": reach[r.rank].line(), "health": texts[r.rank],
+             **({"process": reach[r.rank].process} if reach[r.rank].process else {})}
+            for r in health]
     reachable = sum(1 for r in stack_res if r.ok and r.status != GONE)
     verdict = result.get("verdict", "")
     if fmt == "json":

@@ -43,6 +43,7 @@ from debug_server.fanout.reply import FrData
 from debug_server.fanout.transport import GONE, RankResult
 from debug_server.frontend import snapshot
 from debug_server.protocol.names import DUMP_FILE_HANDLER
+from debug_server.rank import procstate
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -89,6 +90,8 @@ def stacks_text(results: Sequence[RankResult], groups: Sequence[Mapping[str, Any
         parts.append("")
     for r in results:
         parts.append(f"=== Rank {r.rank} ===")
+        if r.process is not None:
+            parts.append(f"Process: {procstate.describe(r.process)}")
         parts.append((r.body or "").rstrip("\n") if r.ok else r.line())
         parts.append("")
     return "\n".join(parts)
@@ -164,8 +167,12 @@ def snapshot_json(fr: FrData) -> str:
 def analyze_fr(fr: FrData, stacks: Sequence[RankResult] | None, world_size: int) -> dict[str, Any]:
     """The analyzer over one fan-out's records (what pages and dumps both show)."""
     stack_texts = {r.rank: r.body for r in stacks or () if r.ok and r.body is not None}
+    # Each rank's process as read on its host (fanout.outside): a silent rank's state is
+    # evidence (analysis.silent), and the result's ranks[].process shows it.
+    processes = {r.rank: r.process for r in stacks or () if r.process is not None}
     return analysis.analyze(fr.dumps, world_size=world_size, stacks=stack_texts or None,
-                            unavailable=fr.unavailable(), digest_memo=fr.digest_memo)
+                            unavailable=fr.unavailable(), digest_memo=fr.digest_memo,
+                            processes=processes or None)
 
 
 # ---------------------------------------------------------------------------------------------

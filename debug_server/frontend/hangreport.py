@@ -39,6 +39,7 @@ from debug_server.frontend.dumps import (
     fr_trace_text,
 )
 from debug_server.protocol.names import HEALTH_HANDLER
+from debug_server.rank import procstate
 
 logger = logging.getLogger(__name__)
 
@@ -181,6 +182,8 @@ def _where(stack_text: str | None) -> dict[str, Any] | None:
 def culprits_of(result: Mapping[str, Any], stacks: Mapping[int, str]) -> list[dict[str, Any]]:
     """One row per (finding, culprit rank): the collective and where that rank is now."""
     rows = []
+    procs = {p["rank"]: p.get("process") for p in result.get("ranks") or ()
+             if isinstance(p, Mapping) and "rank" in p}
     findings = result.get("findings", [])
     # The analysis' order: the root cause first, its consequences after it.
     order = result.get("finding_order") or range(len(findings))
@@ -191,7 +194,7 @@ def culprits_of(result: Mapping[str, Any], stacks: Mapping[int, str]) -> list[di
             rows.append({"rank": rank, "kind": f.get("kind"), "group": f.get("group"),
                          "group_label": f.get("group_label") or f.get("group"),
                          "seq": f.get("seq"), "op": f.get("op"), "detail": f.get("detail", ""),
-                         "where": _where(stacks.get(rank))})
+                         "where": _where(stacks.get(rank)), "process": procs.get(rank)})
     return rows
 
 
@@ -214,13 +217,17 @@ def render_text(rep: HangReport, fr: FrData, stacks: Mapping[int, str],
         w = c["where"]
         at = (f"{w['file']}:{w['line']} in {w['function']} ({w['summary']})" if w
               else "stack unavailable")
+        proc = procstate.describe(c.get("process"))
         lines.append(f"rank {c['rank']}: {c['kind']} {c.get('group_label') or c['group']} "
                      f"seq {c['seq']} {c['op']}; "
-                     f"now at {at}")
+                     f"now at {at}" + (f"; process {proc}" if proc else ""))
     shown = sorted({c["rank"] for c in rep.culprits} | {h.rank for h in rep.trigger})
+    procs = {c["rank"]: c.get("process") for c in rep.culprits}
     for rank in shown:
-        lines += ["", f"=== Rank {rank} stacks ===",
-                  (stacks.get(rank) or "(unavailable)").rstrip("\n")]
+        lines += ["", f"=== Rank {rank} stacks ==="]
+        if procs.get(rank):
+            lines.append(f"Process: {procstate.describe(procs[rank])}")
+        lines.append((stacks.get(rank) or "(unavailable)").rstrip("\n"))
     lines += ["", "=== Flight recorder ===", fr_trace_text(rep.result, fr, dumped).rstrip("\n")]
     return "\n".join(lines) + "\n"
 

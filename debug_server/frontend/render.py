@@ -26,6 +26,7 @@ from debug_server.analysis.verdict import CATEGORY_MEANING
 from debug_server.fanout.reply import FrData
 from debug_server.fanout.transport import GONE, RankResult
 from debug_server.frontend.lanes import lanes_view
+from debug_server.rank import procstate
 from debug_server.rank.discovery import NOT_REGISTERED
 
 logger = logging.getLogger(__name__)
@@ -230,6 +231,8 @@ def overview_model(result: Mapping[str, Any], stacks: Sequence[RankResult],
             state, detail = UNHEALTHY, f"{h}{where}"
         else:
             state, detail = OK, f"{h or 'ok'}{where}"
+        if state != OK and rec is not None and rec.process is not None:
+            detail += f"; process {procstate.describe(rec.process)}"
         counts[state] += 1
         cells.append({"rank": rank, "state": state, "title": f"rank {rank}: {state}; {detail}"})
         if state != OK:
@@ -421,6 +424,9 @@ def stacks_model(results: Sequence[RankResult], *, path: str = "/stacks",
     for key, members in by_key.items():
         first = members[0]
         ranks = [m.rank for m in members]
+        # Each rank's process as read on its host (fanout.outside): state, CPU, wait channel.
+        procs = [f"rank {m.rank}: {procstate.describe(m.process)}" for m in members
+                 if m.process is not None][:50]
         if first.ok:
             text = first.body or ""
             pos = stackparse.summarize_text(text)
@@ -433,12 +439,13 @@ def stacks_model(results: Sequence[RankResult], *, path: str = "/stacks",
                            "main": [t for t in threads if t["main"]],
                            "others": [t for t in threads if not t["main"]],
                            "raw": text, "raw_rank": first.rank, "lines": [],
-                           "note": f"rank {first.rank}: {first.note}" if first.note else ""})
+                           "note": f"rank {first.rank}: {first.note}" if first.note else "",
+                           "procs": procs})
         else:
             groups.append({"ranks": ranks, "ok": False, "summary": key[1], "main": [],
                            "others": [], "in_collective": True, "raw": "",
                            "raw_rank": first.rank, "lines": [m.line() for m in members[:50]],
-                           "note": ""})
+                           "note": "", "procs": procs})
     # Odd ones first; among equally small groups, ranks outside any collective (the likely
     # cause of a hang) before ranks waiting inside one.
     groups.sort(key=lambda g: (not g["ok"], len(g["ranks"]), g["in_collective"], g["ranks"][0]))

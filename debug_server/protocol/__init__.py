@@ -28,6 +28,8 @@ handler                     reply                                               
 ``torchcomms_fr_dump_file`` writes this rank's FR pickle; JSON ``path``, ``host``         none
 ``pyspy_dump``              py-spy of this rank or, ``pid=``, of a rank of the job on     py-spy
                             its host
+``process_state``           this rank's process (or, ``pid=``, a rank of the job on its   ``pid``
+                            host) read from ``/proc``: state, since, CPU, wchan (JSON)
 ``torch_profile``           a profile of ``duration`` seconds                             ``duration``
 ``wait_counter_values``     torch's wait counters                                         none
 =========================== =========================================================== =========
@@ -58,8 +60,8 @@ parameter             meaning; who sends it; who reads it
 ``nonblocking``       py-spy without pausing the rank (torch's frontend sends it); ``rank.pyspy``
                       -> ``pyspy_dump``
 ``subprocesses``      py-spy of the rank's child processes too; -> ``pyspy_dump``
-``pid``               ``pyspy_dump`` of another announced rank on the worker's host
-                      (``rank.jobpids``); ``rank.pyspy`` -> ``pyspy_dump``
+``pid``               ``pyspy_dump``/``process_state`` of another announced rank on the
+                      worker's host (``rank.jobpids``); ``rank.pyspy``, ``fanout.live`` -> worker
 ``duration``          seconds of ``torch_profile``; frontend ``/profile`` -> worker
 ``ranks``             agent routes: the ranks asked (``0-3,5``); ``fanout.agents`` -> agent
 ``whole``             ``agent_fr``: whole rings; ``fanout.agents`` -> agent

@@ -29,6 +29,9 @@ after the FR JSON and ``wire.STACKS_SEP``, so one request per rank serves a page
 (``/fr_trace`` and the overview: half the requests per rank and per host agent)."""
 PYSPY_HANDLER = "pyspy_dump"
 """torch's name: py-spy of the rank (or, ``pid=``, of another rank of the job on its host)."""
+PROCESS_HANDLER = "process_state"
+"""Ours: the worker's host reads a rank's process (``pid=``: of a rank of the job on its host)
+from ``/proc``: state, since, CPU use, wait channel (``rank.procstate``), as JSON."""
 PROFILE_HANDLER = "torch_profile"
 WAIT_COUNTERS_HANDLER = "wait_counter_values"
 
@@ -44,5 +47,5 @@ DURATION = "duration"
 
 __all__ = ["C10D_FR_HANDLER", "DUMP_FILE_HANDLER", "DURATION", "FR_HANDLER", "HEALTH_HANDLER",
            "INCLUDE_COLLECTIVES", "INCLUDE_STACKTRACES", "NATIVE", "NONBLOCKING", "ONLY_ACTIVE",
-           "PID", "PING_HANDLER", "PROFILE_HANDLER", "PYSPY_HANDLER", "SINCE", "STACKS_HANDLER",
-           "SUBPROCESSES", "WAIT_COUNTERS_HANDLER", "WINDOW", "WITH_STACKS"]
+           "PID", "PING_HANDLER", "PROCESS_HANDLER", "PROFILE_HANDLER", "PYSPY_HANDLER", "SINCE",
+           "STACKS_HANDLER", "SUBPROCESSES", "WAIT_COUNTERS_HANDLER", "WINDOW", "WITH_STACKS"]

@@ -51,7 +51,7 @@ from debug_server.protocol.names import (
     WITH_STACKS,
 )
 from debug_server.protocol.wire import STACKS_SEP, HandlerError, handler_routes
-from debug_server.rank import clock, jobpids, pyspy, rank_capture
+from debug_server.rank import clock, jobpids, procstate, pyspy, rank_capture
 from debug_server.recording.lazy import Cut, LazyDump
 from debug_server.stacks import capture_stacks
 
@@ -334,6 +334,34 @@ _PYSPY_PARAMS = frozenset({NATIVE, NONBLOCKING, SUBPROCESSES, PID})
 _BOOL01 = {"1": True, "0": False, "true": True, "false": False}
 
 
+def _target(p: Provider, q: Mapping[str, str]) -> tuple[int, Mapping[str, Any] | None]:
+    """``pid=`` (this process by default) and what the rank that claims it announced."""
+    pid = os.getpid()
+    if PID in q:
+        try:
+            pid = int(q[PID])
+        except ValueError:
+            raise HandlerError(400, f"parameter pid={q['pid'][:20]!r} must be an integer") from None
+    peers = getattr(p, "peers", None)
+    return pid, (jobpids.identity() if pid == os.getpid()
+                 else peers(pid) if peers is not None else None)
+
+
+_PROCESSES = procstate.ProcReader()
+"""This worker's reads of its host's ranks (``since`` is this reader's memory)."""
+
+
+def _process_state(p: Provider, q: Mapping[str, str]) -> Mapping[str, Any]:
+    """A rank of this job on this host (``pid=``; this process by default) read from ``/proc``
+    (``procstate``): the way a stuck rank on a host without the frontend or an agent gets
+    its state read."""
+    _only(q, frozenset({PID}))
+    rec = _PROCESSES.read([_target(p, q)])[0]
+    if rec.get("state") is None:
+        raise HandlerError(403, str(rec.get("error")))
+    return rec
+
+
 def _pyspy_dump(p: Provider, q: Mapping[str, str]) -> str:
     """py-spy of this process (torch's ``pyspy_dump``), or with ``pid=`` of another rank of this
     job on this host (one it announced: ``jobpids``): the way a stuck rank on a host without
@@ -347,15 +375,7 @@ def _pyspy_dump(p: Provider, q: Mapping[str, str]) -> str:
         flags[name] = _BOOL01[raw]
     # nonblocking is accepted for torch's frontend (it always sends it): every read here is
     # non-blocking unless native frames are asked for, which py-spy can only unwind paused.
-    pid = os.getpid()
-    if PID in q:
-        try:
-            pid = int(q[PID])
-        except ValueError:
-            raise HandlerError(400, f"parameter pid={q['pid'][:20]!r} must be an integer") from None
-    peers = getattr(p, "peers", None)
-    announced = (jobpids.identity() if pid == os.getpid()
-                 else peers(pid) if peers is not None else None)
+    pid, announced = _target(p, q)
     try:
         pyspy.check_target(pid, announced)
         return pyspy.read(pid, native=flags[NATIVE], subprocesses=flags[SUBPROCESSES])
@@ -372,6 +392,7 @@ HANDLERS: dict[str, Handler] = {
     DUMP_FILE_HANDLER: _torchcomms_fr_dump_file,
     HEALTH_HANDLER: _torchcomms_health_check,
     pyspy.HANDLER: _pyspy_dump,
+    procstate.HANDLER: _process_state,
     **rank_capture.HANDLERS,  # torch_profile, wait_counter_values
 }
 
