@@ -70,3 +70,11 @@ def test_blocked_process_shows_its_wait_channel_in_the_verdict() -> None:
 def test_no_outside_evidence_keeps_the_honest_unknown() -> None:
     r = _analyze()
     assert r["category"] == "unknown" and r["ranks"] == []
+
+
+def test_rank_stopped_inside_a_collective_is_named_without_saying_it_never_joined() -> None:
+    r = _analyze(stacks={2: IN_ALL_REDUCE}, processes={2: {"state": "stopped", "pid": 7}})
+    assert r["category"] == "cpu_divergence" and r["findings"][0]["ranks"] == [2]
+    assert r["verdict"].startswith("Ranks 0-1, 3 wait in all_reduce #4 on main_comm, and rank 2 "
+                                   "cannot take part: stopped inside a collective.")
+    assert "never joined" not in r["verdict"] and "kill -CONT 7" in r["next_step"]

@@ -169,8 +169,13 @@ def _root_sentences(
         waiting = f.get("waiting") or []
         verb = "waits" if len(waiting) == 1 else "wait"
         tail = f" ({ranks_phrase(waiting)} {verb} in it)" if waiting else ""
-        return [f"{subj} {format_ranks(rs)} never joined {_op_text(f)}{tail}.",
-                *_silent_sentences(f, m), *_position_sentences(rs, positions),
+        silent = f.get("silent") or {}
+        head = f"{subj} {format_ranks(rs)} never joined {_op_text(f)}{tail}."
+        if silent and all(ev.get("in_collective") for ev in silent.values()):
+            # Stopped inside a collective: which one, its FR cannot say (it gave none).
+            head = (f"{ranks_phrase(waiting).capitalize()} {verb} in {_op_text(f)}, and "
+                    f"{ranks_phrase(rs)} cannot take part: stopped inside a collective.")
+        return [head, *_silent_sentences(f, m), *_position_sentences(rs, positions),
                 *_process_sentences(rs, m, f)]
     if kind == "unmatched_p2p":
         out = []
