@@ -212,3 +212,21 @@ async def test_fr_trace_page_draws_the_odd_ranks_lane_first(aiohttp_client: Any,
         lanes.index("Ranks 0-1, 3</strong>: its device runs all_reduce #3 on pg 0 (grad_sync)")
     assert '<td class="op-scheduled">all_reduce #3</td>' in lanes
     assert 'class="lane odd"' in lanes
+
+
+def test_two_threads_issuing_on_one_group_are_named() -> None:
+    # An async checkpoint thread's barrier and the training loop's all_reduce on one group:
+    # rank 0 issued the all_reduce first, rank 1 the barrier: a type mismatch at #3.
+    dumps = {}
+    for r in range(2):
+        ents = [make_entry(record_id=s, seq=s) for s in range(3)]
+        first, second = ("all_reduce", "barrier") if r == 0 else ("barrier", "all_reduce")
+        for i, op in enumerate((first, second)):
+            e = make_entry(record_id=3 + i, seq=3 + i, op=op, state="started" if i == 0 else "scheduled")
+            e["thread_name"] = "MainThread" if op == "all_reduce" else "ckpt_saver"
+            ents.append(e)
+        dumps[r] = make_dump(ents, {"main_comm": range(2)})
+    r = analyze(dumps)
+    assert r["findings"][r["finding_order"][0]]["kind"] == "type_mismatch"
+    assert ("issued ops on main_comm from 2 threads (MainThread, ckpt_saver): the order in which "
+            "two threads issue collectives differs between ranks") in r["verdict"]

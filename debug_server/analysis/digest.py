@@ -19,7 +19,8 @@ from typing import Any, NamedTuple
 
 from debug_server.dumpio import DumpError, group_members
 
-__all__ = ["DONE", "SNAPSHOT_TIME_KEY", "STATES", "DigestMemo", "RankDigest", "digest_dump"]
+__all__ = ["DONE", "SNAPSHOT_TIME_KEY", "STATES", "THREADS_SCAN", "DigestMemo", "RankDigest",
+           "digest_dump"]
 
 STATES = ("scheduled", "started", "completed")
 _STATE_CODE = {"scheduled": 0, "started": 1, "completed": 2}
@@ -78,6 +79,9 @@ class RankDigest(NamedTuple):
     pg_progress: tuple[tuple[str, int, int], ...] = ()
     """(group name, last enqueued seq, last completed seq) from ``pg_status``, -1 when unknown;
     groups only in ``pg_config`` are (name, -1, -1). Not part of the class key."""
+    threads: tuple[tuple[str, str, tuple[str, ...]], ...] = ()
+    """Groups on which two or more threads issued ops among the rank's newest
+    :data:`THREADS_SCAN` entries: ((name, desc, (thread names...)), ...). Part of the class key."""
     pending_order: tuple[tuple[str, str, int], ...] = ()
     """The incomplete collectives of two or more groups in issue order, ((name, desc, seq),
     ...); empty when at most one group has any. Part of the class key: two ranks that issued
@@ -85,7 +89,8 @@ class RankDigest(NamedTuple):
 
     def key(self) -> tuple[Any, ...]:
         """What identical ranks share (no rank number, no timestamps)."""
-        return (self.pg, self.sigs, self.frames, self.colls, self.p2p, self.pending_order)
+        return (self.pg, self.sigs, self.frames, self.colls, self.p2p, self.pending_order,
+                self.threads)
 
 
 def digest_dump(rank: int, dump: Mapping[str, Any]) -> RankDigest:
@@ -123,7 +128,28 @@ def digest_dump(rank: int, dump: Mapping[str, Any]) -> RankDigest:
         p2p_times=tuple((gk[0], gk[1], tuple(ts)) for gk, ts in sorted(b.p2p_t.items())),
         pg_progress=progress,
         pending_order=_pending_order(colls, times),
+        threads=_threads(entries[-THREADS_SCAN:] if isinstance(entries, list) else ()),
     )
+
+
+THREADS_SCAN = 64
+"""Entries (the newest) in which a rank's threads per group are looked at: a second thread
+issuing on a group (an async checkpoint beside the training loop) shows where it hangs."""
+
+
+def _threads(entries: Any) -> tuple[tuple[str, str, tuple[str, ...]], ...]:
+    """``RankDigest.threads`` from the newest entries (bad entries are passed over)."""
+    seen: dict[tuple[str, str], set[str]] = {}
+    for e in entries:
+        try:
+            pg = e["process_group"]
+            who = e.get("thread_name") or e.get("thread_id")
+            if who is None:
+                continue
+            seen.setdefault((str(pg[0]), str(pg[1]) if len(pg) > 1 else ""), set()).add(str(who))
+        except _BAD_ENTRY:
+            continue
+    return tuple((n, d, tuple(sorted(ts))) for (n, d), ts in sorted(seen.items()) if len(ts) > 1)
 
 
 def _pending_order(colls: tuple[tuple[str, str, tuple[Cell, ...]], ...],

@@ -93,6 +93,7 @@ def verdict(m: Merge, stack_groups: list[dict[str, Any]], positions: Positions) 
     explained = {id(f) for f in ordered} - {id(f) for f in roots}
     for f in roots[:HEADLINE_ROOTS_MAX]:
         parts.extend(_root_sentences(f, m, positions, category if f is root else None))
+        parts.extend(_thread_sentences(f, m))
         parts.extend(_consequence_sentences(f, ordered, explained))
     if len(roots) > HEADLINE_ROOTS_MAX:
         parts.append(f"And {len(roots) - HEADLINE_ROOTS_MAX} more independent problems (see the findings).")
@@ -493,6 +494,23 @@ def _mismatch_step(f: Mapping[str, Any]) -> str:
         for s in sides[:3]
     )
     return f"make the calls of {f['op']} #{f['seq']} on {f['group_label']} agree: {text}."
+
+
+def _thread_sentences(f: Finding, m: Merge) -> list[str]:
+    """Two threads of one rank issuing on the finding's group(s): their order is not fixed."""
+    gids = {f["group"]} | {o["group"] for o in f.get("ops") or ()}
+    out = []
+    for c in m.class_list:
+        for name, desc, names in c.d.threads:
+            g = m.groups.get(c.gkeys.get((name, desc), ("", ())))
+            if g is None or g.id not in gids:
+                continue
+            out.append(f"{ranks_phrase(c.ranks).capitalize()} issued ops on {g.label} from "
+                       f"{len(names)} threads ({', '.join(names[:4])}): the order in which two "
+                       "threads issue collectives differs between ranks; issue them from one "
+                       "thread, or give the other thread a group of its own.")
+            gids.discard(g.id)
+    return out[:2]
 
 
 def _silent_sentences(f: Finding, m: Merge) -> list[str]:
