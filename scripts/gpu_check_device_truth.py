@@ -63,8 +63,11 @@ def case_inversion(out: Path, device: Any, sync: Any) -> None:
     import torch.distributed as dist
 
     world, rank = dist.get_world_size(), dist.get_rank()
-    grad = dist.new_group(list(range(world)), group_desc="grad_sync")
-    metrics = dist.new_group(list(range(world)), group_desc="metrics")
+    # new_group's own default timeout is 10 min, not init_process_group's: pass it on, so the
+    # watchdog times these out (and dumps) as it does the default group.
+    timeout = datetime.timedelta(seconds=float(os.environ.get("COMM_TIMEOUT", "30")))
+    grad = dist.new_group(list(range(world)), group_desc="grad_sync", timeout=timeout)
+    metrics = dist.new_group(list(range(world)), group_desc="metrics", timeout=timeout)
     t = torch.ones(1024, device=device)
     for step in range(STEP + 1):
         order = {"grad_sync": grad, "metrics": metrics}

@@ -31,8 +31,9 @@
 # devicetruth: plain torch.distributed on NCCL (2 GPUs, and 4 where there are): two groups'
 #            all_reduces issued in opposite orders by one rank, and one GPU busy with a long
 #            kernel before its all_reduce; live /fr_trace and our CLI on c10d's dumps name the
-#            rank (order_inversion / gpu_busy; fails if not). TIMING: the step benchmark's
-#            bare torch with c10d's start timing against without (fails over 1.02)
+#            rank (order_inversion / gpu_busy; fails if not)
+# timing:    bench_step's jobs with TORCH_NCCL_ENABLE_TIMING=1 (what start_debug_server sets)
+#            against =0, TIMING_PAIRS pairs of whole jobs (fails when a shape is over 1.02)
 # silent:    rank 1 stops itself (SIGSTOP) at step 3 on NCCL, plain torch.distributed: the verdict
 #            names rank 1, cpu_divergence, its process stopped at its os.kill line, and the pages
 #            answer within 1 s while it is silent (scripts/gpu_silent_rank.py; fails if not)
@@ -214,15 +215,15 @@ if want devicetruth; then
 NPS="2"; [ "$(nvidia-smi -L | wc -l)" -ge 4 ] && NPS="2 4"
 echo "=== device truth: order inversion and a busy GPU on $NPS GPUs, live and CLI on c10d's dumps ==="
 # shellcheck disable=SC2086
-timeout 580 python scripts/gpu_check_device_truth.py "$OUT/devicetruth" --nproc $NPS 2>&1 \
+timeout 580 python scripts/gpu_check_device_truth.py "$OUT/devicetruth" --nproc $NPS ${DT_ARGS:-} 2>&1 \
   | grep -v Warning | tee "$OUT/devicetruth.txt"
 [ "${PIPESTATUS[0]}" -eq 0 ] || FAILED_CHECKS="$FAILED_CHECKS devicetruth"
 fi
 
 if want timing; then
-echo "=== bench_step (2 ranks): c10d's start timing (turned on by start_debug_server) against without; fails over 1.02 ==="
-timeout 500 python benchmarks/bench_step.py --device cuda --nproc 2 --port 29716 --timing-max-ratio 1.02 \
-  --fr-on-only ${STEP_ARGS:-} --json "$OUT/bench_timing.json" 2>&1 | grep -v Warning | tee "$OUT/bench_timing.txt"
+echo "=== bench_step (2 ranks): whole jobs with c10d's start timing (start_debug_server's default) against without, A B B A; fails over 1.02 ==="
+timeout 580 python benchmarks/bench_step.py --device cuda --nproc 2 --port 29716 --timing-ab "${TIMING_PAIRS:-2}" \
+  --timing-max-ratio 1.02 ${STEP_ARGS:-} 2>&1 | grep -v Warning | tee "$OUT/bench_timing.txt"
 [ "${PIPESTATUS[0]}" -eq 0 ] || FAILED_CHECKS="$FAILED_CHECKS timing"
 fi
 
