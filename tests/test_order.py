@@ -230,3 +230,8 @@ def test_two_threads_issuing_on_one_group_are_named() -> None:
     assert r["findings"][r["finding_order"][0]]["kind"] == "type_mismatch"
     assert ("issued ops on main_comm from 2 threads (MainThread, ckpt_saver): the order in which "
             "two threads issue collectives differs between ranks") in r["verdict"]
+
+
+def test_banner_names_the_inversion_not_its_ops_stuck_findings() -> None:
+    r = analyze(_inverted(4, [2], blocking=False).dumps())
+    assert [r["findings"][i]["kind"] for i in r["headline_findings"]] == ["order_inversion"]

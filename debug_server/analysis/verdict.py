@@ -131,9 +131,12 @@ def _mark_consequences(causes: Causes, roots: list[Finding], ordered: list[Findi
 
 
 def headlines(findings: Sequence[Mapping[str, Any]], order: Sequence[int]) -> list[int]:
-    """The findings the banner names, in ``order``: errors only, at most three missing-rank ones,
-    and after the first of those at most :data:`HEADLINES_MAX` in all."""
-    errors = [i for i in order if findings[i].get("severity", "error") != "info"]
+    """The findings the banner names, in ``order``: errors only (not the ops of an order
+    inversion, which the inversion names), at most three missing-rank ones, and after the first
+    of those at most :data:`HEADLINES_MAX` in all."""
+    # An inversion's own ops are the inversion: their stuck or missing findings stay out.
+    errors = [i for i in order if findings[i].get("severity", "error") != "info"
+              and (findings[i].get("explained_by") or {}).get("kind") != "order_inversion"]
     is_missing = [findings[i]["kind"] == "missing_ranks" for i in errors]
     first_missing = is_missing.index(True) if True in is_missing else 0
     heads = errors[:first_missing]
