@@ -103,3 +103,63 @@ def publish(path: Path, text: str) -> None:
     tmp = path.with_suffix(".part")
     tmp.write_text(text)
     tmp.rename(path)
+
+
+def show(where: str, result: dict[str, Any]) -> None:
+    """Print one verdict as the checks' logs show it."""
+    print(f"--- {where} ---\nverdict: {result.get('verdict', '')}")
+    print(f"category: {result.get('category')}; next step: {result.get('next_step')}")
+
+
+def wait_path(path: Path, job: subprocess.Popen[Any], limit_s: float) -> bool:
+    """True once ``path`` exists; False when the job ends or ``limit_s`` pass first."""
+    deadline = time.monotonic() + limit_s
+    while not path.exists():
+        if job.poll() is not None or time.monotonic() > deadline:
+            return False
+        time.sleep(0.2)
+    return True
+
+
+def end_job(job: subprocess.Popen[Any], work: Path) -> None:
+    """End torchrun and every rank (each in its own session, its pgid in ``work/pid<N>``)."""
+    import os
+    import signal
+
+    groups = [job.pid] + [int(p.read_text()) for p in sorted(work.glob("pid[0-9]*"))]
+    for g in groups:
+        try:
+            os.killpg(g, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+    job.wait(10)
+
+
+def cpu_pickles(work: Path) -> Path:
+    """gloo has no dump on timeout: each worker writes its rank's pickle on request."""
+    import json
+
+    base = (work / "frontend").read_text()
+    _, body = get(f"{base}/?format=json", accept="application/json")
+    for r in json.loads(body)["ranks"]:
+        subprocess.run(["curl", "-s", "-X", "POST", f"{r['url']}/handler/torchcomms_fr_dump_file"],
+                       capture_output=True, check=True)
+    return work / "dumps" / "per_rank"
+
+
+def run_cli(trace_dir: Path, work: Path, repo: Path) -> tuple[dict[str, Any] | None, str]:
+    """``python -m debug_server.tools.fr_trace DIR -p rank_ --json`` (its result, or None and
+    why); the output is kept in ``work/cli.json``."""
+    import json
+    import os
+    import sys
+
+    cli = subprocess.run([sys.executable, "-m", "debug_server.tools.fr_trace", str(trace_dir),
+                          "-p", "rank_", "--json", "--allow-incomplete-ranks"],
+                         capture_output=True, text=True, cwd=repo, timeout=300,
+                         env=dict(os.environ, PYTHONPATH=str(repo)))
+    (work / "cli.json").write_text(cli.stdout)
+    if cli.returncode != 2 or not cli.stdout.strip():
+        return None, (f"CLI on {trace_dir} exit {cli.returncode} (want 2): "
+                      f"{cli.stderr.strip()[-300:]}")
+    return json.loads(cli.stdout), ""

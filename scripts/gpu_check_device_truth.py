@@ -29,7 +29,6 @@ import argparse
 import datetime
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -37,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _gpu_common import get  # noqa: E402
+from _gpu_common import cpu_pickles, end_job, get, run_cli, show, wait_path  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 STEP = 3
@@ -150,22 +149,8 @@ def check(where: str, result: dict[str, Any], case: str, world: int) -> list[str
     return problems
 
 
-def _show(where: str, result: dict[str, Any]) -> None:
-    print(f"--- {where} ---\nverdict: {result.get('verdict', '')}")
-    print(f"category: {result.get('category')}; next step: {result.get('next_step')}")
-
-
-def _wait(path: Path, job: subprocess.Popen[Any], limit_s: float) -> bool:
-    deadline = time.monotonic() + limit_s
-    while not path.exists():
-        if job.poll() is not None or time.monotonic() > deadline:
-            return False
-        time.sleep(0.2)
-    return True
-
-
 def _live(case: str, work: Path, job: subprocess.Popen[Any], world: int) -> list[str]:
-    if not (_wait(work / "hang_started", job, 240) and _wait(work / "frontend", job, 30)):
+    if not (wait_path(work / "hang_started", job, 240) and wait_path(work / "frontend", job, 30)):
         return [f"{case}: the job never reached the hang (see {work / 'job.log'})"]
     base = (work / "frontend").read_text()
     t0 = float((work / "hang_started").read_text())
@@ -181,7 +166,7 @@ def _live(case: str, work: Path, job: subprocess.Popen[Any], world: int) -> list
         live = json.loads(body)
         verdicts.add(live.get("verdict"))
         if i == 0:
-            _show(f"{case}: live /fr_trace {time.time() - t0:.1f} s into the hang "
+            show(f"{case}: live /fr_trace {time.time() - t0:.1f} s into the hang "
                   f"(answered in {time.monotonic() - t:.2f} s)", live)
             problems += check("live", live, case, world)
     if len(verdicts) != 1:
@@ -190,37 +175,11 @@ def _live(case: str, work: Path, job: subprocess.Popen[Any], world: int) -> list
 
 
 def _cli(case: str, trace_dir: Path, work: Path, world: int) -> list[str]:
-    cli = subprocess.run([sys.executable, "-m", "debug_server.tools.fr_trace", str(trace_dir),
-                          "-p", "rank_", "--json", "--allow-incomplete-ranks"],
-                         capture_output=True, text=True, cwd=REPO, timeout=300,
-                         env=dict(os.environ, PYTHONPATH=str(REPO)))
-    (work / "cli.json").write_text(cli.stdout)
-    if cli.returncode != 2 or not cli.stdout.strip():
-        return [f"{case}: CLI on {trace_dir} exit {cli.returncode} (want 2): "
-                f"{cli.stderr.strip()[-300:]}"]
-    pm = json.loads(cli.stdout)
-    _show(f"{case}: python -m debug_server.fr_trace {trace_dir}", pm)
+    pm, why = run_cli(trace_dir, work, REPO)
+    if pm is None:
+        return [f"{case}: {why}"]
+    show(f"{case}: python -m debug_server.fr_trace {trace_dir}", pm)
     return check("CLI", pm, case, world)
-
-
-def _cpu_pickles(work: Path) -> Path:
-    """gloo has no dump on timeout: each worker writes its rank's pickle on request."""
-    base = (work / "frontend").read_text()
-    _, body = get(f"{base}/?format=json", accept="application/json")
-    for r in json.loads(body)["ranks"]:
-        subprocess.run(["curl", "-s", "-X", "POST", f"{r['url']}/handler/torchcomms_fr_dump_file"],
-                       capture_output=True, check=True)
-    return work / "dumps" / "per_rank"
-
-
-def _end(job: subprocess.Popen[Any], work: Path) -> None:
-    groups = [job.pid] + [int(p.read_text()) for p in sorted(work.glob("pid[0-9]*"))]
-    for g in groups:
-        try:
-            os.killpg(g, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-    job.wait(10)
 
 
 def run_case(case: str, out: Path, world: int, cpu: bool, port: int, master_port: int) -> list[str]:
@@ -245,7 +204,7 @@ def run_case(case: str, out: Path, world: int, cpu: bool, port: int, master_port
     try:
         problems = _live(case, work, job, world)
         if cpu and (work / "frontend").exists():
-            trace_dir = _cpu_pickles(work)
+            trace_dir = cpu_pickles(work)
         else:
             limit = float(os.environ.get("COMM_TIMEOUT", "30")) + 120
             deadline = time.monotonic() + limit
@@ -256,7 +215,7 @@ def run_case(case: str, out: Path, world: int, cpu: bool, port: int, master_port
             time.sleep(2)  # the last writer renames its file into place
             trace_dir = c10d_dir
     finally:
-        _end(job, work)
+        end_job(job, work)
     return problems + _cli(case, trace_dir, work, world)
 
 

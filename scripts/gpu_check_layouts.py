@@ -33,7 +33,6 @@ import datetime
 import glob
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -41,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _gpu_common import get  # noqa: E402
+from _gpu_common import cpu_pickles, end_job, get, run_cli, show, wait_path  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 WORLD = 4
@@ -191,23 +190,9 @@ def check(where: str, result: dict[str, Any], case: str, line: int | None) -> li
     return problems
 
 
-def _show(where: str, result: dict[str, Any]) -> None:
-    print(f"--- {where} ---\nverdict: {result.get('verdict', '')}")
-    print(f"category: {result.get('category')}; next step: {result.get('next_step')}")
-
-
-def _wait(path: Path, job: subprocess.Popen[Any], limit_s: float) -> bool:
-    deadline = time.monotonic() + limit_s
-    while not path.exists():
-        if job.poll() is not None or time.monotonic() > deadline:
-            return False
-        time.sleep(0.2)
-    return True
-
-
 def _live(case: str, work: Path, job: subprocess.Popen[Any], line: int) -> list[str]:
     """The live page READ_AT s into the hang, then the hang report."""
-    if not (_wait(work / "hang_started", job, 240) and _wait(work / "frontend", job, 10)):
+    if not (wait_path(work / "hang_started", job, 240) and wait_path(work / "frontend", job, 10)):
         return [f"{case}: the job never reached the hang (see {work / 'job.log'})"]
     base = (work / "frontend").read_text()
     t0 = float((work / "hang_started").read_text())
@@ -217,7 +202,7 @@ def _live(case: str, work: Path, job: subprocess.Popen[Any], line: int) -> list[
     if code != 200:
         return [f"{case}: live /fr_trace answered {code}: {body[:200]}"]
     live = json.loads(body)
-    _show(f"{case}: live /fr_trace {time.time() - t0:.1f} s into the hang", live)
+    show(f"{case}: live /fr_trace {time.time() - t0:.1f} s into the hang", live)
     problems = check("live", live, case, line)
     deadline = time.monotonic() + 30
     while not (reports := sorted(glob.glob(str(work / "dumps" / "hang_report_*.json")))):
@@ -226,44 +211,16 @@ def _live(case: str, work: Path, job: subprocess.Popen[Any], line: int) -> list[
         time.sleep(0.5)
     rep = json.loads(Path(reports[-1]).read_text())
     rep = {**rep, **(rep.get("analysis") or {})}  # the report keeps the whole analysis result
-    _show(f"{case}: hang report", rep)
+    show(f"{case}: hang report", rep)
     return problems + check("hang report", rep, case, line)
 
 
-def _cpu_pickles(work: Path) -> Path:
-    """gloo has no dump on timeout: each worker writes its rank's pickle on request."""
-    base = (work / "frontend").read_text()
-    _, body = get(f"{base}/?format=json", accept="application/json")
-    for r in json.loads(body)["ranks"]:
-        req = subprocess.run(["curl", "-s", "-X", "POST",
-                              f"{r['url']}/handler/torchcomms_fr_dump_file"], capture_output=True)
-        assert req.returncode == 0, req.stderr
-    return work / "dumps" / "per_rank"
-
-
 def _cli(case: str, trace_dir: Path, work: Path, line: int | None) -> list[str]:
-    cli = subprocess.run([sys.executable, "-m", "debug_server.tools.fr_trace", str(trace_dir),
-                          "-p", "rank_", "--json", "--allow-incomplete-ranks"],
-                         capture_output=True, text=True, cwd=REPO, timeout=300,
-                         env=dict(os.environ, PYTHONPATH=str(REPO)))
-    (work / "cli.json").write_text(cli.stdout)
-    if cli.returncode != 2 or not cli.stdout.strip():
-        return [f"{case}: CLI on {trace_dir} exit {cli.returncode} (want 2): "
-                f"{cli.stderr.strip()[-300:]}"]
-    pm = json.loads(cli.stdout)
-    _show(f"{case}: python -m debug_server.fr_trace {trace_dir}", pm)
+    pm, why = run_cli(trace_dir, work, REPO)
+    if pm is None:
+        return [f"{case}: {why}"]
+    show(f"{case}: python -m debug_server.fr_trace {trace_dir}", pm)
     return check("CLI", pm, case, line)
-
-
-def _end(job: subprocess.Popen[Any], work: Path) -> None:
-    """End torchrun and every rank (each in its own session) by process group."""
-    groups = [job.pid] + [int(p.read_text()) for p in sorted(work.glob("pid[0-9]*"))]
-    for g in groups:
-        try:
-            os.killpg(g, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-    job.wait(10)
 
 
 def run_case(case: str, out: Path, cpu: bool, port: int, master_port: int) -> list[str]:
@@ -289,7 +246,7 @@ def run_case(case: str, out: Path, cpu: bool, port: int, master_port: int) -> li
     try:
         problems = _live(case, work, job, line)
         if cpu and (work / "frontend").exists():
-            trace_dir = _cpu_pickles(work)
+            trace_dir = cpu_pickles(work)
         else:
             # c10d's watchdog times out, every rank dumps its FR, the job aborts.
             limit = float(os.environ.get("COMM_TIMEOUT", "45")) + 120
@@ -299,7 +256,7 @@ def run_case(case: str, out: Path, cpu: bool, port: int, master_port: int) -> li
                 problems.append(f"{case}: the job did not end within {limit:.0f} s")
             trace_dir = c10d_dir
     finally:
-        _end(job, work)
+        end_job(job, work)
     # Without stacks the CLI names the line of the op rank 2 went on to (mesh, pipeline) from
     # its FR frames; a rank stalled outside any collective (fsdp) has no op to name, and the
     # pickles the gloo workers write carry no frames for c10d's entries.

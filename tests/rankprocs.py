@@ -18,6 +18,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
+from mpjob import free_port, rank_env
+
 _R = TypeVar("_R", bound="RankProcs")
 
 
@@ -70,3 +72,21 @@ class RankProcs:
             except ProcessLookupError:
                 pass
             p.wait(10)
+
+
+class DumpDirJob(RankProcs):
+    """``world_size`` ranks of ``script`` on one host (torchrun's variables, a free master
+    port), each with ``DUMP_DIR`` (``self.dump_dir``) and ``extra`` in its environment; the
+    dump path comes from ``start_debug_server(dump_dir=...)``, never the environment."""
+
+    def __init__(self, tmp: Path, script: str, world_size: int,
+                 extra: dict[str, str] | None = None) -> None:
+        self.dump_dir = tmp / "dumps"
+        port = free_port()
+
+        def env(r: int) -> dict[str, str]:
+            e = rank_env(r, world_size, port, {"DUMP_DIR": str(self.dump_dir), **(extra or {})})
+            e.pop("TORCHCOMM_FR_DUMP_TEMP_FILE", None)
+            return e
+
+        super().__init__(tmp, script, world_size, env)

@@ -235,3 +235,13 @@ def test_two_threads_issuing_on_one_group_are_named() -> None:
 def test_banner_names_the_inversion_not_its_ops_stuck_findings() -> None:
     r = analyze(_inverted(4, [2], blocking=False).dumps())
     assert [r["findings"][i]["kind"] for i in r["headline_findings"]] == ["order_inversion"]
+
+
+def test_two_gloo_ranks_inverted_name_both_orders_without_blaming_one() -> None:
+    # On gloo each rank blocks in its first op: rank 0 in grad_sync, rank 1 in metrics. One
+    # rank each way: which one is odd (or skipped an op) the record cannot say.
+    r = analyze(_inverted(2, [1], blocking=True).dumps())
+    f = _first(r)
+    assert (f["kind"], f["undecided"], f["ranks"], f["others"]) == ("order_inversion", True, [0, 1], [])
+    assert r["category"] == "cpu_divergence"
+    assert "cannot tell which side is odd" in r["verdict"]

@@ -17,8 +17,8 @@ from typing import Any
 
 import pytest
 from httpget import get_json
-from mpjob import REPO, free_port, rank_env
-from rankprocs import RankProcs
+from mpjob import REPO
+from rankprocs import DumpDirJob
 
 RANK = """
 import os, time
@@ -46,19 +46,6 @@ time.sleep(120)
 """
 
 
-class InvertedJob(RankProcs):
-    def __init__(self, tmp: Path) -> None:
-        self.dump_dir = tmp / "dumps"
-        port = free_port()
-
-        def env(r: int) -> dict[str, str]:
-            e = rank_env(r, 4, port, {"DUMP_DIR": str(self.dump_dir)})
-            e.pop("TORCHCOMM_FR_DUMP_TEMP_FILE", None)
-            return e
-
-        super().__init__(tmp, RANK, 4, env)
-
-
 def _inversion(result: dict[str, Any]) -> dict[str, Any] | None:
     order = result.get("finding_order") or []
     first = result["findings"][order[0]] if order else None
@@ -67,7 +54,7 @@ def _inversion(result: dict[str, Any]) -> dict[str, Any] | None:
 
 @pytest.mark.timeout(180)
 def test_gloo_order_inversion_is_named_live_and_by_the_cli(tmp_path: Path) -> None:
-    with InvertedJob(tmp_path) as job:
+    with DumpDirJob(tmp_path, RANK, 4) as job:
         base = job.wait_for(0, r"^READY (\S+)", timeout=120).group(1)
         deadline = time.monotonic() + 60
         while True:

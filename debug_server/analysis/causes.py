@@ -188,10 +188,11 @@ class Causes:
             odd, usual = inv["ops"], inv["others_ops"]
             if not any((o["group"], o["seq"]) == x for o in odd + usual):
                 continue
+            odd_ranks, usual_ranks = (side["ranks"] for side in inv["sides"])
             if (odd[0]["group"], odd[0]["seq"]) == x:
-                o, ranks = usual[0], inv["others"]
+                o, ranks = usual[0], usual_ranks
             else:
-                o, ranks = odd[0], inv["ranks"]
+                o, ranks = odd[0], odd_ranks
             g = self.by_id.get(f["group"])
             r = next((r for r in ranks if g is None or r in g.rank_set), ranks[0])
             out.append(Edge(inv, r, (o["group"], False, o["seq"]), o["op"]))

@@ -7,7 +7,9 @@ none can complete, and each group's ring alone looks fine (on NCCL every member 
 op; on gloo each side looks missing from the other's op). This module builds that wait-for
 graph over the incomplete collectives of every rank class, and each cycle becomes one
 ``order_inversion`` finding: ``ops`` in the order the odd ranks issued them, ``ranks`` the
-ranks of the minority order(s), ``others`` the ranks of the majority order (``others_ops``),
+ranks of the minority order(s), ``others`` the ranks of the majority order (``others_ops``);
+``undecided`` when as many ranks keep each order and some rank may have skipped an op: then
+``ranks`` holds both sides, ``others`` is empty, and ``sides`` says who keeps which order;
 ``certain`` whether every rank issued every op (else the odd ranks may have skipped the op they
 have not issued: the finding's ``group``/``seq`` is that op).
 
@@ -112,11 +114,9 @@ def _finding(m: Merge, by_id: Mapping[str, Group], ops_of: OpsOf, cycle: list[Op
     certain = all(len(issued[o]) == len(o) for o in orders)
     usual = _previous_order(m, ops_of, cycle)
     usual_pairs = _pairs(usual, frozenset(usual)) if usual is not None else set()
-    usual_side = _usual_side(orders, pairs, usual_pairs, certain, ops_of)
-    if usual_side is None:
-        return
+    usual_side, undecided = _usual_side(orders, pairs, usual_pairs, certain, ops_of)
     ref: set[Pair] = set().union(*(pairs[o] for o in usual_side))
-    if not certain and (usual is None or any((y, x) in usual_pairs for x, y in ref)):
+    if not (certain or undecided) and (usual is None or any((y, x) in usual_pairs for x, y in ref)):
         # A rank that has not issued an op of the cycle may have skipped it rather than put it
         # later: only the order the ranks kept at the previous step tells an inversion apart.
         return
@@ -127,6 +127,9 @@ def _finding(m: Merge, by_id: Mapping[str, Group], ops_of: OpsOf, cycle: list[Op
                                     min(r for c in orders[o] for r in c.ranks)))
     ranks = sorted(r for o in odd for c in orders[o] for r in c.ranks)
     others = sorted(r for o in usual_side for c in orders[o] for r in c.ranks)
+    sides = [{"ranks": ranks}, {"ranks": others}]
+    if undecided:  # as many ranks each way: both sides are named, neither is blamed
+        ranks, others = sorted(ranks + others), []
     ref_order = sorted(cycle, key=lambda k: (-sum(1 for x, _ in ref if x == k), k))
     ops = _ops(m, ops_of, orders[minor], minor, by_id)
     others_ops = _ops(m, ops_of, [c for o in usual_side for c in orders[o]], ref_order, by_id)
@@ -140,6 +143,7 @@ def _finding(m: Merge, by_id: Mapping[str, Group], ops_of: OpsOf, cycle: list[Op
         f"{ranks_phrase(ranks).capitalize()} issued {ops_text(ops)}; {ranks_phrase(others)} "
         f"issued {ops_text(others_ops)}",
         others=others, ops=ops, others_ops=others_ops, certain=certain,
+        undecided=undecided, sides=sides,
     )
 
 
@@ -148,12 +152,13 @@ _EXACT_LIMIT = 12
 
 
 def _usual_side(orders: Mapping[Order, list[RankClass]], pairs: Mapping[Order, set[Pair]],
-                usual_pairs: set[Pair], certain: bool, ops_of: OpsOf) -> list[Order] | None:
+                usual_pairs: set[Pair], certain: bool, ops_of: OpsOf) -> tuple[list[Order], bool]:
     """The orders most ranks keep: the set of orders that contradict none of each other with
     the most ranks (ranks in fewer of the cycle's groups agree with every order they do not
     contradict). Between equally large sets: where every rank issued every op, the one that
     keeps the previous step's order, then the one whose first op was issued first, then the
-    lowest rank's; where a rank may have skipped an op, none (no evidence either way)."""
+    lowest rank's; where a rank may have skipped an op, that set with ``True`` (undecided: as
+    many ranks keep each order, which is no evidence of which side is odd)."""
     keys = list(orders)
     n = len(keys)
     clash = [[any((y, x) in pairs[b] for x, y in pairs[a]) for b in keys] for a in keys]
@@ -176,9 +181,8 @@ def _usual_side(orders: Mapping[Order, list[RankClass]], pairs: Mapping[Order, s
                 min(low[i] for i in s))
 
     sets.sort(key=key)
-    if not certain and len(sets) > 1 and key(sets[0])[0] == key(sets[1])[0]:
-        return None
-    return [keys[i] for i in sets[0]]
+    undecided = not certain and len(sets) > 1 and key(sets[0])[0] == key(sets[1])[0]
+    return [keys[i] for i in sets[0]], undecided
 
 
 def _ops(m: Merge, ops_of: OpsOf, cs: Sequence[RankClass], order: Sequence[OpKey],

@@ -78,9 +78,10 @@ def process_phrase(proc: Mapping[str, Any] | None, *, gil: bool = False, where: 
         text += f" at {where}"
     if proc is not None:
         text += _since(proc)
+        # Only "spinning": a CPU share changes from read to read, the verdict must not.
         cpu = proc.get("cpu_pct")
-        if state in ("running", "blocked") and isinstance(cpu, int | float):
-            text += f", {cpu:.0f} % CPU" + (" (spinning)" if cpu >= 50 else "")
+        if state in ("running", "blocked") and isinstance(cpu, int | float) and cpu >= 50:
+            text += ", spinning on a CPU"
     return text
 
 

@@ -180,7 +180,7 @@ def _root_sentences(
             head = (f"{ranks_phrase(waiting).capitalize()} {verb} in {_op_text(f)}, and "
                     f"{ranks_phrase(rs)} cannot take part: stopped inside a collective.")
         return [head, *_silent_sentences(f, m), *_position_sentences(rs, positions),
-                *_process_sentences(rs, m, f)]
+                *_process_sentences(rs, m, f, positions)]
     if kind == "unmatched_p2p":
         out = []
         for u in (f.get("unmatched") or [])[:2]:
@@ -214,7 +214,13 @@ def _inversion_sentences(f: Finding, positions: Positions) -> list[str]:
     subj = ranks_phrase(rs)
     streams = ("Each rank runs its collectives in the order it issued them, so none of these "
                "completes.")
-    if f.get("certain", True):
+    if f.get("undecided"):
+        a, b = (side["ranks"] for side in f["sides"])
+        out = [f"Ranks issued collectives in different orders, as many ranks each way, so it "
+               f"cannot tell which side is odd: {ranks_phrase(a)} issued {ops_text(f['ops'])}; "
+               f"{ranks_phrase(b)} issued {ops_text(f['others_ops'])} (or one side skipped an op "
+               f"the other waits in). {streams}"]
+    elif f.get("certain", True):
         out = [f"Ranks issued collectives in different orders: {subj} issued "
                f"{ops_text(f['ops'])}; {ranks_phrase(others)} issued "
                f"{ops_text(f['others_ops'])}. {streams}"]
@@ -531,12 +537,15 @@ def _silent_sentences(f: Finding, m: Merge) -> list[str]:
     return out
 
 
-def _process_sentences(ranks: Sequence[int], m: Merge, f: Finding) -> list[str]:
-    """The process state of answering ranks where it says more than their stack does."""
+def _process_sentences(ranks: Sequence[int], m: Merge, f: Finding,
+                       positions: Positions) -> list[str]:
+    """The process state of answering ranks where it says more than their stack does (a rank
+    waiting inside a collective sleeps in the kernel as it should: nothing to add)."""
     silent = f.get("silent") or {}
     out = []
     for r in list(ranks)[:3]:
-        if str(r) in silent:
+        pos = positions.get(r)
+        if str(r) in silent or (pos is not None and pos.in_collective):
             continue
         what = process_phrase(m.processes.get(r))
         if what:
