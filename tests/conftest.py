@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 from mpjob import ReferenceDemo, free_port
 from skip_policy import pytest_make_collect_report, pytest_runtest_makereport  # noqa: F401
+from tiers import ProcessGuard, mark_jobs
 
 from debug_server.config import JobEnv
 from debug_server.rank.worker import StaticProvider, make_worker_app
@@ -119,6 +120,10 @@ def demo_done(reference_demo: ReferenceDemo) -> tuple[Path, str]:
 DEMO_GROUP = "reference_demo"
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    config.pluginmanager.register(ProcessGuard(), "process_guard")
+
+
 def _module_scoped(item: pytest.Item) -> bool:
     """Whether ``item`` uses a fixture set up once per module (a real job its tests share)."""
     info = getattr(item, "_fixtureinfo", None)
@@ -140,6 +145,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     def uses(item: pytest.Item, name: str) -> bool:
         return name in getattr(item, "fixturenames", ())
 
+    mark_jobs(items)  # before `-m` deselects (tests/tiers.py)
     live = [i for i in items if uses(i, "demo_live")]
     done = [i for i in items if uses(i, "reference_demo") and not uses(i, "demo_live")]
     # A test that sets its own timeout runs a real job: modules with such tests start first

@@ -18,8 +18,6 @@ import subprocess
 import sys
 import textwrap
 import time
-import urllib.error
-import urllib.request
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -27,6 +25,7 @@ from typing import Any
 import aiohttp
 import pytest
 from aiohttp import web
+from httpget import get_json, request
 from mpjob import free_port, kill_all, rank_env
 
 from debug_server.agent import app as agent
@@ -60,6 +59,7 @@ def test_rank_list_text_refuses_a_backwards_range() -> None:
         agent_launch.parse_ranks("5-2")
 
 
+@pytest.mark.job
 def test_torchrun_layout_gives_the_hosts_contiguous_ranks() -> None:
     job = JobEnv(rank=5, world_size=8, local_world_size=4, master_addr="10.0.0.1",
                               master_port=29500)
@@ -69,6 +69,7 @@ def test_torchrun_layout_gives_the_hosts_contiguous_ranks() -> None:
     assert agent_launch.rank_meta(job, {"DEBUG_SERVER_AGENT_ID": "h1"}) == {"agent": "h1"}
 
 
+@pytest.mark.job
 def test_single_host_job_runs_no_agent_unless_asked() -> None:
     job = JobEnv(rank=0, world_size=2, local_world_size=2, master_addr="127.0.0.1",
                               master_port=29500)
@@ -286,18 +287,7 @@ HANG_LINE = next(i for i, line in enumerate(textwrap.dedent(JOB).splitlines(), 1
 
 
 def _get(url: str, path: str) -> tuple[int, str]:
-    req = urllib.request.Request(f"{url}{path}", headers={"Accept": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=30) as r:
-            return r.status, r.read().decode()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read().decode()
-
-
-def _post(url: str, path: str) -> Any:
-    req = urllib.request.Request(f"{url}{path}", method="POST")
-    with urllib.request.urlopen(req, timeout=30) as r:
-        return json.loads(r.read())
+    return request(f"{url}{path}", headers={"Accept": "application/json"})
 
 
 def _agents(store_port: int) -> dict[str, dict[str, Any]]:
@@ -365,12 +355,14 @@ def job(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
             f.close()
 
 
+@pytest.mark.job
 @pytest.mark.timeout(150)
 def test_each_fake_host_registers_one_agent_for_its_two_ranks(job: dict[str, Any]) -> None:
     agents = _agents(job["store_port"])
     assert {h: a["ranks"] for h, a in agents.items()} == {"fakehost0": "0-1", "fakehost1": "2-3"}
 
 
+@pytest.mark.job
 @pytest.mark.timeout(150)
 def test_fr_trace_goes_through_the_agents_and_names_rank_3(job: dict[str, Any]) -> None:
     fr = job["fr"]
@@ -379,9 +371,10 @@ def test_fr_trace_goes_through_the_agents_and_names_rank_3(job: dict[str, Any]) 
         ["via agent fakehost1"] * 2
     assert fr["verdict"].startswith("Rank 3 never joined all_reduce #3"), fr["verdict"]
     for a in _agents(job["store_port"]).values():
-        assert _post(a["url"], "/handler/agent_info")["requests"]["agent_fr"] >= 1
+        assert get_json(f"{a['url']}/handler/agent_info", "POST")["requests"]["agent_fr"] >= 1
 
 
+@pytest.mark.job
 @pytest.mark.timeout(150)
 def test_stacks_go_through_the_agents_and_show_rank_3_asleep(job: dict[str, Any]) -> None:
     status, body = _get(job["url"], "/stacks?format=json")
@@ -390,9 +383,10 @@ def test_stacks_go_through_the_agents_and_show_rank_3_asleep(job: dict[str, Any]
     assert [r["note"] for r in ranks] == ["via agent fakehost0"] * 2 + ["via agent fakehost1"] * 2
     assert f"line {HANG_LINE} in <module>" in ranks[3]["stacks"], ranks[3]["stacks"]
     for a in _agents(job["store_port"]).values():
-        assert _post(a["url"], "/handler/agent_info")["requests"]["agent_stacks"] >= 1
+        assert get_json(f"{a['url']}/handler/agent_info", "POST")["requests"]["agent_stacks"] >= 1
 
 
+@pytest.mark.job
 @pytest.mark.timeout(150)
 def test_attached_frontend_finds_the_agents_through_the_store(job: dict[str, Any]) -> None:
     proc = subprocess.Popen([sys.executable, "-m", "debug_server.frontend", "--store",
@@ -435,6 +429,7 @@ def _wait_gone(pid: int, timeout: float = 30.0) -> None:
         time.sleep(0.01)
 
 
+@pytest.mark.job
 @pytest.mark.timeout(150)
 def test_killed_agent_leaves_every_rank_on_the_pages(job: dict[str, Any]) -> None:
     victim = _agents(job["store_port"])["fakehost1"]

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.job, pytest.mark.timeout(120)]
 
 
 def _shot(driver: Any, name: str, tmp_path: Path) -> Path:

@@ -173,11 +173,13 @@ def call_site_line() -> int:
     return 1 + next(i for i, ln in enumerate(lines) if ln.endswith("# CALL SITE"))
 
 
+@pytest.mark.job
 def test_forced_c10d_mode_registers_no_per_op_hook(backed_job: tuple[str, str]) -> None:
     out0, out1 = backed_job
     assert "BACKED True PRE_HOOKS 0" in out0 and "BACKED True PRE_HOOKS 0" in out1
 
 
+@pytest.mark.job
 def test_hook_dump_holds_c10d_entries_under_the_communicator_with_seqs_from_zero(backed_job: tuple[str, str]) -> None:
     out0, _ = backed_job
     entries = json.loads(re.search(r"^ENTRIES (.*)$", out0, re.M).group(1))
@@ -191,18 +193,21 @@ def test_hook_dump_holds_c10d_entries_under_the_communicator_with_seqs_from_zero
     ]
 
 
+@pytest.mark.job
 def test_ops_really_ran_through_torch(backed_job: tuple[str, str]) -> None:
     out0, out1 = backed_job
     # 1 -> 2 -> 4 -> 8 (all_reduce x3), broadcast, -> 16 (async all_reduce)
     assert "SUM 16.0" in out0 and "SUM 16.0" in out1
 
 
+@pytest.mark.job
 def test_op_waiting_for_a_late_rank_is_in_flight_then_gone(backed_job: tuple[str, str]) -> None:
     out0, _ = backed_job
     assert "IN_FLIGHT [('all_reduce', 5)]" in out0
     assert "AFTER []" in out0
 
 
+@pytest.mark.job
 def test_users_own_pre_hook_gets_records_and_the_numbering_stays_one(backed_job: tuple[str, str]) -> None:
     out0, _ = backed_job
     # The hook's op goes through the recording path, the next one through the lean path again;
@@ -335,12 +340,14 @@ def status_job(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         "TORCH_FR_BUFFER_SIZE": "2000"}))
 
 
+@pytest.mark.job
 @pytest.mark.timeout(90)
 def test_nccl_collectives_keep_no_work_and_wait_for_c10ds_status(status_job):
     assert status_job["kept_works"] == 0
     assert status_job["watched_before"] == 100
 
 
+@pytest.mark.job
 @pytest.mark.timeout(90)
 def test_c10d_status_counting_from_one_releases_our_ops_counting_from_zero(status_job):
     assert status_job["watched_mid"] == 40
@@ -348,6 +355,7 @@ def test_c10d_status_counting_from_one_releases_our_ops_counting_from_zero(statu
     assert status_job["watched_after"] == 0
 
 
+@pytest.mark.job
 @pytest.mark.timeout(90)
 def test_op_c10d_never_completes_times_out_in_the_watchdog_and_the_next_op_raises(status_job):
     assert status_job["aborts"] == [["all_reduce", 100, "debug-server-watchdog"]]
@@ -356,6 +364,7 @@ def test_op_c10d_never_completes_times_out_in_the_watchdog_and_the_next_op_raise
         "all_reduce #100 on communicator 'main_comm' (gloo, rank 0 of 1) timed out after 2 s")
 
 
+@pytest.mark.job
 @pytest.mark.timeout(90)
 def test_unreadable_status_times_nothing_out_and_keeps_nothing(status_job):
     assert status_job["unreadable"] == [0, None]

@@ -188,6 +188,7 @@ def test_analyzer_finds_rank_1_missing_from_all_reduce_4_on_default_pg():
         ("main_comm", 0), ("main_comm", 1), ("0", 1), ("0", 2), ("0", 3), ("2", 1)}
 
 
+@pytest.mark.job
 @pytest.mark.timeout(180)
 def test_pytorch_fr_trace_reads_the_merged_pickles(tmp_path: Path):
     for r in (0, 1):

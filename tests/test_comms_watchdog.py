@@ -19,6 +19,8 @@ from test_watchdog import ABORT_JOB as SYNC_ABORT_JOB
 
 from debug_server.dumpio import load_dump
 
+pytestmark = pytest.mark.job
+
 TIMEOUT_JOB = r'''
 import datetime, json, os, threading, time
 import torch

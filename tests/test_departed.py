@@ -8,6 +8,8 @@ import subprocess
 import sys
 from typing import Any
 
+import pytest
+
 from debug_server.agent import main as agent_main
 from debug_server.fanout.reply import FrData
 from debug_server.fanout.transport import GONE, OK, UNREACHABLE, RankResult
@@ -98,6 +100,7 @@ class _HostRanks:
         return self.addrs
 
 
+@pytest.mark.job
 async def test_agent_outlives_its_local_rank_0_while_a_rank_of_its_host_runs() -> None:
     sleep = [sys.executable, "-c", "import time; time.sleep(60)"]
     parent, rank1 = subprocess.Popen(sleep), subprocess.Popen(sleep)

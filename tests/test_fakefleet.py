@@ -7,6 +7,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+import pytest
 from fakefleet import (
     RING,
     _nccl_handler,
@@ -32,6 +33,7 @@ def test_split_cuts_every_rank_into_one_non_empty_range() -> None:
     assert split(2, 4) == [(0, 1), (1, 2)]
 
 
+@pytest.mark.job
 def test_fleet_over_two_helpers_serves_a_hang_where_the_last_rank_is_missing() -> None:
     fleet, urls = start_fleet(5, 2)
     try:

@@ -197,6 +197,7 @@ def test_templates_load_with_autoescape() -> None:
     assert {"base.html", "index.html", "fr_trace.html", "stacks.html"} <= set(env.list_templates())
 
 
+@pytest.mark.job
 async def test_frontend_shuts_down_once_its_parent_and_every_rank_are_gone() -> None:
     proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
     try:

@@ -18,6 +18,8 @@ from debug_server.rank import jobpids
 from debug_server.rank.agent_launch import agent_key
 from debug_server.rank.discovery import store_client
 
+pytestmark = pytest.mark.job
+
 
 @pytest.fixture
 def child() -> Iterator[subprocess.Popen[bytes]]:

@@ -19,6 +19,8 @@ from mpjob import free_port, kill_all, rank_env
 
 from debug_server.auth import TOKEN_HEADER
 
+pytestmark = pytest.mark.job
+
 TOKEN = "tok_job_0123456789abcdefghijkl"
 
 JOB = """

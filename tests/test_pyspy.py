@@ -128,6 +128,7 @@ def _main_frames(text: str) -> list[stackparse.Frame]:
 # A rank holding the GIL in usleep
 
 
+@pytest.mark.job
 @pytest.mark.timeout(60)
 def test_stuck_rank_is_read_by_pyspy_within_the_timeout_and_its_usleep_runs_full_length(
         tcp_store: Any, tmp_path: Path) -> None:
@@ -142,6 +143,7 @@ def test_stuck_rank_is_read_by_pyspy_within_the_timeout_and_its_usleep_runs_full
         job.assert_slept_full_length()
 
 
+@pytest.mark.job
 @pytest.mark.timeout(60)
 async def test_rank_on_a_host_without_the_frontend_is_read_by_a_sibling_ranks_worker(
         aiohttp_client: Any, tcp_store: Any, tmp_path: Path) -> None:
@@ -172,6 +174,7 @@ async def test_rank_on_a_host_without_the_frontend_is_read_by_a_sibling_ranks_wo
         job.close()
 
 
+@pytest.mark.job
 @pytest.mark.timeout(60)
 def test_without_pyspy_the_page_says_why_in_one_line_and_the_rank_is_not_disturbed(
         tcp_store: Any, tmp_path: Path) -> None:
@@ -190,6 +193,7 @@ def test_without_pyspy_the_page_says_why_in_one_line_and_the_rank_is_not_disturb
         job.assert_slept_full_length()
 
 
+@pytest.mark.job
 @pytest.mark.timeout(60)
 def test_rank_that_opted_in_to_signals_is_still_read_by_pyspy_first(
         tcp_store: Any, tmp_path: Path) -> None:
@@ -201,6 +205,7 @@ def test_rank_that_opted_in_to_signals_is_still_read_by_pyspy_first(
         job.assert_slept_full_length()
 
 
+@pytest.mark.job
 @pytest.mark.timeout(60)
 def test_native_frames_of_a_rank_blocked_in_usleep_show_the_c_function(
         tcp_store: Any, tmp_path: Path) -> None:
@@ -231,6 +236,7 @@ while True:
 """
 
 
+@pytest.mark.job
 @pytest.mark.timeout(60)
 def test_pyspy_dump_page_gives_json_and_text_the_same_native_frames(
         tcp_store: Any, tmp_path: Path) -> None:
@@ -259,6 +265,7 @@ def test_pyspy_dump_page_gives_json_and_text_the_same_native_frames(
 # The worker's pyspy_dump handler
 
 
+@pytest.mark.job
 async def test_worker_pyspy_dump_reads_its_own_process(aiohttp_client: Any) -> None:
     client = await aiohttp_client(make_worker_app(StaticProvider({})))
     resp = await client.post("/handler/pyspy_dump?nonblocking=1")
@@ -269,6 +276,7 @@ async def test_worker_pyspy_dump_reads_its_own_process(aiohttp_client: Any) -> N
     assert f"tid {os.getpid()}, " in text  # the main thread of this very process
 
 
+@pytest.mark.job
 async def test_worker_pyspy_dump_refuses_a_pid_no_rank_of_the_job_announced(
         aiohttp_client: Any) -> None:
     client = await aiohttp_client(make_worker_app(StaticProvider({})))
@@ -295,6 +303,7 @@ async def test_worker_pyspy_dump_rejects_a_flag_that_is_not_boolean(aiohttp_clie
 # Failures in one line, with the fix
 
 
+@pytest.mark.job
 @pytest.mark.skipif(os.geteuid() != 0 or shutil.which("setpriv") is None,
                     reason="needs root and setpriv to run py-spy as an unprivileged user")
 def test_ptrace_refusal_reads_as_one_line_naming_the_fix() -> None:

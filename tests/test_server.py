@@ -68,6 +68,7 @@ def _worker_threads() -> list[str]:
     return [t.name for t in threading.enumerate() if t.name == "debug_server.rank.worker"]
 
 
+@pytest.mark.job
 def test_rank0_serves_pages_and_stop_works_twice(rank_env: Any, tmp_path: Path) -> None:
     rank_env(0, 1)
     handle = start_debug_server(port=0, fetch_timeout=3)
@@ -88,6 +89,7 @@ def test_rank0_serves_pages_and_stop_works_twice(rank_env: Any, tmp_path: Path) 
     assert _worker_threads() == []
 
 
+@pytest.mark.job
 def test_the_job_log_gets_one_line_from_rank_0_and_none_from_the_others(
         rank_env: Any, caplog: Any) -> None:
     caplog.set_level("INFO", logger="debug_server")
@@ -103,6 +105,7 @@ def test_the_job_log_gets_one_line_from_rank_0_and_none_from_the_others(
     assert shown == [f"debug_server: pages at {handle.frontend_url}/"], shown
 
 
+@pytest.mark.job
 def test_port_in_use_is_an_error_naming_the_port(rank_env: Any) -> None:
     rank_env(0, 1)
     with socket.socket() as busy:
@@ -115,6 +118,7 @@ def test_port_in_use_is_an_error_naming_the_port(rank_env: Any) -> None:
     stop_debug_server()  # nothing running: a no-op
 
 
+@pytest.mark.job
 def test_other_ranks_start_no_frontend_and_register_their_worker(rank_env: Any, tcp_store: Any) -> None:
     rank_env(1, 2)
     handle = start_debug_server()
@@ -132,6 +136,7 @@ def _get_post(url: str) -> tuple[int, str]:
         return r.status, r.read().decode()
 
 
+@pytest.mark.job
 def test_dump_dir_defaults_the_per_rank_pickle_path(rank_env: Any, monkeypatch: Any, tmp_path: Path) -> None:
     rank_env(1, 2)
     monkeypatch.delenv(DUMP_PATH_ENV, raising=False)
@@ -143,6 +148,7 @@ def test_dump_dir_defaults_the_per_rank_pickle_path(rank_env: Any, monkeypatch: 
     assert hooks.dump_path(1) == default  # taken back: it must not outlive the server
 
 
+@pytest.mark.job
 def test_user_set_per_rank_pickle_path_is_kept(rank_env: Any, monkeypatch: Any, tmp_path: Path) -> None:
     rank_env(1, 2)
     monkeypatch.setenv(DUMP_PATH_ENV, "/mine/fr_")
@@ -153,6 +159,7 @@ def test_user_set_per_rank_pickle_path_is_kept(rank_env: Any, monkeypatch: Any, 
     assert hooks.dump_path(1) == "/mine/fr_1"
 
 
+@pytest.mark.job
 def test_frontend_process_does_not_import_the_recording_side() -> None:
     code = ("import sys, debug_server.frontend.app; "
             "bad = [m for m in ('debug_server.recording.comms', 'debug_server.recording.hooks') if m in sys.modules]; "
@@ -230,6 +237,7 @@ def _pid_gone(pid: int) -> bool:
         return True
 
 
+@pytest.mark.job
 def test_frontend_exits_when_its_trainer_dies(tcp_store: Any, tmp_path: Path) -> None:
     # A one-rank job: with its only rank gone nothing of the job is left to serve (the store,
     # the test's, outlives it); the frontend exits after DEBUG_SERVER_ORPHAN_EXIT_S.
@@ -336,6 +344,7 @@ def _wait_for(what: str, check: Any, deadline: float, interval: float = 0.5) -> 
     raise AssertionError(f"timed out waiting for {what}; last: {str(last)[:2000]}")
 
 
+@pytest.mark.job
 @pytest.mark.timeout(150)
 def test_two_rank_gloo_hang_is_diagnosed_end_to_end(tmp_path: Path) -> None:
     script = tmp_path / "rank_script.py"
@@ -424,6 +433,7 @@ def test_public_api_is_the_entry_points_and_what_a_training_script_needs() -> No
         "start_debug_server", "stop_debug_server"]
 
 
+@pytest.mark.job
 @pytest.mark.timeout(150)
 def test_multi_host_links_carry_the_address_other_hosts_reach(
         monkeypatch: Any, tcp_store: Any, caplog: Any) -> None:

@@ -22,6 +22,8 @@ import pytest
 from mpjob import REPO, free_port, rank_env
 from rankprocs import RankProcs
 
+pytestmark = pytest.mark.job
+
 RANK = """
 import datetime, os
 import torch

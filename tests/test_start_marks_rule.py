@@ -11,6 +11,8 @@ from __future__ import annotations
 import pytest
 from mpjob import rank0_result, run_job
 
+pytestmark = pytest.mark.job
+
 JOB = r'''
 import json, os
 import torch

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 from mpjob import finish, free_port, kill_all, start_ranks
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.job, pytest.mark.timeout(240)]
 
 WORLD = 4
 SLOW_MS = 40.0

@@ -19,6 +19,7 @@ from typing import Any
 import _scenarios as S
 import pytest
 from conftest import free_port
+from httpget import get_json, request
 
 from debug_server.auth import TOKEN_ENV, TOKEN_HEADER
 from debug_server.dumpio import write_dump_atomic
@@ -357,16 +358,14 @@ def _end(proc: subprocess.Popen[str]) -> None:
     proc.communicate(timeout=10)  # also closes the stdout pipe
 
 
+@pytest.mark.job
 def test_cli_serves_loopback_and_stops_on_sigterm(dump_dir: Path) -> None:
-    import urllib.request
-
     port = free_port()
     proc = _start_cli([str(dump_dir), "--port", str(port)])
     try:
         assert proc.stdout is not None
         assert proc.stdout.readline().strip() == f"ready {port}"
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/fr_trace?format=json", timeout=10) as r:
-            body = json.loads(r.read())
+        body = get_json(f"http://127.0.0.1:{port}/fr_trace?format=json", timeout=10)
         assert body["findings"][0]["ranks"] == [1]
         proc.terminate()
         assert proc.wait(timeout=10) == 0
@@ -374,26 +373,22 @@ def test_cli_serves_loopback_and_stops_on_sigterm(dump_dir: Path) -> None:
         _end(proc)
 
 
+@pytest.mark.job
 def test_cli_beyond_loopback_requires_the_token(dump_dir: Path) -> None:
-    import urllib.error
-    import urllib.request
-
     port = free_port()
     token = "s" * 32
     proc = _start_cli([str(dump_dir), "--port", str(port), "--host", "0.0.0.0"], {TOKEN_ENV: token})
     try:
         assert proc.stdout is not None and proc.stdout.readline().strip() == f"ready {port}"
-        with pytest.raises(urllib.error.HTTPError) as ei:
-            urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=10)
-        ei.value.close()  # an HTTPError holds the response (and its socket) open
-        assert ei.value.code == 401
-        req = urllib.request.Request(f"http://127.0.0.1:{port}/", headers={TOKEN_HEADER: token})
-        with urllib.request.urlopen(req, timeout=10) as r:
-            assert r.read().decode().startswith("POST-MORTEM: ")
+        assert request(f"http://127.0.0.1:{port}/", timeout=10)[0] == 401
+        status, body = request(f"http://127.0.0.1:{port}/", headers={TOKEN_HEADER: token},
+                               timeout=10)
+        assert status == 200 and body.startswith("POST-MORTEM: "), body
     finally:
         _end(proc)
 
 
+@pytest.mark.job
 def test_cli_missing_dir_exits_1_with_one_line(tmp_path: Path) -> None:
     full = dict(os.environ, PYTHONPATH=str(REPO))
     proc = subprocess.run([sys.executable, "-m", "debug_server.tools.view", str(tmp_path / "nope")],

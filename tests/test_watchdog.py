@@ -47,6 +47,7 @@ def _wall_after(out: str, marker: str) -> float:
     return float(WALL.search(line).group(1))  # type: ignore[union-attr]
 
 
+@pytest.mark.job
 @pytest.mark.timeout(200)
 def test_demo_hang_report_is_written_before_the_communicator_times_out(demo_done: Demo) -> None:
     dump_dir, out = demo_done
@@ -66,6 +67,7 @@ def test_demo_hang_report_is_written_before_the_communicator_times_out(demo_done
     assert STALL_TIMEOUT <= took < STALL_TIMEOUT + DUMP_INTERVAL + 10.0
 
 
+@pytest.mark.job
 def test_demo_hang_report_names_rank_1_seq_4_all_reduce_and_the_sleep_line(demo_done: Demo) -> None:
     dump_dir, _ = demo_done
     (report,) = sorted(dump_dir.glob("hang_report_*.txt"))
@@ -79,6 +81,7 @@ def test_demo_hang_report_names_rank_1_seq_4_all_reduce_and_the_sleep_line(demo_
     assert f'verify_flight_recorder.py", line {line} in hang_phase' in text  # rank 1's stacks
 
 
+@pytest.mark.job
 def test_demo_hang_report_json_has_culprit_and_finding(demo_done: Demo) -> None:
     dump_dir, _ = demo_done
     (path,) = sorted(dump_dir.glob("hang_report_*.json"))
@@ -93,6 +96,7 @@ def test_demo_hang_report_json_has_culprit_and_finding(demo_done: Demo) -> None:
     assert any(line.startswith("Rank 1: OK") for line in meta["dump_files"])
 
 
+@pytest.mark.job
 def test_demo_stall_watchdog_wrote_rank_0_stacks_at_once(demo_done: Demo) -> None:
     dump_dir, _ = demo_done
     stacks = (dump_dir / "per_rank" / "stalled_stacks_r0.txt").read_text()
@@ -168,6 +172,7 @@ dist.destroy_process_group()
 '''
 
 
+@pytest.mark.job
 @pytest.mark.timeout(120)
 def test_uneven_progress_raises_no_alarm_and_a_real_stall_does(tmp_path: Path) -> None:
     dump_dir = tmp_path / "dumps"
@@ -219,6 +224,7 @@ else:
 '''
 
 
+@pytest.mark.job
 @pytest.mark.timeout(90)
 def test_abort_on_timeout_writes_the_pickle_before_the_process_aborts(tmp_path: Path) -> None:
     prefix = tmp_path / "per_rank" / "rank_"
