@@ -11,13 +11,12 @@ import sys
 import textwrap
 import threading
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 from typing import Any
 
 import pytest
 from conftest import free_port, make_job
+from httpget import post, request
 from mpjob import reference_job
 
 import debug_server
@@ -55,13 +54,7 @@ def rank_env(monkeypatch: Any, tcp_store: Any) -> Any:
 def _get(url: str, accept: str = "*/*", timeout: float = 90) -> tuple[int, str]:
     # A first page waits for the frontend's store connection and every rank: the test's own
     # timeout bounds it, not 10 s (a loaded box took longer).
-    req = urllib.request.Request(url, headers={"Accept": accept})
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            return r.status, r.read().decode()
-    except urllib.error.HTTPError as e:
-        with e:
-            return e.code, e.read().decode()
+    return request(url, headers={"Accept": accept}, timeout=timeout)
 
 
 def _worker_threads() -> list[str]:
@@ -127,13 +120,8 @@ def test_other_ranks_start_no_frontend_and_register_their_worker(rank_env: Any, 
     store = store_client("127.0.0.1", tcp_store.port, 5)
     assert store.get("rank1").decode() == handle.worker_url
     assert json.loads(store.get("rank1_meta"))["pid"] == os.getpid()
-    status, _ = _get_post(f"{handle.worker_url}/handler/ping")
+    status, _ = post(f"{handle.worker_url}/handler/ping", timeout=5)
     assert status == 200
-
-
-def _get_post(url: str) -> tuple[int, str]:
-    with urllib.request.urlopen(urllib.request.Request(url, method="POST"), timeout=5) as r:
-        return r.status, r.read().decode()
 
 
 @pytest.mark.job
@@ -458,11 +446,10 @@ def test_multi_host_links_carry_the_address_other_hosts_reach(
         assert store_client(own, tcp_store.port, 5).get("rank0").decode() == handle.worker_url
         assert (f"rank 0 worker at {handle.worker_url} (the interface toward MASTER_ADDR {own})"
                 in caplog.text)
-        req = urllib.request.Request(f"{handle.frontend_url}/?format=json",
-                                     headers={"X-Debug-Server-Token": handle.auth_token})
         # The first page also waits for the frontend's store connection and every rank: on a
         # loaded box that took over 10 s once; the test's own timeout bounds it.
-        with urllib.request.urlopen(req, timeout=90) as r:
-            assert r.status == 200
+        status, body = request(f"{handle.frontend_url}/?format=json",
+                               headers={"X-Debug-Server-Token": handle.auth_token}, timeout=90)
+        assert status == 200, body
     finally:
         handle.stop()

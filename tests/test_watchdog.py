@@ -112,6 +112,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from debug_server import start_debug_server, stop_debug_server
+from debug_server.rank import worker
 from debug_server.recording.comms import new_comm
 from debug_server.recording.hooks import FlightRecorderHook, health
 
@@ -131,12 +132,30 @@ def metrics():
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
         return r.read().decode()
 
+def until(what, probe, limit_s=60):
+    deadline = time.monotonic() + limit_s
+    while not (got := probe()):
+        if time.monotonic() > deadline:
+            raise SystemExit(f"rank {rank}: {what}: not within {limit_s} s")
+        time.sleep(0.05)
+    return got
+
+# The frontend's hang watch asks every rank's worker for its health: count the asks, so a
+# check that no alarm came waits until the watch has looked.
+health_asks = [0]
+_health = worker.HooksProvider.health
+def _counted_health(self):
+    health_asks[0] += 1
+    return _health(self)
+worker.HooksProvider.health = _counted_health
+
 # Phase A: rank 1 computes twice as long as rank 0; rank 0 waits ~0.2 s in every all_reduce.
 compute = 0.2 if rank == 0 else 0.4
 for _ in range(12):
     time.sleep(compute)
     comm.all_reduce(t)
-time.sleep(1.0)  # two more health polls
+asked = health_asks[0]
+until("two more health polls", lambda: health_asks[0] >= asked + 2)
 print("A_HEALTH", health()["healthy"], health()["stalled_op"], flush=True)
 store.add("a_done", 1)
 while int(store.add("a_done", 0)) < 2:
@@ -149,12 +168,17 @@ store.add("a_checked", 1)
 while int(store.add("a_checked", 0)) < 2:
     time.sleep(0.05)
 
-# Phase B: rank 1 stalls for 4.5 s; rank 0 sits in all_reduce #12 past the stall timeout.
+# Phase B: rank 1 stalls until rank 0, in all_reduce #12 past the stall timeout, is reported.
 if rank == 1:
-    time.sleep(3.5)
-    text = metrics()
+    wanted = ('debug_server_healthy{rank="0"} 0.0', 'debug_server_stuck_seq{group="main_comm"',
+              'debug_server_missing_ranks{group="main_comm",rank="1"')
+    def stalled():
+        text = metrics()
+        return text if all(w in text for w in wanted) else None
+    text = until("rank 0 stalled on /metrics", stalled)
     print("B_METRICS", [ln for ln in text.splitlines() if ln.startswith(("debug_server_healthy", "debug_server_stuck_seq", "debug_server_missing_ranks{"))], flush=True)
-    time.sleep(1.0)
+    until("the hang report and rank 0's stall dump", lambda: len(list(dump_dir.glob("hang_report_*"))) >= 2
+          and (dump_dir / "per_rank" / "stalled_stacks_r0.txt").exists())
 comm.all_reduce(t)
 store.add("b_done", 1)
 while int(store.add("b_done", 0)) < 2:
