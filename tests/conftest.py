@@ -13,11 +13,12 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
-from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import fakes
 import pytest
 from mpjob import ReferenceDemo, free_port
 from skip_policy import pytest_make_collect_report, pytest_runtest_makereport  # noqa: F401
@@ -77,6 +78,15 @@ def fake_job(fake_rank: FakeRank) -> Callable[..., Awaitable[list[str]]]:
         return urls
 
     return make
+
+
+@pytest.fixture
+async def agent_fleet(fleet_providers: Sequence[Any]) -> AsyncIterator[dict[str, Any]]:
+    """Worker apps over the module's ``fleet_providers`` (rank = index) behind one agent app per
+    4 ranks, with a collector through the agents and one asking every rank (``fakes.agent_fleet``
+    says what it holds)."""
+    async with fakes.agent_fleet(fleet_providers) as fleet:
+        yield fleet
 
 
 @pytest.fixture
