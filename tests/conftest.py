@@ -20,30 +20,12 @@ from typing import Any
 
 import fakes
 import pytest
-from mpjob import ReferenceDemo, free_port
+from fakes import MAIN_STACK
+from mpjob import ReferenceDemo
 from skip_policy import pytest_make_collect_report, pytest_runtest_makereport  # noqa: F401
 from tiers import ProcessGuard, mark_jobs
 
-from debug_server.config import JobEnv
 from debug_server.rank.worker import StaticProvider, make_worker_app
-
-MAIN_STACK = """Thread 0x00007f0000000001 (most recent call first):
-  File "/job/train.py", line 88 in hang_phase
-  File "/job/train.py", line 120 in <module>
-"""
-
-
-def closed_port_url() -> str:
-    """A URL nothing listens on (``free_port``: checked free, below the ephemeral range)."""
-    return f"http://127.0.0.1:{free_port()}"
-
-
-def make_job(rank: int, world_size: int, master_port: int, restart: int = 0) -> JobEnv:
-    """A single-host job's environment as torchrun would describe it."""
-    return JobEnv(rank=rank, world_size=world_size, local_world_size=world_size,
-                  master_addr="127.0.0.1", master_port=master_port, restart_count=restart,
-                  run_id="job")
-
 
 FakeRank = Callable[..., Awaitable[str]]
 
@@ -253,6 +235,23 @@ def browser() -> Iterator[Any]:
         if service.process is not None and service.process.poll() is None:
             service.process.kill()
         shutil.rmtree(profile, ignore_errors=True)
+
+
+@pytest.fixture
+def screenshot(browser: Any, tmp_path: Path) -> Callable[[str], Path]:
+    """``screenshot(name)``: the browser's whole page as a PNG, kept in
+    ``$DEBUG_SERVER_SCREENSHOTS`` (default the test's tmp_path); returns its path."""
+    def shoot(name: str) -> Path:
+        out = Path(os.environ.get("DEBUG_SERVER_SCREENSHOTS") or tmp_path)
+        out.mkdir(parents=True, exist_ok=True)
+        # Tall enough for the whole page (selenium's Chrome driver shoots the viewport only).
+        height = browser.execute_script("return document.documentElement.scrollHeight")
+        browser.set_window_size(1400, min(max(int(height) + 120, 800), 4000))
+        path = out / name
+        assert browser.save_screenshot(str(path)), path
+        return path
+
+    return shoot
 
 
 @pytest.fixture

@@ -4,21 +4,30 @@
 front of each host's worker apps; ``AgentedRegistry`` and ``FakeDirectory`` are what the store
 would say of those workers and agents. ``agent_fleet`` is all of it at once (conftest's
 ``agent_fleet`` fixture): worker apps behind one agent per host and two collectors over them.
+``write_cycle`` writes one dump cycle as the frontend's dumper does. ``make_job``,
+``closed_port_url`` and ``MAIN_STACK`` are conftest's fake ranks' pieces.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import aiohttp
 from aiohttp import web
+from mpjob import free_port
 
 from debug_server.agent import app as agent
 from debug_server.agent.registry import StaticHostRegistry
+from debug_server.config import JobEnv
 from debug_server.fanout import agents as agents_mod
 from debug_server.fanout.live import LiveCollector
+from debug_server.fanout.reply import FrData
+from debug_server.fanout.transport import OK, UNREACHABLE, RankResult
+from debug_server.frontend.dumps import snapshot_json, stacks_report
 from debug_server.rank.discovery import WorkerAddr
 from debug_server.rank.worker import make_worker_app
 
@@ -107,3 +116,55 @@ async def agent_fleet(providers: Sequence[Any],
     finally:
         for r in runners:
             await r.cleanup()
+
+
+# ---------------------------------------------------------------------------------------------
+# Fake ranks' pieces (conftest's fake_rank and fake_job)
+
+MAIN_STACK = """Thread 0x00007f0000000001 (most recent call first):
+  File "/job/train.py", line 88 in hang_phase
+  File "/job/train.py", line 120 in <module>
+"""
+
+
+def closed_port_url() -> str:
+    """A URL nothing listens on (``free_port``: checked free, below the ephemeral range)."""
+    return f"http://127.0.0.1:{free_port()}"
+
+
+def make_job(rank: int, world_size: int, master_port: int, restart: int = 0) -> JobEnv:
+    """A single-host job's environment as torchrun would describe it."""
+    return JobEnv(rank=rank, world_size=world_size, local_world_size=world_size,
+                  master_addr="127.0.0.1", master_port=master_port, restart_count=restart,
+                  run_id="job")
+
+
+# ---------------------------------------------------------------------------------------------
+# A dump dir as the frontend's dumper writes it (for the post-mortem viewer)
+
+RANK0_STACK = """Thread 0x00007f0000000001 (most recent call first):
+  File "/job/train.py", line 137 in all_reduce_phase
+  File "/job/train.py", line 150 in <module>
+"""
+RANK1_STACK = """Thread 0x00007f0000000002 (most recent call first):
+  File "/job/train.py", line 66 in hang_phase
+  File "/job/train.py", line 150 in <module>
+"""
+OLD = "20240101_100000"
+NEW = "20240101_100005"
+"""Two dump cycles' stamps, the older first."""
+
+
+def _cycle_results(dumps: dict[int, Any], stacks: dict[int, str | None]) -> tuple[FrData, list[RankResult]]:
+    fr = [RankResult(r, f"http://h:{r}", OK, json.dumps(d)) for r, d in dumps.items()]
+    st = [RankResult(r, f"http://h:{r}", OK, t) if t is not None
+          else RankResult(r, f"http://h:{r}", UNREACHABLE, error=f"rank {r}: unreachable after 2.0 s")
+          for r, t in stacks.items()]
+    return FrData(fr, dict(dumps)), st
+
+
+def write_cycle(d: Path, stamp: str, dumps: dict[int, Any], stacks: dict[int, str | None]) -> None:
+    """One dump cycle as the dumper writes it."""
+    fr, st = _cycle_results(dumps, stacks)
+    (d / f"fr_snapshot_{stamp}.json").write_text(snapshot_json(fr))
+    (d / f"stacks_{stamp}.txt").write_text(stacks_report(st))

@@ -362,7 +362,7 @@ dist.destroy_process_group()
 @pytest.mark.job
 def test_pytorch_own_pickle_and_json_dumps_give_the_same_analysis(tmp_path):
     """Torch's C++ pickler and its JSON writer, from a real one-rank gloo job."""
-    from conftest import free_port
+    from mpjob import free_port
 
     pk, js = tmp_path / "pk", tmp_path / "js"
     pk.mkdir()

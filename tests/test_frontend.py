@@ -8,7 +8,7 @@ import time
 from typing import Any
 
 import pytest
-from conftest import MAIN_STACK, closed_port_url, make_job
+from fakes import MAIN_STACK, closed_port_url, make_job
 from waiting import until_async
 
 from debug_server.analysis import core as analysis

@@ -14,8 +14,8 @@ import re
 from typing import Any
 
 import pytest
+from _scenarios import gpu_trace, kernel
 from aiohttp import web
-from test_profile_merge import gpu_trace, kernel
 
 from debug_server.config import ServerConfig
 from debug_server.frontend import pages_extra

@@ -20,6 +20,8 @@ from typing import Any
 
 import pytest
 from httpget import timed_get
+from jobscripts import FETCH_TIMEOUT, HOLD_S
+from jobscripts import GIL_HOLDING_RANK as RANK
 from rankprocs import RankProcs
 
 from debug_server.analysis import stackparse
@@ -32,27 +34,6 @@ from debug_server.rank.discovery import StaticRegistry, StoreRegistry
 from debug_server.rank.worker import StaticProvider, make_worker_app
 
 REPO = Path(__file__).resolve().parent.parent
-FETCH_TIMEOUT = 2.0
-HOLD_S = 8.0
-
-RANK = """
-import ctypes, os, time
-from debug_server import start_debug_server
-h = start_debug_server(port=0, fetch_timeout=FETCH_TIMEOUT)
-assert h.wait_registered(30)
-print("READY", os.getpid(), h.frontend_url, flush=True)
-if os.environ["RANK"] != os.environ.get("HOLD_RANK", "0"):
-    time.sleep(120)
-libc = ctypes.PyDLL(None)  # PyDLL: the GIL stays held for the whole C call
-libc.usleep.argtypes = [ctypes.c_uint]
-while not os.path.exists("go"):  # the test starts the hold once the frontend is warm
-    time.sleep(0.02)
-print("HOLDING", flush=True)
-t0 = time.monotonic()
-libc.usleep(int(HOLD_S * 1e6))  # HOLD_LINE
-print("SLEPT", f"{time.monotonic() - t0:.4f}", flush=True)
-time.sleep(120)
-"""
 
 
 class Job(RankProcs):

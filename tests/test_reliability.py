@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import make_job
+from fakes import make_job
 from httpget import timed_get
 
 from debug_server.config import ServerConfig

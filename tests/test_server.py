@@ -15,9 +15,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import free_port, make_job
+from fakes import make_job
 from httpget import post, request
-from mpjob import reference_job
+from mpjob import free_port, reference_job
 
 import debug_server
 from debug_server.config import (

@@ -18,47 +18,21 @@ from typing import Any
 
 import _scenarios as S
 import pytest
-from conftest import free_port
+from fakes import NEW, OLD, RANK0_STACK, RANK1_STACK, write_cycle
 from httpget import get_json, request
+from mpjob import free_port
 
 from debug_server.auth import TOKEN_ENV, TOKEN_HEADER
 from debug_server.dumpio import write_dump_atomic
 from debug_server.fanout.reply import FrData
 from debug_server.fanout.transport import OK, UNREACHABLE, RankResult
-from debug_server.frontend.dumps import snapshot_json, stacks_report
+from debug_server.frontend.dumps import snapshot_json
 from debug_server.tools.view import DiskCollector, make_view_app, scan_dir
 from debug_server.tools.view_collector import CURRENT
 from debug_server.tools.view_disk import load_cycle
 
 REPO = Path(__file__).resolve().parent.parent
 BROWSER = "text/html,application/xhtml+xml,application/xml;q=0.9,*/*;q=0.8"
-
-RANK0_STACK = """Thread 0x00007f0000000001 (most recent call first):
-  File "/job/train.py", line 137 in all_reduce_phase
-  File "/job/train.py", line 150 in <module>
-"""
-RANK1_STACK = """Thread 0x00007f0000000002 (most recent call first):
-  File "/job/train.py", line 66 in hang_phase
-  File "/job/train.py", line 150 in <module>
-"""
-OLD = "20240101_100000"
-NEW = "20240101_100005"
-
-
-def _results(dumps: dict[int, Any], stacks: dict[int, str | None]) -> tuple[FrData, list[RankResult]]:
-    fr = [RankResult(r, f"http://h:{r}", OK, json.dumps(d)) for r, d in dumps.items()]
-    st = [RankResult(r, f"http://h:{r}", OK, t) if t is not None
-          else RankResult(r, f"http://h:{r}", UNREACHABLE, error=f"rank {r}: unreachable after 2.0 s")
-          for r, t in stacks.items()]
-    return FrData(fr, dict(dumps)), st
-
-
-def write_cycle(d: Path, stamp: str, dumps: dict[int, Any], stacks: dict[int, str | None]) -> None:
-    """One dump cycle as the dumper writes it."""
-    fr, st = _results(dumps, stacks)
-    (d / f"fr_snapshot_{stamp}.json").write_text(snapshot_json(fr))
-    (d / f"stacks_{stamp}.txt").write_text(stacks_report(st))
-
 
 @pytest.fixture
 def dump_dir(tmp_path: Path) -> Path:

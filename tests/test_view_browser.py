@@ -11,14 +11,13 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 from httpget import get_json
 from mpjob import REPO, ReferenceDemo, free_port
-from test_browser import _shot
 
 pytestmark = [pytest.mark.job, pytest.mark.timeout(180)]
 # A page load in headless Chromium waits on the viewer, which shares the box with the rest of
@@ -63,7 +62,7 @@ def _hang_cycle(base: str, other_than: str | None = None) -> str:
 
 
 def test_overview_says_post_mortem_and_names_rank_1(viewer: str, browser: Any,
-                                                    tmp_path: Path) -> None:
+                                                    screenshot: Callable[[str], Path]) -> None:
     from selenium.webdriver.common.by import By
 
     browser.get(f"{viewer}/")
@@ -79,11 +78,11 @@ def test_overview_says_post_mortem_and_names_rank_1(viewer: str, browser: Any,
     assert "hang_phase" in (stacks or "")
     banner = browser.find_element(By.CSS_SELECTOR, ".banner.bad")
     assert "Rank 1 is missing from all_reduce #4 on main_comm" in banner.text
-    _shot(browser, "view_overview.png", tmp_path)
+    screenshot("view_overview.png")
 
 
 def test_picking_a_cycle_in_the_hang_shows_it_on_every_page(viewer: str, browser: Any,
-                                                           tmp_path: Path) -> None:
+                                                           screenshot: Callable[[str], Path]) -> None:
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import Select, WebDriverWait
 
@@ -101,8 +100,8 @@ def test_picking_a_cycle_in_the_hang_shows_it_on_every_page(viewer: str, browser
     hit = [r for r in rows if "nccl:all_reduce" in r.text
            and [td.text for td in r.find_elements(By.TAG_NAME, "td")][3:4] == ["4"]]
     assert hit, [r.text for r in rows]
-    _shot(browser, "view_fr_trace.png", tmp_path)
+    screenshot("view_fr_trace.png")
     hit[0].find_element(By.CSS_SELECTOR, 'a[href="/stacks#rank-1"]').click()
     section = browser.find_element(By.ID, "rank-1").find_element(By.XPATH, "ancestor::section")
     assert "hang_phase" in section.text
-    _shot(browser, "view_stacks.png", tmp_path)
+    screenshot("view_stacks.png")

@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import MAIN_STACK
+from fakes import MAIN_STACK
+from jobscripts import ABORT_JOB
 from mpjob import REFERENCE_ENV, assert_ok, demo_hang_line, free_port, run_job
 
 from debug_server.config import ServerConfig
@@ -228,24 +229,6 @@ def test_uneven_progress_raises_no_alarm_and_a_real_stall_does(tmp_path: Path) -
 # ---------------------------------------------------------------------------------------------
 # abort_process_on_timeout_or_error=True: the pickle is on disk, then the process aborts.
 
-ABORT_JOB = r'''
-import datetime, os, resource, time
-import torch
-from debug_server.recording.comms import new_comm
-from debug_server.recording.hooks import FlightRecorderHook
-
-resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # no core file from the abort
-comm = new_comm("gloo", torch.device("cpu"), "main_comm", timeout=datetime.timedelta(seconds=2),
-                abort_process_on_timeout_or_error=True)
-FlightRecorderHook(max_entries=100).register_with_comm(comm)
-t = torch.ones(16)
-comm.all_reduce(t)
-if comm.get_rank() == 0:
-    comm.all_reduce(t)  # rank 1 never joins: times out, dumps, aborts
-    print("NOT_REACHED", flush=True)
-else:
-    time.sleep(4)
-'''
 
 
 @pytest.mark.job

@@ -18,16 +18,15 @@ from typing import Any
 
 import pytest
 from httpget import post, timed_get
+from jobscripts import FETCH_TIMEOUT, GIL_HOLDING_RANK, HOLD_S
 from mpjob import REPO, descendants, free_port
 from rankprocs import RankProcs
-from test_pyspy import FETCH_TIMEOUT, HOLD_S
-from test_pyspy import RANK as PYSPY_RANK
 
 pytestmark = pytest.mark.job
 
-# test_pyspy's rank (start_debug_server, then a 8 s usleep holding the GIL on HOLD_RANK), each
+# jobscripts' GIL-holding rank (start_debug_server, then a 8 s usleep holding the GIL on HOLD_RANK), each
 # rank saying who it is, who its parent is and where its worker listens.
-RANK = PYSPY_RANK.replace(
+RANK = GIL_HOLDING_RANK.replace(
     'print("READY", os.getpid(), h.frontend_url, flush=True)',
     'print("READY", os.environ["RANK"], os.getpid(), os.getppid(), h.frontend_url, '
     'h.worker_url, flush=True)',
