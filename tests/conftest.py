@@ -5,7 +5,13 @@ run: ``demo_live`` gives its frontend while it hangs, ``demo_done`` its dump dir
 it ended. Tests of the live hang are ordered before the others that read the demo, and under
 pytest-xdist (``scripts/run_tests.sh`` runs ``-n ... --dist loadgroup``) every test that reads
 it runs on one worker, so a parallel run still starts it once (``tests/xdist_groups.py``).
-``browser`` is one headless Debian Chromium for the session.
+``browser`` is one headless Debian Chromium for the session. ``agent_fleet``: worker apps behind
+agent apps, over the providers of the module's ``fleet_providers``.
+
+Every test that starts a process is in the ``job`` tier (``tests/tiers.py``: the mark, or one of
+the demo's and the browser's fixtures); ``ProcessGuard`` fails any other test that starts one.
+Helpers are imported from helper modules (``fakes``, ``mpjob``, ``httpget``...), never from here
+or from another test module.
 """
 
 from __future__ import annotations
@@ -18,9 +24,9 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-import fakes
 import pytest
 from fakes import MAIN_STACK
+from fakes import agent_fleet as serve_agent_fleet
 from mpjob import ReferenceDemo
 from skip_policy import pytest_make_collect_report, pytest_runtest_makereport  # noqa: F401
 from tiers import ProcessGuard, mark_jobs
@@ -67,7 +73,7 @@ async def agent_fleet(fleet_providers: Sequence[Any]) -> AsyncIterator[dict[str,
     """Worker apps over the module's ``fleet_providers`` (rank = index) behind one agent app per
     4 ranks, with a collector through the agents and one asking every rank (``fakes.agent_fleet``
     says what it holds)."""
-    async with fakes.agent_fleet(fleet_providers) as fleet:
+    async with serve_agent_fleet(fleet_providers) as fleet:
         yield fleet
 
 
