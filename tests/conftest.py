@@ -25,13 +25,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from fakes import MAIN_STACK
+from fakes import MAIN_STACK, closed_port_url, make_job  # noqa: F401 - the two: see below
 from fakes import agent_fleet as serve_agent_fleet
 from mpjob import ReferenceDemo
 from skip_policy import pytest_make_collect_report, pytest_runtest_makereport  # noqa: F401
 from tiers import ProcessGuard, mark_jobs
 
 from debug_server.rank.worker import StaticProvider, make_worker_app
+
+# closed_port_url and make_job stay importable from here for test modules written before they
+# moved to fakes (branches in flight); new code imports them from fakes.
 
 FakeRank = Callable[..., Awaitable[str]]
 
