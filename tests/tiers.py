@@ -58,7 +58,11 @@ class ProcessGuard:
         original = getattr(owner, name)
 
         def watched(*args: Any, **kwargs: Any) -> Any:
-            self._note(describe(*args, **kwargs))
+            try:
+                what = describe(*args, **kwargs)
+            except Exception:  # a call shaped otherwise: still noted, never stopped
+                what = name
+            self._note(what)
             return original(*args, **kwargs)
 
         setattr(owner, name, watched)
