@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from _jobsim import JobSim
@@ -23,6 +24,17 @@ def load_fixture(name: str) -> Dumps:
     """A captured real dump set from tests/data (JSON: {"dumps": {rank: dump}})."""
     with open(os.path.join(DATA, name), encoding="utf-8") as f:
         return {int(r): d for r, d in json.load(f)["dumps"].items()}
+
+
+C10D_CAPTURE = os.path.join(DATA, "c10d_merge_gloo.json")
+"""What ``scripts/capture_c10d_fixture.py`` read of a real 2-rank gloo job, per rank."""
+
+
+def c10d_capture() -> dict[int, dict[str, Any]]:
+    """Per rank of ``C10D_CAPTURE``: our hooks' dump (``ours``), c10d's recorders, the groups
+    and the communicators ours owns, as ``recording.c10d_fr`` reads them in a live rank."""
+    with open(C10D_CAPTURE, encoding="utf-8") as f:
+        return {int(r): v for r, v in json.load(f)["ranks"].items()}
 
 
 def _seqs(
@@ -345,3 +357,75 @@ def split_equal_names(*, skip: int | None = 3) -> dict[int, dict[str, Any]]:
                                    state="started" if hang else "completed"))
         dumps[r] = make_dump(ents, mine)
     return dumps
+
+
+# ---------------------------------------------------------------------------------------------
+# Profiles: GPU traces in torch.profiler's Chrome format (no GPU here to capture one)
+
+PROFILE_BASE_NS = 1_790_000_000_000_000_000
+
+
+def kernel(name: str, ts: float, dur: float, stream: int = 7) -> dict[str, Any]:
+    """One GPU kernel event of a torch.profiler trace (``ts``/``dur`` in microseconds)."""
+    return {"ph": "X", "cat": "kernel", "name": name, "pid": 0, "tid": stream, "ts": ts,
+            "dur": dur, "args": {"device": 0, "stream": stream}}
+
+
+def gpu_trace(kernels: list[dict[str, Any]], *, window: tuple[float, float] = (0.0, 1000.0),
+              base_ns: int = PROFILE_BASE_NS, host: str = "node-a") -> dict[str, Any]:
+    """A trace shaped as torch.profiler writes it: the profiler span, process/thread names,
+    a CPU launch with its flow arrow to the first kernel."""
+    events: list[dict[str, Any]] = [
+        {"ph": "M", "name": "process_name", "pid": 4242, "tid": 0, "args": {"name": "python"}},
+        {"ph": "M", "name": "process_labels", "pid": 4242, "tid": 0, "args": {"labels": "CPU"}},
+        {"ph": "M", "name": "process_name", "pid": 0, "tid": 0, "args": {"name": "python"}},
+        {"ph": "M", "name": "process_labels", "pid": 0, "tid": 0, "args": {"labels": "GPU 0"}},
+        {"ph": "M", "name": "thread_name", "pid": 0, "tid": 7, "args": {"name": "stream 7"}},
+        {"ph": "M", "name": "thread_name", "pid": 4242, "tid": 4242,
+         "args": {"name": "thread 4242 (python)"}},
+        {"ph": "X", "cat": "Trace", "name": "PyTorch Profiler (0)", "pid": "Spans",
+         "tid": "PyTorch Profiler", "ts": window[0], "dur": window[1] - window[0]},
+        {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "pid": 4242, "tid": 4242,
+         "ts": window[0] + 1, "dur": 2.0},
+        {"ph": "s", "id": 17, "pid": 4242, "tid": 4242, "ts": window[0] + 1, "cat": "ac2g",
+         "name": "ac2g"},
+    ]
+    if kernels:
+        k = kernels[0]
+        events.append({"ph": "f", "id": 17, "pid": 0, "tid": k["tid"], "ts": k["ts"],
+                       "cat": "ac2g", "name": "ac2g", "bp": "e"})
+    return {"schemaVersion": 1, "host_name": host, "baseTimeNanoseconds": base_ns,
+            "traceEvents": events + kernels}
+
+
+# ---------------------------------------------------------------------------------------------
+# Stragglers: rings whose ranks issue each collective late by a given lag
+
+MS = 1_000_000
+"""A millisecond in nanoseconds."""
+T0 = 1_700_000_000 * 10**9
+"""When ``lagged_rings``' seq 0 was nominally issued."""
+
+
+def lagged_rings(m: int, ops: int, lag: Callable[[int, int], float], *,
+                 group: str = "main_comm", members: Sequence[int] | None = None,
+                 start_lag: Callable[[int, int], float] | None = None,
+                 skew_ns: dict[int, int] | None = None,
+                 into: dict[int, dict[str, Any]] | None = None) -> dict[int, dict[str, Any]]:
+    """Rings of ``m`` ranks issuing ``ops`` all_reduces 100 ms apart; rank r issues seq s at
+    ``lag(r, s)`` ms after the op's nominal time (plus ``skew_ns[r]``: its clock's offset)."""
+    ranks = list(members) if members is not None else list(range(m))
+    out = into if into is not None else {}
+    for r in ranks:
+        d = out.setdefault(r, {"pg_config": {}, "entries": []})
+        d["pg_config"][group] = {"name": group, "desc": "gloo", "ranks": str(ranks)}
+        for s in range(ops):
+            created = T0 + s * 100 * MS + int(lag(r, s) * MS) + (skew_ns or {}).get(r, 0)
+            e = {"process_group": [group, "gloo"], "collective_seq_id": s,
+                 "profiling_name": "nccl:all_reduce", "time_created_ns": created,
+                 "state": "completed"}
+            if start_lag is not None:
+                e["time_discovered_started_ns"] = (T0 + s * 100 * MS + int(start_lag(r, s) * MS)
+                                                   + (skew_ns or {}).get(r, 0))
+            d["entries"].append(e)
+    return out

@@ -5,7 +5,13 @@ run: ``demo_live`` gives its frontend while it hangs, ``demo_done`` its dump dir
 it ended. Tests of the live hang are ordered before the others that read the demo, and under
 pytest-xdist (``scripts/run_tests.sh`` runs ``-n ... --dist loadgroup``) every test that reads
 it runs on one worker, so a parallel run still starts it once (``tests/xdist_groups.py``).
-``browser`` is one headless Debian Chromium for the session.
+``browser`` is one headless Debian Chromium for the session. ``agent_fleet``: worker apps behind
+agent apps, over the providers of the module's ``fleet_providers``.
+
+Every test that starts a process is in the ``job`` tier (``tests/tiers.py``: the mark, or one of
+the demo's and the browser's fixtures); ``ProcessGuard`` fails any other test that starts one.
+Helpers are imported from helper modules (``fakes``, ``mpjob``, ``httpget``...), never from here
+or from another test module.
 """
 
 from __future__ import annotations
@@ -13,35 +19,22 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
-from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
-from mpjob import ReferenceDemo, free_port
+from fakes import MAIN_STACK, closed_port_url, make_job  # noqa: F401 - the two: see below
+from fakes import agent_fleet as serve_agent_fleet
+from mpjob import ReferenceDemo
 from skip_policy import pytest_make_collect_report, pytest_runtest_makereport  # noqa: F401
+from tiers import ProcessGuard, mark_jobs
 
-from debug_server.config import JobEnv
 from debug_server.rank.worker import StaticProvider, make_worker_app
 
-MAIN_STACK = """Thread 0x00007f0000000001 (most recent call first):
-  File "/job/train.py", line 88 in hang_phase
-  File "/job/train.py", line 120 in <module>
-"""
-
-
-def closed_port_url() -> str:
-    """A URL nothing listens on (``free_port``: checked free, below the ephemeral range)."""
-    return f"http://127.0.0.1:{free_port()}"
-
-
-def make_job(rank: int, world_size: int, master_port: int, restart: int = 0) -> JobEnv:
-    """A single-host job's environment as torchrun would describe it."""
-    return JobEnv(rank=rank, world_size=world_size, local_world_size=world_size,
-                  master_addr="127.0.0.1", master_port=master_port, restart_count=restart,
-                  run_id="job")
-
+# closed_port_url and make_job stay importable from here for test modules written before they
+# moved to fakes (branches in flight); new code imports them from fakes.
 
 FakeRank = Callable[..., Awaitable[str]]
 
@@ -76,6 +69,15 @@ def fake_job(fake_rank: FakeRank) -> Callable[..., Awaitable[list[str]]]:
         return urls
 
     return make
+
+
+@pytest.fixture
+async def agent_fleet(fleet_providers: Sequence[Any]) -> AsyncIterator[dict[str, Any]]:
+    """Worker apps over the module's ``fleet_providers`` (rank = index) behind one agent app per
+    4 ranks, with a collector through the agents and one asking every rank (``fakes.agent_fleet``
+    says what it holds)."""
+    async with serve_agent_fleet(fleet_providers) as fleet:
+        yield fleet
 
 
 @pytest.fixture
@@ -119,6 +121,10 @@ def demo_done(reference_demo: ReferenceDemo) -> tuple[Path, str]:
 DEMO_GROUP = "reference_demo"
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    config.pluginmanager.register(ProcessGuard(), "process_guard")
+
+
 def _module_scoped(item: pytest.Item) -> bool:
     """Whether ``item`` uses a fixture set up once per module (a real job its tests share)."""
     info = getattr(item, "_fixtureinfo", None)
@@ -140,6 +146,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     def uses(item: pytest.Item, name: str) -> bool:
         return name in getattr(item, "fixturenames", ())
 
+    mark_jobs(items)  # before `-m` deselects (tests/tiers.py)
     live = [i for i in items if uses(i, "demo_live")]
     done = [i for i in items if uses(i, "reference_demo") and not uses(i, "demo_live")]
     # A test that sets its own timeout runs a real job: modules with such tests start first
@@ -237,6 +244,23 @@ def browser() -> Iterator[Any]:
         if service.process is not None and service.process.poll() is None:
             service.process.kill()
         shutil.rmtree(profile, ignore_errors=True)
+
+
+@pytest.fixture
+def screenshot(browser: Any, tmp_path: Path) -> Callable[[str], Path]:
+    """``screenshot(name)``: the browser's whole page as a PNG, kept in
+    ``$DEBUG_SERVER_SCREENSHOTS`` (default the test's tmp_path); returns its path."""
+    def shoot(name: str) -> Path:
+        out = Path(os.environ.get("DEBUG_SERVER_SCREENSHOTS") or tmp_path)
+        out.mkdir(parents=True, exist_ok=True)
+        # Tall enough for the whole page (selenium's Chrome driver shoots the viewport only).
+        height = browser.execute_script("return document.documentElement.scrollHeight")
+        browser.set_window_size(1400, min(max(int(height) + 120, 800), 4000))
+        path = out / name
+        assert browser.save_screenshot(str(path)), path
+        return path
+
+    return shoot
 
 
 @pytest.fixture

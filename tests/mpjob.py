@@ -15,10 +15,11 @@ import subprocess
 import sys
 import textwrap
 import time
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from httpget import get_json
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -298,8 +299,7 @@ class ReferenceDemo:
                 return self.base
             assert time.monotonic() < deadline, f"no hang seen in {limit_s:g} s:\n{self._tail()}"
             try:
-                with urllib.request.urlopen(f"{self.base}/fr_trace?format=json", timeout=5) as r:
-                    body = json.loads(r.read())
+                body = get_json(f"{self.base}/fr_trace?format=json", timeout=5)
                 self._hung = any(f["kind"] == "missing_ranks" and f["seq"] == 4
                                  for f in body["findings"])
             except (OSError, ValueError, KeyError):

@@ -18,26 +18,20 @@ import subprocess
 import sys
 import textwrap
 import time
-import urllib.error
-import urllib.request
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
-from aiohttp import web
+from fakes import FLEET_MISSING, FLEET_PER_HOST, FLEET_WORLD
+from httpget import get_json, request
 from mpjob import free_port, kill_all, rank_env
 
-from debug_server.agent import app as agent
-from debug_server.agent.registry import StaticHostRegistry
 from debug_server.config import JobEnv
-from debug_server.fanout import agents as agents_mod
-from debug_server.fanout.live import LiveCollector
 from debug_server.frontend.dumps import analyze_fr
 from debug_server.rank import agent_launch
-from debug_server.rank.discovery import WorkerAddr
-from debug_server.rank.worker import StaticProvider, make_worker_app
+from debug_server.rank.worker import StaticProvider
 from debug_server.tools import synthetic
 
 STACK = ('Thread 0x00007f0000000001 (most recent call first):\n'
@@ -80,86 +74,15 @@ def test_single_host_job_runs_no_agent_unless_asked() -> None:
 # In process: 8 fake ranks on two fake hosts
 
 
-class _Directory:
-    """The agents' registrations, as ``AgentDirectory`` reads them from a store."""
-
-    def __init__(self, agents: dict[str, agents_mod.AgentAddr]) -> None:
-        self.agents = agents
-
-    async def lookup(self, ids: set[str]) -> dict[str, agents_mod.AgentAddr]:
-        return {i: a for i, a in self.agents.items() if i in ids}
-
-    def forget(self, agent_id: str) -> None:
-        pass
-
-
-class _Registry:
-    """Workers as the store gives them: each with its sidecar naming its host's agent."""
-
-    def __init__(self, urls: list[str], per_host: int) -> None:
-        self.world_size = len(urls)
-        self.addrs = [WorkerAddr(r, u, meta={"agent": f"h{r // per_host}", "restart": 0})
-                      for r, u in enumerate(urls)]
-
-    async def lookup(self) -> list[WorkerAddr]:
-        return list(self.addrs)
-
-    def close(self) -> None:
-        pass
-
-
-async def _start(app: web.Application, runners: list[web.AppRunner]) -> str:
-    runner = web.AppRunner(app, handle_signals=False, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    runners.append(runner)
-    return f"http://127.0.0.1:{runner.addresses[0][1]}"
-
-
-async def _start_agents(urls: list[str], runners: list[web.AppRunner],
-                        per_host: int) -> dict[str, agents_mod.AgentAddr]:
-    """One real agent app per ``per_host`` of the workers at ``urls``, hosts ``h0``, ``h1``..."""
-    found = {}
-    for h in range(len(urls) // per_host):
-        lo = h * per_host
-        app = agent.make_agent_app(StaticHostRegistry(urls[lo:lo + per_host], lo,
-                                                            len(urls)),
-                                   f"h{h}", fetch_timeout=3.0)
-        found[f"h{h}"] = agents_mod.AgentAddr(f"h{h}", await _start(app, runners),
-                                                frozenset(range(lo, lo + per_host)))
-    return found
-
-
-WORLD, PER_HOST, MISSING = 8, 4, 6
+WORLD, PER_HOST, MISSING = FLEET_WORLD, FLEET_PER_HOST, FLEET_MISSING
 
 
 @pytest.fixture
-async def fleet() -> AsyncIterator[dict[str, Any]]:
-    """8 worker apps (rank 6 never issued the newest all_reduce) and one agent per 4 ranks."""
+def fleet_providers() -> list[StaticProvider]:
+    """8 ranks (rank 6 never issued the newest all_reduce, and sleeps) for ``agent_fleet``."""
     dumps = synthetic.hang_job(WORLD, n_entries=200, missing_rank=MISSING)
-    runners: list[web.AppRunner] = []
-    urls = [await _start(make_worker_app(StaticProvider(
-        dumps[r], stacks=HANG_STACK if r == MISSING else STACK)), runners) for r in range(WORLD)]
-    agents = {}
-    agent_runners = {}
-    for h in range(WORLD // PER_HOST):
-        ranks = list(range(h * PER_HOST, (h + 1) * PER_HOST))
-        app = agent.make_agent_app(StaticHostRegistry(urls[ranks[0]:ranks[-1] + 1],
-                                                            ranks[0], WORLD),
-                                   f"h{h}", fetch_timeout=3.0)
-        url = await _start(app, runners)
-        agent_runners[f"h{h}"] = runners[-1]
-        agents[f"h{h}"] = agents_mod.AgentAddr(f"h{h}", url, frozenset(ranks))
-    async with aiohttp.ClientSession() as session:
-        registry = _Registry(urls, PER_HOST)
-        through = LiveCollector(session, registry, timeout=3.0,
-                                route=agents_mod.AgentRoute(_Directory(agents)))  # type: ignore[arg-type]
-        plain = LiveCollector(session, registry, timeout=3.0)
-        yield {"through": through, "plain": plain, "agents": agents,
-               "agent_runners": agent_runners, "urls": urls}
-    for r in runners:
-        await r.cleanup()
+    return [StaticProvider(dumps[r], stacks=HANG_STACK if r == MISSING else STACK)
+            for r in range(WORLD)]
 
 
 async def _agent_counts(url: str) -> dict[str, int]:
@@ -168,30 +91,30 @@ async def _agent_counts(url: str) -> dict[str, int]:
 
 
 async def test_fr_through_agents_gives_the_same_verdict_as_asking_every_rank(
-        fleet: dict[str, Any]) -> None:
-    via = await fleet["through"].fr()
-    direct = await fleet["plain"].fr()
+        agent_fleet: dict[str, Any]) -> None:
+    via = await agent_fleet["through"].fr()
+    direct = await agent_fleet["plain"].fr()
     a = analyze_fr(via, None, WORLD)
     b = analyze_fr(direct, None, WORLD)
     assert a["verdict"] == b["verdict"] and f"Rank {MISSING} never joined" in a["verdict"]
     assert a["findings"] == b["findings"]
     assert sorted(via.dumps) == list(range(WORLD))
     assert [r.note for r in via.results] == [f"via agent h{r // PER_HOST}" for r in range(WORLD)]
-    for h, ag in fleet["agents"].items():
+    for h, ag in agent_fleet["agents"].items():
         assert (await _agent_counts(ag.url)).get("agent_fr", 0) >= 1, h
 
 
-async def test_fr_window_through_agents_matches_the_direct_window(fleet: dict[str, Any]) -> None:
-    via = await fleet["through"].fr()
-    direct = await fleet["plain"].fr()
+async def test_fr_window_through_agents_matches_the_direct_window(agent_fleet: dict[str, Any]) -> None:
+    via = await agent_fleet["through"].fr()
+    direct = await agent_fleet["plain"].fr()
     assert via.window == direct.window
     for r in range(WORLD):
         assert [(e["record_id"], e["frames"]) for e in via.dumps[r]["entries"]] == \
             [(e["record_id"], e["frames"]) for e in direct.dumps[r]["entries"]], r
 
 
-async def test_agent_fr_reply_sends_each_call_site_stack_once(fleet: dict[str, Any]) -> None:
-    url = fleet["agents"]["h0"].url
+async def test_agent_fr_reply_sends_each_call_site_stack_once(agent_fleet: dict[str, Any]) -> None:
+    url = agent_fleet["agents"]["h0"].url
     async with aiohttp.ClientSession() as s, s.post(f"{url}/handler/agent_fr?window=4") as resp:
         reply = await resp.json()
     used = [e["frames"] for d in reply["dumps"].values() for e in d["entries"]]
@@ -200,23 +123,23 @@ async def test_agent_fr_reply_sends_each_call_site_stack_once(fleet: dict[str, A
     assert sorted(set(used)) == list(range(len(texts)))
 
 
-async def test_stacks_through_agents_give_every_rank_its_own_stack(fleet: dict[str, Any]) -> None:
-    results = await fleet["through"].stacks()
+async def test_stacks_through_agents_give_every_rank_its_own_stack(agent_fleet: dict[str, Any]) -> None:
+    results = await agent_fleet["through"].stacks()
     assert [r.rank for r in results] == list(range(WORLD))
     assert [r.body for r in results] == [HANG_STACK if r == MISSING else STACK
                                          for r in range(WORLD)]
 
 
-async def test_agent_stacks_reply_holds_each_distinct_stack_once(fleet: dict[str, Any]) -> None:
-    url = fleet["agents"]["h1"].url
+async def test_agent_stacks_reply_holds_each_distinct_stack_once(agent_fleet: dict[str, Any]) -> None:
+    url = agent_fleet["agents"]["h1"].url
     async with aiohttp.ClientSession() as s, s.post(f"{url}/handler/agent_stacks") as resp:
         reply = await resp.json()
     assert sorted(reply["bodies"]) == sorted([STACK, HANG_STACK])
     assert {r["rank"]: reply["bodies"][r["body"]] for r in reply["ranks"]}[MISSING] == HANG_STACK
 
 
-async def test_agent_fr_reply_carries_the_hosts_mismatch_signatures(fleet: dict[str, Any]) -> None:
-    url = fleet["agents"]["h1"].url
+async def test_agent_fr_reply_carries_the_hosts_mismatch_signatures(agent_fleet: dict[str, Any]) -> None:
+    url = agent_fleet["agents"]["h1"].url
     async with aiohttp.ClientSession() as s, s.post(f"{url}/handler/agent_fr?window=4") as resp:
         reply = await resp.json()
     newest = max(int(seq) for seq in reply["signatures"]["main_comm"])
@@ -224,16 +147,16 @@ async def test_agent_fr_reply_carries_the_hosts_mismatch_signatures(fleet: dict[
     assert json.loads(sig)[0] == "all_reduce" and ranks == [4, 5, 7]
 
 
-async def test_health_poll_goes_through_agents(fleet: dict[str, Any]) -> None:
-    results = await fleet["through"].fetch("torchcomms_health_check")
+async def test_health_poll_goes_through_agents(agent_fleet: dict[str, Any]) -> None:
+    results = await agent_fleet["through"].fetch("torchcomms_health_check")
     assert [json.loads(r.body)["healthy"] for r in results] == [True] * WORLD
     assert all(r.note == f"via agent h{r.rank // PER_HOST}" for r in results)
 
 
-async def test_a_dead_agent_leaves_its_ranks_to_the_direct_path(fleet: dict[str, Any]) -> None:
-    await fleet["agent_runners"]["h1"].cleanup()  # nothing listens there any more
-    fr = await fleet["through"].fr()
-    stacks = await fleet["through"].stacks()
+async def test_a_dead_agent_leaves_its_ranks_to_the_direct_path(agent_fleet: dict[str, Any]) -> None:
+    await agent_fleet["agent_runners"]["h1"].cleanup()  # nothing listens there any more
+    fr = await agent_fleet["through"].fr()
+    stacks = await agent_fleet["through"].stacks()
     assert sorted(fr.dumps) == list(range(WORLD))
     assert [r.note for r in fr.results[PER_HOST:]] == [None] * PER_HOST
     assert [r.note for r in fr.results[:PER_HOST]] == ["via agent h0"] * PER_HOST
@@ -241,16 +164,16 @@ async def test_a_dead_agent_leaves_its_ranks_to_the_direct_path(fleet: dict[str,
     assert f"Rank {MISSING} never joined" in analyze_fr(fr, stacks, WORLD)["verdict"]
 
 
-async def test_agent_refuses_an_unknown_parameter_in_one_line(fleet: dict[str, Any]) -> None:
-    url = fleet["agents"]["h0"].url
+async def test_agent_refuses_an_unknown_parameter_in_one_line(agent_fleet: dict[str, Any]) -> None:
+    url = agent_fleet["agents"]["h0"].url
     async with aiohttp.ClientSession() as s, s.post(f"{url}/handler/agent_fr?rank=1") as resp:
         assert resp.status == 400
         assert (await resp.text()) == ("unknown parameter 'rank' (allowed: onlyactive, pgknown, "
                                        "ranks, since, stacks, tag, whole, window)")
 
 
-async def test_agent_relays_only_the_listed_handlers(fleet: dict[str, Any]) -> None:
-    url = fleet["agents"]["h0"].url
+async def test_agent_relays_only_the_listed_handlers(agent_fleet: dict[str, Any]) -> None:
+    url = agent_fleet["agents"]["h0"].url
     async with aiohttp.ClientSession() as s, s.post(
             f"{url}/handler/agent_fetch?handler=torch_profile") as resp:
         assert resp.status == 400
@@ -286,18 +209,7 @@ HANG_LINE = next(i for i, line in enumerate(textwrap.dedent(JOB).splitlines(), 1
 
 
 def _get(url: str, path: str) -> tuple[int, str]:
-    req = urllib.request.Request(f"{url}{path}", headers={"Accept": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=30) as r:
-            return r.status, r.read().decode()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read().decode()
-
-
-def _post(url: str, path: str) -> Any:
-    req = urllib.request.Request(f"{url}{path}", method="POST")
-    with urllib.request.urlopen(req, timeout=30) as r:
-        return json.loads(r.read())
+    return request(f"{url}{path}", headers={"Accept": "application/json"})
 
 
 def _agents(store_port: int) -> dict[str, dict[str, Any]]:
@@ -365,12 +277,14 @@ def job(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
             f.close()
 
 
+@pytest.mark.job
 @pytest.mark.timeout(150)
 def test_each_fake_host_registers_one_agent_for_its_two_ranks(job: dict[str, Any]) -> None:
     agents = _agents(job["store_port"])
     assert {h: a["ranks"] for h, a in agents.items()} == {"fakehost0": "0-1", "fakehost1": "2-3"}
 
 
+@pytest.mark.job
 @pytest.mark.timeout(150)
 def test_fr_trace_goes_through_the_agents_and_names_rank_3(job: dict[str, Any]) -> None:
     fr = job["fr"]
@@ -379,9 +293,10 @@ def test_fr_trace_goes_through_the_agents_and_names_rank_3(job: dict[str, Any]) 
         ["via agent fakehost1"] * 2
     assert fr["verdict"].startswith("Rank 3 never joined all_reduce #3"), fr["verdict"]
     for a in _agents(job["store_port"]).values():
-        assert _post(a["url"], "/handler/agent_info")["requests"]["agent_fr"] >= 1
+        assert get_json(f"{a['url']}/handler/agent_info", "POST")["requests"]["agent_fr"] >= 1
 
 
+@pytest.mark.job
 @pytest.mark.timeout(150)
 def test_stacks_go_through_the_agents_and_show_rank_3_asleep(job: dict[str, Any]) -> None:
     status, body = _get(job["url"], "/stacks?format=json")
@@ -390,9 +305,10 @@ def test_stacks_go_through_the_agents_and_show_rank_3_asleep(job: dict[str, Any]
     assert [r["note"] for r in ranks] == ["via agent fakehost0"] * 2 + ["via agent fakehost1"] * 2
     assert f"line {HANG_LINE} in <module>" in ranks[3]["stacks"], ranks[3]["stacks"]
     for a in _agents(job["store_port"]).values():
-        assert _post(a["url"], "/handler/agent_info")["requests"]["agent_stacks"] >= 1
+        assert get_json(f"{a['url']}/handler/agent_info", "POST")["requests"]["agent_stacks"] >= 1
 
 
+@pytest.mark.job
 @pytest.mark.timeout(150)
 def test_attached_frontend_finds_the_agents_through_the_store(job: dict[str, Any]) -> None:
     proc = subprocess.Popen([sys.executable, "-m", "debug_server.frontend", "--store",
@@ -435,6 +351,7 @@ def _wait_gone(pid: int, timeout: float = 30.0) -> None:
         time.sleep(0.01)
 
 
+@pytest.mark.job
 @pytest.mark.timeout(150)
 def test_killed_agent_leaves_every_rank_on_the_pages(job: dict[str, Any]) -> None:
     victim = _agents(job["store_port"])["fakehost1"]

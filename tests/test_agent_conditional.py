@@ -7,25 +7,23 @@ recorder does) behind real agent apps on port 0, read by the frontend's ``agents
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import aiohttp
 import pytest
-from aiohttp import web
-from test_agent import _Directory, _Registry, _start, _start_agents  # the same fakes
+from fakes import FLEET_MISSING, FLEET_PER_HOST, FLEET_WORLD, collector_through
 
 from debug_server.agent import app as agent
 from debug_server.analysis.core import analyze
 from debug_server.analysis.digest import SNAPSHOT_TIME_KEY, DigestMemo, digest_dump
-from debug_server.fanout import agents as agents_mod
 from debug_server.fanout.live import LiveCollector
 from debug_server.frontend.dumps import analyze_fr
 from debug_server.protocol import agentwire
-from debug_server.rank.worker import StaticProvider, make_worker_app
+from debug_server.rank.worker import StaticProvider
 from debug_server.tools import synthetic
 
-WORLD, PER_HOST, MISSING = 8, 4, 6
+WORLD, PER_HOST, MISSING = FLEET_WORLD, FLEET_PER_HOST, FLEET_MISSING
 
 
 class LiveProvider(StaticProvider):
@@ -36,19 +34,10 @@ class LiveProvider(StaticProvider):
 
 
 @pytest.fixture
-async def fleet() -> AsyncIterator[dict[str, Any]]:
-    """8 live-stamped workers (rank 6 never issued the newest all_reduce), one agent per 4."""
+def fleet_providers() -> list[LiveProvider]:
+    """8 live-stamped ranks (rank 6 never issued the newest all_reduce) for ``agent_fleet``."""
     dumps = synthetic.hang_job(WORLD, n_entries=200, missing_rank=MISSING)
-    runners: list[web.AppRunner] = []
-    providers = [LiveProvider(dumps[r]) for r in range(WORLD)]
-    urls = [await _start(make_worker_app(p), runners) for p in providers]
-    agents = await _start_agents(urls, runners, PER_HOST)
-    async with aiohttp.ClientSession() as session:
-        through = LiveCollector(session, _Registry(urls, PER_HOST), timeout=3.0,  # type: ignore[arg-type]
-                                route=agents_mod.AgentRoute(_Directory(agents)))  # type: ignore[arg-type]
-        yield {"through": through, "providers": providers, "agents": agents}
-    for r in runners:
-        await r.cleanup()
+    return [LiveProvider(dumps[r]) for r in range(WORLD)]
 
 
 def _entries(dump: Mapping[str, Any]) -> list[tuple[Any, ...]]:
@@ -62,8 +51,8 @@ async def _post(url: str) -> dict[str, Any]:
 
 
 async def test_second_ask_of_a_hung_host_is_answered_unchanged_with_new_read_times(
-        fleet: dict[str, Any]) -> None:
-    through = fleet["through"]
+        agent_fleet: dict[str, Any]) -> None:
+    through = agent_fleet["through"]
     first = await through.fr()
     second = await through.fr()
     assert through.route.agent_unchanged == WORLD // PER_HOST
@@ -77,10 +66,10 @@ async def test_second_ask_of_a_hung_host_is_answered_unchanged_with_new_read_tim
 
 
 async def test_a_changed_ring_gets_its_host_a_whole_reply_and_the_other_host_unchanged(
-        fleet: dict[str, Any]) -> None:
-    through = fleet["through"]
+        agent_fleet: dict[str, Any]) -> None:
+    through = agent_fleet["through"]
     first = await through.fr()
-    p = fleet["providers"][1]
+    p = agent_fleet["providers"][1]
     entries = [dict(e) for e in p.dump["entries"]]
     newest = entries[-1]
     newest["state"] = "started" if newest["state"] == "completed" else "completed"
@@ -94,8 +83,8 @@ async def test_a_changed_ring_gets_its_host_a_whole_reply_and_the_other_host_unc
 
 
 async def test_a_page_of_hosts_that_all_answer_with_their_last_tags_reuses_the_window_and_cut(
-        fleet: dict[str, Any]) -> None:
-    through = fleet["through"]
+        agent_fleet: dict[str, Any]) -> None:
+    through = agent_fleet["through"]
     first = await through.fr()
     assert through.route.cuts_reused == 0
     second = await through.fr()
@@ -112,10 +101,10 @@ async def test_a_page_of_hosts_that_all_answer_with_their_last_tags_reuses_the_w
 
 
 async def test_one_changed_host_makes_the_page_cut_again_and_see_the_change(
-        fleet: dict[str, Any]) -> None:
-    through = fleet["through"]
+        agent_fleet: dict[str, Any]) -> None:
+    through = agent_fleet["through"]
     first = await through.fr()
-    p = fleet["providers"][MISSING]
+    p = agent_fleet["providers"][MISSING]
     entries = [dict(e) for e in p.dump["entries"]]
     entries[-1]["state"] = "completed" if entries[-1]["state"] != "completed" else "started"
     p.dump = {**p.dump, "entries": entries}
@@ -128,8 +117,8 @@ async def test_one_changed_host_makes_the_page_cut_again_and_see_the_change(
 
 
 async def test_agent_answers_unchanged_only_to_the_tag_of_its_last_reply(
-        fleet: dict[str, Any]) -> None:
-    url = f"{fleet['agents']['h1'].url}/handler/agent_fr?window=4"
+        agent_fleet: dict[str, Any]) -> None:
+    url = f"{agent_fleet['agents']['h1'].url}/handler/agent_fr?window=4"
     whole = await _post(url)
     same = await _post(f"{url}&tag={whole['tag']}")
     other = await _post(f"{url}&tag=0123456789abcdef01234567")
@@ -140,8 +129,8 @@ async def test_agent_answers_unchanged_only_to_the_tag_of_its_last_reply(
 
 
 async def test_an_unchanged_reply_for_dumps_no_longer_held_is_asked_again_plainly(
-        fleet: dict[str, Any]) -> None:
-    through = fleet["through"]
+        agent_fleet: dict[str, Any]) -> None:
+    through = agent_fleet["through"]
     first = await through.fr()
     # As if another page had replaced what was held after this ask's tag was sent.
     through.route._held = {slot: (q, tag, {}) for slot, (q, tag, _) in through.route._held.items()}
@@ -153,8 +142,8 @@ async def test_an_unchanged_reply_for_dumps_no_longer_held_is_asked_again_plainl
 
 
 async def test_analysis_of_unchanged_hosts_reuses_each_digest_and_finds_the_same(
-        fleet: dict[str, Any]) -> None:
-    through = fleet["through"]
+        agent_fleet: dict[str, Any]) -> None:
+    through = agent_fleet["through"]
     analyze_fr(await through.fr(), None, WORLD)
     assert through.route.digest_memo.hits == 0
     second = await through.fr()
@@ -178,25 +167,24 @@ def test_digest_memo_digests_again_a_dump_with_one_new_entry_object() -> None:
     assert again.colls != first.colls
 
 
-async def _restarted(fleet: dict[str, Any], session: aiohttp.ClientSession,
+async def _restarted(agent_fleet: dict[str, Any], session: aiohttp.ClientSession,
                      ) -> LiveCollector:
     """A new frontend's collector (restarted, or attached from elsewhere): it holds no tag."""
-    urls = [a.url for a in fleet["through"].registry.addrs]
-    return LiveCollector(session, _Registry(urls, PER_HOST), timeout=3.0,  # type: ignore[arg-type]
-                         route=agents_mod.AgentRoute(_Directory(fleet["agents"])))  # type: ignore[arg-type]
+    urls = [a.url for a in agent_fleet["through"].registry.addrs]
+    return collector_through(session, urls, PER_HOST, agent_fleet["agents"])
 
 
-async def _from_last(fleet: dict[str, Any]) -> dict[str, int]:
+async def _from_last(agent_fleet: dict[str, Any]) -> dict[str, int]:
     return {h: (await _post(f"{ag.url}/handler/{agentwire.INFO}"))["requests"].get(
-        agent.FROM_LAST, 0) for h, ag in fleet["agents"].items()}
+        agent.FROM_LAST, 0) for h, ag in agent_fleet["agents"].items()}
 
 
 async def test_a_restarted_frontend_gets_the_agents_last_full_replies_with_new_read_times(
-        fleet: dict[str, Any]) -> None:
-    first = await fleet["through"].fr()
+        agent_fleet: dict[str, Any]) -> None:
+    first = await agent_fleet["through"].fr()
     async with aiohttp.ClientSession() as session:
-        again = await (await _restarted(fleet, session)).fr()
-    assert await _from_last(fleet) == {"h0": 1, "h1": 1}
+        again = await (await _restarted(agent_fleet, session)).fr()
+    assert await _from_last(agent_fleet) == {"h0": 1, "h1": 1}
     for r in range(WORLD):
         assert _entries(again.dumps[r]) == _entries(first.dumps[r]), r
         assert again.dumps[r][SNAPSHOT_TIME_KEY] > first.dumps[r][SNAPSHOT_TIME_KEY], r
@@ -205,13 +193,13 @@ async def test_a_restarted_frontend_gets_the_agents_last_full_replies_with_new_r
 
 
 async def test_a_host_whose_ring_changed_is_not_answered_from_its_last_full_reply(
-        fleet: dict[str, Any]) -> None:
-    await fleet["through"].fr()
-    p = fleet["providers"][5]
+        agent_fleet: dict[str, Any]) -> None:
+    await agent_fleet["through"].fr()
+    p = agent_fleet["providers"][5]
     entries = [dict(e) for e in p.dump["entries"]]
     entries[-1]["state"] = "started" if entries[-1]["state"] == "completed" else "completed"
     p.dump = {**p.dump, "entries": entries}
     async with aiohttp.ClientSession() as session:
-        again = await (await _restarted(fleet, session)).fr()
-    assert await _from_last(fleet) == {"h0": 1, "h1": 0}
+        again = await (await _restarted(agent_fleet, session)).fr()
+    assert await _from_last(agent_fleet) == {"h0": 1, "h1": 0}
     assert again.dumps[5]["entries"][-1]["state"] == entries[-1]["state"]

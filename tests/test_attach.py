@@ -10,27 +10,16 @@ import sys
 import tempfile
 import textwrap
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 from typing import Any
 
 import pytest
+from httpget import request
 from mpjob import REPO, free_port, kill_all, reference_job
 
 from debug_server.auth import TOKEN_ENV, TOKEN_HEADER, store_key
 from debug_server.frontend import attach
 from debug_server.rank.discovery import meta_key, store_client, url_key
-
-
-def _http(url: str, headers: dict[str, str] | None = None) -> tuple[int, str]:
-    try:
-        with urllib.request.urlopen(urllib.request.Request(url, headers=headers or {}),
-                                    timeout=30) as r:
-            return r.status, r.read().decode()
-    except urllib.error.HTTPError as e:
-        with e:
-            return e.code, e.read().decode()
 
 
 def _start_attached(store_port: int, world_size: int, *extra: str,
@@ -92,6 +81,7 @@ def test_token_comes_from_the_jobs_store_key_of_that_restart(tcp_store: Any) -> 
     assert attach.job_token(store, 1, "e" * 20) == "e" * 20  # an explicit one wins
 
 
+@pytest.mark.job
 def test_unreachable_store_is_one_line_error_and_exit_2(tmp_path: Path) -> None:
     proc, line = _start_attached(free_port(), 2)
     try:
@@ -102,19 +92,21 @@ def test_unreachable_store_is_one_line_error_and_exit_2(tmp_path: Path) -> None:
         _end(proc)
 
 
+@pytest.mark.job
 def test_token_from_the_environment_guards_the_attached_pages(tcp_store: Any) -> None:
     token = "env-token-0123456789abcdef"
     proc, line = _start_attached(tcp_store.port, 1, env={TOKEN_ENV: token})
     try:
         assert line.startswith("ready "), line
         base = f"http://127.0.0.1:{line.split()[1]}"
-        assert _http(f"{base}/?format=json")[0] == 401
-        status, body = _http(f"{base}/?format=json", {TOKEN_HEADER: token})
+        assert request(f"{base}/?format=json")[0] == 401
+        status, body = request(f"{base}/?format=json", headers={TOKEN_HEADER: token})
         assert status == 200 and json.loads(body)["ranks"][0]["status"] == "not registered"
     finally:
         _end(proc)
 
 
+@pytest.mark.job
 def test_frontend_started_by_hand_without_store_is_a_usage_error_naming_it() -> None:
     out = subprocess.run([sys.executable, "-m", "debug_server.frontend", "--world-size", "2"],
                          env={**os.environ, "PYTHONPATH": str(REPO)}, cwd=REPO,
@@ -123,6 +115,7 @@ def test_frontend_started_by_hand_without_store_is_a_usage_error_naming_it() -> 
     assert "the following arguments are required: --store" in out.stderr
 
 
+@pytest.mark.job
 def test_options_of_rank0s_spawned_frontend_are_not_attach_options() -> None:
     # Rank 0's frontend takes its config from an inherited file, not from options.
     out = subprocess.run([sys.executable, "-m", "debug_server.frontend", "--store", "h:1",
@@ -136,6 +129,7 @@ def test_options_of_rank0s_spawned_frontend_are_not_attach_options() -> None:
 # torch's own C++ worker, registered without our sidecar
 
 
+@pytest.mark.job
 def test_attached_frontend_finds_torchs_cpp_worker_without_sidecar(tcp_store: Any) -> None:
     c10d = pytest.importorskip("torch._C._distributed_c10d")
     if not hasattr(c10d, "_WorkerServer"):
@@ -149,7 +143,7 @@ def test_attached_frontend_finds_torchs_cpp_worker_without_sidecar(tcp_store: An
         proc, line = _start_attached(tcp_store.port, 2)
         assert line.startswith("ready "), line
         base = f"http://127.0.0.1:{line.split()[1]}"
-        status, body = _http(f"{base}/stacks?format=json")
+        status, body = request(f"{base}/stacks?format=json")
         assert status == 200
         ranks = json.loads(body)["ranks"]
         assert ranks[0]["status"] == "ok" and ranks[0]["url"] == f"http://127.0.0.1:{cpp.port}"
@@ -169,6 +163,7 @@ JOB = reference_job('port=0, fetch_timeout=3, auth="token", dump_interval=3600',
                     "h.auth_token", after_start="assert h.wait_registered(60)")
 
 
+@pytest.mark.job
 @pytest.mark.timeout(120)
 def test_frontend_attached_by_store_names_the_missing_rank_of_a_real_job(tmp_path: Path) -> None:
     master_port = free_port()  # rank 0's init_process_group hosts the job's TCPStore
@@ -201,10 +196,10 @@ def test_frontend_attached_by_store_names_the_missing_rank_of_a_real_job(tmp_pat
         attached, line = _start_attached(master_port, 2)
         assert line.startswith("ready "), line
         base = f"http://127.0.0.1:{line.split()[1]}"
-        assert _http(f"{base}/fr_trace?format=json")[0] == 401  # the job's token guards it too
+        assert request(f"{base}/fr_trace?format=json")[0] == 401  # the job's token guards it too
         deadline = time.monotonic() + 30
         while True:  # rank 0 enters all_reduce #4 a moment after it printed PHASE2
-            status, body = _http(f"{base}/fr_trace?format=json", {TOKEN_HEADER: token})
+            status, body = request(f"{base}/fr_trace?format=json", headers={TOKEN_HEADER: token})
             assert status == 200, body
             result = json.loads(body)
             missing = [f for f in result["findings"] if f["kind"] == "missing_ranks"]

@@ -9,28 +9,17 @@ The demo is the session's one run, read live while rank 1 is missing from all_re
 
 from __future__ import annotations
 
-import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-pytestmark = pytest.mark.timeout(120)
-
-
-def _shot(driver: Any, name: str, tmp_path: Path) -> Path:
-    out = Path(os.environ.get("DEBUG_SERVER_SCREENSHOTS") or tmp_path)
-    out.mkdir(parents=True, exist_ok=True)
-    # Tall enough for the whole page (selenium's Chrome driver shoots the viewport only).
-    height = driver.execute_script("return document.documentElement.scrollHeight")
-    driver.set_window_size(1400, min(max(int(height) + 120, 800), 4000))
-    path = out / name
-    assert driver.save_screenshot(str(path)), path
-    return path
+pytestmark = [pytest.mark.job, pytest.mark.timeout(120)]
 
 
 def test_overview_banner_names_rank_1_in_a_real_browser(demo_live: str, browser: Any,
-                                                          tmp_path: Path) -> None:
+                                                          screenshot: Callable[[str], Path]) -> None:
     from selenium.webdriver.common.by import By
 
     browser.get(f"{demo_live}/")
@@ -39,11 +28,11 @@ def test_overview_banner_names_rank_1_in_a_real_browser(demo_live: str, browser:
     assert "verify_flight_recorder.py:" in banner.text  # where rank 1 is stuck
     cell = browser.find_element(By.CSS_SELECTOR, '.grid a[href="/stacks#rank-1"]')
     assert cell.get_attribute("class") == "s-behind"
-    assert _shot(browser, "overview.png", tmp_path).stat().st_size > 10_000
+    assert screenshot("overview.png").stat().st_size > 10_000
 
 
 def test_fr_trace_highlights_seq_4_all_reduce_in_a_real_browser(demo_live: str, browser: Any,
-                                                                 tmp_path: Path) -> None:
+                                                                 screenshot: Callable[[str], Path]) -> None:
     from selenium.webdriver.common.by import By
 
     browser.get(f"{demo_live}/fr_trace")
@@ -54,9 +43,9 @@ def test_fr_trace_highlights_seq_4_all_reduce_in_a_real_browser(demo_live: str, 
     bg = hits[0].find_element(By.TAG_NAME, "td").value_of_css_property("background-color")
     assert bg not in ("rgba(0, 0, 0, 0)", "rgb(255, 255, 255)"), bg  # the highlight is drawn
     link = hits[0].find_element(By.CSS_SELECTOR, 'a[href="/stacks#rank-1"]')
-    assert _shot(browser, "fr_trace.png", tmp_path).stat().st_size > 10_000
+    assert screenshot("fr_trace.png").stat().st_size > 10_000
     link.click()
     assert browser.current_url.endswith("/stacks#rank-1")
     assert "hang_phase" in browser.find_element(By.ID, "rank-1").find_element(
         By.XPATH, "ancestor::section").text
-    _shot(browser, "stacks.png", tmp_path)
+    screenshot("stacks.png")

@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from _scenarios import c10d_capture
 from mpjob import assert_ok, rank0_result, run_job
-from test_c10d_fr import captured
 
 from debug_server.recording import comms
 from debug_server.recording.c10d_fr import Backed, GroupInfo, merge_c10d
@@ -25,7 +25,7 @@ MAIN = Backed("main_comm", "gloo", (0, 1), 7, 30000)
 
 
 def merged_backed(rank: int, **kw: Any) -> dict[str, Any]:
-    c = captured()[rank]
+    c = c10d_capture()[rank]
     groups = {k: GroupInfo(g["name"], g["desc"], tuple(g["ranks"]), g["backend"])
               for k, g in c["groups"].items()}
     # Our hook recorded nothing for a backed communicator: its entries come from c10d alone.
@@ -77,14 +77,14 @@ def test_c10d_stack_starts_at_the_users_call_site():
         {"name": "all_reduce", "filename": comms.__file__, "line": 2},
         user, caller,
     ]
-    entry = {**captured()[0]["recorders"][0][1]["entries"][0], "frames": frames}
+    entry = {**c10d_capture()[0]["recorders"][0][1]["entries"][0], "frames": frames}
     d = merge_c10d({"pg_config": {}, "pg_status": {}, "entries": []}, [("cpu", {"entries": [entry]})],
                    backed={"1": MAIN})
     assert d["entries"][0]["frames"] == [user, caller]
 
 
 def test_p2p_entries_of_a_backed_communicator_count_p2p_from_zero_and_keep_the_collective_count():
-    base = captured()[0]["recorders"][0][1]["entries"][0]
+    base = c10d_capture()[0]["recorders"][0][1]["entries"][0]
     send = {**base, "is_p2p": True, "p2p_seq_id": 1, "collective_seq_id": 2, "profiling_name": "nccl:send 0->1"}
     d = merge_c10d({"pg_config": {}, "pg_status": {}, "entries": []}, [("nccl", {"entries": [send]})],
                    backed={"1": MAIN})
@@ -173,11 +173,13 @@ def call_site_line() -> int:
     return 1 + next(i for i, ln in enumerate(lines) if ln.endswith("# CALL SITE"))
 
 
+@pytest.mark.job
 def test_forced_c10d_mode_registers_no_per_op_hook(backed_job: tuple[str, str]) -> None:
     out0, out1 = backed_job
     assert "BACKED True PRE_HOOKS 0" in out0 and "BACKED True PRE_HOOKS 0" in out1
 
 
+@pytest.mark.job
 def test_hook_dump_holds_c10d_entries_under_the_communicator_with_seqs_from_zero(backed_job: tuple[str, str]) -> None:
     out0, _ = backed_job
     entries = json.loads(re.search(r"^ENTRIES (.*)$", out0, re.M).group(1))
@@ -191,18 +193,21 @@ def test_hook_dump_holds_c10d_entries_under_the_communicator_with_seqs_from_zero
     ]
 
 
+@pytest.mark.job
 def test_ops_really_ran_through_torch(backed_job: tuple[str, str]) -> None:
     out0, out1 = backed_job
     # 1 -> 2 -> 4 -> 8 (all_reduce x3), broadcast, -> 16 (async all_reduce)
     assert "SUM 16.0" in out0 and "SUM 16.0" in out1
 
 
+@pytest.mark.job
 def test_op_waiting_for_a_late_rank_is_in_flight_then_gone(backed_job: tuple[str, str]) -> None:
     out0, _ = backed_job
     assert "IN_FLIGHT [('all_reduce', 5)]" in out0
     assert "AFTER []" in out0
 
 
+@pytest.mark.job
 def test_users_own_pre_hook_gets_records_and_the_numbering_stays_one(backed_job: tuple[str, str]) -> None:
     out0, _ = backed_job
     # The hook's op goes through the recording path, the next one through the lean path again;
@@ -211,7 +216,7 @@ def test_users_own_pre_hook_gets_records_and_the_numbering_stays_one(backed_job:
 
 
 def test_after_an_abort_the_states_c10d_gave_before_it_stand():
-    base = captured()[0]["recorders"][0][1]["entries"][1]  # c10d seq 2 on group "1": our seq 1
+    base = c10d_capture()[0]["recorders"][0][1]["entries"][1]  # c10d seq 2 on group "1": our seq 1
     done = {**base, "state": "completed", "retired": True, "time_discovered_completed_ns": 5}
     failed = Backed(*MAIN[:5], frozen={1: "started"})
     d = merge_c10d({"pg_config": {}, "pg_status": {}, "entries": []}, [("nccl", {"entries": [done]})],
@@ -225,7 +230,7 @@ def test_after_an_abort_the_states_c10d_gave_before_it_stand():
 def _marked(states: list[str], last_completed: int, fired: set[int]) -> list[tuple[int, str]]:
     """c10d entries (seq from 1) of group "1" in ``states``, merged for a communicator whose
     start marks fired for our seqs ``fired``; c10d's status says ``last_completed``."""
-    base = captured()[0]["recorders"][0][1]["entries"][0]
+    base = c10d_capture()[0]["recorders"][0][1]["entries"][0]
     entries = [{**base, "collective_seq_id": i + 1, "state": s, "time_created_ns": 10 + i,
                 "retired": s == "completed"} for i, s in enumerate(states)]
     status = {"1": {"last_enqueued_collective": len(states), "last_started_collective": -1,
@@ -256,7 +261,7 @@ def test_a_fired_mark_behind_an_uncompleted_collective_is_not_started():
 
 
 def test_without_c10d_status_no_collective_is_claimed_started():
-    base = captured()[0]["recorders"][0][1]["entries"][0]
+    base = c10d_capture()[0]["recorders"][0][1]["entries"][0]
     marks = Backed(*MAIN[:5], started=lambda seq: True)
     d = merge_c10d({"pg_config": {}, "pg_status": {}, "entries": []},
                    [("nccl", {"entries": [{**base, "collective_seq_id": 1, "state": "scheduled"}]})],
@@ -335,12 +340,14 @@ def status_job(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         "TORCH_FR_BUFFER_SIZE": "2000"}))
 
 
+@pytest.mark.job
 @pytest.mark.timeout(90)
 def test_nccl_collectives_keep_no_work_and_wait_for_c10ds_status(status_job):
     assert status_job["kept_works"] == 0
     assert status_job["watched_before"] == 100
 
 
+@pytest.mark.job
 @pytest.mark.timeout(90)
 def test_c10d_status_counting_from_one_releases_our_ops_counting_from_zero(status_job):
     assert status_job["watched_mid"] == 40
@@ -348,6 +355,7 @@ def test_c10d_status_counting_from_one_releases_our_ops_counting_from_zero(statu
     assert status_job["watched_after"] == 0
 
 
+@pytest.mark.job
 @pytest.mark.timeout(90)
 def test_op_c10d_never_completes_times_out_in_the_watchdog_and_the_next_op_raises(status_job):
     assert status_job["aborts"] == [["all_reduce", 100, "debug-server-watchdog"]]
@@ -356,6 +364,7 @@ def test_op_c10d_never_completes_times_out_in_the_watchdog_and_the_next_op_raise
         "all_reduce #100 on communicator 'main_comm' (gloo, rank 0 of 1) timed out after 2 s")
 
 
+@pytest.mark.job
 @pytest.mark.timeout(90)
 def test_unreadable_status_times_nothing_out_and_keeps_nothing(status_job):
     assert status_job["unreadable"] == [0, None]

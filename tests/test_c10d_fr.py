@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from _scenarios import C10D_CAPTURE, c10d_capture
 
 from debug_server.analysis.core import analyze
 from debug_server.dumpio import write_dump_atomic
@@ -36,16 +37,8 @@ def torch_version() -> tuple[int, int]:
     major, minor = torch.__version__.split("+")[0].split(".")[:2]
     return int(major), int(minor)
 
-DATA = Path(__file__).parent / "data" / "c10d_merge_gloo.json"
-
-
-def captured() -> dict[int, dict[str, Any]]:
-    ranks = json.loads(DATA.read_text())["ranks"]
-    return {int(r): v for r, v in ranks.items()}
-
-
 def merged(rank: int, **kw: Any) -> dict[str, Any]:
-    c = captured()[rank]
+    c = c10d_capture()[rank]
     groups = {k: GroupInfo(g["name"], g["desc"], tuple(g["ranks"]), g["backend"])
               for k, g in c["groups"].items()}
     return merge_c10d(c["ours"], [tuple(r) for r in c["recorders"]], owned=c["owned"],
@@ -98,7 +91,7 @@ def test_gloo_state_is_left_as_written_and_retired_marks_the_finished_ops():
 
 
 def test_only_active_keeps_the_unretired_c10d_op_and_our_filtered_entries():
-    c = captured()[0]
+    c = c10d_capture()[0]
     ours_active = {**c["ours"], "entries": []}  # hooks.snapshot(only_active=True): all done
     groups = {k: GroupInfo(g["name"], g["desc"], tuple(g["ranks"]), g["backend"])
               for k, g in c["groups"].items()}
@@ -117,12 +110,12 @@ def test_record_ids_follow_the_merged_timeline():
 
 def test_without_collectives_only_config_and_status_are_merged():
     d = merged(0, include_collectives=False)
-    assert d["entries"] == captured()[0]["ours"]["entries"]
+    assert d["entries"] == c10d_capture()[0]["ours"]["entries"]
     assert set(d["pg_status"]) == {"main_comm", "0", "2"}
 
 
 def test_job_without_hooks_serves_c10d_entries_alone():
-    c = captured()[1]
+    c = c10d_capture()[1]
     empty = {"version": "2.10", "comm_lib_version": "x", "pg_config": {}, "pg_status": {},
              "entries": []}
     d = merge_c10d(empty, [tuple(r) for r in c["recorders"]], owned=[], groups={})
@@ -134,7 +127,7 @@ def test_job_without_hooks_serves_c10d_entries_alone():
 
 
 def test_c10d_group_named_like_a_communicator_is_renamed_not_merged():
-    c = captured()[0]
+    c = c10d_capture()[0]
     ours = json.loads(json.dumps(c["ours"]).replace("main_comm", "0"))
     d = merge_c10d(ours, [tuple(r) for r in c["recorders"]], owned=c["owned"], groups={})
     assert ops(d, "0") == [(0, "nccl:all_reduce"), (1, "nccl:all_reduce")]
@@ -145,7 +138,7 @@ def test_c10d_group_named_like_a_communicator_is_renamed_not_merged():
 def test_group_with_gloo_and_nccl_backends_keeps_their_collectives_apart():
     # "cpu:gloo,cuda:nccl" (init_process_group() on a CUDA host): each backend counts its own
     # seqs. The NCCL recorder cannot run here; its dump is the CPU one's entries renamed.
-    c = captured()[0]
+    c = c10d_capture()[0]
     [(_, cpu)] = c["recorders"]
     nccl = {"pg_config": {}, "pg_status": {"0": {"last_enqueued_collective": 1,
                                                  "last_completed_collective": 1}},
@@ -163,12 +156,12 @@ def test_group_with_gloo_and_nccl_backends_keeps_their_collectives_apart():
 def test_verdict_names_the_gloo_side_of_a_mixed_group_with_its_description():
     groups = {"0": GroupInfo("0", "default_pg", (0, 1), "cpu:gloo,cuda:nccl")}
     dumps = {r: merge_c10d(c["ours"], [tuple(x) for x in c["recorders"]], owned=c["owned"],
-                           groups=groups) for r, c in captured().items()}
+                           groups=groups) for r, c in c10d_capture().items()}
     assert "Rank 1 never joined all_reduce #4 on pg 0:gloo (default_pg)" in analyze(dumps)["verdict"]
 
 
 def test_entries_c10d_never_writes_are_skipped_and_the_rest_merged():
-    c = captured()[0]
+    c = c10d_capture()[0]
     [(_, cpu)] = c["recorders"]
     odd = {**cpu, "entries": ["junk", {"state": "scheduled"}, {"process_group": 7}, *cpu["entries"]]}
     d = merge_c10d(c["ours"], [("cpu", odd)], owned=c["owned"])
@@ -176,7 +169,7 @@ def test_entries_c10d_never_writes_are_skipped_and_the_rest_merged():
 
 
 def test_nothing_from_c10d_leaves_our_dump_unchanged():
-    ours = captured()[0]["ours"]
+    ours = c10d_capture()[0]["ours"]
     assert merge_c10d(ours, []) == ours
 
 
@@ -189,6 +182,7 @@ def test_analyzer_finds_rank_1_missing_from_all_reduce_4_on_default_pg():
         ("main_comm", 0), ("main_comm", 1), ("0", 1), ("0", 2), ("0", 3), ("2", 1)}
 
 
+@pytest.mark.job
 @pytest.mark.timeout(180)
 def test_pytorch_fr_trace_reads_the_merged_pickles(tmp_path: Path):
     for r in (0, 1):
@@ -207,7 +201,7 @@ def test_pytorch_fr_trace_reads_the_merged_pickles(tmp_path: Path):
 
 
 def _default_pg_entries(rank: int) -> list[dict[str, Any]]:
-    [(_, cpu)] = captured()[rank]["recorders"]
+    [(_, cpu)] = c10d_capture()[rank]["recorders"]
     return [e for e in cpu["entries"] if e["process_group"][0] == "0"]
 
 
@@ -273,11 +267,11 @@ def test_turn_on_env_leaves_a_users_setting_alone(name: str):
 
 def test_fixture_is_a_real_capture():
     # Guards the tests above against a hand-edited fixture: torch's own quirks are all there.
-    c = captured()[0]
+    c = c10d_capture()[0]
     [(recorder, dump)] = c["recorders"]
     assert recorder == "cpu" and dump["pg_config"] == {"": {"desc": "", "name": "", "ranks": "[]"}}
     assert all(e["state"] == "scheduled" and "frames" not in e for e in dump["entries"])
-    assert os.path.basename(str(DATA)) == "c10d_merge_gloo.json"
+    assert os.path.basename(C10D_CAPTURE) == "c10d_merge_gloo.json"
 
 
 def test_turn_on_timing_sets_the_variable_unless_the_user_chose() -> None:

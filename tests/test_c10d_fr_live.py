@@ -21,7 +21,7 @@ import torch
 from httpget import get_json
 from mpjob import finish, start_ranks
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.job, pytest.mark.timeout(240)]
 
 DDP_JOB = """
 import datetime, os, sys, time

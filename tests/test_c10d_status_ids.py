@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 from mpjob import REPO, free_port
 
 JOB = """
@@ -56,6 +57,7 @@ def _run() -> dict:
     return json.loads(p.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.job
 def test_status_of_a_hashed_name_group_is_found_by_its_name_and_no_bogus_group_appears() -> None:
     out = _run()
     name = out["name"]

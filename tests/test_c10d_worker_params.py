@@ -30,6 +30,8 @@ from torch._C import _distributed_c10d as c10d
 from debug_server.protocol import frtext, frwindow
 from debug_server.tools import synthetic
 
+pytestmark = pytest.mark.job
+
 REPO = Path(__file__).resolve().parent.parent
 
 PROBE = """

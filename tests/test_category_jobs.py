@@ -27,6 +27,8 @@ from httpget import get_json
 from mpjob import REPO, free_port, rank_env
 from rankprocs import RankProcs
 
+pytestmark = pytest.mark.job
+
 RANK = """
 import datetime, os, signal, time
 import torch

@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 from mpjob import rank0_result, run_job
 
+pytestmark = pytest.mark.job
+
 CUDA_PATH_JOB = r'''
 import datetime, json, os, threading, time
 import torch

@@ -14,6 +14,8 @@ import json
 import pytest
 from mpjob import rank0_result, run_job
 
+pytestmark = pytest.mark.job
+
 # Each rank checks its own results; rank 0 prints its own.
 OPS_JOB = r'''
 import json, os

@@ -14,10 +14,12 @@ import signal
 from pathlib import Path
 
 import pytest
+from jobscripts import ABORT_JOB as SYNC_ABORT_JOB
 from mpjob import assert_ok, rank0_result, run_job
-from test_watchdog import ABORT_JOB as SYNC_ABORT_JOB
 
 from debug_server.dumpio import load_dump
+
+pytestmark = pytest.mark.job
 
 TIMEOUT_JOB = r'''
 import datetime, json, os, threading, time
@@ -106,7 +108,7 @@ def test_pickle_written_by_the_watchdog_ends_with_the_stuck_op_not_completed(tim
         (0, "nccl:all_reduce"), (1, "nccl:all_reduce"), (2, "nccl:all_reduce")]
 
 
-# test_watchdog's job (a sync op times out on the host), with the op made async and never waited
+# jobscripts' ABORT_JOB (a sync op times out on the host), with the op made async and never waited
 # on: only the watchdog can find the timeout.
 ABORT_JOB = SYNC_ABORT_JOB.replace(
     "    comm.all_reduce(t)  # rank 1 never joins: times out, dumps, aborts\n",

@@ -23,6 +23,7 @@ def test_settings_page_equals_the_one_generated_from_the_declarations() -> None:
         "docs/settings.md is stale: python -m debug_server.config --markdown > docs/settings.md")
 
 
+@pytest.mark.job
 def test_markdown_command_prints_the_settings_page() -> None:
     out = subprocess.run([sys.executable, "-m", "debug_server.config", "--markdown"], cwd=REPO,
                          capture_output=True, text=True, timeout=60, check=True).stdout

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from mpjob import REPO, demo_hang_line
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.job, pytest.mark.timeout(240)]
 
 Demo = tuple[Path, str]
 

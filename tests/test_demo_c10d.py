@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from mpjob import demo_hang_line, run_demo
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.job, pytest.mark.timeout(240)]
 
 
 @pytest.fixture(scope="module")

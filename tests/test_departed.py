@@ -8,6 +8,9 @@ import subprocess
 import sys
 from typing import Any
 
+import pytest
+from waiting import until_async
+
 from debug_server.agent import main as agent_main
 from debug_server.fanout.reply import FrData
 from debug_server.fanout.transport import GONE, OK, UNREACHABLE, RankResult
@@ -93,22 +96,29 @@ class _HostRanks:
     def __init__(self, pids: list[int]) -> None:
         self.addrs = [WorkerAddr(r, f"http://h:{r}", meta=jobpids.identity(pid))
                       for r, pid in enumerate(pids)]
+        self.lookups = 0
+        """How often the agent's watch has read them (on its first poll, and on every poll
+        while its local rank 0 is gone)."""
 
     async def lookup(self) -> list[WorkerAddr]:
+        self.lookups += 1
         return self.addrs
 
 
+@pytest.mark.job
 async def test_agent_outlives_its_local_rank_0_while_a_rank_of_its_host_runs() -> None:
     sleep = [sys.executable, "-c", "import time; time.sleep(60)"]
     parent, rank1 = subprocess.Popen(sleep), subprocess.Popen(sleep)
     done = asyncio.Event()
     try:
-        watch = asyncio.create_task(
-            agent_main._watch_parent(parent.pid, done, _HostRanks([parent.pid, rank1.pid])))
-        await asyncio.sleep(1.5)  # a poll has read the host's ranks
+        host = _HostRanks([parent.pid, rank1.pid])
+        watch = asyncio.create_task(agent_main._watch_parent(parent.pid, done, host))
+        await until_async("a poll has read the host's ranks", 30, lambda: host.lookups >= 1)
         parent.kill()
         parent.wait()
-        await asyncio.sleep(2.5)  # two polls with local rank 0 gone
+        read = host.lookups
+        await until_async("two polls with local rank 0 gone", 30,
+                          lambda: host.lookups >= read + 2 or done.is_set())
         assert not done.is_set()  # rank 1 still runs (and may hang): the agent stays
         rank1.kill()
         rank1.wait()

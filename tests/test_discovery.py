@@ -5,7 +5,8 @@ import time
 from typing import Any
 
 import pytest
-from conftest import closed_port_url, free_port, make_job
+from fakes import closed_port_url, make_job
+from mpjob import free_port
 
 from debug_server.config import ConfigError, JobEnv, default_bind_host, is_loopback
 from debug_server.rank import discovery

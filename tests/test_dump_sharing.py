@@ -11,6 +11,8 @@ from mpjob import assert_ok, run_job
 from debug_server.analysis.digest import digest_dump
 from debug_server.dumpio import load_dump
 
+pytestmark = pytest.mark.job
+
 # Two float32 sizes in turn (gradient buckets), then a float64 op of the first size.
 SCRIPT = r'''
 import datetime, os

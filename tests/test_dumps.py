@@ -12,7 +12,7 @@ from typing import Any
 
 import aiohttp
 import pytest
-from conftest import closed_port_url
+from fakes import closed_port_url
 
 from debug_server.config import ServerConfig
 from debug_server.fanout.collector import Collector

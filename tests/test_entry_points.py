@@ -17,6 +17,7 @@ _TABLE = (REPO / "pyproject.toml").read_text().split("[project.scripts]\n", 1)[1
 SCRIPTS = dict(re.findall(r'^([\w-]+) = "([\w.:]+)"$', _TABLE, re.M))
 
 
+@pytest.mark.job
 def test_the_documented_names_import_from_the_top_without_loading_torch_or_aiohttp() -> None:
     code = ("import sys, debug_server\n"
             "heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'aiohttp'))\n"
@@ -45,6 +46,7 @@ def test_the_documented_commands_are_declared() -> None:
             "debug-server-preflight", "debug-server-frontend"} <= set(SCRIPTS)
 
 
+@pytest.mark.job
 @pytest.mark.parametrize("command", sorted(SCRIPTS))
 def test_each_console_command_exists_and_prints_its_help(command: str) -> None:
     module, _, func = SCRIPTS[command].partition(":")

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import json
-import urllib.request
 from pathlib import Path
 from typing import Any
 
+import pytest
 from fakefleet import (
     RING,
     _nccl_handler,
@@ -16,15 +16,14 @@ from fakefleet import (
     start_fleet,
     stop_fleet,
 )
+from httpget import get_json
 
 from debug_server.tools import synthetic
 
 
 def _entries(url: str) -> list[dict[str, object]]:
-    req = urllib.request.Request(f"{url}/handler/torchcomms_fr_trace_json?onlyactive=false",
-                                 method="POST")
-    with urllib.request.urlopen(req, timeout=30) as r:
-        return json.loads(r.read())["entries"]
+    return get_json(f"{url}/handler/torchcomms_fr_trace_json?onlyactive=false", "POST")[
+        "entries"]
 
 
 def test_split_cuts_every_rank_into_one_non_empty_range() -> None:
@@ -32,6 +31,7 @@ def test_split_cuts_every_rank_into_one_non_empty_range() -> None:
     assert split(2, 4) == [(0, 1), (1, 2)]
 
 
+@pytest.mark.job
 def test_fleet_over_two_helpers_serves_a_hang_where_the_last_rank_is_missing() -> None:
     fleet, urls = start_fleet(5, 2)
     try:

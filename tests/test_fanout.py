@@ -7,7 +7,7 @@ from typing import Any
 import aiohttp
 import pytest
 from aiohttp import web
-from conftest import closed_port_url
+from fakes import closed_port_url
 
 from debug_server.fanout.live import LiveCollector
 from debug_server.fanout.pagefirst import PageFirstSemaphore

@@ -17,8 +17,8 @@ import aiohttp
 import pytest
 from aiohttp import web
 from fakefleet import c10d_dump, c10d_empty_dump, c10d_nccl_dump, make_c10d_worker_app
+from genjobs import FAILURES, error_findings, jobs
 from hypothesis import HealthCheck, given, settings
-from test_live_equals_postmortem import FAILURES, _errors, jobs
 
 from debug_server.fanout.leanhttp import LeanClient
 from debug_server.fanout.live import LiveCollector
@@ -186,7 +186,7 @@ async def _both(dumps: dict[int, dict[str, Any]]) -> tuple[dict[str, Any], dict[
 
 
 def _answer(result: dict[str, Any]) -> tuple[Any, ...]:
-    return (_errors(result), result.get("category"), result.get("next_step"))
+    return (error_findings(result), result.get("category"), result.get("next_step"))
 
 
 HANGS = {"missing_rank": S.missing_rank, "two_subcomms": S.two_subcomms,
@@ -203,7 +203,7 @@ async def test_scenarios_read_active_first_give_the_whole_rings_answer(name: str
 
 GENERATED = settings(max_examples=6, deadline=None, derandomize=True, database=None,
                      suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-"""The histories of ``test_live_equals_postmortem.jobs``: a few ranks, a sub-group, P2P, rings
+"""The histories of ``genjobs.jobs``: a few ranks, a sub-group, P2P, rings
 wrapped at their own sizes, one failure each (a mismatch completes on one side at most)."""
 
 

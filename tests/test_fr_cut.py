@@ -270,6 +270,7 @@ def real_rings(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return out
 
 
+@pytest.mark.job
 @pytest.mark.timeout(240)
 def test_cut_inside_the_recorders_equals_the_whole_snapshot_cut_after(real_rings: dict[str, Any]
                                                                        ) -> None:
@@ -283,6 +284,7 @@ def test_cut_inside_the_recorders_equals_the_whole_snapshot_cut_after(real_rings
     assert {"main_comm", "sub_comm", "0", "backed_comm"} <= {g for r in rows for g in r["groups"]}
 
 
+@pytest.mark.job
 @pytest.mark.timeout(240)
 def test_cut_keeps_every_unfinished_op_of_a_waiting_rank(real_rings: dict[str, Any]) -> None:
     pending = [r for r in real_rings["rows"]
@@ -291,6 +293,7 @@ def test_cut_keeps_every_unfinished_op_of_a_waiting_rank(real_rings: dict[str, A
     assert [r["active"] for r in pending] == [3, 3, 3, 3]
 
 
+@pytest.mark.job
 @pytest.mark.timeout(240)
 def test_worker_stall_limit_reports_the_oldest_unfinished_op_of_its_hooks(
         real_rings: dict[str, Any]) -> None:
@@ -305,6 +308,7 @@ def test_worker_stall_limit_reports_the_oldest_unfinished_op_of_its_hooks(
     assert stalled["age_s"] > 0.2
 
 
+@pytest.mark.job
 @pytest.mark.timeout(240)
 def test_ring_of_only_our_communicators_groups_is_read_from_c10d_status_alone(
         real_rings: dict[str, Any]) -> None:

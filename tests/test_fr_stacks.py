@@ -12,7 +12,7 @@ from typing import Any
 import aiohttp
 import pytest
 from aiohttp import web
-from test_agent import _Directory, _Registry, _start, _start_agents  # the same fakes
+from fakes import FLEET_MISSING, FLEET_PER_HOST, FLEET_WORLD, collector_through, serve, start_agents
 
 from debug_server.agent import app as agent
 from debug_server.agent.registry import StaticHostRegistry
@@ -27,7 +27,7 @@ from debug_server.rank.discovery import StaticRegistry
 from debug_server.rank.worker import StaticProvider, make_worker_app
 from debug_server.tools import synthetic
 
-WORLD, PER_HOST, MISSING = 8, 4, 6
+WORLD, PER_HOST, MISSING = FLEET_WORLD, FLEET_PER_HOST, FLEET_MISSING
 
 
 def _stack_text(rank: int) -> str:
@@ -63,7 +63,7 @@ async def _counted_workers(dumps: Mapping[int, Mapping[str, Any]], older: int,
         app.middlewares.append(_counting(seen[r]))
         if r == older:
             app.middlewares.append(web.middleware(_refuses_stacks))
-        urls.append(await _start(app, runners))
+        urls.append(await serve(app, runners))
     return urls, seen
 
 
@@ -143,7 +143,7 @@ async def test_the_worker_sends_its_stacks_after_the_fr_json_only_when_asked(
 
 @pytest.fixture
 async def agents(workers: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
-    yield {**workers, "agents": await _start_agents(workers["urls"], workers["runners"],
+    yield {**workers, "agents": await start_agents(workers["urls"], workers["runners"],
                                                     PER_HOST)}
 
 
@@ -160,9 +160,7 @@ async def test_through_agents_each_agent_and_each_rank_is_asked_once_per_page(
         agents: dict[str, Any], fresh_members: None) -> None:
     seen = agents["seen"]
     async with aiohttp.ClientSession() as session:
-        through = LiveCollector(
-            session, _Registry(agents["urls"], PER_HOST), timeout=3.0,  # type: ignore[arg-type]
-            route=agents_mod.AgentRoute(_Directory(agents["agents"])))  # type: ignore[arg-type]
+        through = collector_through(session, agents["urls"], PER_HOST, agents["agents"])
         pages = [await through.fr_stacks() for _ in range(2)]
     counts = await _agent_counts(agents["agents"])
     assert counts == {h: {agentwire.FR: 2, agentwire.INFO: 1} for h in counts}, counts
@@ -231,7 +229,7 @@ async def test_an_agent_asks_one_of_its_ranks_first_then_tells_the_others_the_li
     app = agent.make_agent_app(StaticHostRegistry(urls, 0, world), "h0",
                                fetch_timeout=5.0, max_concurrency=8)
     try:
-        url = await _start(app, runners)
+        url = await serve(app, runners)
         async with aiohttp.ClientSession() as s:
             for _ in range(2):
                 async with s.post(f"{url}/handler/{agentwire.FR}?stacks=true") as resp:

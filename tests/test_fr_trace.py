@@ -235,6 +235,7 @@ def test_ambiguous_prefix_exits_1(tmp_path, capsys):
     )
 
 
+@pytest.mark.job
 def test_worker_pool_gives_the_same_result_as_one_process(tmp_path):
     from debug_server.tools.synthetic import hang_job
 
@@ -245,6 +246,7 @@ def test_worker_pool_gives_the_same_result_as_one_process(tmp_path):
     assert json.loads(one.stdout) == json.loads(two.stdout)
 
 
+@pytest.mark.job
 def test_worker_pool_keeps_each_ranks_own_read_time_when_ranks_share_a_digest(tmp_path):
     from debug_server.tools.synthetic import hang_job
 
@@ -258,6 +260,7 @@ def test_worker_pool_keeps_each_ranks_own_read_time_when_ranks_share_a_digest(tm
         r: base + r * 1_000_000_007 for r in dumps}
 
 
+@pytest.mark.job
 def test_module_entry_point_exit_code_and_no_traceback(tmp_path):
     (tmp_path / "d").mkdir()
     p = run_sub(["-m", "debug_server.tools.fr_trace", str(tmp_path / "d")])
@@ -265,6 +268,7 @@ def test_module_entry_point_exit_code_and_no_traceback(tmp_path):
     assert p.stderr.startswith("error: no dump files in ")
 
 
+@pytest.mark.job
 def test_pytorch_fr_trace_reads_our_pickles(tmp_path):
     """Schema check against PyTorch's own analyzer on write_dump_atomic pickles."""
     pytest.importorskip("torch.distributed.flight_recorder.fr_trace")
@@ -355,9 +359,10 @@ dist.destroy_process_group()
 """
 
 
+@pytest.mark.job
 def test_pytorch_own_pickle_and_json_dumps_give_the_same_analysis(tmp_path):
     """Torch's C++ pickler and its JSON writer, from a real one-rank gloo job."""
-    from conftest import free_port
+    from mpjob import free_port
 
     pk, js = tmp_path / "pk", tmp_path / "js"
     pk.mkdir()

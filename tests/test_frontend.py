@@ -8,7 +8,8 @@ import time
 from typing import Any
 
 import pytest
-from conftest import MAIN_STACK, closed_port_url, make_job
+from fakes import MAIN_STACK, closed_port_url, make_job
+from waiting import until_async
 
 from debug_server.analysis import core as analysis
 from debug_server.config import ServerConfig
@@ -197,15 +198,25 @@ def test_templates_load_with_autoescape() -> None:
     assert {"base.html", "index.html", "fr_trace.html", "stacks.html"} <= set(env.list_templates())
 
 
-async def test_frontend_shuts_down_once_its_parent_and_every_rank_are_gone() -> None:
+@pytest.mark.job
+async def test_frontend_shuts_down_once_its_parent_and_every_rank_are_gone(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
     try:
         shutdown = asyncio.Event()
         departures = departed.Departures()
         # A one-rank job (rank 0 is the parent): once it is gone nothing of the job is left.
+        checks: list[int] = []
+
+        def alive(pid: int) -> bool:
+            checks.append(pid)
+            return real_alive(pid)
+
+        real_alive = departed._alive
+        monkeypatch.setattr(departed, "_alive", alive)
         task = asyncio.create_task(departed.watch(proc.pid, StaticRegistry([None]), departures,
                                                   0.5, shutdown))
-        await asyncio.sleep(1.5)  # a poll has seen the parent alive
+        await until_async("a poll has seen the parent alive", 30, lambda: checks)
         assert not shutdown.is_set() and departures.gone == {}
         proc.kill()
         proc.wait()

@@ -94,6 +94,7 @@ def test_frontend_pages_answer_200_400_or_404(servers: dict[str, int], path: str
     _check(status, body, ALLOWED, target)
 
 
+@pytest.mark.job
 @SETTINGS
 @given(name=st.one_of(st.sampled_from(sorted(HANDLERS)), _ascii.filter(bool).map(quote)),
        query=_query(WORKER_PARAMS))

@@ -8,7 +8,7 @@ import time
 from typing import Any
 
 import pytest
-from conftest import closed_port_url
+from fakes import closed_port_url
 
 from debug_server.config import ServerConfig
 from debug_server.fanout.transport import OK, UNREACHABLE, RankResult

@@ -12,6 +12,8 @@ from typing import Any
 import pytest
 from mpjob import assert_ok, run_job
 
+pytestmark = pytest.mark.job
+
 # A 3-rank job issuing every op kind; each call line carries a "# L:<name>" marker so the test
 # can assert that the recorded frames point at it.
 ALL_OPS_SCRIPT = r'''

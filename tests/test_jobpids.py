@@ -18,6 +18,8 @@ from debug_server.rank import jobpids
 from debug_server.rank.agent_launch import agent_key
 from debug_server.rank.discovery import store_client
 
+pytestmark = pytest.mark.job
+
 
 @pytest.fixture
 def child() -> Iterator[subprocess.Popen[bytes]]:
@@ -70,7 +72,7 @@ def test_fate_tells_a_signal_from_an_exit_while_the_rank_is_a_zombie() -> None:
 
 def test_ptracer_is_the_hosts_agent_else_the_frontend_else_any(tcp_store: Any,
                                                               child: subprocess.Popen[bytes]) -> None:
-    from conftest import make_job
+    from fakes import make_job
 
     store = store_client("127.0.0.1", tcp_store.port, 5)
     calls: list[int] = []

@@ -13,6 +13,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 PKG = Path(__file__).resolve().parents[1] / "debug_server"
 PARTS = ("protocol", "recording", "rank", "fanout", "frontend", "agent", "analysis", "tools")
 COMMON = {"config", "auth", "listen", "dumpio", "errors", "stacks"}
@@ -147,6 +149,7 @@ def test_imports_form_no_cycle_function_level_imports_included() -> None:
     assert cycles == [], "import cycles:\n" + "\n".join(cycles)
 
 
+@pytest.mark.job
 def test_the_frontend_process_never_loads_the_recording_side() -> None:
     code = ("import sys\nimport debug_server.frontend.app\n"
             "print(sorted(m for m in sys.modules if m.startswith('debug_server.recording')))")

@@ -22,7 +22,7 @@ from httpget import get_json
 from mpjob import REPO, free_port, rank_env
 from rankprocs import RankProcs
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.job, pytest.mark.timeout(240)]
 
 MESH_JOB = """
 import datetime, os, time

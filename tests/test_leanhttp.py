@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 from aiohttp import web
-from conftest import closed_port_url
+from fakes import closed_port_url
 
 from debug_server.auth import TOKEN_HEADER, TokenGate
 from debug_server.fanout.leanhttp import BodyTooLarge, LeanClient, ProtocolError

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import errno
 import socket
-import urllib.request
 from typing import Any
 
 import pytest
 from aiohttp import web
+from httpget import post
 
 from debug_server import listen
 from debug_server.rank.worker import StaticProvider, start_worker_thread
@@ -28,8 +28,7 @@ needs_ipv6 = pytest.mark.skipif(not _ipv6_loopback(), reason="this host has no I
 
 def _ping(host: str, port: int) -> int:
     url = f"http://{host}:{port}/handler/ping"
-    with urllib.request.urlopen(urllib.request.Request(url, method="POST"), timeout=5) as r:
-        return r.status
+    return post(url, timeout=5)[0]
 
 
 def test_all_interfaces_means_ipv4_first_then_ipv6() -> None:

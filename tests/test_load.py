@@ -14,6 +14,8 @@ from fakefleet import frontend_over, open_fds, status_kb
 from debug_server.frontend.app import CONNECTIONS_PER_RANK
 from debug_server.tools import synthetic
 
+pytestmark = pytest.mark.job
+
 RANKS = 8
 CONCURRENT = 200
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from conftest import make_job
+from fakes import make_job
 
 from debug_server.rank.discovery import lookup_workers, register_worker, store_client
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from conftest import MAIN_STACK, closed_port_url
+from fakes import MAIN_STACK, closed_port_url
 from prometheus_client import REGISTRY
 from prometheus_client.parser import text_string_to_metric_families
 

@@ -18,6 +18,8 @@ from pathlib import Path
 import pytest
 from mpjob import REPO, free_port
 
+pytestmark = pytest.mark.job
+
 
 @pytest.mark.timeout(150)
 def test_type_mismatch_on_gloo_is_named_live_in_the_hang_report_and_post_mortem(

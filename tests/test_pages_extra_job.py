@@ -8,16 +8,18 @@ import subprocess
 import sys
 import textwrap
 import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
+from httpget import request
 from mpjob import free_port, kill_all, rank_env
 
 from debug_server.auth import TOKEN_HEADER
+
+pytestmark = pytest.mark.job
 
 TOKEN = "tok_job_0123456789abcdefghijkl"
 
@@ -44,13 +46,12 @@ async def _get(port: int, path: str) -> tuple[int, str]:
 
 
 def _job_is_up(port: int) -> bool:
-    req = urllib.request.Request(f"http://127.0.0.1:{port}/?format=text",
-                                 headers={TOKEN_HEADER: TOKEN})
     try:
-        with urllib.request.urlopen(req, timeout=10) as r:
-            return b"2/2 ranks reachable" in r.read()
-    except OSError:  # not listening yet, or an HTTP error while rank 1 registers
+        status, body = request(f"http://127.0.0.1:{port}/?format=text",
+                               headers={TOKEN_HEADER: TOKEN}, timeout=10)
+    except OSError:  # not listening yet
         return False
+    return status == 200 and "2/2 ranks reachable" in body  # not while rank 1 registers
 
 
 @pytest.fixture(scope="module")

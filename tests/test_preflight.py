@@ -26,6 +26,7 @@ def run_preflight(tmp_path, *extra: str) -> dict:
     return json.loads((tmp_path / "preflight.json").read_text())
 
 
+@pytest.mark.job
 @pytest.mark.timeout(90)
 def test_rank_made_slow_with_sleep_is_flagged(tmp_path):
     report = run_preflight(tmp_path, "--simulate-delay", "1:0.05")
@@ -37,6 +38,7 @@ def test_rank_made_slow_with_sleep_is_flagged(tmp_path):
     assert rows[0]["arrival_lateness_s"] < 0.01
 
 
+@pytest.mark.job
 @pytest.mark.timeout(90)
 def test_even_job_writes_bandwidth_rows_and_flags_nothing(tmp_path):
     # Thresholds above this box's jitter under a parallel test run (a 1.5 ms barrier round

@@ -11,43 +11,11 @@ import json
 from typing import Any
 
 import pytest
+from _scenarios import PROFILE_BASE_NS as BASE_NS
+from _scenarios import gpu_trace, kernel
 
 from debug_server.analysis import profile_merge as pm
 from debug_server.rank.rank_capture import capture_profile
-
-BASE_NS = 1_790_000_000_000_000_000
-
-
-def kernel(name: str, ts: float, dur: float, stream: int = 7) -> dict[str, Any]:
-    return {"ph": "X", "cat": "kernel", "name": name, "pid": 0, "tid": stream, "ts": ts,
-            "dur": dur, "args": {"device": 0, "stream": stream}}
-
-
-def gpu_trace(kernels: list[dict[str, Any]], *, window: tuple[float, float] = (0.0, 1000.0),
-              base_ns: int = BASE_NS, host: str = "node-a") -> dict[str, Any]:
-    """A trace shaped as torch.profiler writes it: the profiler span, process/thread names,
-    a CPU launch with its flow arrow to the first kernel."""
-    events: list[dict[str, Any]] = [
-        {"ph": "M", "name": "process_name", "pid": 4242, "tid": 0, "args": {"name": "python"}},
-        {"ph": "M", "name": "process_labels", "pid": 4242, "tid": 0, "args": {"labels": "CPU"}},
-        {"ph": "M", "name": "process_name", "pid": 0, "tid": 0, "args": {"name": "python"}},
-        {"ph": "M", "name": "process_labels", "pid": 0, "tid": 0, "args": {"labels": "GPU 0"}},
-        {"ph": "M", "name": "thread_name", "pid": 0, "tid": 7, "args": {"name": "stream 7"}},
-        {"ph": "M", "name": "thread_name", "pid": 4242, "tid": 4242,
-         "args": {"name": "thread 4242 (python)"}},
-        {"ph": "X", "cat": "Trace", "name": "PyTorch Profiler (0)", "pid": "Spans",
-         "tid": "PyTorch Profiler", "ts": window[0], "dur": window[1] - window[0]},
-        {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "pid": 4242, "tid": 4242,
-         "ts": window[0] + 1, "dur": 2.0},
-        {"ph": "s", "id": 17, "pid": 4242, "tid": 4242, "ts": window[0] + 1, "cat": "ac2g",
-         "name": "ac2g"},
-    ]
-    if kernels:
-        k = kernels[0]
-        events.append({"ph": "f", "id": 17, "pid": 0, "tid": k["tid"], "ts": k["ts"],
-                       "cat": "ac2g", "name": "ac2g", "bp": "e"})
-    return {"schemaVersion": 1, "host_name": host, "baseTimeNanoseconds": base_ns,
-            "traceEvents": events + kernels}
 
 
 def test_union_merges_overlapping_and_touching_intervals() -> None:

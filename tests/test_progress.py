@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from debug_server.analysis.core import analyze
 from debug_server.dumpio import write_dump_atomic
 from debug_server.tools import synthetic
@@ -57,6 +59,7 @@ def test_pg_status_counter_beyond_the_ring_marks_the_other_rank_behind() -> None
     assert result["behind"] == [{"rank": 1, "groups": ["main_comm"]}]
 
 
+@pytest.mark.job
 def test_cli_worker_pool_keeps_each_ranks_own_pg_status(tmp_path: Path) -> None:
     # Eight ranks with identical rings share one digest across the pool; rank 6's pg_status
     # (completed up to 8, its ring says 5) must survive that sharing.

@@ -20,6 +20,8 @@ from typing import Any
 
 import pytest
 from httpget import timed_get
+from jobscripts import FETCH_TIMEOUT, HOLD_S
+from jobscripts import GIL_HOLDING_RANK as RANK
 from rankprocs import RankProcs
 
 from debug_server.analysis import stackparse
@@ -32,27 +34,6 @@ from debug_server.rank.discovery import StaticRegistry, StoreRegistry
 from debug_server.rank.worker import StaticProvider, make_worker_app
 
 REPO = Path(__file__).resolve().parent.parent
-FETCH_TIMEOUT = 2.0
-HOLD_S = 8.0
-
-RANK = """
-import ctypes, os, time
-from debug_server import start_debug_server
-h = start_debug_server(port=0, fetch_timeout=FETCH_TIMEOUT)
-assert h.wait_registered(30)
-print("READY", os.getpid(), h.frontend_url, flush=True)
-if os.environ["RANK"] != os.environ.get("HOLD_RANK", "0"):
-    time.sleep(120)
-libc = ctypes.PyDLL(None)  # PyDLL: the GIL stays held for the whole C call
-libc.usleep.argtypes = [ctypes.c_uint]
-while not os.path.exists("go"):  # the test starts the hold once the frontend is warm
-    time.sleep(0.02)
-print("HOLDING", flush=True)
-t0 = time.monotonic()
-libc.usleep(int(HOLD_S * 1e6))  # HOLD_LINE
-print("SLEPT", f"{time.monotonic() - t0:.4f}", flush=True)
-time.sleep(120)
-"""
 
 
 class Job(RankProcs):
@@ -128,6 +109,7 @@ def _main_frames(text: str) -> list[stackparse.Frame]:
 # A rank holding the GIL in usleep
 
 
+@pytest.mark.job
 @pytest.mark.timeout(60)
 def test_stuck_rank_is_read_by_pyspy_within_the_timeout_and_its_usleep_runs_full_length(
         tcp_store: Any, tmp_path: Path) -> None:
@@ -142,6 +124,7 @@ def test_stuck_rank_is_read_by_pyspy_within_the_timeout_and_its_usleep_runs_full
         job.assert_slept_full_length()
 
 
+@pytest.mark.job
 @pytest.mark.timeout(60)
 async def test_rank_on_a_host_without_the_frontend_is_read_by_a_sibling_ranks_worker(
         aiohttp_client: Any, tcp_store: Any, tmp_path: Path) -> None:
@@ -172,6 +155,7 @@ async def test_rank_on_a_host_without_the_frontend_is_read_by_a_sibling_ranks_wo
         job.close()
 
 
+@pytest.mark.job
 @pytest.mark.timeout(60)
 def test_without_pyspy_the_page_says_why_in_one_line_and_the_rank_is_not_disturbed(
         tcp_store: Any, tmp_path: Path) -> None:
@@ -191,6 +175,7 @@ def test_without_pyspy_the_page_says_why_in_one_line_and_the_rank_is_not_disturb
         job.assert_slept_full_length()
 
 
+@pytest.mark.job
 @pytest.mark.timeout(60)
 def test_rank_that_opted_in_to_signals_is_still_read_by_pyspy_first(
         tcp_store: Any, tmp_path: Path) -> None:
@@ -202,6 +187,7 @@ def test_rank_that_opted_in_to_signals_is_still_read_by_pyspy_first(
         job.assert_slept_full_length()
 
 
+@pytest.mark.job
 @pytest.mark.timeout(60)
 def test_native_frames_of_a_rank_blocked_in_usleep_show_the_c_function(
         tcp_store: Any, tmp_path: Path) -> None:
@@ -232,6 +218,7 @@ while True:
 """
 
 
+@pytest.mark.job
 @pytest.mark.timeout(60)
 def test_pyspy_dump_page_gives_json_and_text_the_same_native_frames(
         tcp_store: Any, tmp_path: Path) -> None:
@@ -260,6 +247,7 @@ def test_pyspy_dump_page_gives_json_and_text_the_same_native_frames(
 # The worker's pyspy_dump handler
 
 
+@pytest.mark.job
 async def test_worker_pyspy_dump_reads_its_own_process(aiohttp_client: Any) -> None:
     client = await aiohttp_client(make_worker_app(StaticProvider({})))
     resp = await client.post("/handler/pyspy_dump?nonblocking=1")
@@ -270,6 +258,7 @@ async def test_worker_pyspy_dump_reads_its_own_process(aiohttp_client: Any) -> N
     assert f"tid {os.getpid()}, " in text  # the main thread of this very process
 
 
+@pytest.mark.job
 async def test_worker_pyspy_dump_refuses_a_pid_no_rank_of_the_job_announced(
         aiohttp_client: Any) -> None:
     client = await aiohttp_client(make_worker_app(StaticProvider({})))
@@ -296,6 +285,7 @@ async def test_worker_pyspy_dump_rejects_a_flag_that_is_not_boolean(aiohttp_clie
 # Failures in one line, with the fix
 
 
+@pytest.mark.job
 @pytest.mark.skipif(os.geteuid() != 0 or shutil.which("setpriv") is None,
                     reason="needs root and setpriv to run py-spy as an unprivileged user")
 def test_ptrace_refusal_reads_as_one_line_naming_the_fix() -> None:

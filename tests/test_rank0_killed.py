@@ -23,6 +23,8 @@ from rankprocs import RankProcs
 
 from debug_server.rank.jobpids import fate
 
+pytestmark = pytest.mark.job
+
 ORPHAN_EXIT_S = 3.0
 
 RANK = """

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import make_job
+from fakes import make_job
 from httpget import timed_get
 
 from debug_server.config import ServerConfig
@@ -59,6 +59,7 @@ time.sleep(120)
 """
 
 
+@pytest.mark.job
 async def test_sigkilled_rank_is_gone_on_every_page_and_logged_once(
         aiohttp_client: Any, fake_rank: Any, tmp_path: Path, caplog: Any) -> None:
     url0 = await fake_rank(synthetic.hang_job(2, n_entries=5, missing_rank=1)[0])
@@ -155,6 +156,7 @@ time.sleep(60)
 # (SA_RESTART), so the hold lasts as long as the test wants: here up to 20 s.
 
 
+@pytest.mark.job
 @pytest.mark.timeout(90)
 def test_gil_holding_rank_that_opted_in_comes_by_signal_without_pyspy_and_the_frontend_keeps_serving(
         tcp_store: Any, tmp_path: Path) -> None:
@@ -209,6 +211,7 @@ def test_signal_stacks_are_off_unless_the_rank_opts_in(monkeypatch: Any) -> None
     assert install(False) is None  # start_debug_server(signal_stacks=False) wins over the env
 
 
+@pytest.mark.job
 def test_signal_capture_refuses_a_pid_that_does_not_hold_the_file() -> None:
     sig = install(True)
     assert sig is not None

@@ -10,12 +10,11 @@ import subprocess
 import sys
 import textwrap
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 from typing import Any
 
 import pytest
+from httpget import get_json, request
 
 from debug_server.auth import TOKEN_COOKIE, TOKEN_HEADER, TokenGate, token_required
 from debug_server.config import ConfigError, ServerConfig
@@ -75,6 +74,7 @@ def _listening(port: int) -> set[str]:
     return found
 
 
+@pytest.mark.job
 def test_single_host_job_binds_loopback_only_and_needs_no_token(
         monkeypatch: Any, tcp_store: Any) -> None:
     for k, v in {"RANK": 0, "WORLD_SIZE": 1, "LOCAL_WORLD_SIZE": 1, "MASTER_ADDR": "127.0.0.1",
@@ -87,8 +87,8 @@ def test_single_host_job_binds_loopback_only_and_needs_no_token(
             assert port and _listening(port) == {"0100007F"}, port  # 127.0.0.1, nothing else
         # The first page waits for the frontend's store connection: bounded by the test's own
         # timeout, not 10 s (a loaded box took longer).
-        with urllib.request.urlopen(f"{handle.frontend_url}/?format=json", timeout=90) as r:
-            assert json.loads(r.read())["ranks"][0]["status"] == "ok"
+        assert get_json(f"{handle.frontend_url}/?format=json", timeout=90)["ranks"][0][
+            "status"] == "ok"
     finally:
         stop_debug_server()
 
@@ -97,6 +97,7 @@ def _proc_strings(pid: int, name: str) -> list[str]:
     return Path(f"/proc/{pid}/{name}").read_bytes().decode(errors="replace").split("\0")
 
 
+@pytest.mark.job
 @pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="needs Linux /proc")
 def test_frontend_gets_its_whole_config_with_no_option_and_no_token_in_ps_or_environment(
         monkeypatch: Any, tcp_store: Any, tmp_path: Path) -> None:
@@ -114,8 +115,8 @@ def test_frontend_gets_its_whole_config_with_no_option_and_no_token_in_ps_or_env
         assert not [v for v in environ if TOKEN in v or v.startswith("DEBUG_SERVER_AUTH_TOKEN=")]
         # The config arrived whole: the token guards the pages, and the dumper runs with this
         # dump_dir and only the stacks dump.
-        assert _http(f"{handle.frontend_url}/?format=json")[0] == 401
-        assert _http(f"{handle.frontend_url}/?format=json", {TOKEN_HEADER: TOKEN})[0] == 200
+        assert request(f"{handle.frontend_url}/?format=json", timeout=90)[0] == 401
+        assert request(f"{handle.frontend_url}/?format=json", headers={TOKEN_HEADER: TOKEN}, timeout=90)[0] == 200
         deadline = time.monotonic() + 20
         while not os.listdir(tmp_path) and time.monotonic() < deadline:
             time.sleep(0.1)
@@ -236,16 +237,7 @@ time.sleep(90)
 """
 
 
-def _http(url: str, headers: dict[str, str] | None = None, method: str = "GET") -> tuple[int, str]:
-    req = urllib.request.Request(url, headers=headers or {}, method=method)
-    try:
-        with urllib.request.urlopen(req, timeout=90) as r:  # the test's timeout bounds it
-            return r.status, r.read().decode()
-    except urllib.error.HTTPError as e:
-        with e:
-            return e.code, e.read().decode()
-
-
+@pytest.mark.job
 @pytest.mark.timeout(90)
 def test_store_distributed_token_guards_two_real_ranks(tcp_store: Any, tmp_path: Path) -> None:
     script = tmp_path / "rank.py"
@@ -276,10 +268,10 @@ def test_store_distributed_token_guards_two_real_ranks(tcp_store: Any, tmp_path:
         base = ready[0][1].removesuffix(f"/?token={token}")
         assert re.fullmatch(r"http://127\.0\.0\.1:\d+", base), ready[0][1]
         assert f"access token required; open {base}/?token={token}" in logs[0].read_text()
-        assert _http(f"{base}/")[0] == 401
-        assert _http(f"{worker1}/handler/ping", method="POST")[0] == 401
-        assert _http(f"{worker1}/handler/ping", {TOKEN_HEADER: token}, "POST") == (200, "pong")
-        status, body = _http(f"{base}/?format=json", {TOKEN_HEADER: token})
+        assert request(f"{base}/", timeout=90)[0] == 401
+        assert request(f"{worker1}/handler/ping", method="POST", timeout=90)[0] == 401
+        assert request(f"{worker1}/handler/ping", method="POST", headers={TOKEN_HEADER: token}, timeout=90) == (200, "pong")
+        status, body = request(f"{base}/?format=json", headers={TOKEN_HEADER: token}, timeout=90)
         assert status == 200
         assert [r["status"] for r in json.loads(body)["ranks"]] == ["ok", "ok"]
     finally:

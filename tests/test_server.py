@@ -11,14 +11,13 @@ import sys
 import textwrap
 import threading
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import free_port, make_job
-from mpjob import reference_job
+from fakes import make_job
+from httpget import post, request
+from mpjob import free_port, reference_job
 
 import debug_server
 from debug_server.config import (
@@ -55,19 +54,14 @@ def rank_env(monkeypatch: Any, tcp_store: Any) -> Any:
 def _get(url: str, accept: str = "*/*", timeout: float = 90) -> tuple[int, str]:
     # A first page waits for the frontend's store connection and every rank: the test's own
     # timeout bounds it, not 10 s (a loaded box took longer).
-    req = urllib.request.Request(url, headers={"Accept": accept})
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            return r.status, r.read().decode()
-    except urllib.error.HTTPError as e:
-        with e:
-            return e.code, e.read().decode()
+    return request(url, headers={"Accept": accept}, timeout=timeout)
 
 
 def _worker_threads() -> list[str]:
     return [t.name for t in threading.enumerate() if t.name == "debug_server.rank.worker"]
 
 
+@pytest.mark.job
 def test_rank0_serves_pages_and_stop_works_twice(rank_env: Any, tmp_path: Path) -> None:
     rank_env(0, 1)
     handle = start_debug_server(port=0, fetch_timeout=3)
@@ -88,6 +82,7 @@ def test_rank0_serves_pages_and_stop_works_twice(rank_env: Any, tmp_path: Path) 
     assert _worker_threads() == []
 
 
+@pytest.mark.job
 def test_the_job_log_gets_one_line_from_rank_0_and_none_from_the_others(
         rank_env: Any, caplog: Any) -> None:
     caplog.set_level("INFO", logger="debug_server")
@@ -103,6 +98,7 @@ def test_the_job_log_gets_one_line_from_rank_0_and_none_from_the_others(
     assert shown == [f"debug_server: pages at {handle.frontend_url}/"], shown
 
 
+@pytest.mark.job
 def test_port_in_use_is_an_error_naming_the_port(rank_env: Any) -> None:
     rank_env(0, 1)
     with socket.socket() as busy:
@@ -115,6 +111,7 @@ def test_port_in_use_is_an_error_naming_the_port(rank_env: Any) -> None:
     stop_debug_server()  # nothing running: a no-op
 
 
+@pytest.mark.job
 def test_other_ranks_start_no_frontend_and_register_their_worker(rank_env: Any, tcp_store: Any) -> None:
     rank_env(1, 2)
     handle = start_debug_server()
@@ -123,15 +120,11 @@ def test_other_ranks_start_no_frontend_and_register_their_worker(rank_env: Any, 
     store = store_client("127.0.0.1", tcp_store.port, 5)
     assert store.get("rank1").decode() == handle.worker_url
     assert json.loads(store.get("rank1_meta"))["pid"] == os.getpid()
-    status, _ = _get_post(f"{handle.worker_url}/handler/ping")
+    status, _ = post(f"{handle.worker_url}/handler/ping", timeout=5)
     assert status == 200
 
 
-def _get_post(url: str) -> tuple[int, str]:
-    with urllib.request.urlopen(urllib.request.Request(url, method="POST"), timeout=5) as r:
-        return r.status, r.read().decode()
-
-
+@pytest.mark.job
 def test_dump_dir_defaults_the_per_rank_pickle_path(rank_env: Any, monkeypatch: Any, tmp_path: Path) -> None:
     rank_env(1, 2)
     monkeypatch.delenv(DUMP_PATH_ENV, raising=False)
@@ -143,6 +136,7 @@ def test_dump_dir_defaults_the_per_rank_pickle_path(rank_env: Any, monkeypatch: 
     assert hooks.dump_path(1) == default  # taken back: it must not outlive the server
 
 
+@pytest.mark.job
 def test_user_set_per_rank_pickle_path_is_kept(rank_env: Any, monkeypatch: Any, tmp_path: Path) -> None:
     rank_env(1, 2)
     monkeypatch.setenv(DUMP_PATH_ENV, "/mine/fr_")
@@ -153,6 +147,7 @@ def test_user_set_per_rank_pickle_path_is_kept(rank_env: Any, monkeypatch: Any, 
     assert hooks.dump_path(1) == "/mine/fr_1"
 
 
+@pytest.mark.job
 def test_frontend_process_does_not_import_the_recording_side() -> None:
     code = ("import sys, debug_server.frontend.app; "
             "bad = [m for m in ('debug_server.recording.comms', 'debug_server.recording.hooks') if m in sys.modules]; "
@@ -230,6 +225,7 @@ def _pid_gone(pid: int) -> bool:
         return True
 
 
+@pytest.mark.job
 def test_frontend_exits_when_its_trainer_dies(tcp_store: Any, tmp_path: Path) -> None:
     # A one-rank job: with its only rank gone nothing of the job is left to serve (the store,
     # the test's, outlives it); the frontend exits after DEBUG_SERVER_ORPHAN_EXIT_S.
@@ -336,6 +332,7 @@ def _wait_for(what: str, check: Any, deadline: float, interval: float = 0.5) -> 
     raise AssertionError(f"timed out waiting for {what}; last: {str(last)[:2000]}")
 
 
+@pytest.mark.job
 @pytest.mark.timeout(150)
 def test_two_rank_gloo_hang_is_diagnosed_end_to_end(tmp_path: Path) -> None:
     script = tmp_path / "rank_script.py"
@@ -424,6 +421,7 @@ def test_public_api_is_the_entry_points_and_what_a_training_script_needs() -> No
         "start_debug_server", "stop_debug_server"]
 
 
+@pytest.mark.job
 @pytest.mark.timeout(150)
 def test_multi_host_links_carry_the_address_other_hosts_reach(
         monkeypatch: Any, tcp_store: Any, caplog: Any) -> None:
@@ -448,11 +446,10 @@ def test_multi_host_links_carry_the_address_other_hosts_reach(
         assert store_client(own, tcp_store.port, 5).get("rank0").decode() == handle.worker_url
         assert (f"rank 0 worker at {handle.worker_url} (the interface toward MASTER_ADDR {own})"
                 in caplog.text)
-        req = urllib.request.Request(f"{handle.frontend_url}/?format=json",
-                                     headers={"X-Debug-Server-Token": handle.auth_token})
         # The first page also waits for the frontend's store connection and every rank: on a
         # loaded box that took over 10 s once; the test's own timeout bounds it.
-        with urllib.request.urlopen(req, timeout=90) as r:
-            assert r.status == 200
+        status, body = request(f"{handle.frontend_url}/?format=json",
+                               headers={"X-Debug-Server-Token": handle.auth_token}, timeout=90)
+        assert status == 200, body
     finally:
         handle.stop()

@@ -10,6 +10,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.job
+
 TESTS = Path(__file__).resolve().parent
 
 

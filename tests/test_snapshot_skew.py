@@ -15,12 +15,14 @@ import os
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
+from httpget import request
 from mpjob import REPO, free_port, rank_env
 from rankprocs import RankProcs
+
+pytestmark = pytest.mark.job
 
 RANK = """
 import datetime, os
@@ -63,8 +65,9 @@ class LoopJob(RankProcs):
 
 
 def _get(url: str) -> str:
-    with urllib.request.urlopen(url, timeout=30) as r:
-        return r.read().decode()
+    status, body = request(url, timeout=30)
+    assert status == 200, (url, status, body[:500])
+    return body
 
 
 @pytest.mark.timeout(240)

@@ -1,15 +1,70 @@
-"""Which collectives get a start mark (``groups.MARKS_ENV``), through the real op path.
+"""Which collectives get a start mark (``groups.MARKS_ENV``): the first after each pause.
 
-A start mark is a CUDA event; this box has no GPU, so the job below runs a c10d-backed gloo
-communicator (``DEBUG_SERVER_RECORDER=c10d``) whose mark slots are turned on by hand, records
-each mark into a list instead of a CUDA stream, and drives the op path's clock. Everything else
-(``Comm._issue``, the sequence numbers, c10d's calls) is the real thing.
+A start mark is a CUDA event; this box has no GPU. The rule is tested as a unit on the op path
+itself (``Comm._issue`` of a c10d-backed CUDA communicator, its clock and its event record
+replaced), once per setting; one job runs the real op path end to end (a c10d-backed gloo
+communicator whose mark slots are turned on by hand, ``comm.all_reduce`` through c10d).
 """
 
 from __future__ import annotations
 
+import threading
+from types import SimpleNamespace
+from typing import Any
+
 import pytest
 from mpjob import rank0_result, run_job
+
+from debug_server.recording import comms
+from debug_server.recording.groups import MARKS_ENV, _mark_gap_ns
+from debug_server.recording.records import _SLOTS
+
+PAUSES_US = [0] + [30] * 20 + [600, 499] + [200] * 5 + [500]
+"""Microseconds before each collective: seq 0 the first ever, seqs 1-20 a burst 30 us apart,
+seq 21 after a 0.6 ms pause, seq 22 0.499 ms later, seqs 23-27 0.2 ms apart (1 ms after the last
+mark by the end), seq 28 exactly the gap (0.5 ms) after the one before."""
+
+EXPECTED = [
+    (None, [0, 21, 28]),
+    ("1", [0, 21, 28]),
+    ("all", list(range(29))),
+    ("0", []),
+]
+
+
+def _cuda_backed_comm(gap: int | None) -> Any:
+    """A c10d-backed CUDA communicator as far as ``_issue`` reads it (``__init__`` needs a
+    process group and a GPU): its marks as ``__init__`` sets them for ``gap``."""
+    comm = comms.Comm.__new__(comms.Comm)
+    fields = dict(_broken=None, _finalized=False, _lock=threading.Lock(), _seq=0, _p2p_seq=0,
+                  _is_cuda=True, _had_p2p=False, _pend=[], _host={}, _streams={0: "stream"},
+                  _dev_idx=0, _marks=gap is not None, _mark_gap=gap or 0, _last_ns=0,
+                  _starts=[None] * _SLOTS, _mark_seq=[-1] * _SLOTS)
+    for name, value in fields.items():
+        setattr(comm, name, value)
+    return comm
+
+
+@pytest.mark.parametrize(("setting", "expected"), EXPECTED)
+def test_start_marks_fall_on_the_first_collective_after_each_pause(
+        monkeypatch: pytest.MonkeyPatch, setting: str | None, expected: list[int]) -> None:
+    if setting is None:
+        monkeypatch.delenv(MARKS_ENV, raising=False)
+    else:
+        monkeypatch.setenv(MARKS_ENV, setting)
+    comm = _cuda_backed_comm(_mark_gap_ns())
+    clock = [1_700_000_000_000_000_000]
+    marked: list[int] = []
+    monkeypatch.setattr(comms, "time", SimpleNamespace(time_ns=lambda: clock[0]))
+    monkeypatch.setattr(comms, "_raw_stream", lambda dev: 0)
+    monkeypatch.setattr(comms, "_record_event", lambda ev, stream: marked.append(comm._seq - 1))
+    for after_us in PAUSES_US:
+        clock[0] += after_us * 1000
+        assert comm._issue("all_reduce", (lambda: None, (), {}), async_op=False) is None
+    assert comm._seq == 29
+    assert marked == expected
+    assert [s for s in comm._mark_seq if s >= 0] == expected  # each slot names its collective
+
 
 JOB = r'''
 import json, os
@@ -52,18 +107,10 @@ print("RESULT " + json.dumps({"marked": marked, "slots": [s for s in comm._mark_
 '''
 
 
-@pytest.mark.parametrize(("setting", "expected"), [
-    (None, [0, 21, 28]),
-    ("1", [0, 21, 28]),
-    ("all", list(range(29))),
-    ("0", []),
-])
-def test_start_marks_fall_on_the_first_collective_after_each_pause(tmp_path, setting: str | None,
-                                                                  expected: list[int]) -> None:
-    env = {"DEBUG_SERVER_RECORDER": "c10d"}
-    if setting is not None:
-        env["DEBUG_SERVER_START_MARKS"] = setting
-    out = rank0_result(run_job(JOB, 1, tmp_path, timeout=60, extra_env=env))
+@pytest.mark.job
+def test_real_op_path_marks_the_first_collective_after_each_pause(tmp_path: Any) -> None:
+    out = rank0_result(run_job(JOB, 1, tmp_path, timeout=60,
+                               extra_env={"DEBUG_SERVER_RECORDER": "c10d"}))
     assert out["seq"] == 29
-    assert out["marked"] == expected
-    assert out["slots"] == expected  # each mark's slot names the collective it marks
+    assert out["marked"] == [0, 21, 28]
+    assert out["slots"] == [0, 21, 28]

@@ -3,44 +3,17 @@
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Sequence
-from typing import Any
 
 import pytest
+from _scenarios import MS, T0, lagged_rings
 
 from debug_server.analysis import stragglers
 from debug_server.analysis.stragglers import Clock, Rule
 
-MS = 1_000_000
-T0 = 1_700_000_000 * 10**9
-
-
-def _dumps(m: int, ops: int, lag: Callable[[int, int], float], *, group: str = "main_comm",
-           members: Sequence[int] | None = None, start_lag: Callable[[int, int], float] | None = None,
-           skew_ns: dict[int, int] | None = None, into: dict[int, dict[str, Any]] | None = None,
-           ) -> dict[int, dict[str, Any]]:
-    """Rings of ``m`` ranks issuing ``ops`` all_reduces 100 ms apart; rank r issues seq s at
-    ``lag(r, s)`` ms after the op's nominal time (plus ``skew_ns[r]``: its clock's offset)."""
-    ranks = list(members) if members is not None else list(range(m))
-    out = into if into is not None else {}
-    for r in ranks:
-        d = out.setdefault(r, {"pg_config": {}, "entries": []})
-        d["pg_config"][group] = {"name": group, "desc": "gloo", "ranks": str(ranks)}
-        for s in range(ops):
-            created = T0 + s * 100 * MS + int(lag(r, s) * MS) + (skew_ns or {}).get(r, 0)
-            e = {"process_group": [group, "gloo"], "collective_seq_id": s,
-                 "profiling_name": "nccl:all_reduce", "time_created_ns": created,
-                 "state": "completed"}
-            if start_lag is not None:
-                e["time_discovered_started_ns"] = (T0 + s * 100 * MS + int(start_lag(r, s) * MS)
-                                                   + (skew_ns or {}).get(r, 0))
-            d["entries"].append(e)
-    return out
-
 
 def test_rank_sleeping_40_ms_is_named_with_its_lag() -> None:
     rnd = random.Random(1)
-    dumps = _dumps(4, 200, lambda r, s: rnd.uniform(0, 2) + (40 if r == 2 else 0))
+    dumps = lagged_rings(4, 200, lambda r, s: rnd.uniform(0, 2) + (40 if r == 2 else 0))
     res = stragglers.analyze(dumps)
     assert [(s["rank"], s["group"], s["side"]) for s in res["stragglers"]] == [(2, "main_comm", "host")]
     s = res["stragglers"][0]
@@ -58,7 +31,7 @@ def test_uniform_traffic_names_nobody_in_many_runs(m: int) -> None:
     # flagged) over far more than 20 runs; the jitter is wide so the lag floor is not what saves it.
     rnd = random.Random(m)
     for run in range(50 if m < 64 else 20):
-        dumps = _dumps(m, 200, lambda r, s: rnd.expovariate(1 / 10) if rnd.random() < 0.5
+        dumps = lagged_rings(m, 200, lambda r, s: rnd.expovariate(1 / 10) if rnd.random() < 0.5
                        else rnd.uniform(0, 50))
         res = stragglers.analyze(dumps)
         assert res["stragglers"] == [], (m, run, res["stragglers"])
@@ -66,7 +39,7 @@ def test_uniform_traffic_names_nobody_in_many_runs(m: int) -> None:
 
 
 def test_rank_always_last_by_microseconds_is_not_slow() -> None:
-    dumps = _dumps(4, 200, lambda r, s: 0.05 if r == 3 else 0.0)
+    dumps = lagged_rings(4, 200, lambda r, s: 0.05 if r == 3 else 0.0)
     res = stragglers.analyze(dumps)
     assert res["stragglers"] == []
     row = next(r for r in res["groups"][0]["rows"] if r["rank"] == 3)
@@ -75,8 +48,8 @@ def test_rank_always_last_by_microseconds_is_not_slow() -> None:
 
 def test_rank_slow_only_on_one_of_two_groups() -> None:
     rnd = random.Random(3)
-    dumps = _dumps(4, 100, lambda r, s: rnd.uniform(0, 2), group="dp", members=[0, 1, 2, 3])
-    _dumps(2, 100, lambda r, s: rnd.uniform(0, 2) + (30 if r == 1 else 0), group="tp",
+    dumps = lagged_rings(4, 100, lambda r, s: rnd.uniform(0, 2), group="dp", members=[0, 1, 2, 3])
+    lagged_rings(2, 100, lambda r, s: rnd.uniform(0, 2) + (30 if r == 1 else 0), group="tp",
            members=[0, 1], into=dumps)
     res = stragglers.analyze(dumps)
     assert [(s["rank"], s["group"]) for s in res["stragglers"]] == [(1, "tp")]
@@ -86,7 +59,7 @@ def test_rank_slow_only_on_one_of_two_groups() -> None:
 def test_clock_offset_corrected_creates_no_straggler() -> None:
     rnd = random.Random(4)
     skew = {2: 5_000 * MS, 3: 5_000 * MS}  # ranks 2-3 on a host whose clock is 5 s ahead
-    dumps = _dumps(4, 200, lambda r, s: rnd.uniform(0, 2), skew_ns=skew)
+    dumps = lagged_rings(4, 200, lambda r, s: rnd.uniform(0, 2), skew_ns=skew)
     assert {s["rank"] for s in stragglers.analyze(dumps)["stragglers"]} == {2, 3}
     clocks = {r: stragglers.best_clock([Clock(skew.get(r, 0) + 300_000, 2 * MS)])
               for r in range(4)}
@@ -95,7 +68,7 @@ def test_clock_offset_corrected_creates_no_straggler() -> None:
 
 
 def test_lag_below_the_clock_error_is_not_reported() -> None:
-    dumps = _dumps(4, 200, lambda r, s: 15.0 if r == 1 else 0.0)
+    dumps = lagged_rings(4, 200, lambda r, s: 15.0 if r == 1 else 0.0)
     assert [s["rank"] for s in stragglers.analyze(dumps)["stragglers"]] == [1]
     clocks = {r: Clock(0, 10 * MS) for r in range(4)}  # +-10 ms each: 20 ms between two ranks
     res = stragglers.analyze(dumps, clocks)
@@ -114,16 +87,16 @@ def test_too_few_ops_names_nobody() -> None:
     # 4 members: last 9 times in 9 happens by chance with p = 4**-9 > 1e-6, so 10 are needed.
     assert stragglers.needed_ops(Rule(), 4) == 10 and stragglers.needed_ops(Rule(), 2) == 20
     assert stragglers.needed_ops(Rule(), 4096) == 8
-    dumps = _dumps(4, 9, lambda r, s: 40.0 if r == 2 else 0.0)
+    dumps = lagged_rings(4, 9, lambda r, s: 40.0 if r == 2 else 0.0)
     res = stragglers.analyze(dumps)
     assert res["stragglers"] == [] and res["groups_checked"] == []
-    dumps = _dumps(4, 10, lambda r, s: 40.0 if r == 2 else 0.0)
+    dumps = lagged_rings(4, 10, lambda r, s: 40.0 if r == 2 else 0.0)
     assert [s["rank"] for s in stragglers.analyze(dumps)["stragglers"]] == [2]
 
 
 def test_device_side_when_issued_on_time_but_started_late() -> None:
     rnd = random.Random(5)
-    dumps = _dumps(4, 100, lambda r, s: rnd.uniform(0, 1),
+    dumps = lagged_rings(4, 100, lambda r, s: rnd.uniform(0, 1),
                    start_lag=lambda r, s: 5 + rnd.uniform(0, 1) + (25 if r == 0 else 0))
     res = stragglers.analyze(dumps)
     assert [(s["rank"], s["side"]) for s in res["stragglers"]] == [(0, "device")]
@@ -133,7 +106,7 @@ def test_device_side_when_issued_on_time_but_started_late() -> None:
 
 def test_window_keeps_the_newest_ops_and_trend_rises() -> None:
     # Rank 1 turned slow at seq 350: a quarter of the 200-op window, the newest quarter.
-    dumps = _dumps(4, 400, lambda r, s: 40.0 if r == 1 and s >= 350 else 0.0)
+    dumps = lagged_rings(4, 400, lambda r, s: 40.0 if r == 1 and s >= 350 else 0.0)
     res = stragglers.analyze(dumps, rule=Rule(window_ops=200))
     row = next(r for r in res["groups"][0]["rows"] if r["rank"] == 1)
     assert row["trend_ms"] == 20.0 and len(row["spark"]) == stragglers.SPARK_POINTS
@@ -143,7 +116,7 @@ def test_window_keeps_the_newest_ops_and_trend_rises() -> None:
 
 
 def test_incomplete_collectives_are_left_out() -> None:
-    dumps = _dumps(4, 60, lambda r, s: 40.0 if r == 2 else 0.0)
+    dumps = lagged_rings(4, 60, lambda r, s: 40.0 if r == 2 else 0.0)
     dumps[2]["entries"] = dumps[2]["entries"][:30]  # rank 2 stopped at seq 30 (a hang)
     res = stragglers.analyze(dumps)
     assert res["groups"][0]["ops"] == 30

@@ -8,16 +8,15 @@ from __future__ import annotations
 import json
 import re
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
+from httpget import request
 from mpjob import finish, free_port, kill_all, start_ranks
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.job, pytest.mark.timeout(240)]
 
 WORLD = 4
 SLOW_MS = 40.0
@@ -97,12 +96,10 @@ print("DONE", flush=True)
 
 
 def _get(port: int, path: str, accept: str = "*/*") -> str:
-    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", headers={"Accept": accept})
-    try:
-        with urllib.request.urlopen(req, timeout=60) as r:
-            return r.read().decode()
-    except urllib.error.HTTPError as e:
-        raise AssertionError(f"{path}: HTTP {e.code}: {e.read().decode()[:500]}") from None
+    status, body = request(f"http://127.0.0.1:{port}{path}", headers={"Accept": accept},
+                           timeout=60)
+    assert status == 200, f"{path}: HTTP {status}: {body[:500]}"
+    return body
 
 
 def _until(what: str, deadline_s: float, probe: Callable[[], Any]) -> Any:
@@ -111,7 +108,7 @@ def _until(what: str, deadline_s: float, probe: Callable[[], Any]) -> Any:
     while time.monotonic() < deadline:
         try:
             last = probe()
-        except (OSError, urllib.error.URLError, ValueError) as e:
+        except (OSError, ValueError) as e:  # not listening yet, or no JSON yet
             last = e
         else:
             if last:
@@ -194,7 +191,11 @@ def test_hang_after_a_slow_period_says_who_had_been_slow_and_how_long(tmp_path: 
         _until("main_comm checked", 90, lambda: _checked(port, "main_comm"))
         (tmp_path / "slow").touch()
         _until("rank 2 named", 60, lambda: _stragglers(port)["stragglers"])
-        time.sleep(3)  # a few seconds of being slow (and at least one background poll)
+        named_at = time.monotonic()
+        # A few seconds of being slow: rank 2 still named 3 s after it first was (each read
+        # of the page is a poll, so its streak is unbroken).
+        _until("rank 2 still named 3 s later", 60, lambda: time.monotonic() - named_at >= 3
+               and _stragglers(port)["stragglers"])
         (tmp_path / "hang").touch()
         report = _until("hang report", 60, lambda: next(dumps.glob("hang_report_*.txt"), None))
         text = _until("report written", 10, lambda: report.read_text())

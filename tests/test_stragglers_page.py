@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
-from test_stragglers import MS, _dumps
+from _scenarios import MS, lagged_rings
 
 from debug_server.analysis import stragglers
 from debug_server.config import ServerConfig
@@ -24,7 +24,7 @@ pytestmark = pytest.mark.timeout(120)
 
 def _slow_rank_2(group: str = "main_comm") -> dict[int, dict[str, Any]]:
     rnd = random.Random(7)
-    return _dumps(4, 120, lambda r, s: rnd.uniform(0, 2) + (40 if r == 2 else 0), group=group)
+    return lagged_rings(4, 120, lambda r, s: rnd.uniform(0, 2) + (40 if r == 2 else 0), group=group)
 
 
 def test_text_report_says_who_and_shows_a_table_per_group() -> None:
@@ -36,7 +36,7 @@ def test_text_report_says_who_and_shows_a_table_per_group() -> None:
 
 
 def test_text_report_when_nobody_is_slow() -> None:
-    text = page.text_report(stragglers.analyze(_dumps(4, 60, lambda r, s: 0.0)))
+    text = page.text_report(stragglers.analyze(lagged_rings(4, 60, lambda r, s: 0.0)))
     assert text.startswith("Nobody is slow")
 
 

@@ -23,17 +23,16 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
+from httpget import request
 from mpjob import DEMO, REPO, demo_hang_line, kill_all
 
-pytestmark = pytest.mark.timeout(190)
+pytestmark = [pytest.mark.job, pytest.mark.timeout(190)]
 
 NAMESPACES = ("ds19h0", "ds19h1")
 HOSTNAMES = ("nsh0", "nsh1")
@@ -165,17 +164,14 @@ def _host_cmd(k: int, disk: Path, dump_dir: Path) -> list[str]:
 
 def _get(path: str, token: str | None, accept: str = "*/*") -> tuple[int, str]:
     headers = {"Accept": accept, **({TOKEN_HEADER: token} if token else {})}
-    req = urllib.request.Request(f"{FRONTEND}{path}", headers=headers)
     try:
-        with urllib.request.urlopen(req, timeout=60) as r:  # a loaded box: the test bounds it
-            return r.status, r.read().decode()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read().decode()
-    except urllib.error.URLError as e:
+        return request(f"{FRONTEND}{path}", headers=headers, timeout=60)  # a loaded box
+    except OSError as e:
         # Not listening yet (rank 0 prints its link as it starts the frontend): status 0, so
         # a poll goes on and a single read fails its assertion with the reason.
-        if isinstance(e.reason, ConnectionRefusedError):
-            return 0, f"refused: {e.reason}"
+        reason = getattr(e, "reason", e)
+        if isinstance(reason, ConnectionRefusedError):
+            return 0, f"refused: {reason}"
         raise
 
 

@@ -7,7 +7,7 @@ import re
 from typing import Any
 
 import pytest
-from conftest import MAIN_STACK, closed_port_url
+from fakes import MAIN_STACK, closed_port_url
 
 from debug_server.config import ServerConfig
 from debug_server.fanout.reply import FrData

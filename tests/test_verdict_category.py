@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import _scenarios as S
-from conftest import closed_port_url
+from fakes import closed_port_url
 
 from debug_server.analysis import core as analysis
 from debug_server.analysis import report

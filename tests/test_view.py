@@ -18,46 +18,21 @@ from typing import Any
 
 import _scenarios as S
 import pytest
-from conftest import free_port
+from fakes import NEW, OLD, RANK0_STACK, RANK1_STACK, write_cycle
+from httpget import get_json, request
+from mpjob import free_port
 
 from debug_server.auth import TOKEN_ENV, TOKEN_HEADER
 from debug_server.dumpio import write_dump_atomic
 from debug_server.fanout.reply import FrData
 from debug_server.fanout.transport import OK, UNREACHABLE, RankResult
-from debug_server.frontend.dumps import snapshot_json, stacks_report
+from debug_server.frontend.dumps import snapshot_json
 from debug_server.tools.view import DiskCollector, make_view_app, scan_dir
 from debug_server.tools.view_collector import CURRENT
 from debug_server.tools.view_disk import load_cycle
 
 REPO = Path(__file__).resolve().parent.parent
 BROWSER = "text/html,application/xhtml+xml,application/xml;q=0.9,*/*;q=0.8"
-
-RANK0_STACK = """Thread 0x00007f0000000001 (most recent call first):
-  File "/job/train.py", line 137 in all_reduce_phase
-  File "/job/train.py", line 150 in <module>
-"""
-RANK1_STACK = """Thread 0x00007f0000000002 (most recent call first):
-  File "/job/train.py", line 66 in hang_phase
-  File "/job/train.py", line 150 in <module>
-"""
-OLD = "20240101_100000"
-NEW = "20240101_100005"
-
-
-def _results(dumps: dict[int, Any], stacks: dict[int, str | None]) -> tuple[FrData, list[RankResult]]:
-    fr = [RankResult(r, f"http://h:{r}", OK, json.dumps(d)) for r, d in dumps.items()]
-    st = [RankResult(r, f"http://h:{r}", OK, t) if t is not None
-          else RankResult(r, f"http://h:{r}", UNREACHABLE, error=f"rank {r}: unreachable after 2.0 s")
-          for r, t in stacks.items()]
-    return FrData(fr, dict(dumps)), st
-
-
-def write_cycle(d: Path, stamp: str, dumps: dict[int, Any], stacks: dict[int, str | None]) -> None:
-    """One dump cycle as the dumper writes it."""
-    fr, st = _results(dumps, stacks)
-    (d / f"fr_snapshot_{stamp}.json").write_text(snapshot_json(fr))
-    (d / f"stacks_{stamp}.txt").write_text(stacks_report(st))
-
 
 @pytest.fixture
 def dump_dir(tmp_path: Path) -> Path:
@@ -357,16 +332,14 @@ def _end(proc: subprocess.Popen[str]) -> None:
     proc.communicate(timeout=10)  # also closes the stdout pipe
 
 
+@pytest.mark.job
 def test_cli_serves_loopback_and_stops_on_sigterm(dump_dir: Path) -> None:
-    import urllib.request
-
     port = free_port()
     proc = _start_cli([str(dump_dir), "--port", str(port)])
     try:
         assert proc.stdout is not None
         assert proc.stdout.readline().strip() == f"ready {port}"
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/fr_trace?format=json", timeout=10) as r:
-            body = json.loads(r.read())
+        body = get_json(f"http://127.0.0.1:{port}/fr_trace?format=json", timeout=10)
         assert body["findings"][0]["ranks"] == [1]
         proc.terminate()
         assert proc.wait(timeout=10) == 0
@@ -374,26 +347,22 @@ def test_cli_serves_loopback_and_stops_on_sigterm(dump_dir: Path) -> None:
         _end(proc)
 
 
+@pytest.mark.job
 def test_cli_beyond_loopback_requires_the_token(dump_dir: Path) -> None:
-    import urllib.error
-    import urllib.request
-
     port = free_port()
     token = "s" * 32
     proc = _start_cli([str(dump_dir), "--port", str(port), "--host", "0.0.0.0"], {TOKEN_ENV: token})
     try:
         assert proc.stdout is not None and proc.stdout.readline().strip() == f"ready {port}"
-        with pytest.raises(urllib.error.HTTPError) as ei:
-            urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=10)
-        ei.value.close()  # an HTTPError holds the response (and its socket) open
-        assert ei.value.code == 401
-        req = urllib.request.Request(f"http://127.0.0.1:{port}/", headers={TOKEN_HEADER: token})
-        with urllib.request.urlopen(req, timeout=10) as r:
-            assert r.read().decode().startswith("POST-MORTEM: ")
+        assert request(f"http://127.0.0.1:{port}/", timeout=10)[0] == 401
+        status, body = request(f"http://127.0.0.1:{port}/", headers={TOKEN_HEADER: token},
+                               timeout=10)
+        assert status == 200 and body.startswith("POST-MORTEM: "), body
     finally:
         _end(proc)
 
 
+@pytest.mark.job
 def test_cli_missing_dir_exits_1_with_one_line(tmp_path: Path) -> None:
     full = dict(os.environ, PYTHONPATH=str(REPO))
     proc = subprocess.run([sys.executable, "-m", "debug_server.tools.view", str(tmp_path / "nope")],

@@ -8,28 +8,21 @@ The reference demo (the session's one run, conftest's ``reference_demo``) runs t
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
-import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from httpget import get_json
 from mpjob import REPO, ReferenceDemo, free_port
-from test_browser import _shot
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.job, pytest.mark.timeout(180)]
 # A page load in headless Chromium waits on the viewer, which shares the box with the rest of
 # the suite: 10 s was once too short on a loaded 2-core box.
 BROWSER_WAIT_S = 30
-
-
-def _get_json(url: str) -> Any:
-    with urllib.request.urlopen(url, timeout=10) as r:
-        return json.loads(r.read())
 
 
 @pytest.fixture(scope="module")
@@ -56,12 +49,12 @@ def _hang_cycle(base: str, other_than: str | None = None) -> str:
     """A dated cycle taken during the hang: rank 1's stacks are in hang_phase and the FR data
     has it missing from all_reduce #4 (the first cycles of the hang may predate the verdict);
     not ``other_than`` (the cycle the page shows already: picking it changes nothing)."""
-    cycles = _get_json(f"{base}/stacks?format=json")["postmortem"]["cycles"]
+    cycles = get_json(f"{base}/stacks?format=json")["postmortem"]["cycles"]
     for c in cycles:
         if c["cycle"] in ("per_rank", other_than):
             continue
-        body = _get_json(f"{base}/stacks?format=json&cycle={c['cycle']}")
-        fr = _get_json(f"{base}/fr_trace?format=json&cycle={c['cycle']}")
+        body = get_json(f"{base}/stacks?format=json&cycle={c['cycle']}")
+        fr = get_json(f"{base}/fr_trace?format=json&cycle={c['cycle']}")
         if "hang_phase" in (body["ranks"][1]["stacks"] or "") and any(
                 f["kind"] == "missing_ranks" and f["seq"] == 4 for f in fr["findings"]):
             return str(c["cycle"])
@@ -69,7 +62,7 @@ def _hang_cycle(base: str, other_than: str | None = None) -> str:
 
 
 def test_overview_says_post_mortem_and_names_rank_1(viewer: str, browser: Any,
-                                                    tmp_path: Path) -> None:
+                                                    screenshot: Callable[[str], Path]) -> None:
     from selenium.webdriver.common.by import By
 
     browser.get(f"{viewer}/")
@@ -81,15 +74,15 @@ def test_overview_says_post_mortem_and_names_rank_1(viewer: str, browser: Any,
     # By default the cycle of the hang report, the job as it was seen hung: rank 1 in hang_phase
     # (the demo's later cycles have it past the timeout).
     assert "as it was seen hung" in pm.text
-    stacks = _get_json(f"{viewer}/stacks?format=json&cycle={selected[0]}")["ranks"][1]["stacks"]
+    stacks = get_json(f"{viewer}/stacks?format=json&cycle={selected[0]}")["ranks"][1]["stacks"]
     assert "hang_phase" in (stacks or "")
     banner = browser.find_element(By.CSS_SELECTOR, ".banner.bad")
     assert "Rank 1 is missing from all_reduce #4 on main_comm" in banner.text
-    _shot(browser, "view_overview.png", tmp_path)
+    screenshot("view_overview.png")
 
 
 def test_picking_a_cycle_in_the_hang_shows_it_on_every_page(viewer: str, browser: Any,
-                                                           tmp_path: Path) -> None:
+                                                           screenshot: Callable[[str], Path]) -> None:
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import Select, WebDriverWait
 
@@ -107,8 +100,8 @@ def test_picking_a_cycle_in_the_hang_shows_it_on_every_page(viewer: str, browser
     hit = [r for r in rows if "nccl:all_reduce" in r.text
            and [td.text for td in r.find_elements(By.TAG_NAME, "td")][3:4] == ["4"]]
     assert hit, [r.text for r in rows]
-    _shot(browser, "view_fr_trace.png", tmp_path)
+    screenshot("view_fr_trace.png")
     hit[0].find_element(By.CSS_SELECTOR, 'a[href="/stacks#rank-1"]').click()
     section = browser.find_element(By.ID, "rank-1").find_element(By.XPATH, "ancestor::section")
     assert "hang_phase" in section.text
-    _shot(browser, "view_stacks.png", tmp_path)
+    screenshot("view_stacks.png")

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import _scenarios as S
-from test_view import NEW, OLD, RANK0_STACK, RANK1_STACK, write_cycle
+from fakes import NEW, OLD, RANK0_STACK, RANK1_STACK, write_cycle
 
 from debug_server.dumpio import write_dump_atomic
 from debug_server.fanout.reply import FrData

@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import MAIN_STACK
+from fakes import MAIN_STACK
+from jobscripts import ABORT_JOB
 from mpjob import REFERENCE_ENV, assert_ok, demo_hang_line, free_port, run_job
 
 from debug_server.config import ServerConfig
@@ -47,6 +48,7 @@ def _wall_after(out: str, marker: str) -> float:
     return float(WALL.search(line).group(1))  # type: ignore[union-attr]
 
 
+@pytest.mark.job
 @pytest.mark.timeout(200)
 def test_demo_hang_report_is_written_before_the_communicator_times_out(demo_done: Demo) -> None:
     dump_dir, out = demo_done
@@ -66,6 +68,7 @@ def test_demo_hang_report_is_written_before_the_communicator_times_out(demo_done
     assert STALL_TIMEOUT <= took < STALL_TIMEOUT + DUMP_INTERVAL + 10.0
 
 
+@pytest.mark.job
 def test_demo_hang_report_names_rank_1_seq_4_all_reduce_and_the_sleep_line(demo_done: Demo) -> None:
     dump_dir, _ = demo_done
     (report,) = sorted(dump_dir.glob("hang_report_*.txt"))
@@ -79,6 +82,7 @@ def test_demo_hang_report_names_rank_1_seq_4_all_reduce_and_the_sleep_line(demo_
     assert f'verify_flight_recorder.py", line {line} in hang_phase' in text  # rank 1's stacks
 
 
+@pytest.mark.job
 def test_demo_hang_report_json_has_culprit_and_finding(demo_done: Demo) -> None:
     dump_dir, _ = demo_done
     (path,) = sorted(dump_dir.glob("hang_report_*.json"))
@@ -93,6 +97,7 @@ def test_demo_hang_report_json_has_culprit_and_finding(demo_done: Demo) -> None:
     assert any(line.startswith("Rank 1: OK") for line in meta["dump_files"])
 
 
+@pytest.mark.job
 def test_demo_stall_watchdog_wrote_rank_0_stacks_at_once(demo_done: Demo) -> None:
     dump_dir, _ = demo_done
     stacks = (dump_dir / "per_rank" / "stalled_stacks_r0.txt").read_text()
@@ -108,6 +113,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from debug_server import start_debug_server, stop_debug_server
+from debug_server.rank import worker
 from debug_server.recording.comms import new_comm
 from debug_server.recording.hooks import FlightRecorderHook, health
 
@@ -127,12 +133,30 @@ def metrics():
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
         return r.read().decode()
 
+def until(what, probe, limit_s=60):
+    deadline = time.monotonic() + limit_s
+    while not (got := probe()):
+        if time.monotonic() > deadline:
+            raise SystemExit(f"rank {rank}: {what}: not within {limit_s} s")
+        time.sleep(0.05)
+    return got
+
+# The frontend's hang watch asks every rank's worker for its health: count the asks, so a
+# check that no alarm came waits until the watch has looked.
+health_asks = [0]
+_health = worker.HooksProvider.health
+def _counted_health(self):
+    health_asks[0] += 1
+    return _health(self)
+worker.HooksProvider.health = _counted_health
+
 # Phase A: rank 1 computes twice as long as rank 0; rank 0 waits ~0.2 s in every all_reduce.
 compute = 0.2 if rank == 0 else 0.4
 for _ in range(12):
     time.sleep(compute)
     comm.all_reduce(t)
-time.sleep(1.0)  # two more health polls
+asked = health_asks[0]
+until("two more health polls", lambda: health_asks[0] >= asked + 2)
 print("A_HEALTH", health()["healthy"], health()["stalled_op"], flush=True)
 store.add("a_done", 1)
 while int(store.add("a_done", 0)) < 2:
@@ -145,12 +169,17 @@ store.add("a_checked", 1)
 while int(store.add("a_checked", 0)) < 2:
     time.sleep(0.05)
 
-# Phase B: rank 1 stalls for 4.5 s; rank 0 sits in all_reduce #12 past the stall timeout.
+# Phase B: rank 1 stalls until rank 0, in all_reduce #12 past the stall timeout, is reported.
 if rank == 1:
-    time.sleep(3.5)
-    text = metrics()
+    wanted = ('debug_server_healthy{rank="0"} 0.0', 'debug_server_stuck_seq{group="main_comm"',
+              'debug_server_missing_ranks{group="main_comm",rank="1"')
+    def stalled():
+        text = metrics()
+        return text if all(w in text for w in wanted) else None
+    text = until("rank 0 stalled on /metrics", stalled)
     print("B_METRICS", [ln for ln in text.splitlines() if ln.startswith(("debug_server_healthy", "debug_server_stuck_seq", "debug_server_missing_ranks{"))], flush=True)
-    time.sleep(1.0)
+    until("the hang report and rank 0's stall dump", lambda: len(list(dump_dir.glob("hang_report_*"))) >= 2
+          and (dump_dir / "per_rank" / "stalled_stacks_r0.txt").exists())
 comm.all_reduce(t)
 store.add("b_done", 1)
 while int(store.add("b_done", 0)) < 2:
@@ -168,6 +197,7 @@ dist.destroy_process_group()
 '''
 
 
+@pytest.mark.job
 @pytest.mark.timeout(120)
 def test_uneven_progress_raises_no_alarm_and_a_real_stall_does(tmp_path: Path) -> None:
     dump_dir = tmp_path / "dumps"
@@ -199,26 +229,9 @@ def test_uneven_progress_raises_no_alarm_and_a_real_stall_does(tmp_path: Path) -
 # ---------------------------------------------------------------------------------------------
 # abort_process_on_timeout_or_error=True: the pickle is on disk, then the process aborts.
 
-ABORT_JOB = r'''
-import datetime, os, resource, time
-import torch
-from debug_server.recording.comms import new_comm
-from debug_server.recording.hooks import FlightRecorderHook
-
-resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # no core file from the abort
-comm = new_comm("gloo", torch.device("cpu"), "main_comm", timeout=datetime.timedelta(seconds=2),
-                abort_process_on_timeout_or_error=True)
-FlightRecorderHook(max_entries=100).register_with_comm(comm)
-t = torch.ones(16)
-comm.all_reduce(t)
-if comm.get_rank() == 0:
-    comm.all_reduce(t)  # rank 1 never joins: times out, dumps, aborts
-    print("NOT_REACHED", flush=True)
-else:
-    time.sleep(4)
-'''
 
 
+@pytest.mark.job
 @pytest.mark.timeout(90)
 def test_abort_on_timeout_writes_the_pickle_before_the_process_aborts(tmp_path: Path) -> None:
     prefix = tmp_path / "per_rank" / "rank_"

@@ -3,13 +3,12 @@ from __future__ import annotations
 import json
 import threading
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import pytest
+from httpget import post
 
 from debug_server.analysis import stackparse
 from debug_server.dumpio import safe_loads
@@ -153,14 +152,6 @@ def test_hooks_provider_serves_c10d_builtin_fr_json() -> None:
     assert json.loads(text)["version"]
 
 
-def _post(url: str) -> tuple[int, str]:
-    try:
-        with urllib.request.urlopen(urllib.request.Request(url, method="POST"), timeout=5) as r:
-            return r.status, r.read().decode()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read().decode()
-
-
 def _park(ready: threading.Event, done: threading.Event) -> None:
     ready.set()
     done.wait(10)  # PARK_LINE
@@ -174,7 +165,7 @@ def test_worker_thread_serves_real_stacks_of_all_threads_and_stops() -> None:
     worker = start_worker_thread(HooksProvider(0))
     try:
         assert worker.port > 0
-        status, text = _post(f"http://127.0.0.1:{worker.port}/handler/dump_traceback")
+        status, text = post(f"http://127.0.0.1:{worker.port}/handler/dump_traceback", timeout=5)
         assert status == 200
         line = next(i for i, s in enumerate(Path(__file__).read_text().splitlines(), 1) if s.endswith("# PARK_LINE"))
         assert f'test_worker.py", line {line} in _park' in text

@@ -13,21 +13,20 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 from typing import Any
 
 import pytest
-from httpget import timed_get
+from httpget import post, timed_get
+from jobscripts import FETCH_TIMEOUT, GIL_HOLDING_RANK, HOLD_S
 from mpjob import REPO, descendants, free_port
 from rankprocs import RankProcs
-from test_pyspy import FETCH_TIMEOUT, HOLD_S
-from test_pyspy import RANK as PYSPY_RANK
 
-# test_pyspy's rank (start_debug_server, then a 8 s usleep holding the GIL on HOLD_RANK), each
+pytestmark = pytest.mark.job
+
+# jobscripts' GIL-holding rank (start_debug_server, then a 8 s usleep holding the GIL on HOLD_RANK), each
 # rank saying who it is, who its parent is and where its worker listens.
-RANK = PYSPY_RANK.replace(
+RANK = GIL_HOLDING_RANK.replace(
     'print("READY", os.getpid(), h.frontend_url, flush=True)',
     'print("READY", os.environ["RANK"], os.getpid(), os.getppid(), h.frontend_url, '
     'h.worker_url, flush=True)',
@@ -45,16 +44,6 @@ def _wrapped(rank: int, argv: list[str]) -> list[str]:
 
 def _section(text: str, rank: int) -> str:
     return text.split(f"=== Rank {rank} ===", 1)[1].split("\n=== Rank ", 1)[0]
-
-
-def _post(url: str) -> tuple[int, str]:
-    req = urllib.request.Request(url, method="POST")
-    try:
-        with urllib.request.urlopen(req, timeout=20) as r:
-            return r.status, r.read().decode()
-    except urllib.error.HTTPError as e:
-        with e:
-            return e.code, e.read().decode()
 
 
 def _hold_and_read(log: Any, tmp: Path, base: str, hold_line: int, hold_rank: int) -> str:
@@ -80,10 +69,9 @@ def _wait_gil_held(worker: str, limit_s: float = 30) -> None:
     deadline = time.monotonic() + limit_s
     while True:
         try:
-            urllib.request.urlopen(urllib.request.Request(f"{worker}/handler/ping",
-                                                          method="POST"), timeout=0.3).close()
-        except (TimeoutError, urllib.error.URLError) as e:
-            if isinstance(e, TimeoutError) or isinstance(e.reason, TimeoutError):
+            post(f"{worker}/handler/ping", timeout=0.3)
+        except OSError as e:  # a timeout, or urllib's URLError around one
+            if isinstance(e, TimeoutError) or isinstance(getattr(e, "reason", None), TimeoutError):
                 return
             raise
         assert time.monotonic() < deadline, "the rank never held the GIL"
@@ -128,10 +116,10 @@ def test_gil_held_rank_under_per_rank_wrappers_is_read_by_the_frontend(
         _hold_and_read(logs, tmp_path, base, job.line_of("HOLD_LINE"), 1)
         # Another rank's worker reads it too (the way a host without the frontend is read) ...
         worker2 = ready[2].group(5)
-        status, text = _post(f"{worker2}/handler/pyspy_dump?nonblocking=1&pid={pids[1]}")
+        status, text = post(f"{worker2}/handler/pyspy_dump?nonblocking=1&pid={pids[1]}", timeout=20)
         assert status == 200 and f"line {job.line_of('HOLD_LINE')} in <module>" in text, text
         # ... but not a process no rank announced: rank 1's own wrapper, same user, same host.
-        status, text = _post(f"{worker2}/handler/pyspy_dump?nonblocking=1&pid={parents[1]}")
+        status, text = post(f"{worker2}/handler/pyspy_dump?nonblocking=1&pid={parents[1]}", timeout=20)
         assert (status, text) == (403, f"pid {parents[1]} was not announced by any rank of "
                                         "this job"), text
         logs.wait_for(r"^SLEPT", timeout=HOLD_S + 10)
