@@ -114,7 +114,9 @@ def _finding(m: Merge, by_id: Mapping[str, Group], ops_of: OpsOf, cycle: list[Op
     certain = all(len(issued[o]) == len(o) for o in orders)
     usual = _previous_order(m, ops_of, cycle)
     usual_pairs = _pairs(usual, frozenset(usual)) if usual is not None else set()
-    usual_side, undecided = _usual_side(orders, pairs, usual_pairs, certain, ops_of)
+    usual_side, undecided = _usual_side(orders, pairs, issued, usual_pairs, certain, ops_of)
+    if undecided and usual is None:
+        return  # no order to depart from (a group's first op): the missing-rank findings stand
     ref: set[Pair] = set().union(*(pairs[o] for o in usual_side))
     if not (certain or undecided) and (usual is None or any((y, x) in usual_pairs for x, y in ref)):
         # A rank that has not issued an op of the cycle may have skipped it rather than put it
@@ -152,13 +154,15 @@ _EXACT_LIMIT = 12
 
 
 def _usual_side(orders: Mapping[Order, list[RankClass]], pairs: Mapping[Order, set[Pair]],
-                usual_pairs: set[Pair], certain: bool, ops_of: OpsOf) -> tuple[list[Order], bool]:
+                issued: Mapping[Order, frozenset[OpKey]], usual_pairs: set[Pair], certain: bool,
+                ops_of: OpsOf) -> tuple[list[Order], bool]:
     """The orders most ranks keep: the set of orders that contradict none of each other with
     the most ranks (ranks in fewer of the cycle's groups agree with every order they do not
-    contradict). Between equally large sets: where every rank issued every op, the one that
-    keeps the previous step's order, then the one whose first op was issued first, then the
-    lowest rank's; where a rank may have skipped an op, that set with ``True`` (undecided: as
-    many ranks keep each order, which is no evidence of which side is odd)."""
+    contradict). Between equally large sets: the one whose ranks issued every op of their
+    order (the other may have skipped one), then the one that keeps the previous step's order,
+    then the one whose first op was issued first, then the lowest rank's. Where a rank may have
+    skipped an op and two sets tie on size and on that, the first with ``True`` (undecided: no
+    evidence of which side is odd)."""
     keys = list(orders)
     n = len(keys)
     clash = [[any((y, x) in pairs[b] for x, y in pairs[a]) for b in keys] for a in keys]
@@ -175,13 +179,14 @@ def _usual_side(orders: Mapping[Order, list[RankClass]], pairs: Mapping[Order, s
                 chosen.append(i)
         sets = [chosen]
 
-    def key(s: list[int]) -> tuple[int, int, int, int]:
+    def key(s: list[int]) -> tuple[int, int, int, int, int]:
         against = any((y, x) in usual_pairs for i in s for x, y in pairs[keys[i]])
-        return (-sum(size[i] for i in s), 1 if against else 0, min(first[i] for i in s),
-                min(low[i] for i in s))
+        partial = any(len(issued[keys[i]]) < len(keys[i]) for i in s)
+        return (-sum(size[i] for i in s), 1 if partial else 0, 1 if against else 0,
+                min(first[i] for i in s), min(low[i] for i in s))
 
     sets.sort(key=key)
-    undecided = not certain and len(sets) > 1 and key(sets[0])[0] == key(sets[1])[0]
+    undecided = not certain and len(sets) > 1 and key(sets[0])[:2] == key(sets[1])[:2]
     return [keys[i] for i in sets[0]], undecided
 
 
