@@ -20,6 +20,8 @@ from httpget import get_json
 from mpjob import REPO
 from rankprocs import DumpDirJob
 
+pytestmark = pytest.mark.job  # starts real processes (tests/tiers.py)
+
 RANK = """
 import os, time
 import torch

@@ -16,6 +16,8 @@ import pytest
 from debug_server.rank import jobpids, procstate
 from debug_server.rank.worker import StaticProvider, make_worker_app
 
+pytestmark = pytest.mark.job  # starts real processes (tests/tiers.py)
+
 
 @pytest.fixture
 def child() -> Iterator[subprocess.Popen[bytes]]:

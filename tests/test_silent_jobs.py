@@ -32,6 +32,8 @@ from debug_server.config import ServerConfig
 from debug_server.frontend.app import COLLECTOR, make_frontend_app
 from debug_server.rank.discovery import StoreRegistry
 
+pytestmark = pytest.mark.job  # starts real processes (tests/tiers.py)
+
 WORLD, BAD = 3, 2
 FETCH_TIMEOUT = 3.0
 PAGE_S = 1.0

@@ -452,12 +452,11 @@ def _p2p_step(f: Finding, causes: Causes, positions: Positions) -> tuple[str, st
                 f"find out why rank {r} never posted its {need}{waiter} on "
                 f"{f['group_label']}{away}{where}."
             )
-    idle = _idle_peer(f, causes.m)
-    if idle is not None:
-        u, last = idle
-        done = f" (the last collective it completed: {last})" if last else ""
+    u = _idle_peer(f, causes.m)
+    if u is not None:
+        # (What it completed last is not said: a live window may hold none of it.)
         return "cpu_divergence", (
-            f"find out where rank {u['peer']} is: it has no op in flight{done}, so it never "
+            f"find out where rank {u['peer']} is: it has no op in flight, so it never "
             f"reached its {'recv' if u['op'] == 'send' else 'send'} for rank {u['rank']} on "
             f"{f['group_label']}; its stack (/stacks, or stacks_<ts>.txt) shows the line.")
     return "misconfigured_collective", (
@@ -466,21 +465,13 @@ def _p2p_step(f: Finding, causes: Causes, positions: Positions) -> tuple[str, st
     )
 
 
-def _idle_peer(f: Finding, m: Merge) -> tuple[dict[str, Any], str | None] | None:
+def _idle_peer(f: Finding, m: Merge) -> dict[str, Any] | None:
     """An unmatched P2P op whose peer has data and nothing in flight at all: the peer is away
-    on its CPU (a loop that stopped, a sleep, a branch), not posting in another order. Returns
-    that unmatched op and the peer's last completed op (``send p2p #2 on pp``), if known."""
+    on its CPU (a loop that stopped, a sleep, a branch), not posting in another order."""
     for u in f.get("unmatched") or ():
         c = m.class_of.get(u["peer"])
-        if c is None or m.ops(c).blocked:
-            continue
-        last = m.ops(c).done[-1] if m.ops(c).done else None
-        text = None
-        if last is not None:
-            g = next((g for g in m.groups.values() if g.id == last[1][0]), None)
-            text = (f"{m.sigs[last[2]][1]} #{last[1][2]} on "
-                    f"{g.label if g is not None else last[1][0]}")
-        return u, text
+        if c is not None and not m.ops(c).blocked:
+            return dict(u)
     return None
 
 
