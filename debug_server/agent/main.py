@@ -112,8 +112,9 @@ async def _watch_parent(pid: int, done: asyncio.Event, registry: Any = None) -> 
             continue
         if jobpids.running_here(known):
             continue
-        logger.warning("debug_server agent: parent process %d is gone and no rank of this "
-                       "host runs; exiting", pid)
+        # The job's end on this host: nothing wrong, nothing for the job's log.
+        logger.debug("debug_server agent: parent process %d is gone and no rank of this "
+                     "host runs; exiting", pid)
         done.set()
         return
 

@@ -473,6 +473,10 @@ def spawn_frontend(config: FrontendConfig, *, env: Mapping[str, str] | None = No
         # children (py-spy).
         child_env.pop(TOKEN_ENV, None)
         child_env[FRONTEND_CONFIG_FD_ENV] = str(config_fd)
+        # c10d logs each failed store call with a C++ stack trace of some 20 frames, into the
+        # job's log. The frontend's only C++ is its store client, whose failures it says in one
+        # line of its own; the store closing at the job's end is no failure at all.
+        child_env["TORCH_CPP_LOG_LEVEL"] = "FATAL"
         # The child must import this very package even when the trainer found it via sys.path
         # tweaks rather than an install.
         pkg_root = str(Path(__file__).resolve().parents[2])
