@@ -33,8 +33,10 @@ registry keeps serving the addresses it last read (``discovery.StoreRegistry``).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
+import socket
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
@@ -270,11 +272,73 @@ def local_fates(addrs: Sequence[WorkerAddr], departures: Departures,
     return running
 
 
+class ExitWatch:
+    """Told the moment a rank of this host exits, with its exit code.
+
+    A ``pidfd`` (Linux 5.3) of each announced rank process, in the event loop: it turns
+    readable when the process exits, while its parent (the launcher) has not reaped it yet, so
+    ``/proc`` still shows how it ended ("exited with code 0"). A poll every ``POLL_S`` would
+    mostly come after torchrun's reap (every 0.1 s) and know only that it ended.
+    """
+
+    def __init__(self, departures: Departures, woken: asyncio.Event) -> None:
+        self._departures = departures
+        self._woken = woken
+        self._fds: dict[int, int] = {}
+
+    def follow(self, addrs: Sequence[WorkerAddr], host: str | None = None) -> None:
+        """Watch the processes of ``addrs``' ranks on this host not watched yet."""
+        if not hasattr(os, "pidfd_open"):
+            return
+        host = socket.gethostname() if host is None else host
+        loop = asyncio.get_running_loop()
+        for a in addrs:
+            meta = a.meta
+            if a.rank in self._fds or a.rank in self._departures.gone or meta is None or \
+                    meta.get("host") != host or not isinstance(meta.get("pid"), int):
+                continue
+            try:
+                fd = os.pidfd_open(meta["pid"])
+            except OSError:  # gone already: the next poll's local_fates says how
+                continue
+            if jobpids.fate(meta["pid"], meta.get("start")) is not None:  # not that process
+                os.close(fd)
+                continue
+            self._fds[a.rank] = fd
+            loop.add_reader(fd, self._exited, a.rank, meta["pid"], meta.get("start"))
+
+    def _exited(self, rank: int, pid: int, start: int | None) -> None:
+        self._departures.mark(rank, jobpids.fate(pid, start) or "its process has ended")
+        self._drop(rank)
+        self._woken.set()
+
+    def _drop(self, rank: int) -> None:
+        fd = self._fds.pop(rank)
+        asyncio.get_running_loop().remove_reader(fd)
+        os.close(fd)
+
+    def close(self) -> None:
+        for rank in list(self._fds):
+            self._drop(rank)
+
+
 async def watch(parent_pid: int | None, registry: Any, departures: Departures,
                 exit_after_s: float, shutdown: asyncio.Event) -> str:
     """Keep serving while rank 0 or the job lives; set ``shutdown`` once neither has for
     ``exit_after_s`` seconds, or once every rank is gone (see the module's docstring). Returns
     why it stopped, the phrase of the frontend's finish line."""
+    woken = asyncio.Event()
+    exits = ExitWatch(departures, woken)
+    try:
+        return await _watch(parent_pid, registry, departures, exit_after_s, shutdown, exits,
+                            woken)
+    finally:
+        exits.close()
+
+
+async def _watch(parent_pid: int | None, registry: Any, departures: Departures,
+                 exit_after_s: float, shutdown: asyncio.Event, exits: ExitWatch,
+                 woken: asyncio.Event) -> str:
     was_child = parent_pid is not None and os.getppid() == parent_pid
     parent_gone = parent_pid is None
     last_alive = time.monotonic()
@@ -282,7 +346,9 @@ async def watch(parent_pid: int | None, registry: Any, departures: Departures,
     addrs: Sequence[WorkerAddr] = []
     looked_at = 0.0
     while True:
-        await asyncio.sleep(POLL_S)
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(woken.wait(), POLL_S)
+        woken.clear()
         now = time.monotonic()
         if not parent_gone:
             assert parent_pid is not None
@@ -303,12 +369,17 @@ async def watch(parent_pid: int | None, registry: Any, departures: Departures,
                 store_closed = await registry.refuses()
         else:
             addrs = _known(registry) or addrs
+        exits.follow(addrs)
         running = local_fates(addrs, departures)
         # The store alone keeps the pages up only while a rank may still be alive somewhere
         # (torchrun's agent hosts it until the last rank ends; a test's or a launcher's store
         # may outlive every rank).
         store_up = getattr(registry, "store_lost_at", 0) is None and \
             any(a.rank not in departures.gone for a in addrs)
+        if not parent_gone:  # rank 0 lives: the job lives; only say which ranks it lost
+            last_alive = now
+            _say_lost(departures, parent_gone)
+            continue
         if running or store_up or now - departures.last_answer < exit_after_s:
             last_alive = max(last_alive, now if running or store_up else departures.last_answer)
         # Every rank gone (the job ended, rank 0 last or first): nothing left to show live,
@@ -330,14 +401,19 @@ async def watch(parent_pid: int | None, registry: Any, departures: Departures,
             why = (f"no rank of the job has answered and its store is unreachable for "
                    f"{exit_after_s:.0f} s")
         else:
-            said = None if every_gone else departures.lost_line()
-            if said is not None:
-                level, line, ranks = said
-                logger.log(level, "%s%s", line, "; the pages stay while the job lives"
-                           if 0 in ranks and parent_gone else "")
+            if not every_gone:
+                _say_lost(departures, parent_gone)
             continue
         shutdown.set()
         return why
+
+
+def _say_lost(departures: Departures, parent_gone: bool) -> None:
+    said = departures.lost_line()
+    if said is not None:
+        level, line, ranks = said
+        logger.log(level, "%s%s", line, "; the pages stay while the job lives"
+                   if 0 in ranks and parent_gone else "")
 
 
 def _known(registry: Any) -> Sequence[WorkerAddr]:
