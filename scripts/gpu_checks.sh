@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU checks for a 2-GPU machine (device tool, kind nvidia-h100-x2), run from the source tree:
-#   PYTHONPATH=. bash scripts/gpu_checks.sh OUTDIR [all|bench|marks|step|state|demo|preflight|nccllog|mismatch|native|ddp|profile|c10dworkers|rank0gone|layouts|stragglers]
+#   PYTHONPATH=. bash scripts/gpu_checks.sh OUTDIR [all|bench|marks|step|state|demo|preflight|nccllog|mismatch|native|ddp|profile|c10dworkers|rank0gone|layouts|stragglers|quiet_exit]
 # bench:     recording cost per NCCL op, c10d FR off/on and ours side by side (bench_record, 1 rank)
 # step:      ms per training-like step, bare / c10d FR / ours (bench_step, 2 and 4 ranks; fails when
 #            ours / bare or ours / bare on a group of its own is over 1.02; STEP_ARGS: more options)
@@ -28,6 +28,9 @@
 #            desc and its line (scripts/gpu_check_layouts.py; fails if not)
 # stragglers: DDP on NCCL, rank 1's data loader slowed 40 ms a batch mid-run: /stragglers names
 #            it within 10 s with its lag, nobody before; the step time shows the cost (fails if not)
+# quiet_exit: DDP on NCCL, 40 steps, barrier + destroy_process_group, with and without the server:
+#            the lines the server added and how long the frontend outlived torchrun (fails over 3
+#            lines, on a C++ trace, or when a process of the job outlives torchrun by 2 s)
 set -u
 OUT=${1:-/tmp/gpu_checks}
 WHAT=${2:-all}
@@ -200,6 +203,13 @@ echo "=== DDP on NCCL, rank 1's data loader slowed mid-run: /stragglers names it
 timeout 400 python scripts/gpu_check_stragglers.py "$OUT/stragglers" --port 25994 --master-port 29619 2>&1 \
   | grep -v Warning | tee "$OUT/stragglers.txt"
 [ "${PIPESTATUS[0]}" -eq 0 ] || FAILED_CHECKS="$FAILED_CHECKS stragglers"
+fi
+
+if want quiet_exit; then
+echo "=== DDP on NCCL ends with and without the server: lines added, C++ traces, the frontend's lifetime ==="
+timeout 700 python scripts/gpu_quiet_exit.py "$OUT/quiet_exit" --port 26720 --master-port 29720 2>&1 \
+  | grep -v Warning | tee "$OUT/quiet_exit.txt"
+[ "${PIPESTATUS[0]}" -eq 0 ] || FAILED_CHECKS="$FAILED_CHECKS quiet_exit"
 fi
 
 if [ -n "$FAILED_CHECKS" ]; then

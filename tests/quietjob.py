@@ -9,16 +9,19 @@ same job without it: the lines that only the server's run printed.
 from __future__ import annotations
 
 import os
-import re
 import signal
 import subprocess
 import sys
 import time
-from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
 from mpjob import REPO, free_port, kill_tree
+
+# What the comparison needs is shared with the GPU check (scripts/gpu_quiet_exit.py), whose
+# helpers are standard library only.
+sys.path.insert(0, str(REPO / "scripts"))
+from _gpu_common import added_lines, cpp_traces, outlived  # noqa: E402
 
 # Each exit path as the job does it. Ranks that are only waiting for the launcher's teardown
 # sleep outside any collective, so torch's own output is the same with and without the server.
@@ -73,17 +76,6 @@ PATHS = ("return", "destroy", "raise", "sigint", "sigterm", "kill0")
 """The exit paths: normal return (no destroy_process_group), barrier + destroy, one rank
 raising, torchrun getting SIGINT or SIGTERM, rank 0 SIGKILLed."""
 
-CPP_TRACE = ("TCPStore.cpp", "socket.cpp", "Exception raised from")
-"""What c10d prints with each failed store call of a client."""
-
-_TORCHRUN_REPORT = re.compile(
-    r"^\s*(exitcode|traceback|error_file|host|rank|time)\s*:|failed \(exitcode|"
-    r"terminate called without an active exception")
-"""torchrun's failure report, whose lines say how each rank died (a signal, an exit code) and
-differ from run to run without the server too: gloo's threads at exit abort some runs with
-SIGABRT ("terminate called without an active exception"), server or not."""
-
-
 @dataclass
 class Run:
     path: str
@@ -96,26 +88,6 @@ class Run:
     """How long the last process of the job outlived torchrun (None: still alive at the bound)."""
     leftovers: list[str]
     """Command lines of the job's processes still alive at the bound (then killed by pid)."""
-
-
-def job_pids(master_port: int) -> dict[int, str]:
-    """pid -> command line of every process of ours whose environment names ``master_port``."""
-    needle = f"MASTER_PORT={master_port}".encode()
-    out = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) == os.getpid():
-            continue
-        try:
-            with open(f"/proc/{entry}/environ", "rb") as f:
-                if needle not in f.read().split(b"\0"):
-                    continue
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                cmd = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
-        except OSError:  # gone meanwhile, or not ours
-            continue
-        if cmd:  # a zombie has none: it is dead already
-            out[int(entry)] = cmd
-    return out
 
 
 def run(path: str, server: bool, workdir: Path, *, master_port: int | None = None,
@@ -154,48 +126,16 @@ def run(path: str, server: bool, workdir: Path, *, master_port: int | None = Non
             kill_tree(proc)
             raise
         ended, ended_at = time.monotonic(), time.time()
-    outlived, left = _outlived(master_port, ended, linger_bound_s)
-    return Run(path, server, proc.returncode, log.read_text().splitlines(), ended_at, outlived,
+    lived, left = outlived(master_port, ended, linger_bound_s)
+    return Run(path, server, proc.returncode, log.read_text().splitlines(), ended_at, lived,
                left)
-
-
-def _outlived(master_port: int, ended: float, bound_s: float) -> tuple[float | None, list[str]]:
-    last = 0.0
-    while True:
-        pids = job_pids(master_port)
-        now = time.monotonic()
-        if not pids:
-            return last, []
-        last = now - ended
-        if last > bound_s:
-            for pid in pids:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-            return None, sorted(pids.values())
-        time.sleep(0.05)
-
-
-def _norm(line: str) -> str:
-    # Times, pids, ports and the widths of torchrun's rules and traceback carets vary by run.
-    return re.sub(r"([=\-^])\1+", r"\1", re.sub(r"\d+", "N", line)).strip()
 
 
 def added(with_server: Run, baseline: Run) -> list[str]:
     """The lines of ``with_server``'s output that ``baseline``'s has no match for."""
-    base = Counter(_norm(ln) for ln in baseline.output if not _TORCHRUN_REPORT.search(ln))
-    out = []
-    for ln in with_server.output:
-        if _TORCHRUN_REPORT.search(ln):
-            continue
-        key = _norm(ln)
-        if base[key] > 0:
-            base[key] -= 1
-        else:
-            out.append(ln)
-    return out
+    return added_lines(with_server.output, baseline.output)
 
 
-def cpp_traces(r: Run) -> list[str]:
-    return [ln for ln in r.output if any(m in ln for m in CPP_TRACE)]
+def traces(r: Run) -> list[str]:
+    """c10d's C++ trace lines in ``r``'s output."""
+    return cpp_traces(r.output)

@@ -69,7 +69,7 @@ def test_exit_path_adds_only_the_start_and_finish_lines(
     shown = "\n".join(served.output)
     assert len(added) <= 3 and all("debug_server" in ln for ln in added), shown
     assert sum("debug_server frontend: " in ln for ln in added) == 1, shown  # the finish line
-    assert quietjob.cpp_traces(served) == [], shown
+    assert quietjob.traces(served) == [], shown
 
 
 def test_a_normal_end_says_how_every_rank_exited(
