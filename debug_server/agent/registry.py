@@ -33,6 +33,15 @@ class HostRegistry:
         # of one page arrive together); a daemon one, never joined at exit (discovery.StoreLane).
         self._lane = discovery.StoreLane("debug_server.agent")
 
+    @property
+    def answered(self) -> bool:
+        """The store has answered once (a lookup before that may wait out a connect)."""
+        return self._store is not None or self._gone is not None
+
+    def refuses(self) -> bool:
+        """Whether nothing listens at the store's address now (``discovery.store_refuses``)."""
+        return discovery.store_refuses(*self._addr)
+
     def store(self) -> dist.Store:
         if self._store is None:
             self._store = discovery.store_client(*self._addr, timeout=self._timeout)

@@ -101,6 +101,7 @@ class Departures:
                 answered = True
                 if r.rank in self.gone and self.gone[r.rank][1].startswith("unreachable"):
                     del self.gone[r.rank]
+                    self.reported.discard(r.rank)  # said again if it goes again
             elif r.status == UNREACHABLE and r.rank not in self.gone:
                 self.mark(r.rank, f"unreachable since {_clock(time.time())}")
         if answered:

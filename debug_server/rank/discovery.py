@@ -75,6 +75,19 @@ def store_client(master_addr: str, master_port: int, timeout: float) -> dist.Sto
     return dist.PrefixStore(PREFIX, store)
 
 
+def store_refuses(master_addr: str, master_port: int, timeout: float = 1.0) -> bool:
+    """Whether nothing listens at the store's address now: a plain TCP connect, told at once,
+    where c10d's client would retry a refused connection for its whole timeout (and log each
+    try with a C++ trace). The store's server takes it for a client that left at once."""
+    try:
+        with socket.create_connection((master_addr, master_port), timeout=timeout):
+            return False
+    except ConnectionRefusedError:
+        return True
+    except OSError:  # no answer in time, no route: not known to be gone
+        return False
+
+
 # HOST_ENV (config.Settings.host): the address (or name) this rank's servers advertise to the
 # others; wins over any guess.
 WILDCARD_HOSTS = (None, "", "0.0.0.0", "::")
@@ -355,16 +368,8 @@ class StoreRegistry:
         return self._connected
 
     async def refuses(self) -> bool:
-        """Whether nothing listens at the store's address now: a plain TCP connect, told at
-        once, where c10d's client would retry for its whole timeout (and log each try)."""
-        try:
-            _, writer = await asyncio.wait_for(asyncio.open_connection(*self._addr), 1.0)
-        except ConnectionRefusedError:
-            return True
-        except (OSError, asyncio.TimeoutError):
-            return False
-        writer.close()
-        return False
+        """Whether nothing listens at the store's address now (``store_refuses``)."""
+        return await asyncio.get_running_loop().run_in_executor(None, store_refuses, *self._addr)
 
     @property
     def gone(self) -> bool:
