@@ -92,7 +92,7 @@ class Run:
 
 def run(path: str, server: bool, workdir: Path, *, master_port: int | None = None,
         frontend_port: int | None = None, limit_s: float = 90.0,
-        linger_bound_s: float = 2.0) -> Run:
+        linger_bound_s: float = 2.0, extra_env: dict[str, str] | None = None) -> Run:
     """Run the job down ``path`` (one of ``PATHS``) on 2 gloo ranks under torchrun."""
     workdir.mkdir(parents=True, exist_ok=True)
     # One script for the runs under one folder: torchrun's failure report names it.
@@ -105,7 +105,8 @@ def run(path: str, server: bool, workdir: Path, *, master_port: int | None = Non
                else path, QUIET_SERVER="1" if server else "0",
                QUIET_FRONTEND_PORT=str(frontend_port or free_port()),
                QUIET_DUMPS=str(workdir / "dumps"), QUIET_MARK=str(mark),
-               OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1")
+               OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1",
+               **(extra_env or {}))
     if path.startswith("sig"):
         env["QUIET_PATH"] = "signal"
     log = workdir / "out.txt"

@@ -43,6 +43,11 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, bool], qui
     def served(path: str) -> list[tuple[tuple[str, bool], quietjob.Run]]:
         if path == "return":
             return []
+        if path == "kill0":  # and once more with the host's agent, a child of rank 0 too
+            agent = quietjob.run(path, True, root / "kill0_agent",
+                                 extra_env={"DEBUG_SERVER_AGENT": "1"})
+            return [((path, True), quietjob.run(path, True, root / f"{path}_server")),
+                    (("kill0_agent", True), agent)]
         if path != "destroy":
             return [((path, True), quietjob.run(path, True, root / f"{path}_server"))]
         master, frontend = free_port(), free_port()
@@ -70,6 +75,14 @@ def test_exit_path_adds_only_the_start_and_finish_lines(
     assert len(added) <= 3 and all("debug_server" in ln for ln in added), shown
     assert sum("debug_server frontend: " in ln for ln in added) == 1, shown  # the finish line
     assert quietjob.traces(served) == [], shown
+
+
+def test_rank_0_killed_leaves_no_agent_behind(
+        runs: dict[tuple[str, bool], quietjob.Run]) -> None:
+    agent = runs[("kill0_agent", True)]
+    assert agent.outlived_s is not None and agent.outlived_s <= LINGER_S, agent.leftovers
+    added = quietjob.added(agent, runs[("kill0", False)])
+    assert len(added) <= 3 and quietjob.traces(agent) == [], "\n".join(agent.output)
 
 
 def test_a_normal_end_says_how_every_rank_exited(
