@@ -105,7 +105,7 @@ async def _watch_parent(pid: int, done: asyncio.Event, registry: Any = None) -> 
     looked_at: float | None = None
     while True:
         await asyncio.sleep(PARENT_POLL_S)
-        parent_here = _alive(pid) and not (was_child and os.getppid() != pid)
+        parent_here = jobpids.alive(pid) and not (was_child and os.getppid() != pid)
         # The host's ranks: every 10 s while the parent lives, every second once it is gone.
         now = time.monotonic()
         if registry is not None and (looked_at is None or now - looked_at >= (
@@ -131,16 +131,6 @@ async def _watch_parent(pid: int, done: asyncio.Event, registry: Any = None) -> 
         return
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass
-    return True
-
-
 def _connect(args: argparse.Namespace) -> dist.Store | None:
     """The job's store once it is up (a plain ``env://`` rendezvous creates it late); None
     when the agent's parent ended and the store is gone before it was reached (a job of seconds:
@@ -158,7 +148,7 @@ def _connect(args: argparse.Namespace) -> dist.Store | None:
             except Exception:  # gone since the probe, or slow: asked again below
                 if time.monotonic() > deadline:
                     raise
-        if args.parent_pid and not _alive(args.parent_pid):
+        if args.parent_pid and not jobpids.alive(args.parent_pid):
             return None
         if time.monotonic() > deadline:
             raise TimeoutError(f"nothing listens there after {REGISTER_TIMEOUT_S:.0f} s")

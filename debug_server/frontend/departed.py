@@ -246,16 +246,6 @@ class KeepLast:
         return self._keep_fr(fr), self._keep_stacks(stacks)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def running_here(addrs: Sequence[WorkerAddr], host: str | None = None) -> bool:
     """Whether a rank announced on this host still runs (``jobpids.running_here``)."""
     return jobpids.running_here(addrs, host)
@@ -355,7 +345,8 @@ async def _watch(parent_pid: int | None, registry: Any, departures: Departures,
             assert parent_pid is not None
             # getppid() changes when the parent dies (re-parenting); it also guards against
             # pid reuse.
-            parent_gone = (was_child and os.getppid() != parent_pid) or not _alive(parent_pid)
+            parent_gone = (was_child and os.getppid() != parent_pid) or \
+                not jobpids.alive(parent_pid)
             if parent_gone:
                 departures.mark(0, f"the frontend's parent process {parent_pid} ended")
         store_closed = False

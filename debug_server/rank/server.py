@@ -307,13 +307,10 @@ def start_debug_server(
     )
     handle, advertised, pg_existed = _start_locked(job, config, required, settings, signal_stacks)
     atexit.register(handle._quiesce_at_exit)
-    # No exit hook ends the frontend: rank 0 may finish first (uneven data) while the other
-    # ranks hang, which is when the pages are needed. It notices this process's end within a
-    # poll (0.25 s), each rank's of this host at once (a pidfd), and exits by itself once every
-    # rank is gone, saying so in one line, or after orphan_exit_s without a sign of the job
-    # (frontend/departed.py). Only an explicit stop() ends it. Nothing here touches the store
-    # at exit: the quiesce below stops this rank's threads, and the frontend learns the job's
-    # end from /proc and the store closing (torchrun closes it after the last rank).
+    # No exit hook ends the frontend (rank 0 may finish first while the others hang, when the
+    # pages are needed), and none touches the store: the frontend sees each rank of its host
+    # end (a pidfd), the store close, and exits in one line once every rank is gone, or after
+    # orphan_exit_s without a sign of the job (frontend/departed.py), or on stop().
     _log_started(handle, advertised, pg_existed)
     return handle
 
