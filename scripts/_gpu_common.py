@@ -174,14 +174,29 @@ def _norm(line: str) -> str:
     return re.sub(r"([=\-^])\1+", r"\1", re.sub(r"\d+", "N", line)).strip()
 
 
-def added_lines(with_server: list[str], baseline: list[str]) -> list[str]:
-    """The lines of ``with_server`` that ``baseline`` has no match for (torchrun's failure
-    report left out of both)."""
-    base = Counter(_norm(ln) for ln in baseline if not TORCHRUN_REPORT.search(ln))
-    out = []
-    for ln in with_server:
-        if TORCHRUN_REPORT.search(ln):
+TORCHRUN_FAILED = re.compile(r"api\.py:\d+\] failed \(exitcode")
+"""torchrun's line that a rank failed: its report follows (then torchrun exits)."""
+
+
+def job_lines(lines: list[str]) -> list[str]:
+    """``lines`` without torchrun's failure report: after torchrun's "failed" line only ours
+    (every line of ours names ``debug_server``) are kept, and the report's own lines nowhere.
+    Which rank failed first and how differs from run to run, server or not."""
+    out, reporting = [], False
+    for ln in lines:
+        reporting = reporting or bool(TORCHRUN_FAILED.search(ln))
+        if TORCHRUN_REPORT.search(ln) or (reporting and "debug_server" not in ln):
             continue
+        out.append(ln)
+    return out
+
+
+def added_lines(with_server: list[str], baseline: list[str]) -> list[str]:
+    """The lines of ``with_server`` that ``baseline`` has no match for (``job_lines`` of
+    both)."""
+    base = Counter(_norm(ln) for ln in job_lines(baseline))
+    out = []
+    for ln in job_lines(with_server):
         key = _norm(ln)
         if base[key] > 0:
             base[key] -= 1

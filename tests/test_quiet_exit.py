@@ -69,7 +69,11 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, bool], qui
 def test_exit_path_adds_only_the_start_and_finish_lines(
         runs: dict[tuple[str, bool], quietjob.Run], path: str) -> None:
     bare, served = runs[(path, False)], runs[(path, True)]
-    assert bare.returncode == served.returncode, (bare.output[-20:], served.output[-20:])
+    # Without destroy_process_group gloo's threads abort some exits at random (SIGABRT,
+    # "terminate called without an active exception"), server or not: only there the codes
+    # may differ. The barrier + destroy path shows an abort of ours (a thread of ours in C++).
+    assert path == "return" or bare.returncode == served.returncode, \
+        (bare.output[-20:], served.output[-20:])
     added = quietjob.added(served, bare)
     shown = "\n".join(served.output)
     assert len(added) <= 3 and all("debug_server" in ln for ln in added), shown
@@ -87,7 +91,9 @@ def test_rank_0_killed_leaves_no_agent_behind(
 
 def test_a_normal_end_says_how_every_rank_exited(
         runs: dict[tuple[str, bool], quietjob.Run]) -> None:
-    finish = [ln for ln in runs[("destroy", True)].output if "debug_server frontend: " in ln]
+    served = runs[("destroy", True)]
+    assert served.returncode == 0 and not any("terminate called" in ln for ln in served.output)
+    finish = [ln for ln in served.output if "debug_server frontend: " in ln]
     assert len(finish) == 1 and "job finished; 2 ranks exited 0; dumps in " in finish[0], finish
 
 
