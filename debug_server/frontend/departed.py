@@ -320,10 +320,14 @@ async def watch(parent_pid: int | None, registry: Any, departures: Departures,
     why it stopped, the phrase of the frontend's finish line."""
     woken = asyncio.Event()
     exits = ExitWatch(departures, woken)
+    if hasattr(registry, "listener"):  # a rank's process followed as soon as it is known
+        registry.listener = exits.follow
     try:
         return await _watch(parent_pid, registry, departures, exit_after_s, shutdown, exits,
                             woken)
     finally:
+        if hasattr(registry, "listener"):
+            registry.listener = None
         exits.close()
 
 

@@ -352,6 +352,9 @@ class StoreRegistry:
         """``time.monotonic()`` of the last lookup the store answered."""
         self.store_lost_at: float | None = None
         """``time.time()`` when the store stopped answering (None while it answers)."""
+        self.listener: Callable[[list[WorkerAddr]], None] | None = None
+        """Called in the event loop with each lookup's addresses (the frontend's watch follows
+        new ranks' processes at once: ``departed.ExitWatch``)."""
         self._lane = StoreLane("debug_server.store")
         # Import torch and connect now, in the background: done lazily, the first page would
         # pay seconds for it, on top of a stuck rank's fetch_timeout.
@@ -421,7 +424,10 @@ class StoreRegistry:
     async def lookup(self) -> list[WorkerAddr]:
         if self.gone:  # no trip to the lane: a page never waits behind a store that is gone
             return self._lookup_sync()
-        return await self._lane.call(self._lookup_sync)
+        out = await self._lane.call(self._lookup_sync)
+        if self.listener is not None:
+            self.listener(out)
+        return out
 
     @property
     def store_address(self) -> tuple[str, int]:
