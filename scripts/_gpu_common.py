@@ -6,9 +6,11 @@ folder is on ``sys.path``), with the standard library only: no pytest, no test h
 
 from __future__ import annotations
 
+import re
 import subprocess
 import time
 import urllib.request
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -163,3 +165,106 @@ def run_cli(trace_dir: Path, work: Path, repo: Path) -> tuple[dict[str, Any] | N
         return None, (f"CLI on {trace_dir} exit {cli.returncode} (want 2): "
                       f"{cli.stderr.strip()[-300:]}")
     return json.loads(cli.stdout), ""
+
+
+# ---------------------------------------------------------------------------------------------
+# What a job with the debug server printed and left beyond the same job without it (issue 39;
+# gpu_quiet_exit.py, and tests/quietjob.py on CPU)
+
+CPP_TRACE = ("TCPStore.cpp", "socket.cpp", "Exception raised from")
+"""What c10d prints with each failed call of a store client."""
+
+TORCHRUN_REPORT = re.compile(
+    r"^\s*(exitcode|traceback|error_file|host|rank|time)\s*:|failed \(exitcode|"
+    r"terminate called without an active exception")
+"""torchrun's failure report, whose lines say how each rank died (a signal, an exit code) and
+differ from run to run without the server too: gloo's threads at exit abort some runs with
+SIGABRT ("terminate called without an active exception"), server or not."""
+
+
+def job_pids(master_port: int) -> dict[int, str]:
+    """pid -> command line of every process of ours whose environment names ``master_port``
+    (a job's ranks, rank 0's frontend, an agent, py-spy: all inherit the ranks' environment)."""
+    import os
+
+    needle = f"MASTER_PORT={master_port}".encode()
+    out = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                if needle not in f.read().split(b"\0"):
+                    continue
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmd = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+        except OSError:  # gone meanwhile, or not ours
+            continue
+        if cmd:  # a zombie has none: it is dead already
+            out[int(entry)] = cmd
+    return out
+
+
+def outlived(master_port: int, ended: float, bound_s: float) -> tuple[float | None, list[str]]:
+    """How long the job's last process outlived ``ended`` (``time.monotonic()`` when torchrun
+    returned), and none left; or (None, their command lines) when some were still alive
+    ``bound_s`` later, then killed by pid."""
+    import os
+    import signal
+
+    last = 0.0
+    while True:
+        pids = job_pids(master_port)
+        now = time.monotonic()
+        if not pids:
+            return last, []
+        last = now - ended
+        if last > bound_s:
+            for pid in pids:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            return None, sorted(pids.values())
+        time.sleep(0.05)
+
+
+def _norm(line: str) -> str:
+    # Times, pids, ports and the widths of torchrun's rules and traceback carets vary by run.
+    return re.sub(r"([=\-^])\1+", r"\1", re.sub(r"\d+", "N", line)).strip()
+
+
+TORCHRUN_FAILED = re.compile(r"api\.py:\d+\] failed \(exitcode")
+"""torchrun's line that a rank failed: its report follows (then torchrun exits)."""
+
+
+def job_lines(lines: list[str]) -> list[str]:
+    """``lines`` without torchrun's failure report: after torchrun's "failed" line only ours
+    (every line of ours names ``debug_server``) are kept, and the report's own lines nowhere.
+    Which rank failed first and how differs from run to run, server or not."""
+    out, reporting = [], False
+    for ln in lines:
+        reporting = reporting or bool(TORCHRUN_FAILED.search(ln))
+        if TORCHRUN_REPORT.search(ln) or (reporting and "debug_server" not in ln):
+            continue
+        out.append(ln)
+    return out
+
+
+def added_lines(with_server: list[str], baseline: list[str]) -> list[str]:
+    """The lines of ``with_server`` that ``baseline`` has no match for (``job_lines`` of
+    both)."""
+    base = Counter(_norm(ln) for ln in job_lines(baseline))
+    out = []
+    for ln in job_lines(with_server):
+        key = _norm(ln)
+        if base[key] > 0:
+            base[key] -= 1
+        else:
+            out.append(ln)
+    return out
+
+
+def cpp_traces(lines: list[str]) -> list[str]:
+    """The lines of c10d's C++ traces among ``lines``."""
+    return [ln for ln in lines if any(m in ln for m in CPP_TRACE)]

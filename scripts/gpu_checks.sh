@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU checks for a 2-GPU machine (device tool, kind nvidia-h100-x2), run from the source tree:
-#   PYTHONPATH=. bash scripts/gpu_checks.sh OUTDIR [all|bench|marks|step|state|demo|preflight|nccllog|mismatch|native|ddp|profile|c10dworkers|rank0gone|layouts|stragglers|devicetruth|timing|silent]
+#   PYTHONPATH=. bash scripts/gpu_checks.sh OUTDIR [all|bench|marks|step|state|demo|preflight|nccllog|mismatch|native|ddp|profile|c10dworkers|rank0gone|layouts|stragglers|devicetruth|timing|silent|quiet_exit]
 # bench:     recording cost per NCCL op, c10d FR off/on and ours side by side (bench_record, 1 rank)
 # step:      ms per training-like step, bare / c10d FR / ours (bench_step, 2 and 4 ranks; fails when
 #            ours / bare or ours / bare on a group of its own is over 1.02; STEP_ARGS: more options)
@@ -37,6 +37,9 @@
 # silent:    rank 1 stops itself (SIGSTOP) at step 3 on NCCL, plain torch.distributed: the verdict
 #            names rank 1, cpu_divergence, its process stopped at its os.kill line, and the pages
 #            answer within 1 s while it is silent (scripts/gpu_silent_rank.py; fails if not)
+# quiet_exit: DDP on NCCL, 40 steps, barrier + destroy_process_group, with and without the server:
+#            the lines the server added and how long the frontend outlived torchrun (fails over 3
+#            lines, on a C++ trace, or when a process of the job outlives torchrun by 2 s)
 set -u
 OUT=${1:-/tmp/gpu_checks}
 WHAT=${2:-all}
@@ -232,6 +235,13 @@ echo "=== NCCL, rank 1 stopped (SIGSTOP) at step 3: the verdict names it, its st
 timeout 300 python scripts/gpu_silent_rank.py "$OUT/silent" --port 25993 --master-port 29620 2>&1 \
   | grep -v Warning | tee "$OUT/silent.txt"
 [ "${PIPESTATUS[0]}" -eq 0 ] || FAILED_CHECKS="$FAILED_CHECKS silent"
+fi
+
+if want quiet_exit; then
+echo "=== DDP on NCCL ends with and without the server: lines added, C++ traces, the frontend's lifetime ==="
+timeout 700 python scripts/gpu_quiet_exit.py "$OUT/quiet_exit" --port 26720 --master-port 29720 2>&1 \
+  | grep -v Warning | tee "$OUT/quiet_exit.txt"
+[ "${PIPESTATUS[0]}" -eq 0 ] || FAILED_CHECKS="$FAILED_CHECKS quiet_exit"
 fi
 
 if [ -n "$FAILED_CHECKS" ]; then

@@ -1,8 +1,7 @@
 """``python -m debug_server.agent``: the per-host agent process."""
 
-import sys
-
 from debug_server.agent.main import main
+from debug_server.listen import exit_now
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_now(main())

@@ -12,6 +12,7 @@ import os
 import signal
 import socket
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -40,8 +41,15 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-PARENT_POLL_S = 1.0
+PARENT_POLL_S = 0.25
+"""How often the agent looks at its parent (and, once it is gone, at its host's ranks): it
+ends within a poll of the host's last rank, before the launcher's return is 2 s old."""
+LOOKUP_S = 10.0
+"""How often the agent reads its host's ranks from the store while its parent lives."""
 REGISTER_TIMEOUT_S = 300.0
+CONNECT_TRY_S = 5.0
+"""One try at connecting to the store; tried again (while the parent lives) until
+``REGISTER_TIMEOUT_S``."""
 
 
 def _register(store: dist.Store, my_id: str, url: str, ranks: Sequence[int],
@@ -74,8 +82,10 @@ async def _serve(args: argparse.Namespace, registry: Any, token: str | None,
             with contextlib.suppress(OSError):
                 os.write(args.ready_fd, f"ready {port}\n".encode())
                 os.close(args.ready_fd)
-        logger.info("debug_server agent %s at %s for ranks %s", args.host_id, url,
-                    format_ranks(registry.ranks))
+        # One per host: a job's log gets nothing from the agents (the frontend's two lines
+        # say where the pages are; the store says where each agent is).
+        logger.debug("debug_server agent %s at %s for ranks %s", args.host_id, url,
+                     format_ranks(registry.ranks))
         watch = (asyncio.create_task(_watch_parent(args.parent_pid, done, registry))
                  if args.parent_pid else None)
         await done.wait()
@@ -92,30 +102,57 @@ async def _watch_parent(pid: int, done: asyncio.Event, registry: Any = None) -> 
     the frontend still asks through this agent); once none runs, the agent exits."""
     was_child = os.getppid() == pid
     known: list[WorkerAddr] = []
-    polls = 0
+    looked_at: float | None = None
     while True:
         await asyncio.sleep(PARENT_POLL_S)
-        alive = True
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            alive = False
-        except PermissionError:
-            pass
-        parent_here = alive and not (was_child and os.getppid() != pid)
-        if registry is not None and (polls % 10 == 0 or not parent_here):
+        parent_here = jobpids.alive(pid) and not (was_child and os.getppid() != pid)
+        # The host's ranks: every 10 s while the parent lives, every second once it is gone.
+        now = time.monotonic()
+        if registry is not None and (looked_at is None or now - looked_at >= (
+                LOOKUP_S if parent_here else 1.0)):
+            looked_at = now
+            # Not reached yet and gone (a job of seconds ended before this agent connected): a
+            # lookup would wait out c10d's connect; nothing of the job is known here.
+            if not parent_here and not getattr(registry, "answered", True) and not known and \
+                    await asyncio.get_running_loop().run_in_executor(None, registry.refuses):
+                done.set()
+                return
             with contextlib.suppress(Exception):  # the store may be gone with rank 0
                 fresh = await registry.lookup()
                 known = fresh if any(a.meta for a in fresh) else known
-        polls += 1
         if parent_here:
             continue
         if jobpids.running_here(known):
             continue
-        logger.warning("debug_server agent: parent process %d is gone and no rank of this "
-                       "host runs; exiting", pid)
+        # The job's end on this host: nothing wrong, nothing for the job's log.
+        logger.debug("debug_server agent: parent process %d is gone and no rank of this "
+                     "host runs; exiting", pid)
         done.set()
         return
+
+
+def _connect(args: argparse.Namespace) -> dist.Store | None:
+    """The job's store once it is up (a plain ``env://`` rendezvous creates it late); None
+    when the agent's parent ended and the store is gone before it was reached (a job of seconds:
+    the agent came up after it)."""
+    import torch.distributed  # noqa: F401 - seconds to import: not between the probe and the connect
+
+    deadline = time.monotonic() + REGISTER_TIMEOUT_S
+    while True:
+        # Asked with a plain connect first: c10d's client retries a refused connection for its
+        # whole timeout, also after the job it was started for is over.
+        if not discovery.store_refuses(args.master_addr, args.master_port):
+            try:
+                return discovery.store_client(args.master_addr, args.master_port, min(
+                    CONNECT_TRY_S, max(1.0, deadline - time.monotonic())))
+            except Exception:  # gone since the probe, or slow: asked again below
+                if time.monotonic() > deadline:
+                    raise
+        if args.parent_pid and not jobpids.alive(args.parent_pid):
+            return None
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"nothing listens there after {REGISTER_TIMEOUT_S:.0f} s")
+        time.sleep(0.5)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -172,7 +209,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                                 args.restart_count, ranks, args.host_id,
                                 timeout=min(5.0, args.fetch_timeout))
         try:
-            store = discovery.store_client(args.master_addr, args.master_port, REGISTER_TIMEOUT_S)
+            store = _connect(args)
+            if store is None:  # the job ended before this agent was up: nothing to serve
+                return 0
             if token is None and from_store:
                 # Like the other ranks: rank 0 puts the job's token in the store.
                 token = auth.read_token(store, args.restart_count)

@@ -3,9 +3,7 @@ fixed URLs (``--worker-urls``: tests, benchmarks)."""
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 from debug_server.errors import first_line
@@ -29,9 +27,20 @@ class HostRegistry:
         self._id = my_id
         self._timeout = timeout
         self._store: dist.Store | None = None
+        self._gone: str | None = None
+        """Why the store, once reached, is no longer asked (it went away with the job)."""
         # One thread: a TCPStore client is not to be shared between threads (fr and stacks
-        # of one page arrive together).
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="debug_server.agent")
+        # of one page arrive together); a daemon one, never joined at exit (discovery.StoreLane).
+        self._lane = discovery.StoreLane("debug_server.agent")
+
+    @property
+    def answered(self) -> bool:
+        """The store has answered once (a lookup before that may wait out a connect)."""
+        return self._store is not None or self._gone is not None
+
+    def refuses(self) -> bool:
+        """Whether nothing listens at the store's address now (``discovery.store_refuses``)."""
+        return discovery.store_refuses(*self._addr)
 
     def store(self) -> dist.Store:
         if self._store is None:
@@ -39,6 +48,9 @@ class HostRegistry:
         return self._store
 
     def _lookup_sync(self) -> list[WorkerAddr]:
+        if self._gone is not None:  # never reconnect: that port may hold the next job's store
+            return [WorkerAddr(r, None, self._gone) for r in self.ranks]
+        reached = self._store is not None
         try:
             store = self.store()
             keys = [discovery.url_key(r) for r in self.ranks]
@@ -55,6 +67,8 @@ class HostRegistry:
         except Exception as e:  # the store is gone: every rank unknown, one reason
             self._store = None
             reason = f"{NOT_REGISTERED} (agent: store unavailable: {first_line(e, 200)})"
+            if reached:
+                self._gone = reason
             return [WorkerAddr(r, None, reason) for r in self.ranks]
         out = []
         for r in self.ranks:
@@ -71,10 +85,10 @@ class HostRegistry:
         return out
 
     async def lookup(self) -> list[WorkerAddr]:
-        return await asyncio.get_running_loop().run_in_executor(self._pool, self._lookup_sync)
+        return await self._lane.call(self._lookup_sync)
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._lane.close()
 
 
 class StaticHostRegistry:

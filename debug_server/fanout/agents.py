@@ -35,7 +35,6 @@ import json
 import logging
 import time
 from collections.abc import Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 import aiohttp
@@ -84,13 +83,16 @@ class AgentDirectory:
         self._store: dist.Store | None = None
         self._cache: dict[str, tuple[float, AgentAddr | None]] = {}
         self._retry_at = 0.0
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="debug_server.agents")
+        self._reached = False
+        # A daemon thread, never joined at exit (discovery.StoreLane).
+        self._lane = discovery.StoreLane("debug_server.agents")
 
     def _read(self, ids: list[str]) -> dict[str, AgentAddr | None] | None:
         try:
             if self._store is None:
                 self._store = discovery.store_client(*self._addr, timeout=self._timeout)
             store = self._store
+            self._reached = True
             keys = [agent_launch.agent_key(i) for i in ids]
             present = ids if store.check(keys) else [i for i in ids
                                                      if store.check([agent_launch.agent_key(i)])]
@@ -98,8 +100,11 @@ class AgentDirectory:
                            strict=True)) if present else {}
         except Exception as e:  # no store: the agents found before, else every rank directly
             self._store = None
-            logger.warning("debug_server: agents not readable from the store: %s",
-                           (str(e).splitlines() or [type(e).__name__])[0][:200])
+            # A store that answered before and went away is the job's end (or rank 0's):
+            # nothing to warn about here (the frontend's watch says what matters).
+            logger.log(logging.DEBUG if self._reached else logging.WARNING,
+                       "debug_server: agents not readable from the store: %s",
+                       (str(e).splitlines() or [type(e).__name__])[0][:200])
             return None
         return {i: _agent_addr(i, raw.get(i), self._restart) for i in ids}
 
@@ -110,12 +115,13 @@ class AgentDirectory:
         stale = sorted(i for i in ids if i not in self._cache or now - self._cache[i][0] > (
             AGENT_TTL_S if self._cache[i][1] is not None else MISSING_TTL_S))
         if stale and now >= self._retry_at:
-            got = await asyncio.get_running_loop().run_in_executor(self._pool, self._read, stale)
+            got = await self._lane.call(lambda: self._read(stale))
             if got is None:
                 # The store is gone (rank 0 hosted it and died): keep the agents found before
-                # (a dead one is noticed by its requests), and let pages not wait on a
-                # reconnect more often than every STORE_RETRY_S.
-                self._retry_at = now + STORE_RETRY_S
+                # (a dead one is noticed by its requests). One that answered before is never
+                # asked again (that port may hold the next job's store); one never reached is
+                # tried again every STORE_RETRY_S, so pages do not wait on it.
+                self._retry_at = float("inf") if self._reached else now + STORE_RETRY_S
                 got = {i: self._cache.get(i, (0.0, None))[1] for i in stale}
             for i, a in got.items():
                 self._cache[i] = (now, a)
@@ -125,7 +131,7 @@ class AgentDirectory:
         self._cache.pop(agent_id, None)
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._lane.close()
         self._store = None
 
 

@@ -277,7 +277,8 @@ class RankStates:
 
     A rank that answers at all (even an HTTP error) is ``ok`` here; otherwise its state is the
     fan-out status (``unreachable``, ``timed out``, ``not registered``). A dead rank thus costs
-    one log line ("rank 3: ok -> unreachable"), not one per page and per dump cycle.
+    one log line ("rank 3: ok -> unreachable", at debug level: see ``update``), not one per page
+    and per dump cycle.
     """
 
     def __init__(self) -> None:
@@ -296,7 +297,11 @@ class RankStates:
             self.last[r.rank] = new
             if old is None and new == OK:
                 continue  # first sight of a healthy rank: nothing to report
-            level = logging.INFO if new == OK else logging.WARNING
+            # A rank that stops answering is the job's end far more often than a fault: the
+            # frontend's watch says which it was, once per batch of ranks (departed), so here
+            # it is only debug. A rank that answers too slowly stays a warning.
+            level = (logging.INFO if new == OK else logging.DEBUG if new == UNREACHABLE
+                     else logging.WARNING)
             detail = "" if new == OK else f" ({r.error})" if r.error and r.error != new else ""
             logger.log(level, "debug_server: rank %d: %s%s%s", r.rank,
                        f"{old} -> " if old is not None else "", new, detail)

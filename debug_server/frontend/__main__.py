@@ -1,8 +1,7 @@
 """``python -m debug_server.frontend``: the rank-0 frontend process (see ``app.main``)."""
 
-import sys
-
 from debug_server.frontend.app import main
+from debug_server.listen import exit_now
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_now(main())

@@ -20,6 +20,7 @@ import errno
 import json
 import logging
 import os
+import signal
 import socket
 import sys
 import time
@@ -75,7 +76,7 @@ from debug_server.frontend.pagekit import page_number as _page
 from debug_server.frontend.pagekit import parse_format as _format
 from debug_server.frontend.pagekit import query as _query
 from debug_server.frontend.pagekit import respond as _respond
-from debug_server.listen import own_server, start_sites, stop_on_signals
+from debug_server.listen import own_server, start_sites
 from debug_server.protocol.names import HEALTH_HANDLER
 from debug_server.rank.discovery import StaticRegistry, StoreRegistry
 
@@ -95,6 +96,8 @@ PARENT_PID = web.AppKey("parent_pid", int)
 SHUTDOWN = web.AppKey("shutdown", asyncio.Event)
 DEPARTURES = web.AppKey("departures", departed.Departures)
 ORPHAN_EXIT_S = web.AppKey("orphan_exit_s", float)
+ENDING = web.AppKey("ending", list)
+"""Why the frontend stops (the watch's or a signal's phrase; empty while it serves)."""
 DUMPER = web.AppKey("dumper", Dumper)
 HANG_WATCH = web.AppKey("hang_watch", HangWatch)
 
@@ -377,15 +380,18 @@ async def _background_ctx(app: web.Application) -> AsyncIterator[None]:
     watch.before_hang = slow.before_hang
     tasks.append(in_background(slow.run_forever(), name="debug_server.stragglers"))
     if PARENT_PID in app:  # rank 0's frontend outlives rank 0 while the job lives (departed)
-        tasks.append(asyncio.create_task(departed.watch(
-            app[PARENT_PID], app[REGISTRY], app[DEPARTURES], app[ORPHAN_EXIT_S], app[SHUTDOWN]),
-            name="debug_server.parent"))
+        tasks.append(asyncio.create_task(_watch_job(app), name="debug_server.parent"))
     yield
     for t in tasks:
         t.cancel()
     for t in tasks:
         with contextlib.suppress(asyncio.CancelledError):
             await t
+
+
+async def _watch_job(app: web.Application) -> None:
+    app[ENDING].append(await departed.watch(app[PARENT_PID], app[REGISTRY], app[DEPARTURES],
+                                            app[ORPHAN_EXIT_S], app[SHUTDOWN]))
 
 
 def make_frontend_app(config: ServerConfig, registry: Registry,
@@ -406,6 +412,7 @@ def make_frontend_app(config: ServerConfig, registry: Registry,
     app[REGISTRY] = registry
     app[TEMPLATES] = load_templates()
     app[SHUTDOWN] = asyncio.Event()
+    app[ENDING] = []
     app[DEPARTURES] = departed.Departures()
     app[ORPHAN_EXIT_S] = orphan_exit_s
     if parent_pid is not None:
@@ -481,7 +488,7 @@ async def serve(config: FrontendConfig, *, announce: bool = False) -> int:
             logger.error("debug_server frontend: %s", msg)
             _report_ready(ready_fd, msg)
             return 3
-        stop_on_signals(app[SHUTDOWN])  # our own process: its signals are ours to handle
+        _stop_on_signals(app)  # our own process: its signals are ours to handle
         logger.info("debug_server frontend on port %d for %d ranks", port, registry.world_size)
         _report_ready(ready_fd, f"ready {port}")
         if announce:
@@ -489,7 +496,23 @@ async def serve(config: FrontendConfig, *, announce: bool = False) -> int:
             print(f"debug_server frontend: http://{_url_host(host)}:{port}/ for "
                   f"{config.world_size} ranks", flush=True)
         await app[SHUTDOWN].wait()
-        return 0
+    # The one line of a job's end (the pages' two lines at start are the others): why, and
+    # where the dumps are. Not a warning: a job that ended is nothing wrong by itself.
+    logger.info("debug_server frontend: %s%s", app[ENDING][0] if app[ENDING] else "stopped",
+                f"; dumps in {server.dump_dir}" if server.dump_dir else "")
+    return 0
+
+
+def _stop_on_signals(app: web.Application) -> None:
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, _stopped_by, app, sig)
+
+
+def _stopped_by(app: web.Application, sig: signal.Signals) -> None:
+    if not app[ENDING]:
+        app[ENDING].append(f"stopped by {sig.name}")
+    app[SHUTDOWN].set()
 
 
 def _url_host(host: str) -> str:

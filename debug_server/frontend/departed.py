@@ -8,8 +8,15 @@ Those are the moments the pages are for. So:
   while any rank still answers, any rank's process on this host still runs, or the job's store
   answers while some rank is not known gone; and exits when none of these has held for
   ``orphan_exit_s`` (default 120 s), or at once when every rank is known gone (the job ended:
-  the next job wants the port). Rank 0 leaving normally does not end it either (uneven data:
-  rank 0 done while the others hang), so ``start_debug_server``'s exit hook leaves it running.
+  the next job wants the port; ranks of this host are seen ending in ``/proc`` within
+  ``POLL_S``). Rank 0 leaving normally does not end it either (uneven data: rank 0 done while
+  the others hang), so ``start_debug_server``'s exit hook leaves it running.
+- **Quiet when nothing is wrong**: a job's end is one line (``finish_line``, logged by the
+  frontend as it exits). Ranks that end while others still run are said once per batch
+  (``Departures.lost_line``), and only when the job has not ended within ``LOST_GRACE_S`` (a
+  launcher tearing the job down after one rank failed is the job's end, not a rank lost): a
+  WARNING where the end looks wrong (a signal, an exit code other than 0, unreachable), INFO
+  for ranks that exited while the others go on (uneven data).
 - **A rank that disappeared is shown as gone** (``Departures``), with how where this host can
   tell: rank 0 is the frontend's parent; a rank on this host ended as ``/proc`` says (its exit
   code or signal while its parent has not reaped it yet); any other rank "unreachable since
@@ -26,12 +33,15 @@ registry keeps serving the addresses it last read (``discovery.StoreRegistry``).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
+import socket
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
+from debug_server.analysis.ranks import format_ranks
 from debug_server.fanout.reply import FrData
 from debug_server.fanout.transport import GONE, OK, UNREACHABLE, RankResult
 from debug_server.rank import jobpids
@@ -39,8 +49,12 @@ from debug_server.rank.discovery import WorkerAddr
 
 logger = logging.getLogger(__name__)
 
-POLL_S = 1.0
-"""How often the frontend looks at its parent, and (once it is gone) at the job."""
+POLL_S = 0.25
+"""How often the frontend looks at its parent and at the processes of its host's ranks."""
+LOOKUP_S = 1.0
+"""How often, at most, the watch reads the store once rank 0 is gone."""
+LOST_GRACE_S = 5.0
+"""How long a rank may be gone while others run before it is reported (``lost_line``)."""
 
 
 def _clock(t: float) -> str:
@@ -54,6 +68,8 @@ class Departures:
         self.gone: dict[int, tuple[float, str]] = {}
         self.last_answer = time.monotonic()
         """``time.monotonic()`` of the last reply from any rank."""
+        self.reported: set[int] = set()
+        """Ranks a ``lost_line`` has named."""
 
     @staticmethod
     def _certainty(how: str) -> int:
@@ -69,9 +85,9 @@ class Departures:
             return
         at = old[0] if old is not None else time.time() if since is None else since
         self.gone[rank] = (at, how)
-        # An unreachable rank is already logged by the fan-out (RankStates): once is enough.
-        logger.log(logging.INFO if self._certainty(how) == 0 else logging.WARNING,
-                   "debug_server frontend: rank %d is gone (%s)", rank, how)
+        # Not logged one by one: a job's end is one line (finish_line), ranks lost while the
+        # others run one line per batch (lost_line); at 1000 ranks that is what a log can hold.
+        logger.debug("debug_server frontend: rank %d is gone (%s)", rank, how)
 
     def ended(self, rank: int) -> bool:
         """Whether the rank is known to have ended (not only unreachable)."""
@@ -85,10 +101,37 @@ class Departures:
                 answered = True
                 if r.rank in self.gone and self.gone[r.rank][1].startswith("unreachable"):
                     del self.gone[r.rank]
+                    self.reported.discard(r.rank)  # said again if it goes again
             elif r.status == UNREACHABLE and r.rank not in self.gone:
                 self.mark(r.rank, f"unreachable since {_clock(time.time())}")
         if answered:
             self.last_answer = time.monotonic()
+
+    def lost_line(self, now: float | None = None) -> tuple[int, str, list[int]] | None:
+        """(log level, line, ranks) naming the ranks gone for ``LOST_GRACE_S`` and not named
+        yet; call it only while some rank of the job still runs."""
+        now = time.time() if now is None else now
+        due = sorted(r for r, (at, _) in self.gone.items()
+                     if r not in self.reported and now - at >= LOST_GRACE_S)
+        if not due:
+            return None
+        self.reported.update(due)
+        hows = {r: self.gone[r][1] for r in due}
+        level = (logging.INFO if all(_kind(h) in ("exited 0", "ended") for h in hows.values())
+                 else logging.WARNING)
+        lost = format_ranks(due).replace(", ", ",")
+        return level, (f"debug_server frontend: rank{'s' if len(due) > 1 else ''} {lost} gone "
+                       f"while the others run ({_kinds(hows)})"), due
+
+    def finish_line(self, ranks: Sequence[int]) -> str:
+        """``4 ranks exited 0`` / ``ranks 0-2 ended; rank 3 killed by SIGKILL``: how the job's
+        ranks ended, one phrase per way (bounded at any number of ranks)."""
+        hows = {r: self.gone[r][1] if r in self.gone else "unknown" for r in ranks}
+        kinds = {_kind(h) for h in hows.values()}
+        if len(kinds) == 1:
+            n = len(hows)
+            return f"{n} rank{'s' if n != 1 else ''} {kinds.pop()}"
+        return _kinds(hows)
 
     def line(self, rank: int, age_s: float | None = None) -> str | None:
         """``rank 0: gone (killed by SIGKILL at 23:41:07); its FR data and stacks are from 12 s
@@ -99,6 +142,26 @@ class Departures:
         when = "" if how.startswith("unreachable") else f" at {_clock(at)}"
         age = "" if age_s is None else f"; its FR data and stacks are from {age_s:.0f} s ago"
         return f"rank {rank}: gone ({how}{when}){age}"
+
+
+def _kind(how: str) -> str:
+    """A rank's end as a phrase without times or pids: ``exited 0``, ``killed by SIGKILL``,
+    ``ended`` (its process is gone, how is not known), ``unreachable``."""
+    if how.startswith("exited with code "):
+        return f"exited {how.removeprefix('exited with code ')}"
+    if how.startswith("killed by"):
+        return how
+    if how.startswith("unreachable"):
+        return "unreachable"
+    return "ended" if "ended" in how else how
+
+
+def _kinds(hows: Mapping[int, str]) -> str:
+    by: dict[str, list[int]] = {}
+    for rank, how in hows.items():
+        by.setdefault(_kind(how), []).append(rank)
+    return "; ".join(f"rank{'s' if len(rs) > 1 else ''} {format_ranks(rs).replace(', ', ',')} {k}"
+                     for k, rs in sorted(by.items(), key=lambda kv: min(kv[1])))
 
 
 class KeepLast:
@@ -183,16 +246,6 @@ class KeepLast:
         return self._keep_fr(fr), self._keep_stacks(stacks)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def running_here(addrs: Sequence[WorkerAddr], host: str | None = None) -> bool:
     """Whether a rank announced on this host still runs (``jobpids.running_here``)."""
     return jobpids.running_here(addrs, host)
@@ -210,48 +263,160 @@ def local_fates(addrs: Sequence[WorkerAddr], departures: Departures,
     return running
 
 
+class ExitWatch:
+    """Told the moment a rank of this host exits, with its exit code.
+
+    A ``pidfd`` (Linux 5.3) of each announced rank process, in the event loop: it turns
+    readable when the process exits, while its parent (the launcher) has not reaped it yet, so
+    ``/proc`` still shows how it ended ("exited with code 0"). A poll every ``POLL_S`` would
+    mostly come after torchrun's reap (every 0.1 s) and know only that it ended.
+    """
+
+    def __init__(self, departures: Departures, woken: asyncio.Event) -> None:
+        self._departures = departures
+        self._woken = woken
+        self._fds: dict[int, int] = {}
+
+    def follow(self, addrs: Sequence[WorkerAddr], host: str | None = None) -> None:
+        """Watch the processes of ``addrs``' ranks on this host not watched yet."""
+        if not hasattr(os, "pidfd_open"):
+            return
+        host = socket.gethostname() if host is None else host
+        loop = asyncio.get_running_loop()
+        for a in addrs:
+            meta = a.meta
+            if a.rank in self._fds or a.rank in self._departures.gone or meta is None or \
+                    meta.get("host") != host or not isinstance(meta.get("pid"), int):
+                continue
+            try:
+                fd = os.pidfd_open(meta["pid"])
+            except OSError:  # gone already: the next poll's local_fates says how
+                continue
+            if jobpids.fate(meta["pid"], meta.get("start")) is not None:  # not that process
+                os.close(fd)
+                continue
+            self._fds[a.rank] = fd
+            loop.add_reader(fd, self._exited, a.rank, meta["pid"], meta.get("start"))
+
+    def _exited(self, rank: int, pid: int, start: int | None) -> None:
+        self._departures.mark(rank, jobpids.fate(pid, start) or "its process has ended")
+        self._drop(rank)
+        self._woken.set()
+
+    def _drop(self, rank: int) -> None:
+        fd = self._fds.pop(rank)
+        asyncio.get_running_loop().remove_reader(fd)
+        os.close(fd)
+
+    def close(self) -> None:
+        for rank in list(self._fds):
+            self._drop(rank)
+
+
 async def watch(parent_pid: int | None, registry: Any, departures: Departures,
-                exit_after_s: float, shutdown: asyncio.Event) -> None:
+                exit_after_s: float, shutdown: asyncio.Event) -> str:
     """Keep serving while rank 0 or the job lives; set ``shutdown`` once neither has for
-    ``exit_after_s`` seconds (see the module's docstring)."""
+    ``exit_after_s`` seconds, or once every rank is gone (see the module's docstring). Returns
+    why it stopped, the phrase of the frontend's finish line."""
+    woken = asyncio.Event()
+    exits = ExitWatch(departures, woken)
+    if hasattr(registry, "listener"):  # a rank's process followed as soon as it is known
+        registry.listener = exits.follow
+    try:
+        return await _watch(parent_pid, registry, departures, exit_after_s, shutdown, exits,
+                            woken)
+    finally:
+        if hasattr(registry, "listener"):
+            registry.listener = None
+        exits.close()
+
+
+async def _watch(parent_pid: int | None, registry: Any, departures: Departures,
+                 exit_after_s: float, shutdown: asyncio.Event, exits: ExitWatch,
+                 woken: asyncio.Event) -> str:
     was_child = parent_pid is not None and os.getppid() == parent_pid
     parent_gone = parent_pid is None
     last_alive = time.monotonic()
-    all_gone_polls = 0
+    all_gone_at: float | None = None
+    addrs: Sequence[WorkerAddr] = []
+    looked_at = 0.0
     while True:
-        await asyncio.sleep(POLL_S)
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(woken.wait(), POLL_S)
+        woken.clear()
+        now = time.monotonic()
         if not parent_gone:
             assert parent_pid is not None
             # getppid() changes when the parent dies (re-parenting); it also guards against
             # pid reuse.
-            if not ((was_child and os.getppid() != parent_pid) or not _alive(parent_pid)):
-                continue
-            parent_gone = True
-            departures.mark(0, f"the frontend's parent process {parent_pid} ended")
-            logger.warning("debug_server frontend: parent process %d (rank 0) is gone; serving "
-                           "while the job lives (exit after %.0f s without a sign of it)",
-                           parent_pid, exit_after_s)
-        addrs = await registry.lookup()
+            parent_gone = (was_child and os.getppid() != parent_pid) or \
+                not jobpids.alive(parent_pid)
+            if parent_gone:
+                departures.mark(0, f"the frontend's parent process {parent_pid} ended")
+        store_closed = False
+        if parent_gone and now - looked_at >= LOOKUP_S:
+            looked_at = now
+            if getattr(registry, "answered", True):
+                # After the store is gone this answers the last addresses at once.
+                addrs = await registry.lookup()
+            else:
+                # Not reached yet (a job of seconds may end before this process connects): a
+                # lookup would wait behind c10d's connect; ask the port instead.
+                store_closed = await registry.refuses()
+        else:
+            addrs = _known(registry) or addrs
+        exits.follow(addrs)
         running = local_fates(addrs, departures)
         # The store alone keeps the pages up only while a rank may still be alive somewhere
         # (torchrun's agent hosts it until the last rank ends; a test's or a launcher's store
         # may outlive every rank).
         store_up = getattr(registry, "store_lost_at", 0) is None and \
             any(a.rank not in departures.gone for a in addrs)
-        now = time.monotonic()
+        if not parent_gone:  # rank 0 lives: the job lives; only say which ranks it lost
+            last_alive = now
+            _say_lost(departures, parent_gone)
+            continue
         if running or store_up or now - departures.last_answer < exit_after_s:
             last_alive = max(last_alive, now if running or store_up else departures.last_answer)
-        # Every rank known gone (the job ended, rank 0 last or first): nothing left to show
-        # live, and the port is wanted by the next job; two polls in a row, so a rank that
-        # only missed one fetch is not taken for gone.
-        every_gone = bool(addrs) and all(a.rank in departures.gone for a in addrs)
-        all_gone_polls = all_gone_polls + 1 if every_gone and not running else 0
-        if now - last_alive >= exit_after_s or all_gone_polls >= 2:
-            logger.warning("debug_server frontend: %s; exiting", "every rank of the job is gone"
-                           if all_gone_polls >= 2 else f"no rank of the job has answered and its "
-                           f"store is unreachable for {exit_after_s:.0f} s")
-            shutdown.set()
-            return
+        # Every rank gone (the job ended, rank 0 last or first): nothing left to show live,
+        # and the port is wanted by the next job. At once where each end is known (this
+        # host's processes, rank 0); a second later where a rank only stopped answering, so
+        # one that missed a fetch is not taken for gone.
+        every_gone = bool(addrs) and not running and \
+            all(a.rank in departures.gone for a in addrs)
+        all_gone_at = (all_gone_at or now) if every_gone else None
+        if every_gone and (all(departures.ended(a.rank) for a in addrs)
+                           or now - all_gone_at >= 1.0):
+            why = f"job finished; {departures.finish_line([a.rank for a in addrs])}"
+        elif parent_gone and (store_closed or getattr(registry, "gone", False)) and \
+                not _known(registry):
+            # Rank 0 and the store both gone before a single lookup named a rank (a job of a
+            # few seconds): the launcher ended the job, nothing is left to serve.
+            why = "job finished; its store closed"
+        elif now - last_alive >= exit_after_s:
+            why = (f"no rank of the job has answered and its store is unreachable for "
+                   f"{exit_after_s:.0f} s")
+        else:
+            if not every_gone:
+                _say_lost(departures, parent_gone)
+            continue
+        shutdown.set()
+        return why
+
+
+def _say_lost(departures: Departures, parent_gone: bool) -> None:
+    said = departures.lost_line()
+    if said is not None:
+        level, line, ranks = said
+        logger.log(level, "%s%s", line, "; the pages stay while the job lives"
+                   if 0 in ranks and parent_gone else "")
+
+
+def _known(registry: Any) -> Sequence[WorkerAddr]:
+    """The addresses the registry read last, without asking the store (the pages and the hang
+    watch keep them fresh while rank 0 lives)."""
+    last = getattr(registry, "last", None)
+    return last if last is not None else []
 
 
 __all__ = ["Departures", "KeepLast", "local_fates", "running_here", "watch"]

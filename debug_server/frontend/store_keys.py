@@ -21,13 +21,12 @@ import asyncio
 import logging
 import re
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
 from debug_server.errors import first_line
-from debug_server.rank.discovery import PREFIX, meta_key, url_key
+from debug_server.rank.discovery import PREFIX, StoreLane, meta_key, url_key
 
 logger = logging.getLogger(__name__)
 
@@ -113,13 +112,13 @@ class StoreReader:
         self.addr, self.port, self.timeout = addr, port, timeout
         self.world_size, self.restart_count = world_size, restart_count
         self._store: Any = None
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="debug_server.tcpstore")
+        # A daemon thread, never joined at exit (discovery.StoreLane).
+        self._lane = StoreLane("debug_server.tcpstore")
 
     async def read(self, prefix: str, offset: int, limit: int,
                    secrets: Sequence[str] = ()) -> KeyPage:
         """One page; ``StoreReadError`` when the store does not answer in time."""
-        fut = asyncio.get_running_loop().run_in_executor(
-            self._pool, self._read_sync, prefix, offset, limit, tuple(secrets))
+        fut = self._lane.call(lambda: self._read_sync(prefix, offset, limit, tuple(secrets)))
         try:
             # The store's own timeout ends a blocked call; this bounds the page even if it does
             # not (a connect that hangs), plus the wait behind an earlier read on the thread.
@@ -181,6 +180,6 @@ class StoreReader:
         return [bytes(got[k]) if k in got else None for k in keys]
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._lane.close()
         self._store = None
 

@@ -118,6 +118,9 @@ def start_for_rank(config: ServerConfig, job: JobEnv, advertised_host: str,
     child_env.pop(TOKEN_ENV, None)
     if config.auth_token:
         child_env[TOKEN_ENV] = config.auth_token  # not argv: visible to every user
+    # c10d's C++ trace of each failed store call would reach the job's log; the agent says its
+    # store's failures in one line of its own (as the frontend does: server.spawn_frontend).
+    child_env["TORCH_CPP_LOG_LEVEL"] = "FATAL"
     child_env.pop(TOKEN_FROM_STORE_ENV, None)
     if config.auth_token is None and token_required:
         child_env[TOKEN_FROM_STORE_ENV] = "1"  # rank 0 publishes it there

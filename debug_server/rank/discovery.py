@@ -11,17 +11,18 @@ C++ worker) is trusted.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
+import queue
 import socket
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 from debug_server.config import HOST_ENV as HOST_ENV
 from debug_server.config import JobEnv, Settings, is_loopback
@@ -32,6 +33,8 @@ if TYPE_CHECKING:
     import torch.distributed as dist
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 PREFIX = "debug_server"
 NOT_REGISTERED = "not registered"
@@ -70,6 +73,19 @@ def store_client(master_addr: str, master_port: int, timeout: float) -> dist.Sto
         timeout=timedelta(seconds=timeout),
     )
     return dist.PrefixStore(PREFIX, store)
+
+
+def store_refuses(master_addr: str, master_port: int, timeout: float = 1.0) -> bool:
+    """Whether nothing listens at the store's address now: a plain TCP connect, told at once,
+    where c10d's client would retry a refused connection for its whole timeout (and log each
+    try with a C++ trace). The store's server takes it for a client that left at once."""
+    try:
+        with socket.create_connection((master_addr, master_port), timeout=timeout):
+            return False
+    except ConnectionRefusedError:
+        return True
+    except OSError:  # no answer in time, no route: not known to be gone
+        return False
 
 
 # HOST_ENV (config.Settings.host): the address (or name) this rank's servers advertise to the
@@ -254,19 +270,70 @@ def _multi_get(store: dist.Store, ranks: list[int], key: Callable[[int], str]) -
     return dict(zip(ranks, store.multi_get([key(r) for r in ranks]), strict=True))
 
 
-class StoreRegistry:
-    """The frontend's view of the store: async lookups run on one private thread.
+class StoreLane:
+    """Blocking store calls, one at a time and in order, on a daemon thread of their own.
 
-    TCPStore calls block, so they run off the event loop, one at a time, on a single thread
-    (the client connection is not shared between threads). The connection is made lazily and
-    remade after an error, so a store that comes up late or restarts is picked up. Once a
-    lookup has succeeded, a store that goes away (rank 0 hosted it and died) does not blank the
-    pages: lookups answer the last addresses at once (``store_lost_at`` says since when) while
-    one reconnect at a time is tried in the background, at most every ``RECONNECT_S`` s.
-    ``announce``: publish this process as its host's reader (rank 0's frontend: ``jobpids``).
+    A TCPStore client is not shared between threads, so one thread makes every call. Not a
+    ``ThreadPoolExecutor``: the interpreter joins its threads at exit, and a call blocked on a
+    store that went away (a connect retries for its whole timeout) held the frontend's exit for
+    seconds, printing c10d's traces after "exiting". A daemon thread is not waited for.
     """
 
-    RECONNECT_S = 15.0
+    def __init__(self, name: str) -> None:
+        self._jobs: queue.SimpleQueue[tuple[Callable[[], Any], Any, Any] | None] = \
+            queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def call(self, fn: Callable[[], T]) -> asyncio.Future[T]:
+        """``fn()`` on the lane; its result (or exception) in the running loop's future."""
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[T] = loop.create_future()
+        self._jobs.put((fn, loop, fut))
+        return fut
+
+    def submit(self, fn: Callable[[], object]) -> None:
+        """``fn()`` on the lane, nobody waiting for it."""
+        self._jobs.put((fn, None, None))
+
+    def _run(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            fn, loop, fut = job
+            try:
+                out, err = fn(), None
+            except Exception as e:
+                out, err = None, e
+            if fut is not None:
+                with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits
+                    loop.call_soon_threadsafe(_settle, fut, out, err)
+
+    def close(self) -> None:
+        """End the thread after the call it is in (queued calls still run first)."""
+        self._jobs.put(None)
+
+
+def _settle(fut: asyncio.Future[Any], out: Any, err: BaseException | None) -> None:
+    if fut.done():
+        return
+    if err is not None:
+        fut.set_exception(err)
+    else:
+        fut.set_result(out)
+
+
+class StoreRegistry:
+    """The frontend's view of the store: async lookups on one private thread (``StoreLane``).
+
+    The connection is made lazily and retried while the store has never answered (with a plain
+    ``env://`` rendezvous rank 0 creates it late). Once it has answered, a store that goes away
+    is gone for good: the launcher ended the job (torchrun closes its store after the last
+    rank), or rank 0 hosted it and died. It is never asked again: a store on that port now is
+    the next job's, and each try would cost c10d's connect timeout. Lookups then answer the
+    last addresses at once (``store_lost_at`` says since when), so a frontend that outlives
+    rank 0 during a hang still serves the pages.
+    ``announce``: publish this process as its host's reader (rank 0's frontend: ``jobpids``),
+    once, on the first connection.
+    """
 
     def __init__(
         self, master_addr: str, master_port: int, world_size: int, restart_count: int,
@@ -278,23 +345,47 @@ class StoreRegistry:
         self._timeout = timeout
         self._announce = announce
         self._store: dist.Store | None = None
+        self._connected = False
+        """The store has answered once (a connect, a lookup)."""
         self._last: list[WorkerAddr] | None = None
         self.store_ok_at: float | None = None
         """``time.monotonic()`` of the last lookup the store answered."""
         self.store_lost_at: float | None = None
         """``time.time()`` when the store stopped answering (None while it answers)."""
-        self._retry: Any = None
-        self._retry_at = 0.0
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="debug_server.store")
+        self.listener: Callable[[list[WorkerAddr]], None] | None = None
+        """Called in the event loop with each lookup's addresses (the frontend's watch follows
+        new ranks' processes at once: ``departed.ExitWatch``)."""
+        self._lane = StoreLane("debug_server.store")
         # Import torch and connect now, in the background: done lazily, the first page would
         # pay seconds for it, on top of a stuck rank's fetch_timeout.
-        self._pool.submit(self._connect)
+        self._lane.submit(self._connect)
+
+    @property
+    def last(self) -> list[WorkerAddr] | None:
+        """The addresses of the last lookup the store answered (None before one)."""
+        return self._last
+
+    @property
+    def answered(self) -> bool:
+        """The store has answered once (a lookup before that waits out a connect)."""
+        return self._connected
+
+    async def refuses(self) -> bool:
+        """Whether nothing listens at the store's address now (``store_refuses``)."""
+        return await asyncio.get_running_loop().run_in_executor(None, store_refuses, *self._addr)
+
+    @property
+    def gone(self) -> bool:
+        """The store answered once and then went away: it is not asked again."""
+        return self._connected and self.store_lost_at is not None
 
     def _client(self) -> dist.Store:
         if self._store is None:
-            self._store = store_client(*self._addr, timeout=self._timeout)
-            if self._announce:  # ranks here point PR_SET_PTRACER at this process
-                jobpids.publish_frontend(self._store, self._restart)
+            store = store_client(*self._addr, timeout=self._timeout)
+            if self._announce and not self._connected:  # ranks here point PR_SET_PTRACER at it
+                jobpids.publish_frontend(store, self._restart)
+            self._store = store
+            self._connected = True
         return self._store
 
     def _connect(self) -> None:
@@ -303,36 +394,40 @@ class StoreRegistry:
         except Exception:  # the lookup reports it, once, when a page asks
             self._store = None
 
+    def _unknown(self, why: str) -> list[WorkerAddr]:
+        reason = f"{NOT_REGISTERED} (store {self._addr[0]}:{self._addr[1]} {why})"
+        return [WorkerAddr(r, None, reason) for r in range(self.world_size)]
+
     def _lookup_sync(self) -> list[WorkerAddr]:
+        if self.gone:
+            return self._last if self._last is not None else self._unknown("is gone")
         try:
             out = lookup_workers(self._client(), self.world_size, self._restart)
-        except Exception as e:  # the store is down or gone: every rank is unknown, say why once
+        except Exception as e:
             self._store = None
-            reason = f"{NOT_REGISTERED} (store {self._addr[0]}:{self._addr[1]} unavailable: {first_line(e)})"
-            if self.store_lost_at is None:
+            if self._connected:
+                # Said by the frontend's watch where it matters (ranks still run): at the
+                # job's end the store closing is the launcher's normal exit.
                 self.store_lost_at = time.time()
-                logger.warning("debug_server: %s%s", reason, "; serving the last addresses"
-                               if self._last is not None else "")
-            if self._last is not None:
-                return self._last
-            return [WorkerAddr(r, None, reason) for r in range(self.world_size)]
+                logger.debug("debug_server: store %s:%d is gone: %s", *self._addr, first_line(e))
+                return self._last if self._last is not None else self._unknown("is gone")
+            out = self._unknown(f"unavailable: {first_line(e)}")
+            if self.store_lost_at is None:  # never reached: something is wrong, say it once
+                self.store_lost_at = time.time()
+                logger.warning("debug_server: %s", out[0].error)
+            return out
         self._last = out
         self.store_ok_at = time.monotonic()
-        if self.store_lost_at is not None:
-            logger.warning("debug_server: store %s:%d answers again", *self._addr)
         self.store_lost_at = None
         return out
 
     async def lookup(self) -> list[WorkerAddr]:
-        loop = asyncio.get_running_loop()
-        if self.store_lost_at is not None and self._last is not None:
-            # Do not make a page wait out a reconnect to a store that is gone.
-            if (self._retry is None or self._retry.done()) and \
-                    time.monotonic() - self._retry_at > self.RECONNECT_S:
-                self._retry_at = time.monotonic()
-                self._retry = loop.run_in_executor(self._pool, self._lookup_sync)
-            return self._last
-        return await loop.run_in_executor(self._pool, self._lookup_sync)
+        if self.gone:  # no trip to the lane: a page never waits behind a store that is gone
+            return self._lookup_sync()
+        out = await self._lane.call(self._lookup_sync)
+        if self.listener is not None:
+            self.listener(out)
+        return out
 
     @property
     def store_address(self) -> tuple[str, int]:
@@ -348,7 +443,7 @@ class StoreRegistry:
         return self._timeout
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._lane.close()
         self._store = None
 
 

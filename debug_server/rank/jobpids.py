@@ -79,6 +79,17 @@ def _stat_fields(pid: int) -> list[str] | None:
         return None
 
 
+def alive(pid: int) -> bool:
+    """Whether a process ``pid`` exists (a zombie does; another user's does)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
+
+
 def start_time(pid: int) -> int | None:
     """The process's start time (field 22: clock ticks after boot), None if there is none."""
     fields = _stat_fields(pid)
@@ -273,7 +284,7 @@ class PtracerKeeper:
             self.stop.wait(KEEP_SETTLED_S if isinstance(self.tracer, int) else KEEP_POLL_S)
 
 
-__all__ = ["FRONTEND_READER_KEY", "PtracerKeeper", "check",
+__all__ = ["FRONTEND_READER_KEY", "PtracerKeeper", "alive", "check",
            "choose_reader", "fate", "identity", "local_fates", "publish_frontend", "running_here",
            "set_ptracer",
            "start_time"]

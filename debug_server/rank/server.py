@@ -307,10 +307,10 @@ def start_debug_server(
     )
     handle, advertised, pg_existed = _start_locked(job, config, required, settings, signal_stacks)
     atexit.register(handle._quiesce_at_exit)
-    # No exit hook ends the frontend: rank 0 may finish first (uneven data) while the other
-    # ranks hang, which is when the pages are needed. It notices this process's end within a
-    # second and exits by itself once every rank is gone, or after orphan_exit_s without a
-    # sign of the job (frontend/departed.py). Only an explicit stop() ends it.
+    # No exit hook ends the frontend (rank 0 may finish first while the others hang, when the
+    # pages are needed), and none touches the store: the frontend sees each rank of its host
+    # end (a pidfd), the store close, and exits in one line once every rank is gone, or after
+    # orphan_exit_s without a sign of the job (frontend/departed.py), or on stop().
     _log_started(handle, advertised, pg_existed)
     return handle
 
@@ -476,6 +476,10 @@ def spawn_frontend(config: FrontendConfig, *, env: Mapping[str, str] | None = No
         # children (py-spy).
         child_env.pop(TOKEN_ENV, None)
         child_env[FRONTEND_CONFIG_FD_ENV] = str(config_fd)
+        # c10d logs each failed store call with a C++ stack trace of some 20 frames, into the
+        # job's log. The frontend's only C++ is its store client, whose failures it says in one
+        # line of its own; the store closing at the job's end is no failure at all.
+        child_env["TORCH_CPP_LOG_LEVEL"] = "FATAL"
         # The child must import this very package even when the trainer found it via sys.path
         # tweaks rather than an install.
         pkg_root = str(Path(__file__).resolve().parents[2])
