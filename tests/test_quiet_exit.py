@@ -18,14 +18,14 @@ from typing import Any
 
 import pytest
 import quietjob
-from conftest import make_job
+from fakes import make_job
 from mpjob import free_port
 
 from debug_server.frontend import departed
 from debug_server.rank import jobpids
 from debug_server.rank.discovery import StoreRegistry, WorkerAddr, register_worker, store_client
 
-pytestmark = pytest.mark.timeout(400)
+pytestmark = [pytest.mark.timeout(400), pytest.mark.job]  # real torchrun jobs
 
 LINGER_S = 2.0
 
