@@ -33,7 +33,8 @@
 #            kernel before its all_reduce; live /fr_trace and our CLI on c10d's dumps name the
 #            rank (order_inversion / gpu_busy; fails if not)
 # timing:    bench_step's jobs with TORCH_NCCL_ENABLE_TIMING=1 (what start_debug_server sets)
-#            against =0, TIMING_PAIRS pairs of whole jobs (fails when a shape is over 1.02)
+#            against =0, TIMING_PAIRS pairs of whole jobs, on bench_step's shapes and on a 12-layer
+#            DDP transformer (bench_timing_model; fails when a figure is over 1.02)
 # silent:    rank 1 stops itself (SIGSTOP) at step 3 on NCCL, plain torch.distributed: the verdict
 #            names rank 1, cpu_divergence, its process stopped at its os.kill line, and the pages
 #            answer within 1 s while it is silent (scripts/gpu_silent_rank.py; fails if not)
@@ -228,6 +229,10 @@ echo "=== bench_step (2 ranks): whole jobs with c10d's start timing (start_debug
 timeout 580 python benchmarks/bench_step.py --device cuda --nproc 2 --port 29716 --timing-ab "${TIMING_PAIRS:-2}" \
   --timing-max-ratio 1.02 ${STEP_ARGS:-} 2>&1 | grep -v Warning | tee "$OUT/bench_timing.txt"
 [ "${PIPESTATUS[0]}" -eq 0 ] || FAILED_CHECKS="$FAILED_CHECKS timing"
+echo "=== the same on a 12-layer DDP transformer step (bf16, AdamW); fails over 1.02 ==="
+timeout 580 python benchmarks/bench_timing_model.py --pairs "${TIMING_PAIRS:-2}" --max-ratio 1.02 2>&1 \
+  | grep -v Warning | tee "$OUT/bench_timing_model.txt"
+[ "${PIPESTATUS[0]}" -eq 0 ] || FAILED_CHECKS="$FAILED_CHECKS timing_model"
 fi
 
 if want silent; then
