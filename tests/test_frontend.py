@@ -212,8 +212,8 @@ async def test_frontend_shuts_down_once_its_parent_and_every_rank_are_gone(
             checks.append(pid)
             return real_alive(pid)
 
-        real_alive = departed._alive
-        monkeypatch.setattr(departed, "_alive", alive)
+        real_alive = departed.jobpids.alive
+        monkeypatch.setattr(departed.jobpids, "alive", alive)
         task = asyncio.create_task(departed.watch(proc.pid, StaticRegistry([None]), departures,
                                                   0.5, shutdown))
         await until_async("a poll has seen the parent alive", 30, lambda: checks)
