@@ -64,8 +64,14 @@ def test_spinning_process_reads_its_cpu_use() -> None:
     p = subprocess.Popen([sys.executable, "-c", "while True: pass"])
     try:
         reader = procstate.ProcReader()
-        rec = reader.read([(p.pid, jobpids.identity(p.pid))], settle_s=0.3)[0]
-        assert rec["state"] == "running" and rec["cpu_pct"] > 20, rec  # a shared 2-core box
+        # On a loaded 2-core box a spinner may get a small share of a core in any one window:
+        # read until it shows (a sleeper reads 0), within a deadline.
+        deadline = time.monotonic() + 30
+        while True:
+            rec = reader.read([(p.pid, jobpids.identity(p.pid))], settle_s=0.3)[0]
+            if rec["cpu_pct"] is not None and rec["cpu_pct"] >= 5 or time.monotonic() > deadline:
+                break
+        assert rec["state"] == "running" and rec["cpu_pct"] >= 5, rec
     finally:
         p.kill()
         p.wait(10)
