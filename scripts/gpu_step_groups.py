@@ -84,6 +84,7 @@ def main() -> None:
         dist.init_process_group("nccl", timeout=to)
     elif args.init == "eager":
         dist.init_process_group("nccl", timeout=to, device_id=dev)
+    from debug_server.config import Settings
     from debug_server.recording.comms import Comm, new_comm
     from debug_server.recording.groups import _c10d_backed
     from debug_server.recording.hooks import FlightRecorderHook
@@ -103,8 +104,9 @@ def main() -> None:
                 dist.init_process_group("nccl", timeout=to)
             ranks = list(range(dist.get_world_size()))
             pg = dist.new_group(ranks, backend="nccl", device_id=dev, group_desc="bench")
+            settings = Settings.from_env()  # as new_comm reads them
             comm = Comm(pg, "bench", "nccl", dev, ranks, datetime.timedelta(minutes=10), False,
-                        c10d_backed=_c10d_backed("nccl"))
+                        c10d_backed=_c10d_backed("nccl", settings), settings=settings)
         else:
             comm = new_comm("nccl", dev, "bench")
         FlightRecorderHook(max_entries=2000).register_with_comm(comm)

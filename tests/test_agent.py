@@ -28,7 +28,7 @@ from fakes import FLEET_MISSING, FLEET_PER_HOST, FLEET_WORLD
 from httpget import get_json, request
 from mpjob import free_port, kill_all, rank_env
 
-from debug_server.config import JobEnv
+from debug_server.config import JobEnv, Settings
 from debug_server.frontend.dumps import analyze_fr
 from debug_server.rank import agent_launch
 from debug_server.rank.worker import StaticProvider
@@ -59,15 +59,15 @@ def test_torchrun_layout_gives_the_hosts_contiguous_ranks() -> None:
                               master_port=29500)
     env = {"LOCAL_RANK": "1"}
     assert agent_launch.host_ranks(job, env) == [4, 5, 6, 7]
-    assert agent_launch.wanted(job, env) is True
-    assert agent_launch.rank_meta(job, {"DEBUG_SERVER_AGENT_ID": "h1"}) == {"agent": "h1"}
+    assert agent_launch.wanted(job, Settings.from_env(env)) is True
+    assert agent_launch.rank_meta(job, Settings.from_env({"DEBUG_SERVER_AGENT_ID": "h1"})) == {"agent": "h1"}
 
 
 def test_single_host_job_runs_no_agent_unless_asked() -> None:
     job = JobEnv(rank=0, world_size=2, local_world_size=2, master_addr="127.0.0.1",
                               master_port=29500)
-    assert agent_launch.wanted(job, {}) is False
-    assert agent_launch.wanted(job, {"DEBUG_SERVER_AGENT": "1"}) is True
+    assert agent_launch.wanted(job, Settings()) is False
+    assert agent_launch.wanted(job, Settings(agent=True)) is True
 
 
 # ---------------------------------------------------------------------------------------------

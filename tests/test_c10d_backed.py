@@ -18,6 +18,7 @@ import pytest
 from _scenarios import c10d_capture
 from mpjob import assert_ok, rank0_result, run_job
 
+from debug_server.config import Settings
 from debug_server.recording import comms
 from debug_server.recording.c10d_fr import Backed, GroupInfo, merge_c10d
 
@@ -97,17 +98,17 @@ def test_p2p_entries_of_a_backed_communicator_count_p2p_from_zero_and_keep_the_c
 def test_recorder_mode_follows_the_environment(monkeypatch: pytest.MonkeyPatch):
     for k in ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE", comms.RECORDER_ENV):
         monkeypatch.delenv(k, raising=False)
-    assert comms._c10d_backed("gloo") is False  # auto: ours on gloo
+    assert comms._c10d_backed("gloo", Settings.from_env()) is False  # auto: ours on gloo
     monkeypatch.setenv(comms.RECORDER_ENV, "c10d")
-    assert comms._c10d_backed("gloo") is True
+    assert comms._c10d_backed("gloo", Settings.from_env()) is True
     monkeypatch.setenv("TORCH_FR_BUFFER_SIZE", "0")  # c10d's recorder off: ours, whatever is asked
-    assert comms._c10d_backed("gloo") is False
+    assert comms._c10d_backed("gloo", Settings.from_env()) is False
     monkeypatch.setenv("TORCH_FR_BUFFER_SIZE", "2000")
     monkeypatch.setenv(comms.RECORDER_ENV, "python")
-    assert comms._c10d_backed("gloo") is False
+    assert comms._c10d_backed("gloo", Settings.from_env()) is False
     monkeypatch.setenv(comms.RECORDER_ENV, "bogus")
     with pytest.raises(ValueError, match="DEBUG_SERVER_RECORDER='bogus': expected auto, c10d or python"):
-        comms._c10d_backed("gloo")
+        comms._c10d_backed("gloo", Settings.from_env())
 
 
 # A real 2-rank gloo job with the c10d-backed mode forced: the demo's phase 1 and its dump, then

@@ -20,6 +20,7 @@ import pytest
 from _scenarios import C10D_CAPTURE, c10d_capture
 
 from debug_server.analysis.core import analyze
+from debug_server.config import Settings
 from debug_server.dumpio import write_dump_atomic
 from debug_server.recording.c10d_fr import (
     BUFFER_ENV,
@@ -254,14 +255,14 @@ def test_turn_on_env_sets_only_the_name_this_torch_reads():
     # torch >= 2.8 reads TORCH_FR_BUFFER_SIZE and warns on every rank when the old name is set.
     env: dict[str, str] = {}
     name = "TORCH_FR_BUFFER_SIZE" if torch_version() >= (2, 8) else "TORCH_NCCL_TRACE_BUFFER_SIZE"
-    assert turn_on_env(env) == {name: "2000"}
+    assert turn_on_env(Settings.from_env(env), env) == {name: "2000"}
     assert env == {name: "2000"}
 
 
 @pytest.mark.parametrize("name", BUFFER_ENV)
 def test_turn_on_env_leaves_a_users_setting_alone(name: str):
     env = {name: "0"}
-    assert turn_on_env(env) == {}
+    assert turn_on_env(Settings.from_env(env), env) == {}
     assert env == {name: "0"}
 
 
@@ -276,9 +277,9 @@ def test_fixture_is_a_real_capture():
 
 def test_turn_on_timing_sets_the_variable_unless_the_user_chose() -> None:
     env: dict[str, str] = {}
-    assert turn_on_timing(env) == {"TORCH_NCCL_ENABLE_TIMING": "1"}
+    assert turn_on_timing(Settings.from_env(env), env) == {"TORCH_NCCL_ENABLE_TIMING": "1"}
     assert env == {"TORCH_NCCL_ENABLE_TIMING": "1"}
     mine = {"TORCH_NCCL_ENABLE_TIMING": "0"}
-    assert turn_on_timing(mine) == {} and mine == {"TORCH_NCCL_ENABLE_TIMING": "0"}
+    assert turn_on_timing(Settings.from_env(mine), mine) == {} and mine == {"TORCH_NCCL_ENABLE_TIMING": "0"}
     off = {"DEBUG_SERVER_C10D_TIMING": "0"}
-    assert turn_on_timing(off) == {} and "TORCH_NCCL_ENABLE_TIMING" not in off
+    assert turn_on_timing(Settings.from_env(off), off) == {} and "TORCH_NCCL_ENABLE_TIMING" not in off

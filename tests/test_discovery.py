@@ -8,7 +8,7 @@ import pytest
 from fakes import closed_port_url, make_job
 from mpjob import free_port
 
-from debug_server.config import ConfigError, JobEnv, default_bind_host, is_loopback
+from debug_server.config import ConfigError, JobEnv, Settings, default_bind_host, is_loopback
 from debug_server.rank import discovery
 from debug_server.rank.discovery import (
     Advertised,
@@ -124,26 +124,26 @@ def _own_non_loopback_address() -> str:
 
 def test_advertised_host_is_the_interface_toward_master_addr() -> None:
     own = _own_non_loopback_address()
-    adv = advertise(None, own, 29500, env={})
+    adv = advertise(None, own, 29500)
     assert adv == Advertised(own, f"the interface toward MASTER_ADDR {own}")
     assert route_source(own, 29500) == own
 
 
-def test_env_override_wins_over_the_route_and_host() -> None:
+def test_host_setting_wins_over_the_route_and_host() -> None:
     own = _own_non_loopback_address()
-    env = {"DEBUG_SERVER_HOST": "node7.example"}
-    assert advertise(None, own, 29500, env=env).host == "node7.example"
-    assert advertise("10.1.2.3", own, 29500, env=env).host == "node7.example"
+    host = Settings.from_env({"DEBUG_SERVER_HOST": "node7.example"}).host
+    assert advertise(None, own, 29500, override=host).host == "node7.example"
+    assert advertise("10.1.2.3", own, 29500, override=host).host == "node7.example"
 
 
 def test_explicit_bind_address_wins_over_the_route() -> None:
     own = _own_non_loopback_address()
-    assert advertise("10.1.2.3", own, 29500, env={}) == Advertised(
+    assert advertise("10.1.2.3", own, 29500) == Advertised(
         "10.1.2.3", "the bind address (host=)")
 
 
-def test_loopback_bind_is_advertised_even_with_env_override() -> None:
-    adv = advertise("127.0.0.1", "127.0.0.1", 29500, env={"DEBUG_SERVER_HOST": "node7.example"})
+def test_loopback_bind_is_advertised_even_with_host_setting() -> None:
+    adv = advertise("127.0.0.1", "127.0.0.1", 29500, override="node7.example")
     assert (adv.host, adv.reachable) == ("127.0.0.1", False)
 
 
@@ -152,7 +152,7 @@ def test_127_0_1_1_is_never_advertised_when_a_better_address_exists(monkeypatch:
     # name on rank 0's host. The route toward it is loopback; an interface address wins.
     _own_non_loopback_address()
     monkeypatch.setattr(discovery, "hostname_addresses", lambda: ["127.0.1.1"])
-    adv = advertise(None, "127.0.1.1", 29500, env={})
+    adv = advertise(None, "127.0.1.1", 29500)
     assert not is_loopback(adv.host) and adv.reachable
     assert adv.host == next(a for a in interface_addresses() if not is_loopback(a))
 
@@ -160,12 +160,12 @@ def test_127_0_1_1_is_never_advertised_when_a_better_address_exists(monkeypatch:
 def test_host_name_address_is_used_when_master_addr_is_unroutable(monkeypatch: Any) -> None:
     monkeypatch.setattr(discovery, "route_source", lambda dest, port: None)
     monkeypatch.setattr(discovery, "hostname_addresses", lambda: ["127.0.1.1", "10.20.30.40"])
-    assert advertise(None, "master.invalid", 29500, env={}).host == "10.20.30.40"
+    assert advertise(None, "master.invalid", 29500).host == "10.20.30.40"
 
 
 def test_loopback_is_the_last_resort_and_says_so(monkeypatch: Any) -> None:
     monkeypatch.setattr(discovery, "route_source", lambda dest, port: "127.0.0.1")
     monkeypatch.setattr(discovery, "hostname_addresses", lambda: ["127.0.1.1"])
     monkeypatch.setattr(discovery, "interface_addresses", lambda: ["127.0.0.1"])
-    adv = advertise(None, "master", 29500, env={})
+    adv = advertise(None, "master", 29500)
     assert (adv.host, adv.reachable) == ("127.0.0.1", False)

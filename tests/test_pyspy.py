@@ -302,7 +302,6 @@ def test_ptrace_refusal_reads_as_one_line_naming_the_fix() -> None:
         wrapper = where / "py-spy"
         wrapper.write_text(f"#!/bin/sh\nexec {' '.join(as_nobody)} {binary} \"$@\"\n")
         wrapper.chmod(0o755)
-        env = {**os.environ, pyspy.PYSPY_ENV: str(wrapper)}
         procs.append(subprocess.Popen([*as_nobody, "sleep", "30"]))
         procs.append(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"]))
         # Until setpriv has become nobody and exec'd sleep (before, root owns the process).
@@ -312,10 +311,10 @@ def test_ptrace_refusal_reads_as_one_line_naming_the_fix() -> None:
             time.sleep(0.01)
         # Control: nobody's own process is read (it is no Python, which is what py-spy says).
         with pytest.raises(pyspy.PySpyError) as ok:
-            pyspy.read(procs[0].pid, env=env)
+            pyspy.read(procs[0].pid, setting=str(wrapper))
         assert ok.value.kind == pyspy.FAILED and "python" in ok.value.reason.lower(), ok.value
         with pytest.raises(pyspy.PySpyError) as err:
-            pyspy.read(procs[1].pid, env=env)
+            pyspy.read(procs[1].pid, setting=str(wrapper))
         assert err.value.kind == pyspy.NOT_PERMITTED, err.value
         assert err.value.reason.startswith(f"py-spy may not read pid {procs[1].pid}: ")
         assert "CAP_SYS_PTRACE" in err.value.reason and "\n" not in err.value.reason
@@ -328,7 +327,7 @@ def test_ptrace_refusal_reads_as_one_line_naming_the_fix() -> None:
 
 def test_pyspy_switched_off_says_so() -> None:
     with pytest.raises(pyspy.PySpyError) as err:
-        pyspy.locate({pyspy.PYSPY_ENV: "0", "PATH": os.environ.get("PATH", "")})
+        pyspy.locate("0")
     assert (err.value.kind, err.value.reason) == (pyspy.UNAVAILABLE,
                                                   f"py-spy is off (${pyspy.PYSPY_ENV}=0)")
 

@@ -22,7 +22,7 @@ import pytest
 from fakes import make_job
 from httpget import timed_get
 
-from debug_server.config import ServerConfig
+from debug_server.config import ServerConfig, Settings
 from debug_server.fanout.transport import RankResult, RankStates
 from debug_server.frontend import dumps as dumps_mod
 from debug_server.frontend.app import DUMPER, make_frontend_app
@@ -206,11 +206,11 @@ def test_gil_holding_rank_that_opted_in_comes_by_signal_without_pyspy_and_the_fr
         _kill(proc)
 
 
-def test_signal_stacks_are_off_unless_the_rank_opts_in(monkeypatch: Any) -> None:
-    monkeypatch.delenv("DEBUG_SERVER_SIGNAL_STACKS", raising=False)
-    assert install() is None
-    monkeypatch.setenv("DEBUG_SERVER_SIGNAL_STACKS", "1")
-    assert install(False) is None  # start_debug_server(signal_stacks=False) wins over the env
+def test_signal_stacks_are_off_unless_the_rank_opts_in() -> None:
+    # start_debug_server hands install its choice: the argument, else Settings.signal_stacks.
+    assert Settings.from_env({}).signal_stacks is False
+    assert install(Settings.from_env({}).signal_stacks) is None
+    assert install(False) is None
 
 
 @pytest.mark.job

@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 from mpjob import rank0_result, run_job
 
+from debug_server.config import Settings
 from debug_server.recording import comms
 from debug_server.recording.groups import MARKS_ENV, _mark_gap_ns
 from debug_server.recording.records import _SLOTS
@@ -52,7 +53,7 @@ def test_start_marks_fall_on_the_first_collective_after_each_pause(
         monkeypatch.delenv(MARKS_ENV, raising=False)
     else:
         monkeypatch.setenv(MARKS_ENV, setting)
-    comm = _cuda_backed_comm(_mark_gap_ns())
+    comm = _cuda_backed_comm(_mark_gap_ns(Settings.from_env()))
     clock = [1_700_000_000_000_000_000]
     marked: list[int] = []
     monkeypatch.setattr(comms, "time", SimpleNamespace(time_ns=lambda: clock[0]))
@@ -75,7 +76,7 @@ from debug_server.recording.groups import _mark_gap_ns
 
 comm = new_comm("gloo", torch.device("cpu"), "main_comm")
 assert comm.c10d_backed
-gap = _mark_gap_ns()
+gap = _mark_gap_ns(comm.settings)  # what new_comm read from the job's environment
 # As __init__ does for a c10d-backed CUDA communicator (gloo has no stream to mark).
 comm._marks = gap is not None
 comm._mark_gap = gap or 0

@@ -26,7 +26,7 @@ from debug_server.config import take_secrets
 from debug_server.errors import first_line
 from debug_server.fanout.transport import settle_gc
 from debug_server.listen import start_sites
-from debug_server.rank import discovery, jobpids
+from debug_server.rank import discovery, jobpids, pyspy
 from debug_server.rank.agent_launch import (
     AGENT_ID_ENV,
     agent_key,
@@ -181,13 +181,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     settle_gc()  # this process is the agent's own
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    args.host_id = args.host_id or host_id()
+    # The agent's settings, read once here and handed down (py-spy's place to its readers).
+    settings = take_secrets()
+    pyspy.use_setting(settings.pyspy)
+    args.host_id = args.host_id or host_id(settings)
     try:
         ranks = parse_ranks(args.ranks)
     except ValueError as e:
         print(f"error: --ranks: {e}", file=sys.stderr)
         return 2
-    settings = take_secrets()
     token, from_store = settings.auth_token, settings.agent_token_from_store
     store = None
     registry: Any

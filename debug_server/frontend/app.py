@@ -31,7 +31,7 @@ import aiohttp
 from aiohttp import web
 from aiohttp.typedefs import Handler
 
-from debug_server.auth import TOKEN_ENV, TOKEN_HEADER, TokenGate, auth_middleware
+from debug_server.auth import TOKEN_HEADER, TokenGate, auth_middleware
 from debug_server.config import (
     FRONTEND_CONFIG_FD_ENV,
     ConfigError,
@@ -78,6 +78,7 @@ from debug_server.frontend.pagekit import query as _query
 from debug_server.frontend.pagekit import respond as _respond
 from debug_server.listen import own_server, start_sites
 from debug_server.protocol.names import HEALTH_HANDLER
+from debug_server.rank import pyspy
 from debug_server.rank.discovery import StaticRegistry, StoreRegistry
 
 logger = logging.getLogger(__name__)
@@ -538,9 +539,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise ConfigError(f"a frontend started with {FRONTEND_CONFIG_FD_ENV} takes no "
                               f"arguments (got {' '.join(args)[:80]!r})")
         # Read once, then gone: py-spy and other children of this process must not inherit them.
-        token = take_secrets().auth_token
+        # The frontend's settings are read here only and handed down.
+        settings = take_secrets()
+        pyspy.use_setting(settings.pyspy)
         if config is None:
-            config = attach.config_from_args(args, {TOKEN_ENV: token} if token else {})
+            config = attach.config_from_args(args, settings.auth_token)
     except ValueError as e:  # ConfigError, attach.AttachError: one line, no traceback
         line = f"error: {first_line(e, 10_000)}"
         _report_ready(config.ready_fd if config is not None else None, line)

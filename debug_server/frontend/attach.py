@@ -22,7 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
 from debug_server import auth
@@ -30,7 +30,6 @@ from debug_server.config import (
     DEFAULT_PORT,
     FrontendConfig,
     ServerConfig,
-    Settings,
     check_token_text,
 )
 from debug_server.rank import discovery
@@ -141,16 +140,17 @@ def _positive(text: str) -> int:
     return n
 
 
-def config_from_args(argv: Sequence[str], env: Mapping[str, str] | None = None) -> FrontendConfig:
+def config_from_args(argv: Sequence[str], token: str | None = None) -> FrontendConfig:
     """The attach command's ``FrontendConfig``: its options, then the store's answers.
+
+    ``token``: ``Settings.auth_token`` as the frontend's ``main`` read it.
 
     Bad options exit through argparse (code 2); a store that cannot be reached or a bad value
     raises :class:`AttachError` or ``ConfigError`` (both ``ValueError``) with one line.
     """
     args = parser().parse_args(argv)
-    env = os.environ if env is None else env
-    attached = resolve(args.store, args.world_size, args.restart_count,
-                       Settings.from_env(env).auth_token, timeout=min(5.0, args.fetch_timeout))
+    attached = resolve(args.store, args.world_size, args.restart_count, token,
+                       timeout=min(5.0, args.fetch_timeout))
     dump_dir = os.path.abspath(args.dump_dir) if args.dump_dir else None
     server = ServerConfig(port=args.port, host=args.host, dump_dir=dump_dir,
                           fetch_timeout=args.fetch_timeout, auth_token=attached.token)

@@ -38,13 +38,13 @@ def agent_key(host_id: str) -> str:
     return f"agent/{host_id}"
 
 
-def host_id(env: Mapping[str, str] | None = None) -> str:
-    return (Settings.from_env(env).agent_id or socket.gethostname())[:MAX_ID_CHARS]
+def host_id(settings: Settings) -> str:
+    return (settings.agent_id or socket.gethostname())[:MAX_ID_CHARS]
 
 
-def wanted(job: JobEnv, env: Mapping[str, str] | None = None) -> bool:
+def wanted(job: JobEnv, settings: Settings) -> bool:
     """Whether this job runs agents: on several hosts, or when asked (``Settings.agent``)."""
-    flag = Settings.from_env(env).agent
+    flag = settings.agent
     return flag if flag is not None else not job.single_host
 
 
@@ -64,9 +64,9 @@ def host_ranks(job: JobEnv, env: Mapping[str, str] | None = None) -> list[int]:
     return [r for r in range(first, first + job.local_world_size) if 0 <= r < job.world_size]
 
 
-def rank_meta(job: JobEnv, env: Mapping[str, str] | None = None) -> dict[str, str]:
+def rank_meta(job: JobEnv, settings: Settings) -> dict[str, str]:
     """What a rank adds to its registration sidecar: the id of its host's agent."""
-    return {META_KEY: host_id(env)} if wanted(job, env) else {}
+    return {META_KEY: host_id(settings)} if wanted(job, settings) else {}
 
 
 def parse_ranks(raw: str) -> list[int]:
@@ -91,7 +91,7 @@ def format_ranks(ranks: Sequence[int]) -> str:
 
 
 def start_for_rank(config: ServerConfig, job: JobEnv, advertised_host: str,
-                   token_required: bool,
+                   token_required: bool, settings: Settings,
                    env: Mapping[str, str] | None = None) -> subprocess.Popen[bytes] | None:
     """On a host's local rank 0 of a job that runs agents: start this host's agent process and
     return it (it registers itself; the trainer never waits for it). Else None.
@@ -100,11 +100,11 @@ def start_for_rank(config: ServerConfig, job: JobEnv, advertised_host: str,
     hosts' agents read it from the store as their ranks do.
     """
     env = os.environ if env is None else env
-    if not wanted(job, env) or local_rank(job, env) != 0:
+    if not wanted(job, settings) or local_rank(job, env) != 0:
         return None
     ranks = host_ranks(job, env)
     args = [sys.executable, "-m", AGENT_MODULE,
-            "--host-id", host_id(env), "--ranks", format_ranks(ranks),
+            "--host-id", host_id(settings), "--ranks", format_ranks(ranks),
             "--world-size", str(job.world_size),
             "--master-addr", job.master_addr, "--master-port", str(job.master_port),
             "--restart-count", str(job.restart_count),

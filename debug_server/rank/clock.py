@@ -4,25 +4,31 @@ Entries carry wall-clock times (``time_created_ns``...) and each FR reply its re
 (``dump_time_ns``); the frontend puts ranks of other hosts on its own clock from these
 (``analysis.stragglers``). To test that without two machines whose clocks differ, a rank can be
 given a deliberate offset: ``config.Settings.clock_offset_ns`` (its variable in docs/settings.md;
-read once, when the worker first serves FR data) shifts every time its worker reports, as if its host's
-clock were that far ahead. Unset or 0 (every real job): the dump is served as it is, at no cost.
+read by ``start_debug_server`` and handed over with ``set_offset_ns``) shifts every time its worker
+reports, as if its host's clock were that far ahead. Unset or 0 (every real job): the dump is served as it is, at no cost.
 """
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Mapping
 from typing import Any
-
-from debug_server.config import Settings
 
 TIME_KEYS = ("time_created_ns", "time_discovered_started_ns", "time_discovered_completed_ns")
 
 
-@functools.cache
+# Set by start_debug_server from its settings; 0 (every real job) serves dumps as they are.
+_offset_ns = 0
+
+
+def set_offset_ns(offset: int) -> None:
+    """This process's injected offset (``Settings.clock_offset_ns``), from the entry point."""
+    global _offset_ns
+    _offset_ns = offset
+
+
 def offset_ns() -> int:
-    """The injected offset (``Settings.clock_offset_ns``, 0 in every real job); read once."""
-    return Settings.from_env().clock_offset_ns
+    """The injected offset (``Settings.clock_offset_ns``, 0 in every real job)."""
+    return _offset_ns
 
 
 def shifted(dump: Mapping[str, Any], offset: int | None = None) -> Mapping[str, Any]:

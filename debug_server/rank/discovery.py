@@ -14,18 +14,17 @@ import asyncio
 import contextlib
 import json
 import logging
-import os
 import queue
 import socket
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 from debug_server.config import HOST_ENV as HOST_ENV
-from debug_server.config import JobEnv, Settings, is_loopback
+from debug_server.config import JobEnv, is_loopback
 from debug_server.errors import first_line
 from debug_server.rank import jobpids
 
@@ -152,10 +151,11 @@ def interface_addresses() -> list[str]:
 
 
 def advertise(bind_host: str | None, master_addr: str | None = None, master_port: int = 0,
-              env: Mapping[str, str] | None = None) -> Advertised:
+              override: str | None = None) -> Advertised:
     """The address other hosts use to reach a server bound to ``bind_host``.
 
-    In order: a loopback bind address (nothing else reaches it); ``Settings.host``; an
+    In order: a loopback bind address (nothing else reaches it); ``override``
+    (``Settings.host``, as the entry point read it); an
     explicit bind address (``host=``); the local address of the interface that reaches
     ``MASTER_ADDR`` (the one the job's own rendezvous uses); the host name's own non-loopback
     address; the first non-loopback interface address. A loopback address is the last resort
@@ -163,13 +163,11 @@ def advertise(bind_host: str | None, master_addr: str | None = None, master_port
     ``MASTER_ADDR`` that is this host's own name, must not make the frontend on another host
     call itself.
     """
-    env = os.environ if env is None else env
     if bind_host is not None and bind_host not in WILDCARD_HOSTS and is_loopback(bind_host):
         # Nothing else can reach a loopback bind, whatever the environment says (a cluster-wide
         # HOST_ENV must not break a single-host job).
         return Advertised(bind_host, "the bind address (loopback: this host only)",
                           reachable=False)
-    override = Settings.from_env(env).host
     if override:
         return Advertised(override, f"${HOST_ENV}")
     if bind_host is not None and bind_host not in WILDCARD_HOSTS:

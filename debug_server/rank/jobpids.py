@@ -40,7 +40,6 @@ import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from debug_server.config import Settings
 from debug_server.errors import first_line
 
 if TYPE_CHECKING:
@@ -248,7 +247,7 @@ def choose_reader(store: dist.Store, restart: int, agent_id: str | None,
 class PtracerKeeper:
     """Keeps ``PR_SET_PTRACER`` on this rank's reader; runs in the registration thread."""
 
-    def __init__(self, job: JobEnv, agent_id: str | None,
+    def __init__(self, job: JobEnv, agent_id: str | None, ptracer: str = "1",
                  prctl: Callable[..., int] | None = None) -> None:
         self.job = job
         self.agent_id = agent_id
@@ -256,9 +255,9 @@ class PtracerKeeper:
         self.tracer: int | None | str = "unset"
         """The pid last set (None: any), or "unset"."""
         self._prctl = prctl
-        setting = Settings.from_env().ptracer
-        self.enabled = setting != "0"
-        self.anyone = setting == "any"
+        # ``Settings.ptracer``, as start_debug_server read it.
+        self.enabled = ptracer != "0"
+        self.anyone = ptracer == "any"
 
     def apply(self, pid: int | None) -> None:
         if self.enabled and pid != self.tracer and set_ptracer(pid, self._prctl):

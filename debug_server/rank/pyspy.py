@@ -54,7 +54,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from debug_server.config import PTRACER_ENV as PTRACER_ENV
-from debug_server.config import PYSPY_ENV, Settings
+from debug_server.config import PYSPY_ENV
 from debug_server.protocol.names import NATIVE, NONBLOCKING, PID, PYSPY_HANDLER
 from debug_server.rank import jobpids
 from debug_server.stacks import with_source
@@ -96,10 +96,22 @@ class PySpyError(Exception):
 # Finding and running py-spy
 
 
-def locate(env: Mapping[str, str] | None = None) -> str:
-    """The py-spy binary to run; raises ``PySpyError(UNAVAILABLE)`` with the fix."""
-    env = os.environ if env is None else env
-    explicit = Settings.from_env(env).pyspy
+# ``Settings.pyspy`` as this process's entry point read it (``use_setting``: the rank's
+# ``start_debug_server``, the frontend's and the agent's ``main``); None: look for it.
+_setting: str | None = None
+
+
+def use_setting(setting: str | None) -> None:
+    """Where py-spy is for this process (``Settings.pyspy``: a path, ``0`` for off, None: on
+    ``PATH`` or next to Python); set once by the entry point."""
+    global _setting
+    _setting = setting
+
+
+def locate(setting: str | None = None) -> str:
+    """The py-spy binary to run (``setting``, else ``use_setting``'s, else found); raises
+    ``PySpyError(UNAVAILABLE)`` with the fix."""
+    explicit = setting if setting is not None else _setting
     if explicit == "0":
         raise PySpyError(UNAVAILABLE, f"py-spy is off (${PYSPY_ENV}=0)")
     if explicit:
@@ -107,7 +119,7 @@ def locate(env: Mapping[str, str] | None = None) -> str:
             return explicit
         raise PySpyError(UNAVAILABLE, f"py-spy not found at ${PYSPY_ENV}={explicit}: point it at "
                                       "the binary, or unset it and pip install py-spy")
-    found = shutil.which("py-spy", path=env.get("PATH"))
+    found = shutil.which("py-spy")
     if found:
         return found
     dirs = [d for d in (sysconfig.get_path("scripts"), os.path.dirname(sys.executable)) if d]
@@ -186,13 +198,13 @@ def command(exe: str, pid: int, *, native: bool, subprocesses: bool = False) -> 
 
 
 def read(pid: int, *, native: bool = False, subprocesses: bool = False,
-         timeout: float | None = None, env: Mapping[str, str] | None = None) -> str:
+         timeout: float | None = None, setting: str | None = None) -> str:
     """py-spy's dump of ``pid`` in faulthandler's layout; raises ``PySpyError`` (one line).
 
     Blocking, up to ``timeout`` (``TIMEOUT_S`` / ``NATIVE_TIMEOUT_S``); the py-spy process is
     killed when it runs over.
     """
-    exe = locate(env)
+    exe = locate(setting)
     limit = timeout if timeout is not None else (NATIVE_TIMEOUT_S if native else TIMEOUT_S)
     run_env = {**os.environ, "RUST_BACKTRACE": "0", "RUST_LIB_BACKTRACE": "0"}
     try:

@@ -39,12 +39,11 @@ from debug_server.config import (
     ServerConfig,
     Settings,
     default_bind_host,
-    orphan_exit_from_env,
     write_inherited,
 )
 from debug_server.errors import first_line
 from debug_server.rank import agent_launch as host_agent
-from debug_server.rank import jobpids, sigstack
+from debug_server.rank import clock, jobpids, pyspy, sigstack
 from debug_server.rank.discovery import (
     HOST_ENV,
     Advertised,
@@ -198,6 +197,8 @@ class DebugServer:
             if _CURRENT is self:
                 _CURRENT = None
                 _set_recording_defaults(None, None)
+                pyspy.use_setting(None)
+                clock.set_offset_ns(0)
 
     def _quiesce_at_exit(self) -> None:
         # At interpreter exit, before finalization: a daemon thread caught inside a C++ call
@@ -311,7 +312,7 @@ def start_debug_server(
     # pages are needed), and none touches the store: the frontend sees each rank of its host
     # end (a pidfd), the store close, and exits in one line once every rank is gone, or after
     # orphan_exit_s without a sign of the job (frontend/departed.py), or on stop().
-    _log_started(handle, advertised, pg_existed)
+    _log_started(handle, advertised, pg_existed, settings)
     return handle
 
 
@@ -328,16 +329,18 @@ def _start_locked(job: JobEnv, config: ServerConfig, required: bool, settings: S
         # before that, turn it on (2000 entries) unless the user chose; after, only a log line
         # (below) can help. stop() takes ours back, like the dump path.
         pg_existed = c10d_fr.group_exists()
-        fr_env_set = {} if pg_existed else c10d_fr.turn_on_env()
+        fr_env_set = {} if pg_existed else c10d_fr.turn_on_env(settings)
         # Start timing on NCCL groups, so a GPU that never started its collective is told
         # apart from one inside it (analysis: gpu_busy); the user's own setting stands.
-        fr_env_set.update(c10d_fr.turn_on_timing())
-        handle, advertised = _start_parts(job, config, required, settings.signal_stacks
-                                          if signal_stacks is None else signal_stacks)
+        fr_env_set.update(c10d_fr.turn_on_timing(settings))
+        if signal_stacks is not None:  # the argument wins over the variable
+            settings = dataclasses.replace(settings, signal_stacks=signal_stacks)
+        handle, advertised = _start_parts(job, config, required, settings)
         handle.fr_env_set = fr_env_set
         # This host's agent (debug_server.agent), on its local rank 0 of a multi-host job; never
         # waited for.
-        handle.agent = host_agent.start_for_rank(config, job, advertised.host, required)
+        handle.agent = host_agent.start_for_rank(config, job, advertised.host, required,
+                                                 settings)
         _CURRENT = handle
         _set_recording_defaults(config.stall_timeout, _pickle_prefix(settings, config.dump_dir))
     return handle, advertised, pg_existed
@@ -353,22 +356,25 @@ def _pickle_prefix(settings: Settings, dump_dir: str | None) -> str | None:
 
 
 def _start_parts(job: JobEnv, config: ServerConfig, required: bool,
-                 signal_stacks: bool | None) -> tuple[DebugServer, Advertised]:
+                 settings: Settings) -> tuple[DebugServer, Advertised]:
     """The frontend (rank 0), the worker, the stack readers and the registration; on any
     failure, what was started is ended again before the error propagates."""
     # Start the frontend first: it needs seconds to import; the worker starts meanwhile.
-    pending = _spawn_frontend(config, job) if job.rank == 0 else None
+    pending = _spawn_frontend(config, job, settings.orphan_exit_s) if job.rank == 0 else None
     worker: WorkerThread | None = None
     gate = TokenGate(config.auth_token) if required else None
     # py-spy, run by the frontend or this host's agent (neither is an ancestor), reads this
     # process from outside when its worker cannot answer; under Yama ptrace_scope=1 the rank
     # must name that reader. Until the reader is known (the store may not be up yet), any
     # process of this user may; then only the reader (jobpids.PtracerKeeper).
-    agent_id = host_agent.rank_meta(job).get(host_agent.META_KEY)
-    keeper = jobpids.PtracerKeeper(job, agent_id)
+    agent_meta = host_agent.rank_meta(job, settings)
+    keeper = jobpids.PtracerKeeper(job, agent_meta.get(host_agent.META_KEY), settings.ptracer)
     keeper.apply(None)
     # Stacks by signal: only where the rank opted in (a signal interrupts sleeps and polls).
-    sig = sigstack.install(signal_stacks)
+    sig = sigstack.install(settings.signal_stacks)
+    # What this process's worker reads of the settings, handed over as values.
+    pyspy.use_setting(settings.pyspy)
+    clock.set_offset_ns(settings.clock_offset_ns)
     try:
         # The stall timeout reaches health through the hooks' process default (set by the
         # caller), so a hook's own stall_timeout is not overridden by the worker.
@@ -377,13 +383,13 @@ def _start_parts(job: JobEnv, config: ServerConfig, required: bool,
         provider.peers = Peers(job).announced
         worker = start_worker_thread(provider, config.host, config.worker_port, gate=gate)
         # Frontend and worker bind the same host, so this one address serves both links.
-        advertised = advertise(config.host, job.master_addr, job.master_port)
+        advertised = advertise(config.host, job.master_addr, job.master_port, settings.host)
         worker_url = f"http://{_url_host(advertised.host)}:{worker.port}"
         registration = _Registration(
             job, worker_url, gate=gate,
             publish=config.auth_token if required and job.rank == 0 else None,
             extra={**({sigstack.META_KEY: sig.meta()} if sig is not None else {}),
-                   **host_agent.rank_meta(job)} or None, keeper=keeper)
+                   **agent_meta} or None, keeper=keeper)
         registration.done.wait(REGISTER_WAIT)
         frontend_port = (wait_frontend_ready(pending, config.port) if pending is not None
                          else None)
@@ -403,7 +409,8 @@ def _start_parts(job: JobEnv, config: ServerConfig, required: bool,
     return handle, advertised
 
 
-def _log_started(handle: DebugServer, advertised: Advertised, pg_existed: bool) -> None:
+def _log_started(handle: DebugServer, advertised: Advertised, pg_existed: bool,
+                 settings: Settings) -> None:
     job = handle.job
     # A user's job log gains nothing from us on every rank: this line is for debugging
     # (rank 0's at info), unless no other host can reach this rank (a loopback address on a
@@ -414,7 +421,7 @@ def _log_started(handle: DebugServer, advertised: Advertised, pg_existed: bool) 
                advertised.how + ("" if advertised.reachable else
                                  f"; other hosts cannot reach it: set {HOST_ENV}"),
                f"; frontend at {handle.frontend_url}" if handle.frontend_url else "")
-    off = c10d_fr.off_reason() if pg_existed else None
+    off = c10d_fr.off_reason(settings) if pg_existed else None
     if off is not None:
         # One line per job, not per rank: every rank has the same environment.
         logger.log(logging.WARNING if job.rank == 0 else logging.DEBUG,
@@ -449,13 +456,14 @@ def _url_host(host: str) -> str:
     return f"[{host}]" if ":" in host and not host.startswith("[") else host
 
 
-def _spawn_frontend(config: ServerConfig, job: JobEnv) -> tuple[subprocess.Popen[bytes], int]:
+def _spawn_frontend(config: ServerConfig, job: JobEnv,
+                    orphan_exit_s: float) -> tuple[subprocess.Popen[bytes], int]:
     # Absolute: the trainer may change its working directory after the frontend started.
     dump_dir = os.path.abspath(config.dump_dir) if config.dump_dir is not None else None
     return spawn_frontend(FrontendConfig(
         server=dataclasses.replace(config, dump_dir=dump_dir), world_size=job.world_size,
         store=(job.master_addr, job.master_port), restart_count=job.restart_count,
-        parent_pid=os.getpid(), orphan_exit_s=orphan_exit_from_env()))
+        parent_pid=os.getpid(), orphan_exit_s=orphan_exit_s))
 
 
 def spawn_frontend(config: FrontendConfig, *, env: Mapping[str, str] | None = None,

@@ -38,7 +38,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from debug_server.config import SIGNAL_STACKS_ENV as OPT_IN_ENV  # noqa: F401 (old name)
-from debug_server.config import Settings
 from debug_server.stacks import with_source
 
 logger = logging.getLogger(__name__)
@@ -80,15 +79,11 @@ class SigStack:
             os.unlink(self.path)
 
 
-def opted_in(enabled: bool | None = None) -> bool:
-    """``enabled`` if given, else ``Settings.signal_stacks`` (off by default)."""
-    return enabled if enabled is not None else Settings.from_env().signal_stacks
-
-
-def install(enabled: bool | None = None) -> SigStack | None:
-    """Register faulthandler for a free real-time signal where the rank opted in (``enabled``,
-    else ``Settings.signal_stacks``); None when it did not or that is not possible."""
-    if not opted_in(enabled):
+def install(enabled: bool) -> SigStack | None:
+    """Register faulthandler for a free real-time signal where the rank opted in (``enabled``:
+    ``start_debug_server(signal_stacks=)``, else ``Settings.signal_stacks``); None when it did
+    not or that is not possible."""
+    if not enabled:
         return None
     if not hasattr(faulthandler, "register") or threading.current_thread() is not threading.main_thread():
         return None  # signal dispositions are only checked reliably from the main thread

@@ -351,11 +351,11 @@ def buffer_env_name() -> str:
     return BUFFER_ENV[0] if version >= (2, 8) else BUFFER_ENV[1]
 
 
-def turn_on_env(environ: dict[str, str] | None = None) -> dict[str, str]:
-    """Set the buffer variable this torch reads to 2000 unless either is set; returns what it
-    set (empty when the user's setting stands)."""
+def turn_on_env(settings: Settings, environ: dict[str, str] | None = None) -> dict[str, str]:
+    """Set the buffer variable this torch reads to 2000 unless either is set (``settings``, as
+    the entry point read them); returns what it set (empty when the user's setting stands)."""
     env = os.environ if environ is None else environ
-    if Settings.from_env(env).fr_buffer_size is not None:
+    if settings.fr_buffer_size is not None:
         return {}
     added = {buffer_env_name(): str(DEFAULT_BUFFER_SIZE)}
     env.update(added)
@@ -368,7 +368,7 @@ TIMING_ENV = NCCL_TIMING_ENV
 a GPU that has not started its op from one inside it (``gpu_busy``)."""
 
 
-def turn_on_timing(environ: dict[str, str] | None = None) -> dict[str, str]:
+def turn_on_timing(settings: Settings, environ: dict[str, str] | None = None) -> dict[str, str]:
     """Turn c10d's start timing on unless the user set ``TORCH_NCCL_ENABLE_TIMING``: the
     variable for NCCL groups made from now on, ``_enable_collectives_timing`` on the NCCL groups
     that exist already. Returns the variables it set (empty when the user's setting stands).
@@ -377,7 +377,7 @@ def turn_on_timing(environ: dict[str, str] | None = None) -> dict[str, str]:
     is in docs/benchmarks.md (``scripts/gpu_checks.sh step``).
     """
     env = os.environ if environ is None else environ
-    if TIMING_ENV in env or not Settings.from_env(env).c10d_timing:
+    if TIMING_ENV in env or not settings.c10d_timing:
         return {}
     env[TIMING_ENV] = "1"
     if environ is None:
@@ -404,14 +404,14 @@ def _time_existing_groups() -> None:
             return
 
 
-def off_reason() -> str | None:
+def off_reason(settings: Settings) -> str | None:
     """Why c10d's recorder records nothing in this process, or None when it is on (or unknown).
 
     Call after the default group exists. An explicit 0 in the environment turns it off; so does
     torch's own default on builds where that is 0, which shows as a CPU recorder that did not
     note the default gloo group (it notes each group at creation when on).
     """
-    size = Settings.from_env().fr_buffer_size
+    size = settings.fr_buffer_size
     if size is not None:
         return f"{BUFFER_ENV[0]}={size}" if size <= 0 else None
     c10d = _c10d()

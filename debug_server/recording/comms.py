@@ -43,6 +43,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ReduceOp
 
+from debug_server.config import Settings
 from debug_server.recording.abort import fail, fail_op, raise_broken
 from debug_server.recording.calls import Call, DirectCalls
 from debug_server.recording.groups import (
@@ -96,8 +97,12 @@ class Comm(CommOps):
         timeout: datetime.timedelta,
         abort_process_on_timeout_or_error: bool,
         c10d_backed: bool = False,
+        settings: Settings | None = None,
     ) -> None:
         self._pg = pg
+        # The settings ``new_comm`` read (its variables: recorder, start marks, timing, the
+        # pickle prefix); a split child inherits them. Defaults when built directly.
+        self.settings = settings if settings is not None else Settings()
         self._name = name
         self._backend = backend
         self._device = device
@@ -137,7 +142,8 @@ class Comm(CommOps):
         # c10d-backed on CUDA without c10d's timing: start marks in the slots (see _issue) on
         # each collective issued _mark_gap ns or more after the previous one (0: on every
         # collective); _mark_seq[slot] is the collective whose mark the slot holds.
-        gap = _mark_gap_ns() if self._is_cuda and self._backed and not _timing_wanted(self._backend) else None
+        gap = (_mark_gap_ns(self.settings) if self._is_cuda and self._backed
+               and not _timing_wanted(self._backend, self.settings) else None)
         self._marks = gap is not None
         self._mark_gap = gap or 0
         self._last_ns = 0  # when the previous collective was issued
@@ -492,11 +498,11 @@ class Comm(CommOps):
         if any(r < 0 or r >= len(self._ranks) for r in local):
             raise ValueError(f"split ranks {local} out of range for a communicator of size {len(self._ranks)}")
         global_ranks = [self._ranks[r] for r in local]
-        backed = self._backed and _c10d_backed(self._backend)
+        backed = self._backed and _c10d_backed(self._backend, self.settings)
         pg = _new_group(global_ranks, self._backend, self._timeout, name, local_sync=True,
-                        timing=backed and _timing_wanted(self._backend))
+                        timing=backed and _timing_wanted(self._backend, self.settings))
         child = Comm(pg, name, self._backend, self._device, global_ranks, self._timeout, self._abort_process,
-                     c10d_backed=backed)
+                     c10d_backed=backed, settings=self.settings)
         self._children.append(child)
         for fn in list(self._split_listeners):
             fn(child)
@@ -546,9 +552,14 @@ def new_comm(
         init_default_group(backend, dev, td, store)
     world = dist.get_world_size()
     ranks = list(range(world))
-    backed = _c10d_backed(backend)
+    # new_comm is the recording side's entry point (a user may call it without
+    # start_debug_server): it reads the settings once and hands them to the communicator.
+    settings = Settings.from_env()
+    backed = _c10d_backed(backend, settings)
     if backed:
         _load_symbolizer()
-    pg = _new_group(ranks, backend, td, name, local_sync=False, timing=backed and _timing_wanted(backend))
-    return Comm(pg, name, backend, dev, ranks, td, bool(abort_process_on_timeout_or_error), c10d_backed=backed)
+    pg = _new_group(ranks, backend, td, name, local_sync=False,
+                    timing=backed and _timing_wanted(backend, settings))
+    return Comm(pg, name, backend, dev, ranks, td, bool(abort_process_on_timeout_or_error),
+                c10d_backed=backed, settings=settings)
 

@@ -95,9 +95,8 @@ def _c10d_dump_fn(backend: str) -> Callable[..., Any] | None:
     return getattr(c10d, name, None) if name else None
 
 
-def _c10d_backed(backend: str) -> bool:
+def _c10d_backed(backend: str, settings: Settings) -> bool:
     """Whether a new communicator on ``backend`` lets c10d's recorder record its ops."""
-    settings = Settings.from_env()
     mode = settings.recorder
     if mode == "python" or not _c10d_fr_on(settings) or _c10d_dump_fn(backend) is None:
         return False
@@ -132,17 +131,17 @@ MARK_GAP_US = 500
 """``1``: the pause (microseconds since the previous collective) after which a collective is marked."""
 
 
-def _mark_gap_ns() -> int | None:
+def _mark_gap_ns(settings: Settings) -> int | None:
     """The pause in nanoseconds after which a collective is marked (``MARKS_ENV``; 0: every
     collective), or None for no marks."""
-    v = Settings.from_env().start_marks
+    v = settings.start_marks
     if v == "0":
         return None
     return 0 if v == "all" else MARK_GAP_US * 1000
 
 
-def _timing_wanted(backend: str) -> bool:
-    return backend == "nccl" and Settings.from_env().nccl_timing
+def _timing_wanted(backend: str, settings: Settings) -> bool:
+    return backend == "nccl" and settings.nccl_timing
 
 
 def _load_symbolizer() -> None:

@@ -24,7 +24,6 @@ from typing import Any
 
 import torch
 
-from debug_server.config import Settings
 from debug_server.dumpio import FR_VERSION, write_dump_atomic
 from debug_server.recording import c10d_fr, stall
 from debug_server.recording.comms import Comm
@@ -87,6 +86,9 @@ class FlightRecorderHook:
         self._handles: list[HookHandle] = []
         self._lock = threading.Lock()
         self._registered = False
+        # The user's ``$TORCHCOMM_FR_DUMP_TEMP_FILE`` as ``new_comm`` read it (its communicator's
+        # settings): where pickles go without a server's ``set_dump_prefix``.
+        self._user_prefix: str | None = None
 
     # -- registration -------------------------------------------------------------------------
     def register_with_comm(self, comm: Comm) -> FlightRecorderHook:
@@ -99,6 +101,7 @@ class FlightRecorderHook:
                     comm.get_name(),
                 )
             self._comms[comm.get_name()] = comm
+            self._user_prefix = self._user_prefix or comm.settings.dump_prefix
             if not comm.c10d_backed:
                 # A c10d-backed communicator's ops are in c10d's own recorder (read at dump
                 # time): no pre-hook, so its op path stays free of records and stacks.
@@ -233,7 +236,7 @@ class FlightRecorderHook:
 
         The default prefix is ``~/.cache/torch/comm_lib_trace_rank_``. Returns the path.
         """
-        return write_dump_atomic(dump_path(rank), self.dump_json())
+        return write_dump_atomic(dump_path(rank, self._user_prefix), self.dump_json())
 
     def stall_dump(self, rec: OpRecord | InFlight, age_s: float) -> list[str]:
         """Evidence for a stalled op, written at once so it survives a later kill.
@@ -275,24 +278,26 @@ class FlightRecorderHook:
 
 
 # Where pickles go: ``start_debug_server`` hands its choice over as a value (``set_dump_prefix``);
-# without a server, the user's ``$TORCHCOMM_FR_DUMP_TEMP_FILE``, else torch's default.
+# without a server, the user's ``$TORCHCOMM_FR_DUMP_TEMP_FILE`` as ``new_comm`` read it (handed
+# to the hooks with the communicator), else torch's default. Nothing here reads the environment.
 _dump_prefix: str | None = None
 
 
 def set_dump_prefix(prefix: str | None) -> None:
-    """Set where this process's pickles go (``<prefix><rank>``); None: the environment's or
-    torch's default (see ``config.Settings.dump_prefix``)."""
+    """Set where this process's pickles go (``<prefix><rank>``); None: the user's (as
+    ``new_comm`` read it) or torch's default (see ``config.Settings.dump_prefix``)."""
     global _dump_prefix
     _dump_prefix = prefix
 
 
-def dump_path(rank: int | None) -> str:
-    """Where this process's pickle for ``rank`` goes (``set_dump_prefix``, else the user's
-    ``$TORCHCOMM_FR_DUMP_TEMP_FILE``, else torch's default); ``rank`` None: this process's."""
+def dump_path(rank: int | None, user_prefix: str | None = None) -> str:
+    """Where this process's pickle for ``rank`` goes (``set_dump_prefix``, else ``user_prefix``,
+    the user's ``$TORCHCOMM_FR_DUMP_TEMP_FILE``, else torch's default); ``rank`` None: this
+    process's."""
     if rank is None:
         dist = torch.distributed
         rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-    prefix = _dump_prefix or Settings.from_env().dump_prefix or DEFAULT_DUMP_PREFIX
+    prefix = _dump_prefix or user_prefix or DEFAULT_DUMP_PREFIX
     return os.path.expanduser(prefix) + str(rank)
 
 
@@ -467,7 +472,8 @@ def lazy_snapshot(include_completed: bool = True, only_active: bool = False,
 def dump_file(rank: int | None = None) -> str:
     """Write this process's dump (``snapshot``, c10d's entries with their stacks) to
     ``<prefix><rank>`` (``set_dump_prefix``) atomically; returns the path."""
-    return write_dump_atomic(dump_path(rank), snapshot(stacks=True))
+    user = next((h._user_prefix for h in registered_hooks() if h._user_prefix), None)
+    return write_dump_atomic(dump_path(rank, user), snapshot(stacks=True))
 
 
 def health(stall_timeout: float | None = None) -> dict[str, Any]:
