@@ -56,6 +56,7 @@ from debug_server.frontend import (
     stragglers,
 )
 from debug_server.frontend.dumps import Dumper, analyze_fr, fr_trace_text, stacks_report
+from debug_server.frontend.fetchfacts import FetchFacts
 from debug_server.frontend.hangreport import HangWatch, parse_health
 from debug_server.frontend.metrics import metrics_response
 from debug_server.frontend.pagekit import (  # noqa: F401 (re-exported: app.load_templates, ...)
@@ -133,10 +134,11 @@ async def _fr_page(request: web.Request) -> web.Response:
     if fmt == "json":
         return _respond(fmt, {**result, "ranks": _rank_rows(fr.results, stacks),
                               "fr_window": fr.window})
+    fetch = FetchFacts.of(fr)  # what the pages show of the fetch itself
     if fmt == "text":
-        return _respond(fmt, await _off_loop(fr_trace_text, result, fr))
+        return _respond(fmt, await _off_loop(fr_trace_text, result, fetch))
     html = await _off_loop(lambda: render.render_fr_html(
-        request.app[TEMPLATES], result, fr, full=q.get("full", False), page=q.get("page", 1),
+        request.app[TEMPLATES], result, fetch, full=q.get("full", False), page=q.get("page", 1),
         whole=whole))
     return _respond(fmt, html)
 

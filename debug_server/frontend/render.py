@@ -2,7 +2,9 @@
 
 Renderers format, they do not analyse (docs/architecture.md): everything here is read off the result of
 :func:`debug_server.analysis.core.analyze` (verdict, banner order, per-communicator progress,
-ranks behind) and the fan-out records (``RankResult``: reachability, stack text). The
+ranks behind, the tables' models: ``analysis.tables``), the few facts of an FR fetch a page
+shows (``fetchfacts.FetchFacts``), and the stacks fan-out's records (``RankResult``:
+reachability, stack text). The
 templates turn these plain dicts into HTML; :func:`html_table` is the one place HTML is marked
 safe (every header and cell is escaped there).
 
@@ -24,8 +26,8 @@ from markupsafe import Markup, escape
 from debug_server.analysis import stackparse, tables
 from debug_server.analysis.ranks import format_rank_set
 from debug_server.analysis.verdict import CATEGORY_MEANING
-from debug_server.fanout.reply import FrData
 from debug_server.fanout.transport import GONE, RankResult
+from debug_server.frontend.fetchfacts import FetchFacts
 from debug_server.frontend.lanes import lanes_view
 from debug_server.rank import procstate
 from debug_server.rank.discovery import NOT_REGISTERED
@@ -325,21 +327,22 @@ def _findings(result: Mapping[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
-def render_fr_html(env: jinja2.Environment, result: Mapping[str, Any], fr: FrData,
+def render_fr_html(env: jinja2.Environment, result: Mapping[str, Any], fetch: FetchFacts,
                    *, full: bool, page: int, whole: bool) -> str:
+    """The Flight Recorder page: the analysis result, and of the fetch only ``fetch``."""
     coll, calls = fr_tables(result, full=full, page=page)
     failing = sum(1 for c in result.get("collectives", []) if not c.get("pass_check"))
     return env.get_template("fr_trace.html").render(
         title="Flight Recorder",
-        banner=banner(result, len(fr.results)),
+        banner=banner(result, fetch.asked),
         findings=_findings(result),
-        failures=[r.line() for r in fr.results if not r.ok or r.status == GONE],
-        ranks_answered=len(fr.dumps), world_size=len(fr.results),
+        failures=list(fetch.failures),
+        ranks_answered=fetch.answered, world_size=fetch.asked,
         groups=_html(tables.groups_table(result)),
         collectives=coll.html, collectives_note=coll.note,
         n_collectives=len(result.get("collectives", [])), n_failing=failing,
         calls=calls.html, calls_note=calls.note,
-        full=full, page=page, whole=whole, window=fr.window, scope=fr.scope,
+        full=full, page=page, whole=whole, window=fetch.window, scope=fetch.scope,
         lanes=lanes_view(result),
         downloads=nav_links(), stamp=_stamp(),
     )
