@@ -130,7 +130,9 @@ async def _fr_page(request: web.Request) -> web.Response:
     fr, stacks = await (asyncio.gather(collector.fr(whole=True, addrs=addrs),
                                        collector.stacks(addrs)) if whole
                         else collector.fr_stacks(addrs))
-    result = await _off_loop(analyze_fr, fr, stacks, collector.world_size)
+    # Whole rings are new objects every time: the collector's memo is for its windows.
+    result = await _off_loop(analyze_fr, fr, stacks, collector.world_size,
+                             None if whole else collector.digest_memo)
     if fmt == "json":
         return _respond(fmt, {**result, "ranks": _rank_rows(fr.results, stacks),
                               "fr_window": fr.window})
@@ -257,7 +259,8 @@ async def index(request: web.Request) -> web.Response:
     else:
         fr, stack_res = await collector.fr_stacks(addrs)
         health, texts = stack_res, held.texts(stack_res)
-    result = await _off_loop(analyze_fr, fr, stack_res, collector.world_size)
+    result = await _off_loop(analyze_fr, fr, stack_res, collector.world_size,
+                             collector.digest_memo)
     if fmt == "html":  # the ranks table (render.overview_model) has its own rows
         model = render.overview_model(result, stack_res, texts, collector.world_size,
                                      held.note() if held else "")

@@ -34,6 +34,7 @@ from typing import Any, TypeVar
 
 from debug_server.analysis import core as analysis
 from debug_server.analysis import report
+from debug_server.analysis.digest import DigestMemo
 from debug_server.analysis.ranks import format_rank_set, format_ranks
 from debug_server.analysis.stackgroups import stack_groups
 from debug_server.config import ALL_DUMPS
@@ -164,14 +165,16 @@ def snapshot_json(fr: FrData) -> str:
                              r.line()) for r in fr.results])
 
 
-def analyze_fr(fr: FrData, stacks: Sequence[RankResult] | None, world_size: int) -> dict[str, Any]:
-    """The analyzer over one fan-out's records (what pages and dumps both show)."""
+def analyze_fr(fr: FrData, stacks: Sequence[RankResult] | None, world_size: int,
+               memo: DigestMemo | None = None) -> dict[str, Any]:
+    """The analyzer over one fan-out's records (what pages and dumps both show); ``memo``: the
+    collector's own digests of its last analysis (``Collector.digest_memo``)."""
     stack_texts = {r.rank: r.body for r in stacks or () if r.ok and r.body is not None}
     # Each rank's process as read on its host (fanout.outside): a silent rank's state is
     # evidence (analysis.silent), and the result's ranks[].process shows it.
     processes = {r.rank: r.process for r in stacks or () if r.process is not None}
     return analysis.analyze(fr.dumps, world_size=world_size, stacks=stack_texts or None,
-                            unavailable=fr.unavailable(), digest_memo=fr.digest_memo,
+                            unavailable=fr.unavailable(), digest_memo=memo,
                             processes=processes or None)
 
 
@@ -385,5 +388,5 @@ class Dumper:
 
     def _fr_text(self, fr: FrData, stacks: list[RankResult] | None,
                  dumped: list[RankResult] | None) -> str:
-        result = analyze_fr(fr, stacks, self.collector.world_size)
+        result = analyze_fr(fr, stacks, self.collector.world_size, self.collector.digest_memo)
         return fr_trace_text(result, FetchFacts.of(fr), dumped)

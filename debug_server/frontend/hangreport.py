@@ -303,7 +303,8 @@ class HangWatch:
                      else asyncio.sleep(0))
         (fr, stacks), dumped = await asyncio.gather(c.fr_stacks(addrs), dump_task)
         loop = asyncio.get_running_loop()
-        result = await loop.run_in_executor(None, analyze_fr, fr, stacks, c.world_size)
+        result = await loop.run_in_executor(None, analyze_fr, fr, stacks, c.world_size,
+                                            c.digest_memo)
         stack_texts = {r.rank: r.body for r in stacks if r.ok and r.body is not None}
         # The dump dir's own thread does every file operation: a slow disk never stalls pages.
         stamp = await self.dir.run(self.dir.new_stamp, now) if self.dir else report_stamp(now)
