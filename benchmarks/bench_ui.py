@@ -33,6 +33,7 @@ from debug_server.fanout.reply import FrData  # noqa: E402
 from debug_server.fanout.transport import RankResult  # noqa: E402
 from debug_server.frontend.app import load_templates  # noqa: E402
 from debug_server.frontend.dumps import analyze_fr  # noqa: E402
+from debug_server.frontend.fetchfacts import FetchFacts  # noqa: E402
 from debug_server.frontend.render import overview_model, render_fr_html  # noqa: E402
 from debug_server.tools import synthetic  # noqa: E402
 
@@ -63,7 +64,7 @@ def in_process(world: int, reps: int) -> dict[str, Any]:
         times.append(time.perf_counter() - t0)
         t0 = time.perf_counter()
         result = analyze_fr(fr, recs, world)
-        fr_html = render_fr_html(env, result, fr, full=False, page=1, whole=False)
+        fr_html = render_fr_html(env, result, FetchFacts.of(fr), full=False, page=1, whole=False)
         fr_times.append(time.perf_counter() - t0)
     return {"s": statistics.median(times), "bytes": len(html.encode()),
             "fr_s": statistics.median(fr_times), "fr_bytes": len(fr_html.encode())}

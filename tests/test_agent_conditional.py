@@ -144,11 +144,12 @@ async def test_an_unchanged_reply_for_dumps_no_longer_held_is_asked_again_plainl
 async def test_analysis_of_unchanged_hosts_reuses_each_digest_and_finds_the_same(
         agent_fleet: dict[str, Any]) -> None:
     through = agent_fleet["through"]
-    analyze_fr(await through.fr(), None, WORLD)
-    assert through.route.digest_memo.hits == 0
+    memo = through.digest_memo
+    analyze_fr(await through.fr(), None, WORLD, memo)
+    assert memo.hits == 0
     second = await through.fr()
-    reused = analyze_fr(second, None, WORLD)
-    assert through.route.digest_memo.hits == WORLD
+    reused = analyze_fr(second, None, WORLD, memo)
+    assert memo.hits == WORLD
     fresh = analyze(second.dumps, world_size=WORLD, unavailable=second.unavailable())
     assert reused == fresh and f"Rank {MISSING} never joined" in reused["verdict"]
 

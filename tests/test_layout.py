@@ -149,6 +149,21 @@ def test_imports_form_no_cycle_function_level_imports_included() -> None:
     assert cycles == [], "import cycles:\n" + "\n".join(cycles)
 
 
+RENDERERS = ("debug_server.frontend.render", "debug_server.frontend.lanes",
+             "debug_server.analysis.report", "debug_server.analysis.tables")
+
+
+def test_renderers_read_the_analysis_result_never_the_fetch_or_the_text_report() -> None:
+    # One reply's trip (docs/architecture.md): renderers get the result, its table models
+    # (analysis.tables) and FetchFacts, never FrData (the stacks pages' records, RankResult,
+    # are what those pages show); the HTML never asks report.py for tables.
+    mods = _modules()
+    bad = [f"{m} -> {d}" for m in RENDERERS for d in sorted(_imports(mods[m], runtime_only=False))
+           if d == "debug_server.fanout.reply"
+           or (m != "debug_server.analysis.report" and d == "debug_server.analysis.report")]
+    assert bad == [], "renderers reading the fetch or the text report:\n" + "\n".join(bad)
+
+
 @pytest.mark.job
 def test_the_frontend_process_never_loads_the_recording_side() -> None:
     code = ("import sys\nimport debug_server.frontend.app\n"

@@ -6,8 +6,9 @@ import re
 
 import _scenarios as S
 
-from debug_server.analysis import report
+from debug_server.analysis import report, tables
 from debug_server.analysis.core import analyze
+from debug_server.analysis.ranks import format_rank_set
 from debug_server.tools.synthetic import hang_job
 
 
@@ -32,7 +33,8 @@ def test_missing_rank_row_has_seq_name_and_missing_set_on_one_line():
 
 
 def test_collectives_table_column_order():
-    headers, rows = report.collectives_table(analyze(S.missing_rank()))
+    table = tables.collectives_table(analyze(S.missing_rank()))
+    headers, rows = table.headers, table.rows
     assert headers[:10] == ["id", "group_id", "pass_check", "collective_seq_id", "p2p_seq_id",
                             "collective_name", "collective_state", "missing_ranks", "expected_ranks",
                             "input_sizes"]  # fmt: skip
@@ -40,8 +42,17 @@ def test_collectives_table_column_order():
     assert rows[0][7] == ""  # empty missing set renders blank
 
 
+def test_collectives_table_marks_the_failing_row_and_keeps_its_missing_ranks_for_links():
+    table = tables.collectives_table(analyze(S.missing_rank()))
+    assert table.marks[-1] == "fail" and set(table.marks[:-1]) == {""}
+    assert table.rank_column == 7 and table.rank_sets[-1] == [1] and table.rank_sets[0] == []
+    assert table.total == len(table.rows) == 5
+
+
 def test_nccl_calls_table_columns():
-    headers, rows = report.nccl_calls_table(analyze(S.missing_rank()))
+    table = tables.nccl_calls_table(analyze(S.missing_rank()))
+    headers, rows = table.headers, table.rows
+    assert table.marks[-1] == "fail"
     assert headers == ["id", "collective_id", "group_id", "global_rank", "collective_type", "state"]
     assert rows[-1] == [8, 4, "main_comm", 0, "nccl:all_reduce", "started"]
 
@@ -52,7 +63,7 @@ def test_clean_findings_say_none():
 
 
 def test_findings_lines_are_one_per_finding():
-    lines = report.findings_lines(analyze(S.two_subcomms()))
+    lines = tables.findings_lines(analyze(S.two_subcomms()))
     assert len(lines) == 1
     assert lines[0].startswith("[missing_ranks] sub_b #2 all_reduce ranks {3}: ")
 
@@ -65,9 +76,9 @@ def test_ranks_without_data_section():
 
 
 def test_large_rank_sets_collapse_to_ranges():
-    assert report.format_rank_set(range(64)) == "{0-63}"
-    assert report.format_rank_set([0, 1, 5]) == "{0, 1, 5}"
-    assert report.format_rank_set([]) == ""
+    assert format_rank_set(range(64)) == "{0-63}"
+    assert format_rank_set([0, 1, 5]) == "{0, 1, 5}"
+    assert format_rank_set([]) == ""
 
 
 def test_text_stays_bounded_at_scale():

@@ -317,6 +317,7 @@ class _StubCollector:
     """Health answers scripted per poll; FR and stacks empty (no HTTP at all)."""
 
     world_size = 2
+    digest_memo = None
 
     def __init__(self, statuses: list[list[str]]) -> None:
         self.statuses = statuses

@@ -13,6 +13,7 @@ Nothing here touches torch, HTTP or the disk beyond what a caller hands in.
 * ``stackgroups``: ranks grouped by main-thread position; ``ranks``: ``format_ranks``.
 * ``stackparse``: faulthandler-style stack text to "where is this rank".
 * ``frwindow``, ``members``: which FR entries the live analysis needs; member lists sent once.
-* ``report``: the plain-text renderer of an analysis result.
+* ``tables``: the report's tables (Collectives, NCCL Calls, Groups) and finding lines as models,
+  drawn by the text report and the HTML page alike; ``report``: the plain-text renderer.
 * ``outliers``, ``wait_counters``, ``profile_merge``: per-rank numbers compared across ranks.
 """

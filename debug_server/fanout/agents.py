@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 
 import aiohttp
 
-from debug_server.analysis.digest import SNAPSHOT_TIME_KEY, DigestMemo
+from debug_server.analysis.digest import SNAPSHOT_TIME_KEY
 from debug_server.fanout.agentreply import (
     AgentAddr,
     keep_stacks,
@@ -165,8 +165,6 @@ class AgentRoute:
         """``agent_fr`` replies that said "unchanged since your tag" (``_agent_fr``)."""
         self._held: dict[tuple[str, str], tuple[Any, str, dict[int, dict[str, Any]]]] = {}
         """(agent id, kind of ask) -> (question, tag, dumps) of its last full ``agent_fr`` reply."""
-        self.digest_memo = DigestMemo()
-        """Held dumps come back as the same objects: their digests are used again (``fr``)."""
         self._last_cut: tuple[Any, dict[str, int], dict[int, dict[str, Any]]] | None = None
         """(every agent's id, ranks and reply tag; the job's window; the dumps cut to it) of the
         last ``fr`` whose ranks all came through agents in one round."""
@@ -378,8 +376,7 @@ class AgentRoute:
             # Not after a round 2: its replies are not covered by the first round's tags.
             self._last_cut = (key, since, dumps) if key is not None and not again else None
         self.c.states.update(results)
-        return FrData(sorted(results, key=lambda r: r.rank), dumps, since,
-                      digest_memo=self.digest_memo)
+        return FrData(sorted(results, key=lambda r: r.rank), dumps, since)
 
     async def _again(self, since: dict[str, int], again: list[int], via: Mapping[int, AgentAddr],
                      addrs: Sequence[WorkerAddr], results: list[RankResult],

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
+from debug_server.analysis.digest import DigestMemo
 from debug_server.fanout.reply import FrData
 from debug_server.fanout.transport import RankResult, RankStates, Registry
 from debug_server.protocol.names import C10D_FR_HANDLER, FR_HANDLER, STACKS_HANDLER
@@ -33,6 +34,10 @@ class Collector(Protocol):
 
     registry: Registry
     states: RankStates
+    digest_memo: DigestMemo | None
+    """The collector's own digests of its last analysis (``analysis.digest.DigestMemo``), which
+    the analysis call site passes to ``analyze`` with this collector's FR windows: a dump it
+    hands back as the very same objects is not digested again. None where it never does."""
 
     @property
     def world_size(self) -> int: ...

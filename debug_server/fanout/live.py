@@ -17,6 +17,7 @@ from collections.abc import Mapping, Sequence
 
 import aiohttp
 
+from debug_server.analysis.digest import DigestMemo
 from debug_server.fanout.absent import KnownAbsent
 from debug_server.fanout.collector import Route
 from debug_server.fanout.leanhttp import LeanClient
@@ -55,6 +56,11 @@ class LiveCollector:
         self.timeout = timeout
         self.route = route
         """Through one agent per host (``agents.AgentRoute``); None: every rank directly."""
+        self.digest_memo = DigestMemo() if route is not None else None
+        """Digests of the last analysis of this collector's windows (``collector.Collector``).
+        Only a route hands back the same dump objects (an agent's "unchanged" reply: its held
+        dumps); without one every fetch parses new objects, and a memo would only keep the last
+        dumps alive."""
         # Shared by pages and the background polls; a page's requests get freed slots first.
         self.semaphore = PageFirstSemaphore(max_concurrency)
         self.states = RankStates()

@@ -25,7 +25,6 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from debug_server.analysis.digest import DigestMemo
 from debug_server.errors import first_line
 from debug_server.fanout import c10d_workers, fastjson
 from debug_server.fanout.transport import FAILED, RankResult
@@ -48,9 +47,6 @@ class FrData:
     scope: str | None = None
     """What the data is, where it is not a live fetch (the post-mortem viewer: "as the dumper
     wrote it"); the page shows it instead of the fetch window."""
-    digest_memo: DigestMemo | None = None
-    """The collector's digests of its last analysis (``analysis.digest.DigestMemo``), where its
-    dumps may be the same objects again (``fanout.agents``)."""
 
     def unavailable(self) -> dict[int, str]:
         return {r.rank: r.line() for r in self.results if r.rank not in self.dumps}

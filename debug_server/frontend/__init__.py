@@ -7,7 +7,9 @@
 * ``dumps``, ``snapshot``: the periodic dumper and its bounded snapshot file.
 * ``hangreport``: the hang watch (a verdict on disk seconds after a rank stalls).
 * ``metrics``, ``export``, ``pages_extra``, ``store_keys``: the other pages.
-* ``views``: view-models of the HTML pages; they format an analysis result, never analyse.
+* ``render``, ``lanes``: view-models of the HTML pages; they format an analysis result (its
+  table models: ``analysis.tables``), never analyse; ``fetchfacts``: the few facts of an FR
+  fetch a page shows beside it, built where the fetch happens.
 * ``attach``: attaching to a running job from any machine that reaches its TCPStore.
 
 Imports ``analysis`` for every verdict and ``rank.discovery``/``rank.sigstack``/``rank.pyspy``

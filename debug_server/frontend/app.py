@@ -56,6 +56,7 @@ from debug_server.frontend import (
     stragglers,
 )
 from debug_server.frontend.dumps import Dumper, analyze_fr, fr_trace_text, stacks_report
+from debug_server.frontend.fetchfacts import FetchFacts
 from debug_server.frontend.hangreport import HangWatch, parse_health
 from debug_server.frontend.metrics import metrics_response
 from debug_server.frontend.pagekit import (  # noqa: F401 (re-exported: app.load_templates, ...)
@@ -130,14 +131,17 @@ async def _fr_page(request: web.Request) -> web.Response:
     fr, stacks = await (asyncio.gather(collector.fr(whole=True, addrs=addrs),
                                        collector.stacks(addrs)) if whole
                         else collector.fr_stacks(addrs))
-    result = await _off_loop(analyze_fr, fr, stacks, collector.world_size)
+    # Whole rings are new objects every time: the collector's memo is for its windows.
+    result = await _off_loop(analyze_fr, fr, stacks, collector.world_size,
+                             None if whole else collector.digest_memo)
     if fmt == "json":
         return _respond(fmt, {**result, "ranks": _rank_rows(fr.results, stacks),
                               "fr_window": fr.window})
+    fetch = FetchFacts.of(fr)  # what the pages show of the fetch itself
     if fmt == "text":
-        return _respond(fmt, await _off_loop(fr_trace_text, result, fr))
+        return _respond(fmt, await _off_loop(fr_trace_text, result, fetch))
     html = await _off_loop(lambda: render.render_fr_html(
-        request.app[TEMPLATES], result, fr, full=q.get("full", False), page=q.get("page", 1),
+        request.app[TEMPLATES], result, fetch, full=q.get("full", False), page=q.get("page", 1),
         whole=whole))
     return _respond(fmt, html)
 
@@ -256,7 +260,8 @@ async def index(request: web.Request) -> web.Response:
     else:
         fr, stack_res = await collector.fr_stacks(addrs)
         health, texts = stack_res, held.texts(stack_res)
-    result = await _off_loop(analyze_fr, fr, stack_res, collector.world_size)
+    result = await _off_loop(analyze_fr, fr, stack_res, collector.world_size,
+                             collector.digest_memo)
     if fmt == "html":  # the ranks table (render.overview_model) has its own rows
         model = render.overview_model(result, stack_res, texts, collector.world_size,
                                      held.note() if held else "")

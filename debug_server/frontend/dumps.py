@@ -34,14 +34,16 @@ from typing import Any, TypeVar
 
 from debug_server.analysis import core as analysis
 from debug_server.analysis import report
-from debug_server.analysis.ranks import format_ranks
+from debug_server.analysis.digest import DigestMemo
+from debug_server.analysis.ranks import format_rank_set, format_ranks
 from debug_server.analysis.stackgroups import stack_groups
 from debug_server.config import ALL_DUMPS
 from debug_server.dumpio import write_atomic
 from debug_server.fanout.collector import Collector
 from debug_server.fanout.reply import FrData
-from debug_server.fanout.transport import GONE, RankResult
+from debug_server.fanout.transport import RankResult
 from debug_server.frontend import snapshot
+from debug_server.frontend.fetchfacts import FetchFacts
 from debug_server.protocol.names import DUMP_FILE_HANDLER
 from debug_server.rank import procstate
 
@@ -64,13 +66,12 @@ _CYCLE_FILE = re.compile(
 # Renderers shared with the frontend's text pages
 
 
-def status_block(results: Sequence[RankResult]) -> str:
+def status_block(fetch: FetchFacts) -> str:
     """``PARTIAL DATA: 6/8 ranks answered`` and one line per failed rank; empty when all did."""
-    failed = [r for r in results if not r.ok or r.status == GONE]  # gone: its kept data, aged
-    if not failed:
+    if not fetch.failures:
         return ""
-    lines = [f"PARTIAL DATA: {len(results) - len(failed)}/{len(results)} ranks answered"]
-    lines += [f"  {r.line()}" for r in failed]
+    lines = [f"PARTIAL DATA: {fetch.asked - len(fetch.failures)}/{fetch.asked} ranks answered"]
+    lines += [f"  {line}" for line in fetch.failures]
     return "\n".join(lines)
 
 
@@ -132,18 +133,18 @@ def dump_file_lines(results: Sequence[RankResult]) -> list[str]:
     if elsewhere:
         where = here_dirs[0] if here_dirs else "<dir>"
         lines.append(
-            f"Rank{'s' if len(elsewhere) > 1 else ''} {report.format_rank_set(elsewhere)} wrote "
+            f"Rank{'s' if len(elsewhere) > 1 else ''} {format_rank_set(elsewhere)} wrote "
             f"{'their pickles' if len(elsewhere) > 1 else 'its pickle'} on other hosts: copy them "
             f"next to the others, or analyze the ones here: python -m debug_server.fr_trace {where} "
             f"-p rank_ --allow-incomplete-ranks")
     return lines
 
 
-def fr_trace_text(result: Mapping[str, Any], fr: FrData,
+def fr_trace_text(result: Mapping[str, Any], fetch: FetchFacts,
                   dump_results: Sequence[RankResult] | None = None) -> str:
     """The fr_trace page as text (and, with ``dump_results``, the dump file)."""
     parts = []
-    block = status_block(fr.results)
+    block = status_block(fetch)
     if block:
         parts += [block, ""]
     parts.append(report.fr_trace_text(dict(result)).rstrip("\n"))
@@ -164,14 +165,16 @@ def snapshot_json(fr: FrData) -> str:
                              r.line()) for r in fr.results])
 
 
-def analyze_fr(fr: FrData, stacks: Sequence[RankResult] | None, world_size: int) -> dict[str, Any]:
-    """The analyzer over one fan-out's records (what pages and dumps both show)."""
+def analyze_fr(fr: FrData, stacks: Sequence[RankResult] | None, world_size: int,
+               memo: DigestMemo | None = None) -> dict[str, Any]:
+    """The analyzer over one fan-out's records (what pages and dumps both show); ``memo``: the
+    collector's own digests of its last analysis (``Collector.digest_memo``)."""
     stack_texts = {r.rank: r.body for r in stacks or () if r.ok and r.body is not None}
     # Each rank's process as read on its host (fanout.outside): a silent rank's state is
     # evidence (analysis.silent), and the result's ranks[].process shows it.
     processes = {r.rank: r.process for r in stacks or () if r.process is not None}
     return analysis.analyze(fr.dumps, world_size=world_size, stacks=stack_texts or None,
-                            unavailable=fr.unavailable(), digest_memo=fr.digest_memo,
+                            unavailable=fr.unavailable(), digest_memo=memo,
                             processes=processes or None)
 
 
@@ -385,5 +388,5 @@ class Dumper:
 
     def _fr_text(self, fr: FrData, stacks: list[RankResult] | None,
                  dumped: list[RankResult] | None) -> str:
-        result = analyze_fr(fr, stacks, self.collector.world_size)
-        return fr_trace_text(result, fr, dumped)
+        result = analyze_fr(fr, stacks, self.collector.world_size, self.collector.digest_memo)
+        return fr_trace_text(result, FetchFacts.of(fr), dumped)

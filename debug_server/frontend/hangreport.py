@@ -27,7 +27,6 @@ from debug_server.analysis import stackparse
 from debug_server.analysis.verdict import category_line
 from debug_server.fanout.collector import Collector
 from debug_server.fanout.pagefirst import poll_forever
-from debug_server.fanout.reply import FrData
 from debug_server.fanout.transport import TIMED_OUT, RankResult
 from debug_server.frontend.dumps import (
     DUMP_FILE_HANDLER,
@@ -38,6 +37,7 @@ from debug_server.frontend.dumps import (
     dump_file_lines,
     fr_trace_text,
 )
+from debug_server.frontend.fetchfacts import FetchFacts
 from debug_server.protocol.names import HEALTH_HANDLER
 from debug_server.rank import procstate
 
@@ -198,7 +198,7 @@ def culprits_of(result: Mapping[str, Any], stacks: Mapping[int, str]) -> list[di
     return rows
 
 
-def render_text(rep: HangReport, fr: FrData, stacks: Mapping[int, str],
+def render_text(rep: HangReport, fetch: FetchFacts, stacks: Mapping[int, str],
                 dumped: Sequence[RankResult] | None) -> str:
     """The ``.txt`` report: trigger, verdict, culprits with their stacks, then the FR tables."""
     lines = [f"=== Hang report {rep.stamp} ===",
@@ -228,7 +228,7 @@ def render_text(rep: HangReport, fr: FrData, stacks: Mapping[int, str],
         if procs.get(rank):
             lines.append(f"Process: {procstate.describe(procs[rank])}")
         lines.append((stacks.get(rank) or "(unavailable)").rstrip("\n"))
-    lines += ["", "=== Flight recorder ===", fr_trace_text(rep.result, fr, dumped).rstrip("\n")]
+    lines += ["", "=== Flight recorder ===", fr_trace_text(rep.result, fetch, dumped).rstrip("\n")]
     return "\n".join(lines) + "\n"
 
 
@@ -303,28 +303,30 @@ class HangWatch:
                      else asyncio.sleep(0))
         (fr, stacks), dumped = await asyncio.gather(c.fr_stacks(addrs), dump_task)
         loop = asyncio.get_running_loop()
-        result = await loop.run_in_executor(None, analyze_fr, fr, stacks, c.world_size)
+        result = await loop.run_in_executor(None, analyze_fr, fr, stacks, c.world_size,
+                                            c.digest_memo)
         stack_texts = {r.rank: r.body for r in stacks if r.ok and r.body is not None}
         # The dump dir's own thread does every file operation: a slow disk never stalls pages.
         stamp = await self.dir.run(self.dir.new_stamp, now) if self.dir else report_stamp(now)
         rep = HangReport(stamp, now, trigger, health, result, culprits_of(result, stack_texts))
         if self.before_hang is not None:
             rep.slow_before = self.before_hang({c["rank"] for c in rep.culprits})
-        rep.text = await loop.run_in_executor(None, render_text, rep, fr, stack_texts, dumped)
+        fetch = FetchFacts.of(fr)
+        rep.text = await loop.run_in_executor(None, render_text, rep, fetch, stack_texts, dumped)
         logger.error("debug_server: hang verdict: %s", result.get("verdict", ""))
         if self.dir is None:
             self.reports.append(stamp)
             return rep
-        path = await self.dir.run(self._write_files, self.dir, rep, fr, dumped)
+        path = await self.dir.run(self._write_files, self.dir, rep, fetch, dumped)
         self.reports.append(path)
         logger.error("debug_server: hang report written to %s", path)
         return rep
 
     @staticmethod
-    def _write_files(d: DumpDir, rep: HangReport, fr: FrData,
+    def _write_files(d: DumpDir, rep: HangReport, fetch: FetchFacts,
                      dumped: list[RankResult] | None) -> str:
         d.create()
-        body = json.dumps({**rep.to_json(), "fr_window": fr.window,
+        body = json.dumps({**rep.to_json(), "fr_window": fetch.window,
                            "dump_files": dump_file_lines(dumped or [])},
                           default=str, indent=1)
         # JSON first: a reader that waits for the .txt then finds both.

@@ -72,7 +72,7 @@ async def scrape(collector: Collector, hang_reports: int = 0,
     health_res, fr = await asyncio.gather(collector.fetch(HEALTH_HANDLER, None, addrs),
                                           collector.fr(addrs=addrs))
     result = await asyncio.get_running_loop().run_in_executor(
-        None, analyze_fr, fr, None, collector.world_size)
+        None, analyze_fr, fr, None, collector.world_size, collector.digest_memo)
     return Scrape(collector.world_size, parse_health(health_res), fr, result, hang_reports,
                   time.monotonic() - started, slow)
 

@@ -2,7 +2,9 @@
 
 Renderers format, they do not analyse (docs/architecture.md): everything here is read off the result of
 :func:`debug_server.analysis.core.analyze` (verdict, banner order, per-communicator progress,
-ranks behind) and the fan-out records (``RankResult``: reachability, stack text). The
+ranks behind, the tables' models: ``analysis.tables``), the few facts of an FR fetch a page
+shows (``fetchfacts.FetchFacts``), and the stacks fan-out's records (``RankResult``:
+reachability, stack text). The
 templates turn these plain dicts into HTML; :func:`html_table` is the one place HTML is marked
 safe (every header and cell is escaped there).
 
@@ -14,17 +16,18 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import jinja2
 from markupsafe import Markup, escape
 
-from debug_server.analysis import report, stackparse
+from debug_server.analysis import stackparse, tables
+from debug_server.analysis.ranks import format_rank_set
 from debug_server.analysis.verdict import CATEGORY_MEANING
-from debug_server.fanout.reply import FrData
 from debug_server.fanout.transport import GONE, RankResult
+from debug_server.frontend.fetchfacts import FetchFacts
 from debug_server.frontend.lanes import lanes_view
 from debug_server.rank import procstate
 from debug_server.rank.discovery import NOT_REGISTERED
@@ -90,7 +93,7 @@ def rank_links(ranks: Sequence[int]) -> list[Link] | Link | str:
         return ""
     if len(rs) <= LINKED_RANKS:
         return [Link(str(r), f"/stacks#rank-{r}") for r in rs]
-    return Link(report.format_rank_set(rs), "/stacks")
+    return Link(format_rank_set(rs), "/stacks")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -118,7 +121,7 @@ def _where(ranks: Sequence[int], pos: Mapping[int, Mapping[str, Any]]) -> str:
             by.setdefault((g["summary"], bool(g.get("in_collective"))), []).append(r)
     parts = []
     for (summary, in_coll), rs in list(by.items())[:3]:
-        who = f"rank {rs[0]}" if len(rs) == 1 else f"ranks {report.format_rank_set(rs)}"
+        who = f"rank {rs[0]}" if len(rs) == 1 else f"ranks {format_rank_set(rs)}"
         parts.append(f"{who} at {summary}" + ("" if in_coll else " (not in a collective)"))
     return "; ".join(parts)
 
@@ -279,79 +282,44 @@ class Table:
     note: str
 
 
-_TableFn = Callable[[dict[str, Any]], tuple[list[str], list[list[Any]]]]
-
-
-def _decorate(key: str, headers: list[str], rows: list[list[Any]],
-              by_id: Mapping[int, Mapping[str, Any]]) -> tuple[list[list[Any]], list[str]]:
-    """Row classes for failing/mismatched collectives; missing ranks linked to their stacks."""
-    classes = []
-    if key != "collectives":
-        for row in rows:
-            c = by_id.get(row[1]) if len(row) > 1 else None
-            classes.append("fail" if c is not None and not c.get("pass_check") else "")
-        return rows, classes
-    mi = headers.index("missing_ranks")
-    out = []
-    for row in rows:
-        c = by_id.get(row[0], {})
-        if c.get("mismatch"):
-            classes.append("mismatch")
-        elif not c.get("pass_check", True):
-            classes.append("fail")
-        else:
-            classes.append("")
-        row = list(row)
-        if c.get("missing_ranks"):
-            row[mi] = rank_links(c["missing_ranks"])
-        out.append(row)
-    return out, classes
-
-
-def _paged_table(table: _TableFn, base: Mapping[str, Any], key: str, chunk: int,
-                 page: int) -> Table:
-    """Page ``page`` of ``base[key]``, every row shown.
-
-    The report's table helpers elide rows to stay bounded; fed at most ``chunk`` rows at a
-    time (their bound), they keep them all, so the rows still come from the one renderer.
-    """
-    items = list(base.get(key, []))
-    lo = (page - 1) * PAGE_ROWS
-    part = items[lo : lo + PAGE_ROWS]
-    headers: list[str] = []
-    rows: list[list[Any]] = []
-    for i in range(0, max(len(part), 1), chunk):
-        headers, got = table({**base, "collectives": [], key: part[i : i + chunk]})
-        rows += got
-    note = (f"rows {lo + 1}-{lo + len(part)} of {len(items)} (page {page})" if part
-            else f"page {page} is past the end ({len(items)} rows)")
-    by_id = {c["id"]: c for c in base.get("collectives", [])}
-    rows, classes = _decorate(key, headers, rows, by_id)
-    return Table(html_table(headers, rows, classes), note)
-
-
-def _bounded_table(table: _TableFn, result: Mapping[str, Any], key: str, what: str) -> Table:
-    headers, rows = table(dict(result))
-    total = len(result.get(key, []))
-    note = f"{len(rows)} of {total} {what} (failing ones first)" if len(rows) < total else ""
-    by_id = {c["id"]: c for c in result.get("collectives", [])}
-    rows, classes = _decorate(key, headers, rows, by_id)
-    return Table(html_table(headers, rows, classes), note)
+def _html(t: tables.TableModel) -> Markup:
+    """A table model as HTML: its marks as row classes, its rank sets linked to their stacks."""
+    rows = t.rows
+    if t.rank_column is not None:
+        col = t.rank_column
+        rows = [row if not ranks else [*row[:col], rank_links(ranks), *row[col + 1:]]
+                for row, ranks in zip(t.rows, t.rank_sets, strict=True)]
+    return html_table(t.headers, rows, t.marks)
 
 
 def fr_tables(result: Mapping[str, Any], *, full: bool, page: int) -> tuple[Table, Table]:
-    """The Collectives and NCCL Calls tables: bounded by default, every row page by page."""
-    if full:
-        return (_paged_table(report.collectives_table, result, "collectives",
-                             report.PASSING_ROWS_SHOWN, page),
-                _paged_table(report.nccl_calls_table, result, "nccl_calls",
-                             report.NCCL_ROWS_SHOWN, page))
-    return (_bounded_table(report.collectives_table, result, "collectives", "collectives"),
-            _bounded_table(report.nccl_calls_table, result, "nccl_calls", "calls"))
+    """The Collectives and NCCL Calls tables (``analysis.tables``): bounded by default, every
+    row page by page with ``full``."""
+    if not full:
+        coll = tables.collectives_table(result)
+        calls = tables.nccl_calls_table(result)
+        return (Table(_html(coll), _bounded_note(coll, "collectives")),
+                Table(_html(calls), _bounded_note(calls, "calls")))
+    lo = (page - 1) * PAGE_ROWS
+    part = list(result.get("collectives", []))[lo : lo + PAGE_ROWS]
+    coll = tables.collectives_table(result, part)
+    part_calls = list(result.get("nccl_calls", []))[lo : lo + PAGE_ROWS]
+    calls = tables.nccl_calls_table(result, part_calls)
+    return (Table(_html(coll), _page_note(coll, lo, page)),
+            Table(_html(calls), _page_note(calls, lo, page)))
+
+
+def _bounded_note(t: tables.TableModel, what: str) -> str:
+    return f"{len(t.rows)} of {t.total} {what} (failing ones first)" if len(t.rows) < t.total else ""
+
+
+def _page_note(t: tables.TableModel, lo: int, page: int) -> str:
+    return (f"rows {lo + 1}-{lo + len(t.rows)} of {t.total} (page {page})" if t.rows
+            else f"page {page} is past the end ({t.total} rows)")
 
 
 def _findings(result: Mapping[str, Any]) -> list[dict[str, Any]]:
-    lines = report.findings_lines(dict(result))
+    lines = tables.findings_lines(result)
     out = []
     for f, line in zip(result.get("findings", []), lines, strict=False):
         out.append({"kind": f["kind"], "line": line, "ranks": rank_links(f.get("ranks", [])),
@@ -359,21 +327,22 @@ def _findings(result: Mapping[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
-def render_fr_html(env: jinja2.Environment, result: Mapping[str, Any], fr: FrData,
+def render_fr_html(env: jinja2.Environment, result: Mapping[str, Any], fetch: FetchFacts,
                    *, full: bool, page: int, whole: bool) -> str:
+    """The Flight Recorder page: the analysis result, and of the fetch only ``fetch``."""
     coll, calls = fr_tables(result, full=full, page=page)
     failing = sum(1 for c in result.get("collectives", []) if not c.get("pass_check"))
     return env.get_template("fr_trace.html").render(
         title="Flight Recorder",
-        banner=banner(result, len(fr.results)),
+        banner=banner(result, fetch.asked),
         findings=_findings(result),
-        failures=[r.line() for r in fr.results if not r.ok or r.status == GONE],
-        ranks_answered=len(fr.dumps), world_size=len(fr.results),
-        groups=html_table(*report.groups_table(dict(result))),
+        failures=list(fetch.failures),
+        ranks_answered=fetch.answered, world_size=fetch.asked,
+        groups=_html(tables.groups_table(result)),
         collectives=coll.html, collectives_note=coll.note,
         n_collectives=len(result.get("collectives", [])), n_failing=failing,
         calls=calls.html, calls_note=calls.note,
-        full=full, page=page, whole=whole, window=fr.window, scope=fr.scope,
+        full=full, page=page, whole=whole, window=fetch.window, scope=fetch.scope,
         lanes=lanes_view(result),
         downloads=nav_links(), stamp=_stamp(),
     )
@@ -452,6 +421,6 @@ def stacks_model(results: Sequence[RankResult], *, path: str = "/stacks",
     for g in groups:
         g["label"] = (f"{len(g['ranks'])} ranks" if len(g["ranks"]) > 1
                       else f"rank {g['ranks'][0]}")
-        g["set"] = report.format_rank_set(g["ranks"])
+        g["set"] = format_rank_set(g["ranks"])
     return {"groups": groups, "n_ranks": len(results), "stamp": _stamp(), "path": path,
             "native": native}

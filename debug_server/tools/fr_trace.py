@@ -30,6 +30,7 @@ from debug_server.analysis import report, stackparse
 from debug_server.analysis.core import analyze_digests
 from debug_server.analysis.digest import RankDigest, digest_dump
 from debug_server.analysis.groups import group_label
+from debug_server.analysis.ranks import format_rank_set
 from debug_server.dumpio import DumpError, group_members, load_dump, rank_files
 
 logger = logging.getLogger(__name__)
@@ -296,7 +297,7 @@ def _gather(args: argparse.Namespace) -> tuple[list[RankDigest], dict[int, str],
         if not args.allow_incomplete_ranks:
             raise MissingDumpFilesError(
                 f"no dump file for rank{'s' if len(missing) > 1 else ''} "
-                f"{report.format_rank_set(missing)} (group members or gaps in {directory})"
+                f"{format_rank_set(missing)} (group members or gaps in {directory})"
             )
         for r in missing:
             unavailable[r] = "no dump file"

@@ -12,6 +12,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from debug_server.analysis.digest import DigestMemo
 from debug_server.fanout.reply import FrData
 from debug_server.fanout.transport import FAILED, OK, RankResult, RankStates
 from debug_server.protocol.names import C10D_FR_HANDLER, FR_HANDLER, STACKS_HANDLER
@@ -55,6 +56,8 @@ class DiskCollector:
     def __init__(self) -> None:
         self.registry = DiskRegistry()
         self.states = RankStates()
+        self.digest_memo: DigestMemo | None = None
+        """Each cycle read from disk is new objects: nothing to digest again."""
 
     @property
     def world_size(self) -> int:
