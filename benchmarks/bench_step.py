@@ -47,7 +47,7 @@ The ``own group`` column (ours / bare torch on a group of its own, side by side)
 comparing a step with and without the debugger sees; the ``ddp`` shape overlaps the buckets'
 all_reduces with the compute. ``--init lazy`` (the user's init_process_group without device_id)
 makes every group a separate NCCL communicator, and two of those ran the ``ddp`` shape up to 9 %
-apart, bare torch against bare torch (``scripts/gpu_step_groups.py --plain``).
+apart, bare torch against bare torch (``scripts/gpu/step_by_init_mode.py --plain``).
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ rm -rf "$DEMO_DIR"; mkdir -p "$DEMO_DIR"
 
 TEST_BACKEND=$BACKEND TEST_DEVICE=$DEVICE HANGING_RANK=$HANGING COMM_TIMEOUT=$COMM_TIMEOUT HANG_SECONDS=$((COMM_TIMEOUT + 5)) \
   FR_DUMP_INTERVAL=3 FR_STALL_TIMEOUT=5 FR_DUMP_DIR="$DEMO_DIR" DEBUG_SERVER_PORT=$PORT \
-  timeout 300 torchrun --nproc_per_node="$NPROC" --master-port=$((PORT + 100)) scripts/verify_flight_recorder.py \
+  timeout 300 torchrun --nproc_per_node="$NPROC" --master-port=$((PORT + 100)) examples/hang_demo.py \
   > "$DEMO_DIR.log" 2>&1 &
 DEMO=$!
 start=$(date +%s)

@@ -203,7 +203,7 @@ def _c10d_entry(e: Mapping[str, Any], ids: Mapping[str, str], backend: str,
 def c10d_nccl_dump(dump: Mapping[str, Any], timing: bool = False) -> dict[str, Any]:
     """``dump`` as c10d's NCCL recorder writes it (``dump_nccl_trace_json``, CUDA builds only),
     checked byte for byte against a real worker (torch 2.11+cu130, NCCL 2.28.9, 2 H200s:
-    ``scripts/gpu_capture_c10d_nccl.py``; ``tests/data/c10d_nccl_worker.json`` is its head and
+    ``scripts/gpu/capture_c10d_nccl.py``; ``tests/data/c10d_nccl_worker.json`` is its head and
     first entries) and ``FlightRecorderDetail.hpp``'s ``dump_json``: keys sorted (nlohmann's
     objects), no spaces, no ``frames`` (the JSON dump never writes stacks), ops ``nccl:<op>``,
     ``pg_config`` keyed by the group's name (here its id, ``"0"``) with the member list as one

@@ -1,7 +1,7 @@
 """GPU check: where each GPU is (issue 37), with NCCL on 2 or 4 GPUs.
 
-    PYTHONPATH=. python scripts/gpu_check_device_truth.py OUTDIR [--nproc 2|4] [--cases inversion busy]
-    python scripts/gpu_check_device_truth.py OUTDIR --cpu --cases inversion   # gloo, to try the logic
+    PYTHONPATH=. python scripts/gpu/check_device_truth.py OUTDIR [--nproc 2|4] [--cases inversion busy]
+    python scripts/gpu/check_device_truth.py OUTDIR --cpu --cases inversion   # gloo, to try the logic
 
 Each case runs ``torchrun --nproc_per_node=N`` on this script: plain ``torch.distributed`` and
 ``start_debug_server`` (called before ``init_process_group``, so it turns c10d's start timing
@@ -35,10 +35,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _gpu_common import cpu_pickles, end_job, get, run_cli, show, wait_path  # noqa: E402
+from gpucommon import REPO, cpu_pickles, end_job, env_port, get, run_cli, show, wait_path
 
-REPO = Path(__file__).resolve().parent.parent
 STEP = 3
 CASES = ("inversion", "busy")
 
@@ -231,8 +229,8 @@ def main(argv: list[str] | None = None) -> int:
         rank_main(args.rank_main, args.out, args.cpu)
         return 0
     args.out.mkdir(parents=True, exist_ok=True)
-    port = int(os.environ.get("DEBUG_SERVER_PORT", "26500"))
-    master = int(os.environ.get("MASTER_PORT", "29500"))
+    port = env_port("DEBUG_SERVER_PORT")
+    master = env_port("MASTER_PORT")
     problems: list[str] = []
     i = 0
     for world in args.nproc:

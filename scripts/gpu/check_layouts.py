@@ -1,7 +1,7 @@
 """GPU check: the right culprit on real layouts (issue 33), on 4 GPUs with NCCL.
 
-    PYTHONPATH=. python scripts/gpu_check_layouts.py OUTDIR [--cases fsdp mesh pipeline]
-    python scripts/gpu_check_layouts.py OUTDIR --cpu     # the same on gloo, to try the logic
+    PYTHONPATH=. python scripts/gpu/check_layouts.py OUTDIR [--cases fsdp mesh pipeline]
+    python scripts/gpu/check_layouts.py OUTDIR --cpu     # the same on gloo, to try the logic
 
 Each case runs ``torchrun --nproc_per_node=4`` on this script: plain ``torch.distributed`` and
 ``start_debug_server`` only (no communicator of ours, no hook), and rank 2 misbehaves once:
@@ -39,10 +39,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _gpu_common import cpu_pickles, end_job, get, run_cli, show, wait_path  # noqa: E402
+from gpucommon import REPO, cpu_pickles, end_job, env_port, get, run_cli, show, wait_path
 
-REPO = Path(__file__).resolve().parent.parent
 WORLD = 4
 CULPRIT = 2
 DESC = {"fsdp": "default_pg", "mesh": "mesh_tp", "pipeline": "pp"}
@@ -181,7 +179,7 @@ def check(where: str, result: dict[str, Any], case: str, line: int | None) -> li
     if DESC[case] not in str(f.get("group_label")) or not verdict.startswith(f"Rank {CULPRIT} "):
         problems.append(f"{case} {where}: the headline does not lead with rank {CULPRIT} on "
                         f"{DESC[case]}: {verdict[:200]}")
-    if line is not None and f"gpu_check_layouts.py:{line}" not in verdict:
+    if line is not None and f"{Path(__file__).name}:{line}" not in verdict:
         problems.append(f"{case} {where}: line {line} not named")
     if result.get("category") != "cpu_divergence":
         problems.append(f"{case} {where}: category {result.get('category')!r}")
@@ -278,11 +276,10 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     if args.cases is None:
         args.cases = ["fsdp", "mesh"] if args.cpu else ["fsdp", "mesh", "pipeline"]
-    port = int(os.environ.get("DEBUG_SERVER_PORT", "26400"))
-    problems: list[str] = []
+        problems: list[str] = []
     for i, case in enumerate(args.cases):
-        problems += run_case(case, args.out, args.cpu, port + i,
-                             int(os.environ.get("MASTER_PORT", "29400")) + i)
+        problems += run_case(case, args.out, args.cpu, env_port("DEBUG_SERVER_PORT", i),
+                             env_port("MASTER_PORT", i))
     print(f"outputs in {args.out}")
     if problems:
         print("FAILED:\n  " + "\n  ".join(problems))
