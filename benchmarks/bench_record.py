@@ -33,16 +33,13 @@ import sys
 import time
 import tracemalloc
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import torch
+import torch.distributed as dist
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-
-from debug_server.recording.comms import _new_group, new_comm  # noqa: E402
-from debug_server.recording.hooks import FlightRecorderHook  # noqa: E402
+from debug_server.recording.comms import _new_group, new_comm
+from debug_server.recording.hooks import FlightRecorderHook
 
 FR_ENV = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")
 
