@@ -67,6 +67,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.elastic.utils.distributed import get_free_port
 
 from debug_server.recording.comms import _new_group, new_comm
 from debug_server.recording.groups import MARK_GAP_US
@@ -289,7 +290,8 @@ def timing_ab(args: argparse.Namespace) -> int:
     runs: list[tuple[str, dict[str, Any]]] = []
     for i in range(args.timing_ab):
         for v in ("01" if i % 2 == 0 else "10"):
-            runs.append((v, launch(args, 2000, args.port + len(runs), {TIMING_ENV: v})))
+            runs.append((v, launch(args, 2000, args.port + len(runs) if args.port else get_free_port(),
+                                   {TIMING_ENV: v})))
     print(f"torch {torch.__version__}, device {args.device}, {args.nproc} ranks, {args.rounds} rounds x "
           f"{args.steps} steps per job; {args.timing_ab} pairs of jobs, {TIMING_ENV}=0 (A) / 1 (B)")
     over = []
@@ -320,7 +322,8 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=15, help="rounds per shape and variant (median)")
     ap.add_argument("--steps", type=int, default=10, help="steps per round (median)")
     ap.add_argument("--warmup", type=int, default=5)
-    ap.add_argument("--port", type=int, default=int(os.environ.get("MASTER_PORT", "29460")))
+    ap.add_argument("--port", type=int, default=int(os.environ.get("MASTER_PORT", "0")),
+                    help="MASTER_PORT of the first job, the next one per job (0: a free one per job)")
     ap.add_argument("--timing-ab", type=int, default=0, metavar="PAIRS",
                     help="instead: PAIRS pairs of whole jobs (c10d FR on), TORCH_NCCL_ENABLE_TIMING=0 "
                          "against =1 (what start_debug_server sets), in the order A B B A ...; prints "
@@ -349,8 +352,8 @@ def main() -> int:
 
     if args.timing_ab:
         return timing_ab(args)
-    on = launch(args, 2000, args.port + 1)
-    off = on if args.fr_on_only else launch(args, 0, args.port)
+    on = launch(args, 2000, args.port + 1 if args.port else get_free_port())
+    off = on if args.fr_on_only else launch(args, 0, args.port or get_free_port())
     if args.fr_on_only:
         print("--fr-on-only: the FR-off columns repeat the FR-on run")
     print(f"torch {torch.__version__}, device {args.device}, {args.nproc} ranks, "

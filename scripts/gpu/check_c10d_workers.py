@@ -1,6 +1,6 @@
 """GPU check: a hang on NCCL seen through torch's own C++ workers alone (no sidecar of ours).
 
-    PYTHONPATH=. python scripts/gpu/check_c10d_workers.py OUTDIR [--master-port 29617]
+    PYTHONPATH=. python scripts/gpu/check_c10d_workers.py OUTDIR [--master-port P]
     python scripts/gpu/check_c10d_workers.py OUTDIR --cpu    # the same on gloo, without GPUs
 
 Starts ``torchrun --nproc_per_node=2`` on this script. Each rank: ``init_process_group("nccl")``,

@@ -1,6 +1,6 @@
 """GPU check: a DDP job on 2 GPUs (NCCL) where rank 1 skips a step's backward.
 
-    PYTHONPATH=. python scripts/gpu/check_ddp_skipped_backward.py OUTDIR [--port 25996] [--master-port 29615]
+    PYTHONPATH=. python scripts/gpu/check_ddp_skipped_backward.py OUTDIR [--port P] [--master-port P]
     python scripts/gpu/check_ddp_skipped_backward.py OUTDIR --cpu      # the same on gloo, to try it without GPUs
 
 Starts ``torchrun --nproc_per_node=2`` on this script. Each rank: ``init_process_group("nccl")``,

@@ -19,7 +19,7 @@ on c10d's own dumps. Both must name the culprit: ``order_inversion`` with catego
 ``cpu_divergence`` for the inversion, category ``gpu_busy`` with the culprit as the rank whose
 GPU did not start the op for the busy GPU, and never GPU/network advice. Exit 0 when all passed.
 
-Environment: ``DEBUG_SERVER_PORT`` (26500), ``MASTER_PORT`` (29500), ``READ_AT`` (s into the
+Environment: ``DEBUG_SERVER_PORT``, ``MASTER_PORT`` (unset: free ports), ``READ_AT`` (s into the
 hang, 10), ``COMM_TIMEOUT`` (s, 30).
 """
 
@@ -102,7 +102,7 @@ def rank_main(case: str, out: Path, cpu: bool) -> None:
     local = int(os.environ["LOCAL_RANK"])
     (out / f"pid{os.environ['RANK']}").write_text(str(os.getpgrp()))
     timeout = datetime.timedelta(seconds=float(os.environ.get("COMM_TIMEOUT", "30")))
-    server = start_debug_server(port=int(os.environ.get("DEBUG_SERVER_PORT", "26500")),
+    server = start_debug_server(port=int(os.environ["DEBUG_SERVER_PORT"]),
                                 dump_dir=str(out / "dumps"), dump_interval=3600, stall_timeout=4)
     sync: Any = torch.cuda.synchronize
     if cpu:

@@ -22,7 +22,7 @@ lead with rank 2, name its group by desc (``default_pg``, ``mesh_tp``, ``pp``), 
 2's line (the CLI has no stacks: it names the line of the op rank 2 went on to, where the FR has
 one); category ``cpu_divergence``, never GPU/network advice. Exit 0 when every case passed.
 
-Environment: ``DEBUG_SERVER_PORT`` (26400), ``MASTER_PORT`` (29400), ``READ_AT`` (s into the
+Environment: ``DEBUG_SERVER_PORT``, ``MASTER_PORT`` (unset: free ports), ``READ_AT`` (s into the
 hang, 12), ``COMM_TIMEOUT`` (s, 45).
 """
 
@@ -153,7 +153,7 @@ def rank_main(case: str, out: Path, cpu: bool) -> None:
         device = torch.device("cuda", local)
         torch.cuda.set_device(device)
         dist.init_process_group("nccl", timeout=timeout, device_id=device)
-    server = start_debug_server(port=int(os.environ.get("DEBUG_SERVER_PORT", "26400")),
+    server = start_debug_server(port=int(os.environ["DEBUG_SERVER_PORT"]),
                                 dump_dir=str(out / "dumps"), dump_interval=3600, stall_timeout=4)
     server.wait_registered(60)
     if dist.get_rank() == 0:

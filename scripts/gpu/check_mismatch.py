@@ -18,7 +18,7 @@ Each must name the mismatch at #3 (``size_mismatch`` / ``type_mismatch``) with t
 
 gloo cannot run the size case (gloo aborts rank 0 with "Received data size doesn't match
 expected size" instead of completing it), so on CPU only ``type`` is meaningful.
-Environment: ``TEST_BACKEND`` (nccl), ``DEBUG_SERVER_PORT`` (26200), ``MASTER_PORT`` (29200),
+Environment: ``TEST_BACKEND`` (nccl), ``DEBUG_SERVER_PORT``, ``MASTER_PORT`` (unset: free ports),
 ``OUT`` (a temp dir). Exit status 0 when every case passed, 1 otherwise.
 """
 
@@ -61,7 +61,7 @@ def rank_main(case: str, dump_dir: str, marker: str, release: str) -> int:
         device = torch.device("cuda", torch.cuda.current_device())
     else:
         device = torch.device("cpu")
-    server = start_debug_server(port=int(os.environ.get("DEBUG_SERVER_PORT", "26200")),
+    server = start_debug_server(port=int(os.environ["DEBUG_SERVER_PORT"]),
                                 dump_dir=dump_dir, dump_interval=3.0, stall_timeout=3.0)
     comm = new_comm(backend, device, "main_comm", timeout=datetime.timedelta(seconds=timeout))
     hook = FlightRecorderHook(max_entries=2000).register_with_comm(comm)

@@ -25,8 +25,8 @@ wheel, whose binary is ``py_spy-<v>.data/scripts/py-spy``) and puts ``/tmp/site/
     python scripts/gpu/check_native_frames.py --cpu --cases sync --out DIR
         # gloo on CPU: a C usleep holding the GIL stands in for the kernel (tests the driver)
 
-Environment: ``SPIN`` (40 s), ``READ_AT`` (8 s), ``DEBUG_SERVER_PORT`` (26500) and
-``MASTER_PORT`` (29500), one more of each per case.
+Environment: ``SPIN`` (40 s), ``READ_AT`` (8 s), ``DEBUG_SERVER_PORT`` and
+``MASTER_PORT`` (one more of each per case; unset: free ports).
 """
 
 from __future__ import annotations

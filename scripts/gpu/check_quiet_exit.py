@@ -1,7 +1,7 @@
 """GPU check: a healthy DDP job's end is as quiet with the debug server as without it (issue 39).
 
-    PYTHONPATH=. python scripts/gpu/check_quiet_exit.py OUTDIR [--steps 40] [--port 26720]
-                                                  [--master-port 29720]
+    PYTHONPATH=. python scripts/gpu/check_quiet_exit.py OUTDIR [--steps 40] [--port P]
+                                                  [--master-port P]
     python scripts/gpu/check_quiet_exit.py OUTDIR --cpu      # the same on gloo, to try it without GPUs
 
 Runs one job twice under ``torchrun --nproc_per_node=2``: without ``start_debug_server``, then

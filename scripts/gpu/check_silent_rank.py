@@ -1,6 +1,6 @@
 """GPU check: a rank that cannot answer, 2 GPUs (NCCL): rank 1 stops itself (SIGSTOP) at step 3.
 
-    PYTHONPATH=. python scripts/gpu/check_silent_rank.py OUTDIR [--port 25993] [--master-port 29620]
+    PYTHONPATH=. python scripts/gpu/check_silent_rank.py OUTDIR [--port P] [--master-port P]
     python scripts/gpu/check_silent_rank.py OUTDIR --cpu     # the same on gloo, to try it without GPUs
 
 Starts ``torchrun --nproc_per_node=2`` on this script. Each rank: ``init_process_group``,

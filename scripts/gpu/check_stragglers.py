@@ -1,6 +1,6 @@
 """GPU check: a DDP job on 2 GPUs (NCCL) whose rank 1 gets a slow data loader while it trains.
 
-    PYTHONPATH=. python scripts/gpu/check_stragglers.py OUTDIR [--port 25994] [--master-port 29619]
+    PYTHONPATH=. python scripts/gpu/check_stragglers.py OUTDIR [--port P] [--master-port P]
     python scripts/gpu/check_stragglers.py OUTDIR --cpu     # the same on gloo, to try it without GPUs
 
 Starts ``torchrun --nproc_per_node=2`` on this script. Each rank: ``init_process_group``,
