@@ -1,6 +1,6 @@
 """Frontend pages through one agent per fake host, against the same fleet without agents.
 
-Fake ranks are real worker apps serving 2000-entry rings (``tests/fakefleet.py``, replies
+Fake ranks are real worker apps serving 2000-entry rings (``benchmarks/fakefleet.py``, replies
 memoised per helper process: a real rank cuts its own ring on its own CPU); fake hosts are real
 agent apps (``debug_server.agent.app``) over 8 fake ranks each, many on one event loop per
 helper process. Ranks and agents register in a real TCPStore exactly as a job's do
@@ -34,19 +34,15 @@ import datetime
 import json
 import re
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "tests"))
+import fakefleet as ff
+from torch.distributed.elastic.utils.distributed import get_free_port
 
-import fakefleet as ff  # noqa: E402
-
-from debug_server.config import ServerConfig  # noqa: E402
-from debug_server.frontend import hangreport  # noqa: E402
+from debug_server.config import ServerConfig
+from debug_server.frontend import hangreport
 
 PER_HOST = 8
 PAGES = (("fr_s", "/fr_trace"), ("overview_s", "/"), ("stacks_s", "/stacks"))
@@ -209,7 +205,7 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--helpers", type=int, default=2)
     p.add_argument("--idle-s", type=float, default=10.0)
-    p.add_argument("--store-port", type=int, default=26500)
+    p.add_argument("--store-port", type=int, default=0, help="the TCPStore's port (0: a free one)")
     p.add_argument("--serve-agents", nargs=4, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.serve_agents:
@@ -223,7 +219,8 @@ def main() -> None:
           f"medians of {args.reps}; idle CPU over {args.idle_s:g} s")
     for n in args.ranks:
         with tempfile.TemporaryDirectory() as tmp:
-            _print(bench(n, args.reps, args.helpers, args.idle_s, args.store_port, Path(tmp)))
+            _print(bench(n, args.reps, args.helpers, args.idle_s, args.store_port or get_free_port(),
+                         Path(tmp)))
 
 
 if __name__ == "__main__":

@@ -29,10 +29,9 @@ import sys
 import tempfile
 import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
+from debug_server.tools.synthetic import hang_job
 
-from debug_server.tools.synthetic import hang_job  # noqa: E402
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # Runs one command and reports its wall time and peak RSS; a fresh process per measurement so
 # RUSAGE_CHILDREN holds exactly one child.
@@ -96,7 +95,9 @@ def record_real(directory: str, entries: int, src: str = REPO) -> tuple[dict, di
     job = os.path.join(directory, "job.py")
     with open(job, "w") as f:
         f.write(_JOB)
-    port = _free_port()
+    from torch.distributed.elastic.utils.distributed import get_free_port
+
+    port = get_free_port()
     procs = []
     for r in range(2):
         env = dict(os.environ, RANK=str(r), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
@@ -121,13 +122,6 @@ def record_real(directory: str, entries: int, src: str = REPO) -> tuple[dict, di
     os.unlink(job)
     return dumps
 
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def generate(directory: str, ranks: int, entries: int, synthetic: bool,

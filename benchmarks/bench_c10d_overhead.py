@@ -19,30 +19,21 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-import socket
 import statistics
-import sys
 import tempfile
 import time
 from collections.abc import Callable
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import torch
+import torch.distributed as dist
+from torch.distributed.elastic.utils.distributed import get_free_port
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-
-from debug_server import start_debug_server, stop_debug_server  # noqa: E402
-from debug_server.recording import c10d_fr, hooks  # noqa: E402
-from debug_server.recording.stall import StallWatch  # noqa: E402
+from debug_server import start_debug_server, stop_debug_server
+from debug_server.recording import c10d_fr, hooks
+from debug_server.recording.stall import StallWatch
 
 BLOCK = 200
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def blocks(op: Callable[[], object], sync: Callable[[], None], seconds: float) -> list[float]:
@@ -73,7 +64,7 @@ def main() -> None:
     ap.add_argument("--dump-interval", type=float, default=5.0)
     args = ap.parse_args()
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(_free_port()))
+                      MASTER_PORT=str(get_free_port()))
     cuda = args.device == "cuda"
     if cuda:
         torch.cuda.set_device(0)

@@ -2,7 +2,7 @@
 
 Fake ranks are real worker apps (``debug_server.rank.worker``) serving a 2000-entry ring from
 ``synthetic.hang_job`` (the last rank never issued the newest all_reduce), spread over a few
-helper processes (``tests/fakefleet.py``, shared with the other benchmarks). The frontend runs as its own process (``python -m debug_server.frontend``),
+helper processes (``benchmarks/fakefleet.py``, shared with the other benchmarks). The frontend runs as its own process (``python -m debug_server.frontend``),
 exactly as ``start_debug_server`` starts it; this script times HTTP GETs end to end.
 
 PyTorch's baseline: ``FlightRecorderHandler._build_db`` plus the four tabulate HTML tables of
@@ -44,17 +44,11 @@ import json
 import logging
 import os
 import statistics
-import sys
 import time
 import urllib.request
-from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "tests"))
-
-from fakefleet import (  # noqa: E402
+from fakefleet import (
     NCCL_TIMING_ENV,
     RING,
     cpu_s,

@@ -10,21 +10,15 @@ import argparse
 import asyncio
 import gc
 import statistics
-import sys
 import time
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "tests"))
+import aiohttp
+from fakefleet import start_fleet, stop_fleet
 
-import aiohttp  # noqa: E402
-from fakefleet import start_fleet, stop_fleet  # noqa: E402
-
-from debug_server.fanout.live import LiveCollector  # noqa: E402
-from debug_server.fanout.transport import GC_THRESHOLDS  # noqa: E402
-from debug_server.frontend.app import CONNECTIONS_PER_RANK  # noqa: E402
-from debug_server.rank.discovery import StaticRegistry  # noqa: E402
+from debug_server.fanout.live import LiveCollector
+from debug_server.fanout.transport import GC_THRESHOLDS
+from debug_server.frontend.app import CONNECTIONS_PER_RANK
+from debug_server.rank.discovery import StaticRegistry
 
 DEFAULT = (700, 10, 10)
 

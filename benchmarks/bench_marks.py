@@ -33,15 +33,13 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import torch
+import torch.distributed as dist
+from torch._C import _distributed_c10d as _c10d
+from torch.distributed.elastic.utils.distributed import get_free_port
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-from torch._C import _distributed_c10d as _c10d  # noqa: E402
-
-from debug_server.recording.groups import MARK_GAP_US  # noqa: E402
+from debug_server.recording.groups import MARK_GAP_US
 
 SLOTS = 1024
 
@@ -197,13 +195,14 @@ def worker(args: argparse.Namespace) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=21)
-    ap.add_argument("--port", type=int, default=29631)
+    ap.add_argument("--port", type=int, default=0, help="MASTER_PORT (0: a free one)")
     ap.add_argument("--nproc", type=int, default=2, help="ranks, one GPU each")
     ap.add_argument("--max-ratio", type=float, default=None,
                     help="exit 1 when the communicator's default (pause) over no mark exceeds this")
     ap.add_argument("--matmuls", action="store_true", help="4 matmuls of 2048x2048 before the ops, as bench_step")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    args.port = args.port or get_free_port()
     if args.worker:
         worker(args)
         return 0

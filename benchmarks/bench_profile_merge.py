@@ -23,20 +23,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import statistics
-import sys
 import threading
 import time
 import tracemalloc
 from typing import Any
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
-
-from debug_server.analysis import profile_merge  # noqa: E402
-from debug_server.rank.rank_capture import capture_profile  # noqa: E402
+from debug_server.analysis import profile_merge
+from debug_server.rank.rank_capture import capture_profile
 
 
 def real_cpu_trace(seconds: float) -> dict[str, Any]:

@@ -33,16 +33,14 @@ import sys
 import time
 import tracemalloc
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import torch
+import torch.distributed as dist
+from torch.distributed.elastic.utils.distributed import get_free_port
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-
-from debug_server.recording.comms import _new_group, new_comm  # noqa: E402
-from debug_server.recording.hooks import FlightRecorderHook  # noqa: E402
+from debug_server.recording.comms import _new_group, new_comm
+from debug_server.recording.hooks import FlightRecorderHook
 
 FR_ENV = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")
 
@@ -282,7 +280,8 @@ def main() -> None:
                     "the GPU's launch queue, or the host waits for the GPU and the figure is GPU time)")
     ap.add_argument("--rounds", type=int, default=None, help="timed blocks per variant (default 7 CPU, 41 CUDA)")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    ap.add_argument("--port", type=int, default=int(os.environ.get("MASTER_PORT", "29455")))
+    ap.add_argument("--port", type=int, default=int(os.environ.get("MASTER_PORT", "0")),
+                    help="MASTER_PORT of the first job, the next one per job (0: a free one per job)")
     ap.add_argument("--child-timeout", type=float, default=300.0)
     ap.add_argument("--clock", default="wall", choices=["wall", "cpu"],
                     help="wall time (default) or the process's CPU time per op (a shared CPU box)")
@@ -300,8 +299,8 @@ def main() -> None:
         print("RESULT " + json.dumps(child(args)), flush=True)
         return
 
-    off = run_child(args, 0, args.port, extras_too=False)
-    on = run_child(args, 2000, args.port + 1, extras_too=True)
+    off = run_child(args, 0, args.port or get_free_port(), extras_too=False)
+    on = run_child(args, 2000, args.port + 1 if args.port else get_free_port(), extras_too=True)
     print(f"torch {torch.__version__}, device {args.device}, iters {args.iters}, rounds {args.rounds}, "
           f"affinity {sorted(os.sched_getaffinity(0))[:8]}, clock {args.clock}")
     print(f"per-op host {'CPU ' if args.clock == 'cpu' else ''}time, medians in us; c10d FR off = TORCH_FR_BUFFER_SIZE=0, on = 2000")

@@ -21,15 +21,13 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import torch
+import torch.distributed as dist
+from torch.distributed.elastic.utils.distributed import get_free_port
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-
-from debug_server.recording import comms, frames, hooks  # noqa: E402
-from debug_server.recording.comms import new_comm  # noqa: E402
+from debug_server.recording import comms, frames, hooks
+from debug_server.recording.comms import new_comm
 
 
 def at_depth(depth: int, fn: Callable[[], float]) -> float:
@@ -106,7 +104,7 @@ def main() -> None:
     ap.add_argument("--ops", type=int, default=12000)
     args = ap.parse_args()
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29556")
+    os.environ.setdefault("MASTER_PORT", str(get_free_port()))
     os.environ.setdefault("RANK", "0")
     os.environ.setdefault("WORLD_SIZE", "1")
     cuda = args.device == "cuda"

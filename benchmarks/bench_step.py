@@ -47,7 +47,7 @@ The ``own group`` column (ours / bare torch on a group of its own, side by side)
 comparing a step with and without the debugger sees; the ``ddp`` shape overlaps the buckets'
 all_reduces with the compute. ``--init lazy`` (the user's init_process_group without device_id)
 makes every group a separate NCCL communicator, and two of those ran the ``ddp`` shape up to 9 %
-apart, bare torch against bare torch (``scripts/gpu_step_groups.py --plain``).
+apart, bare torch against bare torch (``scripts/gpu/step_by_init_mode.py --plain``).
 """
 
 from __future__ import annotations
@@ -65,14 +65,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import torch
+import torch.distributed as dist
+from torch.distributed.elastic.utils.distributed import get_free_port
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-
-from debug_server.recording.comms import _new_group, new_comm  # noqa: E402
-from debug_server.recording.groups import MARK_GAP_US  # noqa: E402
-from debug_server.recording.hooks import FlightRecorderHook  # noqa: E402
+from debug_server.recording.comms import _new_group, new_comm
+from debug_server.recording.groups import MARK_GAP_US
+from debug_server.recording.hooks import FlightRecorderHook
 
 FR_ENV = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")
 TIMING_ENV = "TORCH_NCCL_ENABLE_TIMING"
@@ -291,7 +290,8 @@ def timing_ab(args: argparse.Namespace) -> int:
     runs: list[tuple[str, dict[str, Any]]] = []
     for i in range(args.timing_ab):
         for v in ("01" if i % 2 == 0 else "10"):
-            runs.append((v, launch(args, 2000, args.port + len(runs), {TIMING_ENV: v})))
+            runs.append((v, launch(args, 2000, args.port + len(runs) if args.port else get_free_port(),
+                                   {TIMING_ENV: v})))
     print(f"torch {torch.__version__}, device {args.device}, {args.nproc} ranks, {args.rounds} rounds x "
           f"{args.steps} steps per job; {args.timing_ab} pairs of jobs, {TIMING_ENV}=0 (A) / 1 (B)")
     over = []
@@ -322,7 +322,8 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=15, help="rounds per shape and variant (median)")
     ap.add_argument("--steps", type=int, default=10, help="steps per round (median)")
     ap.add_argument("--warmup", type=int, default=5)
-    ap.add_argument("--port", type=int, default=int(os.environ.get("MASTER_PORT", "29460")))
+    ap.add_argument("--port", type=int, default=int(os.environ.get("MASTER_PORT", "0")),
+                    help="MASTER_PORT of the first job, the next one per job (0: a free one per job)")
     ap.add_argument("--timing-ab", type=int, default=0, metavar="PAIRS",
                     help="instead: PAIRS pairs of whole jobs (c10d FR on), TORCH_NCCL_ENABLE_TIMING=0 "
                          "against =1 (what start_debug_server sets), in the order A B B A ...; prints "
@@ -351,8 +352,8 @@ def main() -> int:
 
     if args.timing_ab:
         return timing_ab(args)
-    on = launch(args, 2000, args.port + 1)
-    off = on if args.fr_on_only else launch(args, 0, args.port)
+    on = launch(args, 2000, args.port + 1 if args.port else get_free_port())
+    off = on if args.fr_on_only else launch(args, 0, args.port or get_free_port())
     if args.fr_on_only:
         print("--fr-on-only: the FR-off columns repeat the FR-on run")
     print(f"torch {torch.__version__}, device {args.device}, {args.nproc} ranks, "

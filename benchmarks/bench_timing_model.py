@@ -21,6 +21,8 @@ import subprocess
 import sys
 import time
 
+from torch.distributed.elastic.utils.distributed import get_free_port
+
 TIMING_ENV = "TORCH_NCCL_ENABLE_TIMING"
 
 
@@ -82,7 +84,7 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--pairs", type=int, default=2)
-    ap.add_argument("--port", type=int, default=29740)
+    ap.add_argument("--port", type=int, default=0, help="MASTER_PORT of the first job, the next one per job (0: a free one per job)")
     ap.add_argument("--max-ratio", type=float, default=None)
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -94,7 +96,7 @@ def main() -> int:
     for i in range(args.pairs):
         got = {}
         for v in ("01" if i % 2 == 0 else "10"):
-            got[v] = job(args, v, args.port + n)
+            got[v] = job(args, v, args.port + n if args.port else get_free_port())
             n += 1
             print(f"  pair {i + 1}: {TIMING_ENV}={v}: {got[v]:.2f} ms/step", flush=True)
         ratios.append(got["1"] / got["0"])

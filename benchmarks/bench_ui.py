@@ -6,7 +6,7 @@ Two measurements on the same synthetic hang (the last rank never issued the newe
   page's own code costs);
 - ``end-to-end``: a GET of ``/`` from the real frontend process (``python -m
   debug_server.frontend.app``) that fans out to N fake ranks (real worker apps serving a
-  2000-entry ring, in a few helper processes; see tests/fakefleet.py), as a browser would.
+  2000-entry ring, in a few helper processes; see benchmarks/fakefleet.py), as a browser would.
 
 The baseline in the same run is the ``/fr_trace`` HTML page, the heaviest existing page.
 
@@ -20,22 +20,17 @@ import argparse
 import statistics
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "tests"))
+import fakefleet
 
-import fakefleet  # noqa: E402
-
-from debug_server.fanout.reply import FrData  # noqa: E402
-from debug_server.fanout.transport import RankResult  # noqa: E402
-from debug_server.frontend.app import load_templates  # noqa: E402
-from debug_server.frontend.dumps import analyze_fr  # noqa: E402
-from debug_server.frontend.fetchfacts import FetchFacts  # noqa: E402
-from debug_server.frontend.render import overview_model, render_fr_html  # noqa: E402
-from debug_server.tools import synthetic  # noqa: E402
+from debug_server.fanout.reply import FrData
+from debug_server.fanout.transport import RankResult
+from debug_server.frontend.app import load_templates
+from debug_server.frontend.dumps import analyze_fr
+from debug_server.frontend.fetchfacts import FetchFacts
+from debug_server.frontend.render import overview_model, render_fr_html
+from debug_server.tools import synthetic
 
 BUDGET_S = 2.0
 BUDGET_BYTES = 2 * 1024 * 1024

@@ -39,6 +39,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from torch.distributed.elastic.utils.distributed import get_free_port
+
 REPO = Path(__file__).resolve().parent.parent
 BASELINE_REV = "7ff4592"
 """The commit before the window moved into the recorders (the worker built whole dumps)."""
@@ -142,7 +144,8 @@ def main() -> None:
     p.add_argument("--shapes", nargs="+", default=["hooks", "hooks+c10d", "c10d"])
     p.add_argument("--baseline-rev", default=BASELINE_REV,
                    help="git revision of the 'base' path; 'none' leaves it out")
-    p.add_argument("--port", type=int, default=29310, help="first MASTER_PORT of the children")
+    p.add_argument("--port", type=int, default=0,
+                   help="first MASTER_PORT of the children, the next one per child (0: a free one each)")
     args = p.parse_args()
     t0 = time.time()
     times: dict[tuple[str, str], dict[str, list[float]]] = {}
@@ -154,7 +157,7 @@ def main() -> None:
             for _ in range(args.rounds):
                 runs = [("new", REPO)] + ([("base", base)] if base is not None else [])
                 for mode, src in runs:
-                    port += 1
+                    port = port + 1 if args.port else get_free_port()
                     for r in run_child(shape, args.entries, args.reps, port, mode, src):
                         key = (r["shape"], r["request"])
                         got = times.setdefault(key, {})

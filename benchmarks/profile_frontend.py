@@ -3,7 +3,7 @@
 The frontend runs in this process with its executor replaced by an inline one, so the work it
 normally hands to threads (parsing replies, analysis, rendering) shows in the same profile as
 the fetch; the HTTP client runs on another thread and is not profiled. Fake ranks are the same
-helper processes as ``bench_frontend.py`` (``tests/fakefleet.py``: real worker apps serving
+helper processes as ``bench_frontend.py`` (``benchmarks/fakefleet.py``: real worker apps serving
 2000-entry rings).
 
     python benchmarks/profile_frontend.py --ranks 2048 --page /fr_trace --accept text/html
@@ -20,24 +20,18 @@ import asyncio
 import concurrent.futures
 import cProfile
 import pstats
-import sys
 import threading
 import time
 import urllib.request
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "tests"))
+from fakefleet import start_fleet, stop_fleet
 
-from fakefleet import start_fleet, stop_fleet  # noqa: E402
-
-from debug_server.config import ServerConfig  # noqa: E402
-from debug_server.fanout.transport import settle_gc  # noqa: E402
-from debug_server.frontend.app import make_frontend_app  # noqa: E402
-from debug_server.rank.discovery import StaticRegistry  # noqa: E402
+from debug_server.config import ServerConfig
+from debug_server.fanout.transport import settle_gc
+from debug_server.frontend.app import make_frontend_app
+from debug_server.rank.discovery import StaticRegistry
 
 
 class InlineExecutor(concurrent.futures.ThreadPoolExecutor):

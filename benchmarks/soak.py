@@ -1,7 +1,7 @@
 """Soak: the frontend's memory and the dump directory over minutes of fast dump cycles (not CI).
 
 Eight fake ranks (real worker apps in this process) serve a hanging job; the frontend runs as its
-own process (as ``start_debug_server`` starts it; ``tests/fakefleet.py``) with
+own process (as ``start_debug_server`` starts it; ``benchmarks/fakefleet.py``) with
 ``dump_interval=0.2`` and ``keep_dumps``; a page is fetched every second on top. Every few
 seconds this samples the frontend's resident memory, open file descriptors, and the dump
 directory's file count and bytes.
@@ -24,13 +24,9 @@ import time
 import urllib.request
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "tests"))
+from fakefleet import frontend_over, open_fds, status_kb
 
-from fakefleet import frontend_over, open_fds, status_kb  # noqa: E402
-
-from debug_server.tools import synthetic  # noqa: E402
+from debug_server.tools import synthetic
 
 
 def _dir_usage(path: Path) -> tuple[int, int]:

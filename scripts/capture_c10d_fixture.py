@@ -16,15 +16,13 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import socket
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.distributed.elastic.utils.distributed import get_free_port
 
 
 def _rank(rank: int, port: int, out_dir: str) -> None:
@@ -72,10 +70,7 @@ def main() -> None:
     out = Path(sys.argv[1])
     tmp = out.parent / ".capture_tmp"
     tmp.mkdir(exist_ok=True)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_rank, args=(port, str(tmp)), nprocs=2)
+    mp.spawn(_rank, args=(get_free_port(), str(tmp)), nprocs=2)
     ranks = {r: json.loads((tmp / f"rank{r}.json").read_text()) for r in range(2)}
     for r in range(2):
         (tmp / f"rank{r}.json").unlink()

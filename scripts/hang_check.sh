@@ -8,7 +8,8 @@ NPROC=${2:-2}
 HANGING=${3:-$((NPROC - 1))}
 BACKEND=${4:-gloo}
 DEVICE=cpu; [ "$BACKEND" = nccl ] && DEVICE=cuda
-PORT=${DEBUG_SERVER_PORT:-25997}
+free_port() { python -c "from torch.distributed.elastic.utils.distributed import get_free_port; print(get_free_port())"; }
+PORT=${DEBUG_SERVER_PORT:-$(free_port)}
 COMM_TIMEOUT=${COMM_TIMEOUT:-40}
 DEMO_DIR="$OUT/demo_${NPROC}r_${BACKEND}"
 export PYTHONPATH=${PYTHONPATH:-.}
@@ -16,7 +17,7 @@ rm -rf "$DEMO_DIR"; mkdir -p "$DEMO_DIR"
 
 TEST_BACKEND=$BACKEND TEST_DEVICE=$DEVICE HANGING_RANK=$HANGING COMM_TIMEOUT=$COMM_TIMEOUT HANG_SECONDS=$((COMM_TIMEOUT + 5)) \
   FR_DUMP_INTERVAL=3 FR_STALL_TIMEOUT=5 FR_DUMP_DIR="$DEMO_DIR" DEBUG_SERVER_PORT=$PORT \
-  timeout 300 torchrun --nproc_per_node="$NPROC" --master-port=$((PORT + 100)) scripts/verify_flight_recorder.py \
+  timeout 300 torchrun --nproc_per_node="$NPROC" --master-port="$(free_port)" examples/hang_demo.py \
   > "$DEMO_DIR.log" 2>&1 &
 DEMO=$!
 start=$(date +%s)

@@ -5,4 +5,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/_venv.sh
-exec torchrun --nproc_per_node="${NPROC:-2}" scripts/verify_flight_recorder.py
+exec torchrun --nproc_per_node="${NPROC:-2}" examples/hang_demo.py

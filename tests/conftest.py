@@ -1,6 +1,6 @@
 """Shared fixtures: fake ranks (real worker apps on port 0), a real TCPStore, the reference demo.
 
-The reference demo (``scripts/verify_flight_recorder.py`` under torchrun) runs once per test
+The reference demo (``examples/hang_demo.py`` under torchrun) runs once per test
 run: ``demo_live`` gives its frontend while it hangs, ``demo_done`` its dump dir and output after
 it ended. Tests of the live hang are ordered before the others that read the demo, and under
 pytest-xdist (``scripts/run_tests.sh`` runs ``-n ... --dist loadgroup``) every test that reads

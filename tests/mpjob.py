@@ -163,7 +163,7 @@ def rank0_result(results: list[RankResult]) -> Any:
     return json.loads(line[len("RESULT "):])
 
 
-# -- the reference demo (scripts/verify_flight_recorder.py) under torchrun ---------------------
+# -- the reference demo (examples/hang_demo.py) under torchrun ---------------------
 def reference_job(start: str, phase2: str, after_start: str = "") -> str:
     """The reference scenario as a 2-rank gloo job script on our communicator: three
     all_reduces and a broadcast, ``PHASE2 <phase2>`` printed, then rank 1 sleeps on the line
@@ -193,7 +193,7 @@ else:
 """
 
 
-DEMO = REPO / "scripts" / "verify_flight_recorder.py"
+DEMO = REPO / "examples" / "hang_demo.py"
 
 
 def demo_hang_line() -> int:

@@ -16,12 +16,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+# What the comparison needs is shared with the GPU check (scripts/gpu/check_quiet_exit.py), whose
+# helpers are standard library only (pytest puts scripts/gpu/ on the path: pyproject.toml).
+from gpucommon import added_lines, cpp_traces, outlived
 from mpjob import REPO, free_port, kill_tree
-
-# What the comparison needs is shared with the GPU check (scripts/gpu_quiet_exit.py), whose
-# helpers are standard library only.
-sys.path.insert(0, str(REPO / "scripts"))
-from _gpu_common import added_lines, cpp_traces, outlived  # noqa: E402
 
 # Each exit path as the job does it. Ranks that are only waiting for the launcher's teardown
 # sleep outside any collective, so torch's own output is the same with and without the server.

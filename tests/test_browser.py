@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from mpjob import DEMO
 
 pytestmark = [pytest.mark.job, pytest.mark.timeout(120)]
 
@@ -25,7 +26,7 @@ def test_overview_banner_names_rank_1_in_a_real_browser(demo_live: str, browser:
     browser.get(f"{demo_live}/")
     banner = browser.find_element(By.CSS_SELECTOR, ".banner.bad")
     assert "Rank 1 is missing from all_reduce #4 on main_comm" in banner.text
-    assert "verify_flight_recorder.py:" in banner.text  # where rank 1 is stuck
+    assert f"{DEMO.name}:" in banner.text  # where rank 1 is stuck
     cell = browser.find_element(By.CSS_SELECTOR, '.grid a[href="/stacks#rank-1"]')
     assert cell.get_attribute("class") == "s-behind"
     assert screenshot("overview.png").stat().st_size > 10_000

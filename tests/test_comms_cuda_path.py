@@ -3,7 +3,7 @@
 A CUDA event cannot exist without a GPU, so these tests give a communicator stand-in events
 whose ``query()`` the test controls (the one fake here) and run its CUDA branch: states from the
 events, the completion watermark the watchdog keeps, and a stuck op found by the watchdog, after
-which the next op raises. ``scripts/gpu_state_check.py`` checks the same on real GPUs.
+which the next op raises. ``scripts/gpu/check_cuda_semantics.py`` checks the same on real GPUs.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 On CUDA it binds the group to the communicator's device (``device_id``): NCCL then makes the
 default communicator at once and splits every later group from it; left lazy, each group is an
 NCCL communicator of its own, and two such ran an overlapped step up to 9 % apart on H200s, bare
-torch against bare torch (``scripts/gpu_step_groups.py``). No GPU here: ``init_process_group``
+torch against bare torch (``scripts/gpu/step_by_init_mode.py``). No GPU here: ``init_process_group``
 is replaced by a recorder of its arguments (the one part a CPU machine cannot run), which ends
 ``new_comm`` there.
 """

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from mpjob import REPO, demo_hang_line
+from mpjob import DEMO, REPO, demo_hang_line
 
 pytestmark = [pytest.mark.job, pytest.mark.timeout(240)]
 
@@ -47,12 +47,12 @@ def test_stacks_dump_shows_rank_1_sleeping_and_rank_0_in_all_reduce(demo_done: D
         text = f.read_text()
         sections = re.split(r"^=== Rank (\d+)[^\n]*===$", text, flags=re.M)
         by_rank = {int(sections[i]): sections[i + 1] for i in range(1, len(sections) - 1, 2)}
-        if f'verify_flight_recorder.py", line {line} in hang_phase' in by_rank.get(1, ""):
+        if f'{DEMO.name}", line {line} in hang_phase' in by_rank.get(1, ""):
             sleeping += 1
             # Before rank 0's timeout fires it is inside all_reduce; after, in the final wait.
             if re.search(r'recording/(ops|comms)\.py", line \d+ in all_reduce', by_rank.get(0, "")):
                 both += 1
-    assert sleeping, f"no stacks dump showed rank 1 at verify_flight_recorder.py:{line}"
+    assert sleeping, f"no stacks dump showed rank 1 at {DEMO.name}:{line}"
     assert both, "no stacks dump showed rank 0 inside all_reduce while rank 1 slept"
 
 

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from mpjob import demo_hang_line, run_demo
+from mpjob import DEMO, demo_hang_line, run_demo
 
 pytestmark = [pytest.mark.job, pytest.mark.timeout(240)]
 
@@ -29,7 +29,7 @@ def test_c10d_demo_verdict_names_rank_1_the_all_reduce_its_seq_on_default_pg_and
     _, out = demo
     verdict = out.split("Verdict:")[1].splitlines()[0]
     assert verdict.startswith(" Rank 1 never joined all_reduce #5 on pg 0 (default_pg)")
-    assert f"verify_flight_recorder.py:{demo_hang_line()} in hang_phase (time.sleep)" in verdict
+    assert f"{DEMO.name}:{demo_hang_line()} in hang_phase (time.sleep)" in verdict
 
 
 def test_c10d_demo_rank_0_times_out_in_the_default_groups_all_reduce(demo):

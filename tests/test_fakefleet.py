@@ -1,4 +1,4 @@
-"""The benchmarks' fake fleet (``tests/fakefleet.py``): ranks in helper processes serve the hang."""
+"""The benchmarks' fake fleet (``benchmarks/fakefleet.py``): ranks in helper processes serve the hang."""
 
 from __future__ import annotations
 

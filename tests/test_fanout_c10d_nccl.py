@@ -2,7 +2,7 @@
 (``dump_nccl_trace_json``) next to its CPU recorder (``fr_trace_json``), one dump per rank
 (``fanout.c10d_workers``). The fake workers answer as ``FlightRecorderCuda.cpp`` says torch's
 do (``fakefleet.make_c10d_worker_app(nccl=...)``); a real NCCL job is checked on GPUs
-(``scripts/gpu_check_c10d_workers.py``)."""
+(``scripts/gpu/check_c10d_workers.py``)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """A real 2-rank gloo job with a misconfigured collective, named live and post-mortem alike.
 
-Runs ``scripts/gpu_check_mismatch.py`` (the GPU check's own driver) on gloo: rank 0 all_reduces
+Runs ``scripts/gpu/check_mismatch.py`` (the GPU check's own driver) on gloo: rank 0 all_reduces
 where rank 1 broadcasts at #3, both hang; the live ``/fr_trace``, the hang report and the CLI on
 the pickles must all say ``type_mismatch`` at #3, ``misconfigured_collective``, no GPU advice.
 The size case (rank 0 completes, rank 1 hangs) cannot run on gloo: gloo aborts rank 0 ("Received
@@ -28,7 +28,7 @@ def test_type_mismatch_on_gloo_is_named_live_in_the_hang_report_and_post_mortem(
                DEBUG_SERVER_PORT=str(free_port()), MASTER_PORT=str(free_port()),
                OUT=str(tmp_path), PYTHONPATH=str(REPO))
     env.pop("TORCHCOMM_FR_DUMP_TEMP_FILE", None)
-    proc = subprocess.Popen([sys.executable, str(REPO / "scripts" / "gpu_check_mismatch.py"),
+    proc = subprocess.Popen([sys.executable, str(REPO / "scripts" / "gpu" / "check_mismatch.py"),
                              "--cases", "type"], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:

@@ -1,6 +1,6 @@
 """``DEBUG_SERVER_START_MARKS``: how often a c10d-backed CUDA communicator records a start mark.
 
-The marks themselves need a GPU (``scripts/gpu_state_check.py`` checks that a burst of 200
+The marks themselves need a GPU (``scripts/gpu/check_cuda_semantics.py`` checks that a burst of 200
 collectives gets its first one marked, one per ``MARK_GAP_US`` by default, each reading ``started``); here,
 what each setting means.
 """

@@ -281,7 +281,7 @@ def test_stacks_from_outside_show_rank_3_at_the_sleep_line(two_hosts: TwoHosts) 
     sections = re.split(r"^=== Rank (\d+)[^\n]*===$", two_hosts.stacks, flags=re.M)
     by_rank = {int(sections[i]): sections[i + 1] for i in range(1, len(sections) - 1, 2)}
     assert sorted(by_rank) == [0, 1, 2, 3], two_hosts.stacks[:2000]
-    assert f'verify_flight_recorder.py", line {demo_hang_line()} in hang_phase' in by_rank[3]
+    assert f'{DEMO.name}", line {demo_hang_line()} in hang_phase' in by_rank[3]
 
 
 def test_request_without_token_gets_401(two_hosts: TwoHosts) -> None:
@@ -342,7 +342,7 @@ def test_verdict_through_agents_names_rank_3_on_the_other_host_with_its_stack(
         two_hosts: TwoHosts) -> None:
     assert two_hosts.fr["verdict"].startswith("Rank 3 never joined all_reduce #4"), \
         two_hosts.fr["verdict"]
-    assert f"verify_flight_recorder.py:{demo_hang_line()}" in two_hosts.fr["verdict"], \
+    assert f"{DEMO.name}:{demo_hang_line()}" in two_hosts.fr["verdict"], \
         two_hosts.fr["verdict"]
     rank3 = two_hosts.stacks_json["ranks"][3]
-    assert f'verify_flight_recorder.py", line {demo_hang_line()} in hang_phase' in rank3["stacks"]
+    assert f'{DEMO.name}", line {demo_hang_line()} in hang_phase' in rank3["stacks"]

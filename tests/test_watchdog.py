@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 from fakes import MAIN_STACK
 from jobscripts import ABORT_JOB
-from mpjob import REFERENCE_ENV, assert_ok, demo_hang_line, free_port, run_job
+from mpjob import DEMO, REFERENCE_ENV, assert_ok, demo_hang_line, free_port, run_job
 
 from debug_server.config import ServerConfig
 from debug_server.dumpio import load_dump
@@ -78,8 +78,8 @@ def test_demo_hang_report_names_rank_1_seq_4_all_reduce_and_the_sleep_line(demo_
     line = demo_hang_line()
     culprit = next(ln for ln in text.splitlines() if ln.startswith("rank 1: missing_ranks"))
     assert "main_comm seq 4 all_reduce" in culprit
-    assert f"verify_flight_recorder.py:{line} in hang_phase" in culprit
-    assert f'verify_flight_recorder.py", line {line} in hang_phase' in text  # rank 1's stacks
+    assert f"{DEMO.name}:{line} in hang_phase" in culprit
+    assert f'{DEMO.name}", line {line} in hang_phase' in text  # rank 1's stacks
 
 
 @pytest.mark.job
@@ -92,7 +92,7 @@ def test_demo_hang_report_json_has_culprit_and_finding(demo_done: Demo) -> None:
     (c,) = meta["culprits"]
     assert (c["rank"], c["kind"], c["group"], c["seq"], c["op"]) == \
         (1, "missing_ranks", "main_comm", 4, "all_reduce")
-    assert c["where"]["file"].endswith("verify_flight_recorder.py")
+    assert c["where"]["file"].endswith(DEMO.name)
     assert (c["where"]["line"], c["where"]["function"]) == (demo_hang_line(), "hang_phase")
     assert any(line.startswith("Rank 1: OK") for line in meta["dump_files"])
 

@@ -374,7 +374,7 @@ def turn_on_timing(settings: Settings, environ: dict[str, str] | None = None) ->
     that exist already. Returns the variables it set (empty when the user's setting stands).
 
     Cost: one CUDA event recorded per collective on the NCCL stream; the step benchmark on GPUs
-    is in docs/benchmarks.md (``scripts/gpu_checks.sh step``).
+    is in docs/benchmarks.md (``scripts/gpu/run.sh timing``).
     """
     env = os.environ if environ is None else environ
     if TIMING_ENV in env or not settings.c10d_timing:

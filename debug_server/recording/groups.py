@@ -198,7 +198,7 @@ def init_default_group(backend: str, dev: torch.device, timeout: datetime.timede
     created after it (ours, the user's own, DDP's) is then split from it (``ncclCommSplit``).
     Without it each group is a communicator of its own, made at its first collective, and two
     such communicators run the same overlapped step up to 9 % apart, bare torch against bare
-    torch (2 and 4 H200s, torch 2.11, NCCL 2.28.9, ``scripts/gpu_step_groups.py --plain``):
+    torch (2 and 4 H200s, torch 2.11, NCCL 2.28.9, ``scripts/gpu/step_by_init_mode.py --plain``):
     whichever group a user compared with ours gained or lost that much. Split from one parent,
     ours / bare on a group of its own is 1.000 (issue 31).
     """

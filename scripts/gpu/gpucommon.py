@@ -1,7 +1,9 @@
-"""Helpers shared by the GPU check drivers (``scripts/gpu_check_*.py``).
+"""Helpers shared by the GPU checks (``scripts/gpu/check_*.py``, run by ``scripts/gpu/run.sh``).
 
-They run from the source tree on the GPU machine (``python scripts/gpu_check_x.py``, so this
-folder is on ``sys.path``), with the standard library only: no pytest, no test helpers.
+A check runs as ``python scripts/gpu/check_x.py`` (or under torchrun), so this folder is first on
+``sys.path`` and ``from gpucommon import ...`` finds this module; the package comes from the
+install, or from ``PYTHONPATH=.`` in the source tree on the GPU machine. Standard library only:
+no pytest, no test helpers (``tests/quietjob.py`` uses the quiet-exit helpers too).
 """
 
 from __future__ import annotations
@@ -13,6 +15,30 @@ import urllib.request
 from collections import Counter
 from pathlib import Path
 from typing import Any
+
+REPO = Path(__file__).resolve().parents[2]
+"""The source tree: the ranks a check starts import the package from it (``PYTHONPATH``)."""
+
+
+def env_port(name: str, offset: int = 0) -> int:
+    """The port in the environment variable ``name`` (plus ``offset``) where it is set, else a
+    free one found now (torch's ``get_free_port``)."""
+    import os
+
+    if os.environ.get(name):
+        return int(os.environ[name]) + offset
+    from torch.distributed.elastic.utils.distributed import get_free_port
+
+    return get_free_port()
+
+
+def free_ports(args: Any) -> None:
+    """Fill the ``port`` and ``master_port`` options left at 0 with free ports."""
+    from torch.distributed.elastic.utils.distributed import get_free_port
+
+    for name in ("port", "master_port"):
+        if getattr(args, name, None) == 0:
+            setattr(args, name, get_free_port())
 
 
 def get(url: str, accept: str = "*/*", timeout: float = 60) -> tuple[int, str]:
@@ -81,7 +107,7 @@ def start_torchrun(script: str, out: Path, argv: list[str], master_port: int,
     import os
     import sys
 
-    full = dict(os.environ, **env, PYTHONPATH=str(Path(script).resolve().parent.parent))
+    full = dict(os.environ, **env, PYTHONPATH=str(REPO))
     log = open(out / "job.log", "w")  # noqa: SIM115 - the caller closes it
     job = subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
@@ -169,7 +195,7 @@ def run_cli(trace_dir: Path, work: Path, repo: Path) -> tuple[dict[str, Any] | N
 
 # ---------------------------------------------------------------------------------------------
 # What a job with the debug server printed and left beyond the same job without it (issue 39;
-# gpu_quiet_exit.py, and tests/quietjob.py on CPU)
+# check_quiet_exit.py, and tests/quietjob.py on CPU)
 
 CPP_TRACE = ("TCPStore.cpp", "socket.cpp", "Exception raised from")
 """What c10d prints with each failed call of a store client."""

@@ -1,6 +1,6 @@
-"""GPU check of /profile, /wait_counters and /tcpstore on 2 GPUs with NCCL (run by gpu_checks.sh).
+"""GPU check of /profile, /wait_counters and /tcpstore on 2 GPUs with NCCL (run by scripts/gpu/run.sh).
 
-    torchrun --nproc_per_node=2 --master-port=29615 scripts/gpu_profile_check.py OUTDIR [PORT]
+    torchrun --nproc_per_node=2 --master-port=P scripts/gpu/check_profile.py OUTDIR PORT
 
 Both ranks run a loop of matmuls on a side stream overlapping an all_reduce, each step synced;
 rank 0 asks its own frontend for a 2-second profile of both ranks and checks that it came back

@@ -13,12 +13,12 @@ The driver reads the live ``/fr_trace?format=json`` ``READ_AT`` seconds into the
 Each must name the mismatch at #3 (``size_mismatch`` / ``type_mismatch``) with the category
 ``misconfigured_collective`` and no GPU/network advice; both verdicts are printed.
 
-    python scripts/gpu_check_mismatch.py                 # NCCL on 2 GPUs, both cases
-    TEST_BACKEND=gloo READ_AT=4 COMM_TIMEOUT=10 python scripts/gpu_check_mismatch.py --cases type
+    python scripts/gpu/check_mismatch.py                 # NCCL on 2 GPUs, both cases
+    TEST_BACKEND=gloo READ_AT=4 COMM_TIMEOUT=10 python scripts/gpu/check_mismatch.py --cases type
 
 gloo cannot run the size case (gloo aborts rank 0 with "Received data size doesn't match
 expected size" instead of completing it), so on CPU only ``type`` is meaningful.
-Environment: ``TEST_BACKEND`` (nccl), ``DEBUG_SERVER_PORT`` (26200), ``MASTER_PORT`` (29200),
+Environment: ``TEST_BACKEND`` (nccl), ``DEBUG_SERVER_PORT``, ``MASTER_PORT`` (unset: free ports),
 ``OUT`` (a temp dir). Exit status 0 when every case passed, 1 otherwise.
 """
 
@@ -37,9 +37,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _gpu_common import get, wait_for_mark
+from gpucommon import REPO, env_port, get, wait_for_mark
 
-REPO = Path(__file__).resolve().parent.parent
 EXPECT = {"size": "size_mismatch", "type": "type_mismatch"}
 
 
@@ -50,7 +49,6 @@ EXPECT = {"size": "size_mismatch", "type": "type_mismatch"}
 def rank_main(case: str, dump_dir: str, marker: str, release: str) -> int:
     import torch
 
-    sys.path.insert(0, str(REPO))
     from debug_server import start_debug_server, stop_debug_server
     from debug_server.recording.comms import new_comm
     from debug_server.recording.hooks import FlightRecorderHook
@@ -63,7 +61,7 @@ def rank_main(case: str, dump_dir: str, marker: str, release: str) -> int:
         device = torch.device("cuda", torch.cuda.current_device())
     else:
         device = torch.device("cpu")
-    server = start_debug_server(port=int(os.environ.get("DEBUG_SERVER_PORT", "26200")),
+    server = start_debug_server(port=int(os.environ["DEBUG_SERVER_PORT"]),
                                 dump_dir=dump_dir, dump_interval=3.0, stall_timeout=3.0)
     comm = new_comm(backend, device, "main_comm", timeout=datetime.timedelta(seconds=timeout))
     hook = FlightRecorderHook(max_entries=2000).register_with_comm(comm)
@@ -134,7 +132,7 @@ def run_case(case: str, out: Path) -> list[str]:
     dump_dir, marker, release = work / "dumps", work / "hang_started", work / "release"
     for p in (marker, release):
         p.unlink(missing_ok=True)
-    port = int(os.environ.get("DEBUG_SERVER_PORT", "26200"))
+    port = env_port("DEBUG_SERVER_PORT")
     read_at = float(os.environ.get("READ_AT", "17"))
     comm_timeout = float(os.environ.get("COMM_TIMEOUT", "40"))
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1",
@@ -143,7 +141,7 @@ def run_case(case: str, out: Path) -> list[str]:
     log = open(work / "job.log", "w")
     job = subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-         f"--master-port={os.environ.get('MASTER_PORT', '29200')}", __file__, "--rank-main", case,
+         f"--master-port={env_port('MASTER_PORT')}", __file__, "--rank-main", case,
          str(dump_dir), str(marker), str(release)],
         env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     problems: list[str] = []

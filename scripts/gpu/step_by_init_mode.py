@@ -1,7 +1,7 @@
 """Diagnosis (issue 31): an overlapped step on our communicator against bare torch on a group of
 its own, by how the default group was initialised. One job per call, under torchrun:
 
-    torchrun --nproc_per_node=2 scripts/gpu_step_groups.py --init newcomm --profile OUT/a
+    torchrun --nproc_per_node=2 scripts/gpu/step_by_init_mode.py --init newcomm --profile OUT/a
 
 ``--init``: ``newcomm`` (new_comm initialises the default group), ``lazy`` (the user's
 init_process_group without device_id), ``eager`` (with device_id). ``--ours-eager``: ours' group
@@ -20,16 +20,13 @@ import json
 import os
 import random
 import statistics
-import sys
 import time
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
+import torch
+import torch.distributed as dist
 
 MIB = 1024 * 1024 // 4
 

@@ -1,7 +1,7 @@
 """GPU check: where each GPU is (issue 37), with NCCL on 2 or 4 GPUs.
 
-    PYTHONPATH=. python scripts/gpu_check_device_truth.py OUTDIR [--nproc 2|4] [--cases inversion busy]
-    python scripts/gpu_check_device_truth.py OUTDIR --cpu --cases inversion   # gloo, to try the logic
+    PYTHONPATH=. python scripts/gpu/check_device_truth.py OUTDIR [--nproc 2|4] [--cases inversion busy]
+    python scripts/gpu/check_device_truth.py OUTDIR --cpu --cases inversion   # gloo, to try the logic
 
 Each case runs ``torchrun --nproc_per_node=N`` on this script: plain ``torch.distributed`` and
 ``start_debug_server`` (called before ``init_process_group``, so it turns c10d's start timing
@@ -19,7 +19,7 @@ on c10d's own dumps. Both must name the culprit: ``order_inversion`` with catego
 ``cpu_divergence`` for the inversion, category ``gpu_busy`` with the culprit as the rank whose
 GPU did not start the op for the busy GPU, and never GPU/network advice. Exit 0 when all passed.
 
-Environment: ``DEBUG_SERVER_PORT`` (26500), ``MASTER_PORT`` (29500), ``READ_AT`` (s into the
+Environment: ``DEBUG_SERVER_PORT``, ``MASTER_PORT`` (unset: free ports), ``READ_AT`` (s into the
 hang, 10), ``COMM_TIMEOUT`` (s, 30).
 """
 
@@ -35,10 +35,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _gpu_common import cpu_pickles, end_job, get, run_cli, show, wait_path  # noqa: E402
+from gpucommon import REPO, cpu_pickles, end_job, env_port, get, run_cli, show, wait_path
 
-REPO = Path(__file__).resolve().parent.parent
 STEP = 3
 CASES = ("inversion", "busy")
 
@@ -104,7 +102,7 @@ def rank_main(case: str, out: Path, cpu: bool) -> None:
     local = int(os.environ["LOCAL_RANK"])
     (out / f"pid{os.environ['RANK']}").write_text(str(os.getpgrp()))
     timeout = datetime.timedelta(seconds=float(os.environ.get("COMM_TIMEOUT", "30")))
-    server = start_debug_server(port=int(os.environ.get("DEBUG_SERVER_PORT", "26500")),
+    server = start_debug_server(port=int(os.environ["DEBUG_SERVER_PORT"]),
                                 dump_dir=str(out / "dumps"), dump_interval=3600, stall_timeout=4)
     sync: Any = torch.cuda.synchronize
     if cpu:
@@ -231,8 +229,8 @@ def main(argv: list[str] | None = None) -> int:
         rank_main(args.rank_main, args.out, args.cpu)
         return 0
     args.out.mkdir(parents=True, exist_ok=True)
-    port = int(os.environ.get("DEBUG_SERVER_PORT", "26500"))
-    master = int(os.environ.get("MASTER_PORT", "29500"))
+    port = env_port("DEBUG_SERVER_PORT")
+    master = env_port("MASTER_PORT")
     problems: list[str] = []
     i = 0
     for world in args.nproc:

@@ -1,7 +1,7 @@
 """GPU check: a hang on NCCL seen through torch's own C++ workers alone (no sidecar of ours).
 
-    PYTHONPATH=. python scripts/gpu_check_c10d_workers.py OUTDIR [--master-port 29617]
-    python scripts/gpu_check_c10d_workers.py OUTDIR --cpu    # the same on gloo, without GPUs
+    PYTHONPATH=. python scripts/gpu/check_c10d_workers.py OUTDIR [--master-port P]
+    python scripts/gpu/check_c10d_workers.py OUTDIR --cpu    # the same on gloo, without GPUs
 
 Starts ``torchrun --nproc_per_node=2`` on this script. Each rank: ``init_process_group("nccl")``,
 torch's ``_WorkerServer`` registered in the job's store as torch's server registers it
@@ -31,11 +31,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from _gpu_common import get, publish  # noqa: E402
+from gpucommon import REPO, free_ports, get, publish
 
 
 def skip_collective(seconds: float) -> None:
@@ -177,9 +173,10 @@ def _process_tree(pid: int) -> list[int]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("out", type=Path)
-    ap.add_argument("--master-port", type=int, default=29617)
+    ap.add_argument("--master-port", type=int, default=0, help="0: a free one")
     ap.add_argument("--cpu", action="store_true", help="gloo on CPU instead of NCCL on 2 GPUs")
     args = ap.parse_args()
+    free_ports(args)
     if os.environ.get("GPU_CHECK_C10D_RANK"):
         rank_main(args.out, args.cpu)
         return 0

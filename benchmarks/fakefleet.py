@@ -1,8 +1,9 @@
 """Fake fleets: real worker apps serving synthetic rings, and a real frontend process over them.
 
-Shared by ``tests/test_load.py`` and the benchmarks (``soak.py``, ``bench_frontend.py``,
-``bench_ui.py``, ``bench_agents.py``, ``bench_frontend_gc.py``, ``profile_frontend.py``); a
-benchmark puts this folder on ``sys.path`` and imports it as ``fakefleet``.
+Shared by the benchmarks (``soak.py``, ``bench_frontend.py``, ``bench_ui.py``,
+``bench_agents.py``, ``bench_frontend_gc.py``, ``profile_frontend.py``), which find it beside
+them (a script's folder is first on ``sys.path``), and by the tests (``tests/test_load.py``, the
+c10d worker fakes), whose pytest settings put ``benchmarks/`` on the path (``pyproject.toml``).
 
 - ``start_frontend(urls, ...)``: the frontend as its own process, started the way
   ``start_debug_server`` starts it (``rank.server.spawn_frontend``: the whole config through an
@@ -10,7 +11,7 @@ benchmark puts this folder on ``sys.path`` and imports it as ``fakefleet``.
 - ``frontend_over(dumps, ...)``: a context manager; one worker thread in this process per dump
   (a few ranks) and a frontend process over them; everything ended on exit.
 - ``start_fleet(world, helpers)``: thousands of ranks, spread over a few helper processes
-  (``python tests/fakefleet.py --serve FIRST LAST WORLD``), each serving its ranks from one
+  (``python benchmarks/fakefleet.py --serve FIRST LAST WORLD``), each serving its ranks from one
   event loop; ``stop_fleet`` ends them. ``c10d=True``: ranks that answer as PyTorch's own C++
   worker does (``c10d_dump``, ``make_c10d_worker_app``). Other apps in helper processes (agents of fake hosts):
   ``start_helpers(script, args)``, each helper ending in ``serve_apps(apps)``; ``split`` cuts
@@ -203,7 +204,7 @@ def _c10d_entry(e: Mapping[str, Any], ids: Mapping[str, str], backend: str,
 def c10d_nccl_dump(dump: Mapping[str, Any], timing: bool = False) -> dict[str, Any]:
     """``dump`` as c10d's NCCL recorder writes it (``dump_nccl_trace_json``, CUDA builds only),
     checked byte for byte against a real worker (torch 2.11+cu130, NCCL 2.28.9, 2 H200s:
-    ``scripts/gpu_capture_c10d_nccl.py``; ``tests/data/c10d_nccl_worker.json`` is its head and
+    ``scripts/gpu/capture_c10d_nccl.py``; ``tests/data/c10d_nccl_worker.json`` is its head and
     first entries) and ``FlightRecorderDetail.hpp``'s ``dump_json``: keys sorted (nlohmann's
     objects), no spaces, no ``frames`` (the JSON dump never writes stacks), ops ``nccl:<op>``,
     ``pg_config`` keyed by the group's name (here its id, ``"0"``) with the member list as one

@@ -1,6 +1,6 @@
 """GPU checks (2 ranks, nccl) of the communicator's CUDA semantics, states, memory and timeouts.
 
-    torchrun --nproc_per_node=2 scripts/gpu_state_check.py
+    torchrun --nproc_per_node=2 scripts/gpu/check_cuda_semantics.py
 
 1. async: rank 0's all_reduce while rank 1 sleeps reads ``started`` (its kernel runs), then
    ``completed`` after ``wait()`` + synchronize.
@@ -29,16 +29,13 @@ import sys
 import tempfile
 import threading
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import torch
+import torch.distributed as dist
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-
-from debug_server.recording.comms import new_comm  # noqa: E402
-from debug_server.recording.groups import MARK_GAP_US  # noqa: E402
-from debug_server.recording.hooks import FlightRecorderHook  # noqa: E402
+from debug_server.recording.comms import new_comm
+from debug_server.recording.groups import MARK_GAP_US
+from debug_server.recording.hooks import FlightRecorderHook
 
 MIB64 = 16 * 1024 * 1024  # float32 elements in 64 MiB
 

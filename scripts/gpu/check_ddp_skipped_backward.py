@@ -1,7 +1,7 @@
 """GPU check: a DDP job on 2 GPUs (NCCL) where rank 1 skips a step's backward.
 
-    PYTHONPATH=. python scripts/gpu_check_ddp.py OUTDIR [--port 25996] [--master-port 29615]
-    python scripts/gpu_check_ddp.py OUTDIR --cpu      # the same on gloo, to try it without GPUs
+    PYTHONPATH=. python scripts/gpu/check_ddp_skipped_backward.py OUTDIR [--port P] [--master-port P]
+    python scripts/gpu/check_ddp_skipped_backward.py OUTDIR --cpu      # the same on gloo, to try it without GPUs
 
 Starts ``torchrun --nproc_per_node=2`` on this script. Each rank: ``init_process_group("nccl")``,
 ``start_debug_server`` (dumps every 2 s, stall timeout 4 s), a communicator ``main_comm`` with a
@@ -32,10 +32,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from _gpu_common import kill_job, publish, start_torchrun, verdict  # noqa: E402
+from gpucommon import free_ports, kill_job, publish, start_torchrun, verdict
 
 
 def skip_backward(seconds: float) -> None:
@@ -140,7 +137,7 @@ def check(out: Path) -> list[str]:
     if missing[:1] != [("0", seq, "all_reduce", [1])]:
         failures.append(f"live findings {missing}, expected [('0', {seq}, 'all_reduce', [1])]")
     for want in (f"Rank 1 never joined all_reduce #{seq} on pg 0 (default_pg)",
-                 f"gpu_check_ddp.py:{skip_line} in skip_backward"):
+                 f"{Path(__file__).name}:{skip_line} in skip_backward"):
         if want not in str(result.get("verdict")):
             failures.append(f"live verdict lacks {want!r}")
 
@@ -194,10 +191,11 @@ def check(out: Path) -> list[str]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("out", type=Path)
-    ap.add_argument("--port", type=int, default=25996)
-    ap.add_argument("--master-port", type=int, default=29615)
+    ap.add_argument("--port", type=int, default=0, help="0: a free one")
+    ap.add_argument("--master-port", type=int, default=0, help="0: a free one")
     ap.add_argument("--cpu", action="store_true", help="gloo on CPU instead of NCCL on 2 GPUs")
     args = ap.parse_args()
+    free_ports(args)
     if os.environ.get("GPU_CHECK_DDP_RANK"):
         rank_main(args.out, args.port, args.cpu)
         return 0

@@ -1,7 +1,7 @@
 """GPU check: a rank that cannot answer, 2 GPUs (NCCL): rank 1 stops itself (SIGSTOP) at step 3.
 
-    PYTHONPATH=. python scripts/gpu_silent_rank.py OUTDIR [--port 25993] [--master-port 29620]
-    python scripts/gpu_silent_rank.py OUTDIR --cpu     # the same on gloo, to try it without GPUs
+    PYTHONPATH=. python scripts/gpu/check_silent_rank.py OUTDIR [--port P] [--master-port P]
+    python scripts/gpu/check_silent_rank.py OUTDIR --cpu     # the same on gloo, to try it without GPUs
 
 Starts ``torchrun --nproc_per_node=2`` on this script. Each rank: ``init_process_group``,
 ``start_debug_server`` (nothing else: the FR data is c10d's own recorder's), then a loop of
@@ -32,9 +32,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from _gpu_common import get, kill_job, publish, start_torchrun, verdict  # noqa: E402
+from gpucommon import free_ports, get, kill_job, publish, start_torchrun, verdict
 
 STOP_STEP = 3
 PAGE_S = 1.0
@@ -110,7 +108,7 @@ def check(out: Path, job: subprocess.Popen[Any], limit_s: float) -> list[str]:
     if not proc or proc.get("state") != "stopped":
         failures.append(f"rank 1's process is not read as stopped: {proc}")
     text = result.get("verdict") or ""
-    if "its process is stopped" not in text or f"gpu_silent_rank.py:{_stop_line()}" not in text:
+    if "its process is stopped" not in text or f"{Path(__file__).name}:{_stop_line()}" not in text:
         failures.append(f"the verdict does not say rank 1 is stopped at line {_stop_line()}: "
                         f"{text!r}")
     for path in ("/fr_trace?format=json", "/fr_trace", "/?format=json", "/"):
@@ -126,12 +124,13 @@ def check(out: Path, job: subprocess.Popen[Any], limit_s: float) -> list[str]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("out", type=Path)
-    ap.add_argument("--port", type=int, default=25993)
-    ap.add_argument("--master-port", type=int, default=29620)
+    ap.add_argument("--port", type=int, default=0, help="0: a free one")
+    ap.add_argument("--master-port", type=int, default=0, help="0: a free one")
     ap.add_argument("--limit", type=float, default=120.0,
                     help="seconds for the job to start and the verdict to name rank 1")
     ap.add_argument("--cpu", action="store_true", help="gloo on CPU instead of NCCL on 2 GPUs")
     args = ap.parse_args()
+    free_ports(args)
     if os.environ.get("GPU_SILENT_RANK"):
         rank_main(args.out, args.port, args.cpu)
         return 0

@@ -1,7 +1,7 @@
 """GPU check: a DDP job on 2 GPUs (NCCL) whose rank 1 gets a slow data loader while it trains.
 
-    PYTHONPATH=. python scripts/gpu_check_stragglers.py OUTDIR [--port 25994] [--master-port 29619]
-    python scripts/gpu_check_stragglers.py OUTDIR --cpu     # the same on gloo, to try it without GPUs
+    PYTHONPATH=. python scripts/gpu/check_stragglers.py OUTDIR [--port P] [--master-port P]
+    python scripts/gpu/check_stragglers.py OUTDIR --cpu     # the same on gloo, to try it without GPUs
 
 Starts ``torchrun --nproc_per_node=2`` on this script. Each rank: ``init_process_group``,
 ``start_debug_server`` (nothing else: the page comes from c10d's own recorder), a small DDP
@@ -33,10 +33,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from _gpu_common import get, kill_job, publish, start_torchrun, verdict  # noqa: E402
+from gpucommon import free_ports, get, kill_job, publish, start_torchrun, verdict
 
 NAMED_WITHIN_S = 10.0
 FAST_STEPS = 60
@@ -181,11 +178,12 @@ def check(out: Path, job: subprocess.Popen[bytes], slow_ms: float) -> list[str]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("out", type=Path)
-    ap.add_argument("--port", type=int, default=25994)
-    ap.add_argument("--master-port", type=int, default=29619)
+    ap.add_argument("--port", type=int, default=0, help="0: a free one")
+    ap.add_argument("--master-port", type=int, default=0, help="0: a free one")
     ap.add_argument("--slow-ms", type=float, default=40.0)
     ap.add_argument("--cpu", action="store_true", help="gloo on CPU instead of NCCL on 2 GPUs")
     args = ap.parse_args()
+    free_ports(args)
     if os.environ.get("GPU_CHECK_STRAGGLERS_RANK"):
         rank_main(args.out, args.port, args.cpu, args.slow_ms / 1e3)
         return 0

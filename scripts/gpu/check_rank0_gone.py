@@ -18,8 +18,8 @@ Checked ``READ_AT`` s (default 8) after rank 0 left, on rank 0's frontend:
 * once ranks 1 and 3 are ended, the frontend exits by itself within ``DEBUG_SERVER_ORPHAN_EXIT_S``
   (set to 5 here) plus 30 s.
 
-    python scripts/gpu_check_rank0_gone.py OUTDIR                  # NCCL, 4 GPUs
-    python scripts/gpu_check_rank0_gone.py OUTDIR --backend gloo   # the same logic on CPU
+    python scripts/gpu/check_rank0_gone.py OUTDIR                  # NCCL, 4 GPUs
+    python scripts/gpu/check_rank0_gone.py OUTDIR --backend gloo   # the same logic on CPU
 
 Exit status 0 when every check passed, 1 otherwise (each check prints PASS/FAIL and why).
 """
@@ -36,11 +36,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _gpu_common import get
+from gpucommon import REPO, free_ports, get
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))  # the package of this source tree, as the ranks import it
-from debug_server.rank.jobpids import fate  # noqa: E402
+from debug_server.rank.jobpids import fate
 
 WORLD = 4
 ORPHAN_EXIT_S = 5.0
@@ -220,12 +218,13 @@ def main() -> int:
     p.add_argument("--backend", default="nccl", choices=("nccl", "gloo"))
     p.add_argument("--rank0", default="exit", choices=("exit", "kill"),
                    help="how ranks 0 and 2 leave: a normal exit, or SIGKILL")
-    p.add_argument("--port", type=int, default=26400, help="rank 0's frontend port")
-    p.add_argument("--master-port", type=int, default=29400)
+    p.add_argument("--port", type=int, default=0, help="rank 0's frontend port (0: a free one)")
+    p.add_argument("--master-port", type=int, default=0, help="0: a free one")
     p.add_argument("--read-at", type=float, default=8.0)
     p.add_argument("--rank-main", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--dump-dir", help=argparse.SUPPRESS)
     args = p.parse_args()
+    free_ports(args)
     if args.rank_main:
         return rank_main(args.backend, args.port, args.dump_dir, args.rank0)
     return driver(args)

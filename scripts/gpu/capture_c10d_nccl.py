@@ -1,7 +1,7 @@
 """Capture what torch's C++ worker on a CUDA build answers (issue 31: the fakes of
 ``bench_frontend.py --c10d-nccl`` must be byte-compatible with it).
 
-    torchrun --nproc_per_node=2 scripts/gpu_capture_c10d_nccl.py OUTDIR
+    torchrun --nproc_per_node=2 scripts/gpu/capture_c10d_nccl.py OUTDIR
 
 Each rank: ``init_process_group("nccl")`` (lazy), torch's ``_WorkerServer``; 2100 all_reduce
 on the default group from a call site two frames deep (the ring wraps), one on a sub-group;

@@ -1,8 +1,8 @@
 """GPU check: a healthy DDP job's end is as quiet with the debug server as without it (issue 39).
 
-    PYTHONPATH=. python scripts/gpu_quiet_exit.py OUTDIR [--steps 40] [--port 26720]
-                                                  [--master-port 29720]
-    python scripts/gpu_quiet_exit.py OUTDIR --cpu      # the same on gloo, to try it without GPUs
+    PYTHONPATH=. python scripts/gpu/check_quiet_exit.py OUTDIR [--steps 40] [--port P]
+                                                  [--master-port P]
+    python scripts/gpu/check_quiet_exit.py OUTDIR --cpu      # the same on gloo, to try it without GPUs
 
 Runs one job twice under ``torchrun --nproc_per_node=2``: without ``start_debug_server``, then
 with it (dumps every 2 s into OUTDIR/server/dumps). Each rank: ``init_process_group("nccl")``, a
@@ -28,12 +28,10 @@ import urllib.request
 from pathlib import Path
 from typing import NamedTuple
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from _gpu_common import (  # noqa: E402
+from gpucommon import (
     added_lines,
     cpp_traces,
+    free_ports,
     kill_job,
     outlived,
     start_torchrun,
@@ -124,12 +122,13 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("out", type=Path)
     ap.add_argument("--steps", type=int, default=40)
-    ap.add_argument("--port", type=int, default=26720, help="the frontend's port")
-    ap.add_argument("--master-port", type=int, default=29720)
+    ap.add_argument("--port", type=int, default=0, help="the frontend's port (0: a free one)")
+    ap.add_argument("--master-port", type=int, default=0, help="0: a free one")
     ap.add_argument("--limit", type=float, default=300.0, help="seconds each run may take")
     ap.add_argument("--cpu", action="store_true", help="gloo on CPU instead of NCCL on 2 GPUs")
     ap.add_argument("--server", action="store_true", help=argparse.SUPPRESS)  # a rank's own
     args = ap.parse_args()
+    free_ports(args)
     if os.environ.get("GPU_QUIET_EXIT_RANK"):
         rank_main(args.out, args.steps, args.port, args.server, args.cpu)
         return 0

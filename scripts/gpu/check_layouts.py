@@ -1,7 +1,7 @@
 """GPU check: the right culprit on real layouts (issue 33), on 4 GPUs with NCCL.
 
-    PYTHONPATH=. python scripts/gpu_check_layouts.py OUTDIR [--cases fsdp mesh pipeline]
-    python scripts/gpu_check_layouts.py OUTDIR --cpu     # the same on gloo, to try the logic
+    PYTHONPATH=. python scripts/gpu/check_layouts.py OUTDIR [--cases fsdp mesh pipeline]
+    python scripts/gpu/check_layouts.py OUTDIR --cpu     # the same on gloo, to try the logic
 
 Each case runs ``torchrun --nproc_per_node=4`` on this script: plain ``torch.distributed`` and
 ``start_debug_server`` only (no communicator of ours, no hook), and rank 2 misbehaves once:
@@ -22,7 +22,7 @@ lead with rank 2, name its group by desc (``default_pg``, ``mesh_tp``, ``pp``), 
 2's line (the CLI has no stacks: it names the line of the op rank 2 went on to, where the FR has
 one); category ``cpu_divergence``, never GPU/network advice. Exit 0 when every case passed.
 
-Environment: ``DEBUG_SERVER_PORT`` (26400), ``MASTER_PORT`` (29400), ``READ_AT`` (s into the
+Environment: ``DEBUG_SERVER_PORT``, ``MASTER_PORT`` (unset: free ports), ``READ_AT`` (s into the
 hang, 12), ``COMM_TIMEOUT`` (s, 45).
 """
 
@@ -39,10 +39,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _gpu_common import cpu_pickles, end_job, get, run_cli, show, wait_path  # noqa: E402
+from gpucommon import REPO, cpu_pickles, end_job, env_port, get, run_cli, show, wait_path
 
-REPO = Path(__file__).resolve().parent.parent
 WORLD = 4
 CULPRIT = 2
 DESC = {"fsdp": "default_pg", "mesh": "mesh_tp", "pipeline": "pp"}
@@ -155,7 +153,7 @@ def rank_main(case: str, out: Path, cpu: bool) -> None:
         device = torch.device("cuda", local)
         torch.cuda.set_device(device)
         dist.init_process_group("nccl", timeout=timeout, device_id=device)
-    server = start_debug_server(port=int(os.environ.get("DEBUG_SERVER_PORT", "26400")),
+    server = start_debug_server(port=int(os.environ["DEBUG_SERVER_PORT"]),
                                 dump_dir=str(out / "dumps"), dump_interval=3600, stall_timeout=4)
     server.wait_registered(60)
     if dist.get_rank() == 0:
@@ -181,7 +179,7 @@ def check(where: str, result: dict[str, Any], case: str, line: int | None) -> li
     if DESC[case] not in str(f.get("group_label")) or not verdict.startswith(f"Rank {CULPRIT} "):
         problems.append(f"{case} {where}: the headline does not lead with rank {CULPRIT} on "
                         f"{DESC[case]}: {verdict[:200]}")
-    if line is not None and f"gpu_check_layouts.py:{line}" not in verdict:
+    if line is not None and f"{Path(__file__).name}:{line}" not in verdict:
         problems.append(f"{case} {where}: line {line} not named")
     if result.get("category") != "cpu_divergence":
         problems.append(f"{case} {where}: category {result.get('category')!r}")
@@ -278,11 +276,10 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     if args.cases is None:
         args.cases = ["fsdp", "mesh"] if args.cpu else ["fsdp", "mesh", "pipeline"]
-    port = int(os.environ.get("DEBUG_SERVER_PORT", "26400"))
-    problems: list[str] = []
+        problems: list[str] = []
     for i, case in enumerate(args.cases):
-        problems += run_case(case, args.out, args.cpu, port + i,
-                             int(os.environ.get("MASTER_PORT", "29400")) + i)
+        problems += run_case(case, args.out, args.cpu, env_port("DEBUG_SERVER_PORT", i),
+                             env_port("MASTER_PORT", i))
     print(f"outputs in {args.out}")
     if problems:
         print("FAILED:\n  " + "\n  ".join(problems))

@@ -1,6 +1,6 @@
 """The reference hang: two ranks, one of them never joins the fifth collective.
 
-    torchrun --nproc_per_node=2 scripts/verify_flight_recorder.py
+    torchrun --nproc_per_node=2 examples/hang_demo.py
 
 Each rank creates the communicator ``main_comm``, starts the debug server (rank 0 serves
 http://127.0.0.1:25999 and writes periodic dumps), records with a 100-entry Flight Recorder, and
@@ -45,16 +45,13 @@ import tempfile
 import time
 from pathlib import Path
 
-# Run from a source checkout without installing (the device machines have no package registry).
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import torch
+import torch.distributed as dist
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-
-from debug_server import start_debug_server, stop_debug_server  # noqa: E402
-from debug_server.recording import hooks  # noqa: E402
-from debug_server.recording.comms import new_comm  # noqa: E402
-from debug_server.recording.hooks import FlightRecorderHook  # noqa: E402
+from debug_server import start_debug_server, stop_debug_server
+from debug_server.recording import hooks
+from debug_server.recording.comms import new_comm
+from debug_server.recording.hooks import FlightRecorderHook
 
 
 def env_float(name: str, default: float) -> float:
@@ -259,8 +256,7 @@ def report(dump_dir: str, timeout_at: float, world: int) -> None:
            *incomplete.split()]
     if stacks:
         cmd += ["--stacks", str(stacks[-1])]
-    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parent.parent))
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     hang_reports = sorted(Path(dump_dir).glob("hang_report_*.txt"))
     print("", flush=True)
     print("=" * 78)

@@ -21,12 +21,12 @@ The machine has no pip on PATH for this: py-spy travels as its wheel in ``<repo>
 driver installs it into ``/tmp/site`` (``pip --target`` where pip works, else by unzipping the
 wheel, whose binary is ``py_spy-<v>.data/scripts/py-spy``) and puts ``/tmp/site/bin`` on PATH.
 
-    python scripts/gpu_check_native.py --out DIR                 # NCCL on 2 GPUs, both cases
-    python scripts/gpu_check_native.py --cpu --cases sync --out DIR
+    python scripts/gpu/check_native_frames.py --out DIR                 # NCCL on 2 GPUs, both cases
+    python scripts/gpu/check_native_frames.py --cpu --cases sync --out DIR
         # gloo on CPU: a C usleep holding the GIL stands in for the kernel (tests the driver)
 
-Environment: ``SPIN`` (40 s), ``READ_AT`` (8 s), ``DEBUG_SERVER_PORT`` (26500) and
-``MASTER_PORT`` (29500), one more of each per case.
+Environment: ``SPIN`` (40 s), ``READ_AT`` (8 s), ``DEBUG_SERVER_PORT`` and
+``MASTER_PORT`` (one more of each per case; unset: free ports).
 """
 
 from __future__ import annotations
@@ -45,9 +45,8 @@ import zipfile
 from pathlib import Path
 from typing import Any
 
-from _gpu_common import get, wait_for_mark
+from gpucommon import REPO, env_port, get, wait_for_mark
 
-REPO = Path(__file__).resolve().parent.parent
 SITE = Path("/tmp/site")
 CUDA_FRAME = re.compile(r"libcuda|libcudart|libnvidia|^cu[A-Z]|^cuda", re.I)
 CPU_FRAME = re.compile(r"^(usleep|nanosleep|clock_nanosleep)$")
@@ -62,7 +61,6 @@ def rank_main(case: str, marker: str, cpu: bool) -> int:
 
     import torch
 
-    sys.path.insert(0, str(REPO))
     from debug_server import start_debug_server
     from debug_server.recording.comms import new_comm
     from debug_server.recording.hooks import FlightRecorderHook
@@ -124,7 +122,6 @@ def rank_main(case: str, marker: str, cpu: bool) -> int:
 
 def ensure_pyspy() -> str:
     """py-spy's path: found as the debug server finds it, else installed from ``.whl/``."""
-    sys.path.insert(0, str(REPO))
     from debug_server.rank import pyspy
 
     try:
@@ -160,7 +157,6 @@ def _section(text: str, rank: int) -> str:
 
 def check_stacks(text: str, cpu: bool) -> list[str]:
     """What is wrong with the native stacks page (empty when it shows what it should)."""
-    sys.path.insert(0, str(REPO))
     from debug_server.analysis import stackparse
 
     problems = []
@@ -201,8 +197,8 @@ def run_case(case: str, out: Path, cpu: bool, index: int) -> list[str]:
     work.mkdir(parents=True, exist_ok=True)
     marker = work / "spinning"
     marker.unlink(missing_ok=True)
-    port = int(os.environ.get("DEBUG_SERVER_PORT", "26500")) + index
-    master = int(os.environ.get("MASTER_PORT", "29500")) + index
+    port = env_port("DEBUG_SERVER_PORT", index)
+    master = env_port("MASTER_PORT", index)
     read_at = float(os.environ.get("READ_AT", "8"))
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1",
                DEBUG_SERVER_PORT=str(port))
