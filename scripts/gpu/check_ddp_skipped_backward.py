@@ -20,7 +20,6 @@ The processes are killed by process group at the end (the hang never ends by its
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import json
 import os
@@ -32,7 +31,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from gpucommon import free_ports, kill_job, publish, start_torchrun, verdict
+from gpucommon import check_parser, free_ports, kill_job, publish, start_torchrun, verdict
 
 
 def skip_backward(seconds: float) -> None:
@@ -189,10 +188,7 @@ def check(out: Path) -> list[str]:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("out", type=Path)
-    ap.add_argument("--port", type=int, default=0, help="0: a free one")
-    ap.add_argument("--master-port", type=int, default=0, help="0: a free one")
+    ap = check_parser(__doc__)
     ap.add_argument("--cpu", action="store_true", help="gloo on CPU instead of NCCL on 2 GPUs")
     args = ap.parse_args()
     free_ports(args)

@@ -20,7 +20,6 @@ The processes are killed by pid at the end.
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import json
 import os
@@ -32,7 +31,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from gpucommon import free_ports, get, kill_job, publish, start_torchrun, verdict
+from gpucommon import check_parser, free_ports, get, kill_job, publish, start_torchrun, verdict
 
 STOP_STEP = 3
 PAGE_S = 1.0
@@ -122,10 +121,7 @@ def check(out: Path, job: subprocess.Popen[Any], limit_s: float) -> list[str]:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("out", type=Path)
-    ap.add_argument("--port", type=int, default=0, help="0: a free one")
-    ap.add_argument("--master-port", type=int, default=0, help="0: a free one")
+    ap = check_parser(__doc__)
     ap.add_argument("--limit", type=float, default=120.0,
                     help="seconds for the job to start and the verdict to name rank 1")
     ap.add_argument("--cpu", action="store_true", help="gloo on CPU instead of NCCL on 2 GPUs")

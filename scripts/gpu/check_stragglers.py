@@ -21,7 +21,6 @@ The processes are killed by pid at the end.
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import json
 import os
@@ -33,7 +32,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from gpucommon import free_ports, get, kill_job, publish, start_torchrun, verdict
+from gpucommon import check_parser, free_ports, get, kill_job, publish, start_torchrun, verdict
 
 NAMED_WITHIN_S = 10.0
 FAST_STEPS = 60
@@ -176,10 +175,7 @@ def check(out: Path, job: subprocess.Popen[bytes], slow_ms: float) -> list[str]:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("out", type=Path)
-    ap.add_argument("--port", type=int, default=0, help="0: a free one")
-    ap.add_argument("--master-port", type=int, default=0, help="0: a free one")
+    ap = check_parser(__doc__)
     ap.add_argument("--slow-ms", type=float, default=40.0)
     ap.add_argument("--cpu", action="store_true", help="gloo on CPU instead of NCCL on 2 GPUs")
     args = ap.parse_args()

@@ -294,3 +294,14 @@ def added_lines(with_server: list[str], baseline: list[str]) -> list[str]:
 def cpp_traces(lines: list[str]) -> list[str]:
     """The lines of c10d's C++ traces among ``lines``."""
     return [ln for ln in lines if any(m in ln for m in CPP_TRACE)]
+
+
+def check_parser(doc: str) -> Any:
+    """The arguments every job-driving check takes: ``OUT`` and the two ports (0: a free one)."""
+    import argparse
+
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
+    ap.add_argument("out", type=Path)
+    ap.add_argument("--port", type=int, default=0, help="0: a free one")
+    ap.add_argument("--master-port", type=int, default=0, help="0: a free one")
+    return ap
