@@ -18,7 +18,7 @@ from fakefleet import start_fleet, stop_fleet
 from debug_server.fanout.live import LiveCollector
 from debug_server.fanout.transport import GC_THRESHOLDS
 from debug_server.frontend.app import CONNECTIONS_PER_RANK
-from debug_server.rank.discovery import StaticRegistry
+from debug_server.readers.storeview import StaticRegistry
 
 DEFAULT = (700, 10, 10)
 

@@ -31,7 +31,7 @@ from fakefleet import start_fleet, stop_fleet
 from debug_server.config import ServerConfig
 from debug_server.fanout.transport import settle_gc
 from debug_server.frontend.app import make_frontend_app
-from debug_server.rank.discovery import StaticRegistry
+from debug_server.readers.storeview import StaticRegistry
 
 
 class InlineExecutor(concurrent.futures.ThreadPoolExecutor):

@@ -28,7 +28,7 @@ from debug_server.fanout.live import LiveCollector
 from debug_server.fanout.reply import FrData
 from debug_server.fanout.transport import OK, UNREACHABLE, RankResult
 from debug_server.frontend.dumps import snapshot_json, stacks_report
-from debug_server.rank.discovery import WorkerAddr
+from debug_server.protocol.addrs import WorkerAddr
 from debug_server.rank.worker import make_worker_app
 
 FLEET_WORLD, FLEET_PER_HOST, FLEET_MISSING = 8, 4, 6

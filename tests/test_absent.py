@@ -18,7 +18,7 @@ from debug_server.fanout.leanhttp import LeanClient
 from debug_server.fanout.live import LiveCollector
 from debug_server.frontend.hangreport import HEALTH_HANDLER, parse_health
 from debug_server.protocol.names import STACKS_HANDLER
-from debug_server.rank.discovery import StaticRegistry
+from debug_server.readers.storeview import StaticRegistry
 
 EMPTY = json.dumps(c10d_empty_dump()).encode()
 

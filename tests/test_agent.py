@@ -30,6 +30,7 @@ from mpjob import free_port, kill_all, rank_env
 
 from debug_server.config import JobEnv, Settings
 from debug_server.frontend.dumps import analyze_fr
+from debug_server.protocol import addrs
 from debug_server.rank import agent_launch
 from debug_server.rank.worker import StaticProvider
 from debug_server.tools import synthetic
@@ -45,13 +46,13 @@ HANG_STACK = ('Thread 0x00007f0000000001 (most recent call first):\n'
 
 
 def test_rank_list_text_round_trips_with_ranges() -> None:
-    assert agent_launch.format_ranks([7, 0, 1, 2, 3, 9]) == "0-3,7,9"
-    assert agent_launch.parse_ranks("0-3,7,9") == [0, 1, 2, 3, 7, 9]
+    assert addrs.format_ranks([7, 0, 1, 2, 3, 9]) == "0-3,7,9"
+    assert addrs.parse_ranks("0-3,7,9") == [0, 1, 2, 3, 7, 9]
 
 
 def test_rank_list_text_refuses_a_backwards_range() -> None:
     with pytest.raises(ValueError, match="bad range '5-2'"):
-        agent_launch.parse_ranks("5-2")
+        addrs.parse_ranks("5-2")
 
 
 def test_torchrun_layout_gives_the_hosts_contiguous_ranks() -> None:

@@ -19,7 +19,8 @@ from mpjob import REPO, free_port, kill_all, reference_job
 
 from debug_server.auth import TOKEN_ENV, TOKEN_HEADER, store_key
 from debug_server.frontend import attach
-from debug_server.rank.discovery import meta_key, store_client, url_key
+from debug_server.protocol.addrs import meta_key, url_key
+from debug_server.readers.storeview import store_client
 
 
 def _start_attached(store_port: int, world_size: int, *extra: str,

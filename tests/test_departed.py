@@ -15,8 +15,8 @@ from debug_server.agent import main as agent_main
 from debug_server.fanout.reply import FrData
 from debug_server.fanout.transport import GONE, OK, UNREACHABLE, RankResult
 from debug_server.frontend import departed
-from debug_server.rank import jobpids
-from debug_server.rank.discovery import WorkerAddr
+from debug_server.protocol.addrs import WorkerAddr
+from debug_server.readers import jobpids
 
 STACK = 'Thread 0x1 (most recent call first):\n  File "/job/train.py", line 7 in step\n'
 
@@ -140,8 +140,8 @@ async def test_agents_found_before_stay_when_the_store_dies_with_rank_0(monkeypa
     from mpjob import free_port
 
     from debug_server.fanout import agents as agents_mod
-    from debug_server.rank.agent_launch import agent_key
-    from debug_server.rank.discovery import store_client
+    from debug_server.protocol.addrs import agent_key
+    from debug_server.readers.storeview import store_client
 
     port = free_port()
     master = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,

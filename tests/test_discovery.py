@@ -12,14 +12,12 @@ from debug_server.config import ConfigError, JobEnv, Settings, default_bind_host
 from debug_server.rank import discovery
 from debug_server.rank.discovery import (
     Advertised,
-    StoreRegistry,
     advertise,
     interface_addresses,
-    lookup_workers,
     register_worker,
     route_source,
-    store_client,
 )
+from debug_server.readers.storeview import StoreRegistry, lookup_workers, store_client
 
 ENV = {"RANK": "1", "WORLD_SIZE": "4", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
 

@@ -20,7 +20,7 @@ from debug_server.fanout.live import LiveCollector
 from debug_server.frontend import dumps as dumps_mod
 from debug_server.frontend.app import DUMPER, make_frontend_app
 from debug_server.frontend.dumps import DumpDir, Dumper, FileThread, write_atomic
-from debug_server.rank.discovery import StaticRegistry
+from debug_server.readers.storeview import StaticRegistry
 from debug_server.tools import synthetic
 
 NOW = time.mktime((2025, 1, 2, 3, 4, 5, 0, 0, -1))

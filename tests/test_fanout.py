@@ -13,7 +13,8 @@ from debug_server.fanout.live import LiveCollector
 from debug_server.fanout.pagefirst import PageFirstSemaphore
 from debug_server.fanout.reply import parse_dumps
 from debug_server.fanout.transport import RankResult, fan_out
-from debug_server.rank.discovery import StaticRegistry, WorkerAddr
+from debug_server.protocol.addrs import WorkerAddr
+from debug_server.readers.storeview import StaticRegistry
 from debug_server.tools import synthetic
 
 

@@ -19,7 +19,7 @@ from debug_server.fanout.live import LiveCollector
 from debug_server.fanout.reply import FrData
 from debug_server.frontend.dumps import analyze_fr
 from debug_server.protocol import members
-from debug_server.rank.discovery import StaticRegistry
+from debug_server.readers.storeview import StaticRegistry
 from debug_server.tools import synthetic
 
 EMPTY = json.dumps(c10d_empty_dump()).encode()

@@ -23,8 +23,8 @@ from debug_server.fanout.transport import OK
 from debug_server.frontend.dumps import analyze_fr
 from debug_server.protocol import agentwire, members
 from debug_server.protocol.wire import STACKS_SEP, split_stacks
-from debug_server.rank.discovery import StaticRegistry
 from debug_server.rank.worker import StaticProvider, make_worker_app
+from debug_server.readers.storeview import StaticRegistry
 from debug_server.tools import synthetic
 
 WORLD, PER_HOST, MISSING = FLEET_WORLD, FLEET_PER_HOST, FLEET_MISSING

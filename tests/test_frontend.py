@@ -16,7 +16,8 @@ from debug_server.config import ServerConfig
 from debug_server.frontend import departed
 from debug_server.frontend.app import load_templates, make_frontend_app
 from debug_server.frontend.render import fr_tables
-from debug_server.rank.discovery import StaticRegistry, StoreRegistry, register_worker, store_client
+from debug_server.rank.discovery import register_worker
+from debug_server.readers.storeview import StaticRegistry, StoreRegistry, store_client
 from debug_server.tools import synthetic
 
 BROWSER = "text/html,application/xhtml+xml,application/xml;q=0.9,*/*;q=0.8"

@@ -11,8 +11,8 @@ from aiohttp import web
 from debug_server.analysis import core as analysis
 from debug_server.fanout.live import LiveCollector
 from debug_server.protocol import frwindow
-from debug_server.rank.discovery import StaticRegistry
 from debug_server.rank.worker import StaticProvider, make_worker_app
+from debug_server.readers.storeview import StaticRegistry
 from debug_server.tools import synthetic
 from debug_server.tools.synthetic import make_dump, make_entry
 

@@ -19,8 +19,8 @@ from hypothesis import strategies as st
 
 from debug_server.config import ServerConfig
 from debug_server.frontend.app import make_frontend_app
-from debug_server.rank.discovery import StaticRegistry
 from debug_server.rank.worker import HANDLERS, StaticProvider, WorkerThread, start_worker_thread
+from debug_server.readers.storeview import StaticRegistry
 from debug_server.tools import synthetic
 
 PAGES = ["/", "/fr_trace", "/torchcomms_fr_trace", "/stacks", "/metrics", "/fr_trace/trace.json",

@@ -11,7 +11,7 @@ from debug_server.fanout.live import LiveCollector
 from debug_server.fanout.transport import FAILED, OK, RankResult
 from debug_server.frontend.app import make_frontend_app
 from debug_server.frontend.hangreport import HangWatch, parse_health
-from debug_server.rank.discovery import StaticRegistry
+from debug_server.readers.storeview import StaticRegistry
 from debug_server.tools import synthetic
 
 STALLED = {"healthy": False, "in_flight": 1, "oldest_in_flight_s": 612.4,

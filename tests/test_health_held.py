@@ -15,7 +15,7 @@ from debug_server.fanout.transport import OK, UNREACHABLE, RankResult
 from debug_server.frontend.app import HANG_WATCH, make_frontend_app
 from debug_server.frontend.hangreport import HangWatch, RankHealth
 from debug_server.frontend.health_held import MAX_AGE_POLLS, held_health
-from debug_server.rank.discovery import StaticRegistry
+from debug_server.readers.storeview import StaticRegistry
 from debug_server.tools import synthetic
 
 CURL = "*/*"

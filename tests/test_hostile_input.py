@@ -21,7 +21,7 @@ import pytest
 from debug_server.config import ServerConfig
 from debug_server.dumpio import DumpError, parse_ranks, safe_loads
 from debug_server.frontend.app import make_frontend_app
-from debug_server.rank.discovery import StaticRegistry
+from debug_server.readers.storeview import StaticRegistry
 from debug_server.tools import fr_trace, synthetic
 
 

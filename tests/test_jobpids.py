@@ -14,9 +14,10 @@ from typing import Any
 
 import pytest
 
-from debug_server.rank import jobpids
-from debug_server.rank.agent_launch import agent_key
-from debug_server.rank.discovery import store_client
+from debug_server.protocol.addrs import agent_key
+from debug_server.rank import ptracer
+from debug_server.readers import jobpids
+from debug_server.readers.storeview import store_client
 
 pytestmark = pytest.mark.job
 
@@ -78,21 +79,21 @@ def test_ptracer_is_the_hosts_agent_else_the_frontend_else_any(tcp_store: Any,
     calls: list[int] = []
 
     def prctl(option: Any, value: Any, *rest: Any) -> int:
-        assert option.value == jobpids.PR_SET_PTRACER
+        assert option.value == ptracer.PR_SET_PTRACER
         calls.append(value.value)
         return 0
 
-    keeper = jobpids.PtracerKeeper(make_job(1, 2, tcp_store.port), "h1", prctl=prctl)
-    keeper.apply(jobpids.choose_reader(store, 0, "h1"))
-    assert calls == [jobpids.PR_SET_PTRACER_ANY]  # no reader published yet
+    keeper = ptracer.PtracerKeeper(make_job(1, 2, tcp_store.port), "h1", prctl=prctl)
+    keeper.apply(ptracer.choose_reader(store, 0, "h1"))
+    assert calls == [ptracer.PR_SET_PTRACER_ANY]  # no reader published yet
     jobpids.publish_frontend(store, 0)
-    keeper.apply(jobpids.choose_reader(store, 0, "h1"))
+    keeper.apply(ptracer.choose_reader(store, 0, "h1"))
     assert calls[-1] == os.getpid()
     agent = {**jobpids.identity(child.pid), "restart": 0, "url": "http://x:1", "ranks": "0-1"}
     store.set(agent_key("h1"), json.dumps(agent))
-    keeper.apply(jobpids.choose_reader(store, 0, "h1"))
+    keeper.apply(ptracer.choose_reader(store, 0, "h1"))
     assert calls[-1] == child.pid
     # A reader of another restart, or one whose pid now names another process, is not trusted.
     store.set(agent_key("h1"), json.dumps({**agent, "start": agent["start"] - 1}))
     store.set(jobpids.FRONTEND_READER_KEY, json.dumps({**jobpids.identity(), "restart": 1}))
-    assert jobpids.choose_reader(store, 0, "h1") is None
+    assert ptracer.choose_reader(store, 0, "h1") is None

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 PKG = Path(__file__).resolve().parents[1] / "debug_server"
-PARTS = ("protocol", "recording", "rank", "fanout", "frontend", "agent", "analysis", "tools")
+PARTS = ("protocol", "readers", "recording", "rank", "fanout", "frontend", "agent", "analysis", "tools")
 COMMON = {"config", "auth", "listen", "dumpio", "errors", "stacks"}
 # The two-line modules that keep documented imports and commands at their old names.
 SHIMS = {"comms", "hooks", "fr_trace", "nccl_log", "preflight", "view"}
@@ -24,13 +24,14 @@ SHIMS = {"comms", "hooks", "fr_trace", "nccl_log", "preflight", "view"}
 ALLOWED = {
     "common": set(),
     "protocol": set(),
+    "readers": {"protocol"},
     "recording": set(),
     "analysis": {"protocol"},
-    "rank": {"recording", "analysis", "protocol"},
-    "fanout": {"rank", "analysis", "protocol"},
-    "frontend": {"fanout", "rank", "analysis", "protocol"},
-    "agent": {"fanout", "rank", "analysis", "protocol"},
-    "tools": {"frontend", "fanout", "rank", "analysis", "protocol"},
+    "rank": {"recording", "readers", "analysis", "protocol"},
+    "fanout": {"readers", "analysis", "protocol"},
+    "frontend": {"fanout", "readers", "rank", "analysis", "protocol"},
+    "agent": {"fanout", "readers", "rank", "analysis", "protocol"},
+    "tools": {"frontend", "fanout", "readers", "analysis", "protocol"},
 }
 
 

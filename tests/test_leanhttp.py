@@ -15,7 +15,7 @@ from fakes import closed_port_url
 from debug_server.auth import TOKEN_HEADER, TokenGate
 from debug_server.fanout.leanhttp import BodyTooLarge, LeanClient, ProtocolError
 from debug_server.fanout.transport import fan_out, fetch_one
-from debug_server.rank.discovery import WorkerAddr
+from debug_server.protocol.addrs import WorkerAddr
 from debug_server.rank.worker import StaticProvider, make_worker_app
 from debug_server.tools import synthetic
 

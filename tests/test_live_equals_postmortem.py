@@ -34,8 +34,8 @@ from debug_server.config import ServerConfig
 from debug_server.dumpio import write_dump_atomic
 from debug_server.frontend.app import COLLECTOR, make_frontend_app
 from debug_server.frontend.hangreport import HangWatch
-from debug_server.rank.discovery import StaticRegistry
 from debug_server.rank.worker import StaticProvider, make_worker_app
+from debug_server.readers.storeview import StaticRegistry
 from debug_server.tools import fr_trace
 
 # ---------------------------------------------------------------------------------------------

@@ -12,7 +12,8 @@ from typing import Any
 
 from fakes import make_job
 
-from debug_server.rank.discovery import lookup_workers, register_worker, store_client
+from debug_server.rank.discovery import register_worker
+from debug_server.readers.storeview import lookup_workers, store_client
 
 
 class CountingStore:

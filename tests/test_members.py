@@ -12,7 +12,7 @@ from debug_server.analysis import core as analysis
 from debug_server.fanout.live import LiveCollector
 from debug_server.protocol import members
 from debug_server.rank import worker
-from debug_server.rank.discovery import StaticRegistry
+from debug_server.readers.storeview import StaticRegistry
 from debug_server.tools import synthetic
 
 

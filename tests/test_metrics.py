@@ -12,7 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from debug_server.config import ServerConfig
 from debug_server.frontend.app import make_frontend_app
 from debug_server.frontend.metrics import CONTENT_TYPE
-from debug_server.rank.discovery import StaticRegistry
+from debug_server.readers.storeview import StaticRegistry
 from debug_server.tools import synthetic
 
 STALLED = {"healthy": False, "in_flight": 1, "oldest_in_flight_s": 42.5,

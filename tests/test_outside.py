@@ -16,8 +16,8 @@ from aiohttp import web
 from debug_server.fanout import outside
 from debug_server.fanout.live import LiveCollector
 from debug_server.fanout.transport import OK, TIMED_OUT
-from debug_server.rank.discovery import StaticRegistry
 from debug_server.rank.worker import StaticProvider, make_worker_app
+from debug_server.readers.storeview import StaticRegistry
 
 TIMEOUT = 1.5
 

@@ -15,7 +15,7 @@ from debug_server.fanout.live import LiveCollector
 from debug_server.fanout.pagefirst import BACKGROUND, PageFirstSemaphore, in_background
 from debug_server.frontend.hangreport import HangWatch
 from debug_server.protocol.names import HEALTH_HANDLER
-from debug_server.rank.discovery import StaticRegistry
+from debug_server.readers.storeview import StaticRegistry
 
 
 async def _waiter(sem: PageFirstSemaphore, name: str, order: list[str]) -> None:

@@ -20,8 +20,8 @@ from aiohttp import web
 from debug_server.config import ServerConfig
 from debug_server.frontend import pages_extra
 from debug_server.frontend.app import make_frontend_app
-from debug_server.rank.discovery import StaticRegistry, StoreRegistry
 from debug_server.rank.worker import StaticProvider, make_worker_app
+from debug_server.readers.storeview import StaticRegistry, StoreRegistry
 
 BROWSER = "text/html,application/xhtml+xml,application/xml;q=0.9,*/*;q=0.8"
 TOKEN = "tok_0123456789abcdefghijklmnop"

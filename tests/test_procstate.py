@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 
-from debug_server.rank import jobpids, procstate
 from debug_server.rank.worker import StaticProvider, make_worker_app
+from debug_server.readers import jobpids, procstate
 
 pytestmark = pytest.mark.job  # starts real processes (tests/tiers.py)
 

@@ -29,9 +29,9 @@ from debug_server.config import ServerConfig
 from debug_server.fanout.transport import OK, RankResult
 from debug_server.frontend import render
 from debug_server.frontend.app import COLLECTOR, make_frontend_app
-from debug_server.rank import pyspy
-from debug_server.rank.discovery import StaticRegistry, StoreRegistry
 from debug_server.rank.worker import StaticProvider, make_worker_app
+from debug_server.readers import pyspy
+from debug_server.readers.storeview import StaticRegistry, StoreRegistry
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -22,8 +22,10 @@ from fakes import make_job
 from mpjob import free_port
 
 from debug_server.frontend import departed
-from debug_server.rank import jobpids
-from debug_server.rank.discovery import StoreRegistry, WorkerAddr, register_worker, store_client
+from debug_server.protocol.addrs import WorkerAddr
+from debug_server.rank.discovery import register_worker
+from debug_server.readers import jobpids
+from debug_server.readers.storeview import StoreRegistry, store_client
 
 pytestmark = [pytest.mark.timeout(400), pytest.mark.job]  # real torchrun jobs
 

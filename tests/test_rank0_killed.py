@@ -21,7 +21,7 @@ from httpget import timed_get
 from mpjob import REPO, descendants, free_port
 from rankprocs import RankProcs
 
-from debug_server.rank.jobpids import fate
+from debug_server.readers.jobpids import fate
 
 pytestmark = pytest.mark.job
 

@@ -26,8 +26,10 @@ from debug_server.config import ServerConfig, Settings
 from debug_server.fanout.transport import RankResult, RankStates
 from debug_server.frontend import dumps as dumps_mod
 from debug_server.frontend.app import DUMPER, make_frontend_app
-from debug_server.rank.discovery import StaticRegistry, StoreRegistry, register_worker, store_client
-from debug_server.rank.sigstack import MARKER, capture, install
+from debug_server.rank.discovery import register_worker
+from debug_server.rank.sigstack import install
+from debug_server.readers.sigstack import MARKER, capture
+from debug_server.readers.storeview import StaticRegistry, StoreRegistry, store_client
 from debug_server.tools import synthetic
 
 REPO = Path(__file__).resolve().parent.parent

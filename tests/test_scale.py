@@ -13,7 +13,7 @@ from debug_server.analysis.digest import digest_dump
 from debug_server.fanout.live import LiveCollector
 from debug_server.frontend.hangreport import MAX_POLL_INTERVAL, HangWatch
 from debug_server.protocol import frwindow
-from debug_server.rank.discovery import StaticRegistry
+from debug_server.readers.storeview import StaticRegistry
 from debug_server.tools import synthetic
 
 

@@ -19,9 +19,9 @@ from httpget import get_json, request
 from debug_server.auth import TOKEN_COOKIE, TOKEN_HEADER, TokenGate, token_required
 from debug_server.config import ConfigError, ServerConfig
 from debug_server.frontend.app import make_frontend_app
-from debug_server.rank.discovery import StaticRegistry
 from debug_server.rank.server import start_debug_server, stop_debug_server
 from debug_server.rank.worker import StaticProvider, make_worker_app
+from debug_server.readers.storeview import StaticRegistry
 from debug_server.tools import synthetic
 
 REPO = Path(__file__).resolve().parent.parent

@@ -32,9 +32,10 @@ from debug_server.config import (
 )
 from debug_server.frontend.app import make_frontend_app
 from debug_server.frontend.departed import POLL_S
-from debug_server.rank.discovery import StoreRegistry, register_worker, store_client
+from debug_server.rank.discovery import register_worker
 from debug_server.rank.server import start_debug_server, stop_debug_server
 from debug_server.rank.worker import HooksProvider, start_worker_thread
+from debug_server.readers.storeview import StoreRegistry, store_client
 from debug_server.recording import hooks
 
 REPO = Path(__file__).resolve().parent.parent

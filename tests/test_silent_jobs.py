@@ -30,7 +30,7 @@ from rankprocs import RankProcs
 
 from debug_server.config import ServerConfig
 from debug_server.frontend.app import COLLECTOR, make_frontend_app
-from debug_server.rank.discovery import StoreRegistry
+from debug_server.readers.storeview import StoreRegistry
 
 pytestmark = pytest.mark.job  # starts real processes (tests/tiers.py)
 

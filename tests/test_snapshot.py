@@ -19,7 +19,7 @@ from debug_server.frontend import app as frontend
 from debug_server.frontend import snapshot
 from debug_server.frontend.app import make_frontend_app
 from debug_server.frontend.dumps import SNAPSHOT_PREFIX, Dumper
-from debug_server.rank.discovery import StaticRegistry
+from debug_server.readers.storeview import StaticRegistry
 from debug_server.tools import synthetic
 
 

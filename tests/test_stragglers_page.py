@@ -16,8 +16,8 @@ from debug_server.fanout.live import LiveCollector
 from debug_server.frontend import stragglers as page
 from debug_server.frontend.app import load_templates, make_frontend_app
 from debug_server.rank import clock
-from debug_server.rank.discovery import StaticRegistry
 from debug_server.rank.worker import StaticProvider, make_worker_app
+from debug_server.readers.storeview import StaticRegistry
 
 pytestmark = pytest.mark.timeout(120)
 

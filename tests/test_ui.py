@@ -15,7 +15,7 @@ from debug_server.fanout.transport import RankResult
 from debug_server.frontend.app import load_templates, make_frontend_app
 from debug_server.frontend.dumps import analyze_fr
 from debug_server.frontend.render import overview_model
-from debug_server.rank.discovery import StaticRegistry
+from debug_server.readers.storeview import StaticRegistry
 from debug_server.tools import synthetic
 
 BROWSER = "text/html,application/xhtml+xml,application/xml;q=0.9,*/*;q=0.8"

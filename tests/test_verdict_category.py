@@ -20,7 +20,7 @@ from debug_server.fanout.live import LiveCollector
 from debug_server.frontend import render
 from debug_server.frontend.app import make_frontend_app
 from debug_server.frontend.hangreport import HangWatch, RankHealth
-from debug_server.rank.discovery import StaticRegistry
+from debug_server.readers.storeview import StaticRegistry
 from debug_server.tools.synthetic import make_dump, make_entry
 
 LINE = "/job/train.py"

@@ -26,8 +26,8 @@ from debug_server.fanout.reply import FrData
 from debug_server.fanout.transport import OK, TIMED_OUT, RankResult
 from debug_server.frontend.app import HANG_WATCH, make_frontend_app
 from debug_server.frontend.hangreport import MAX_POLL_INTERVAL, HangWatch
-from debug_server.rank.discovery import StaticRegistry
 from debug_server.rank.worker import StaticProvider
+from debug_server.readers.storeview import StaticRegistry
 from debug_server.tools import synthetic
 
 WALL = re.compile(r"\[wall (\d+\.\d+)\]")

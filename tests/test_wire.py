@@ -9,7 +9,7 @@ import pytest
 
 from debug_server.agent.app import make_agent_app
 from debug_server.agent.registry import StaticHostRegistry
-from debug_server.rank.discovery import WorkerAddr
+from debug_server.protocol.addrs import WorkerAddr
 
 URLS = ["http://127.0.0.1:9", "http://127.0.0.1:9"]  # agent_info never asks the ranks
 

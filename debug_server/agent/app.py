@@ -60,6 +60,7 @@ from debug_server.fanout.live import LiveCollector
 from debug_server.fanout.reply import INLINE_DUMPS, FrData
 from debug_server.fanout.transport import MAX_BODY_BYTES, RankResult
 from debug_server.protocol import frwindow, members
+from debug_server.protocol.addrs import WorkerAddr, parse_ranks
 from debug_server.protocol.agentwire import (
     EVERY,
     FETCH,
@@ -74,8 +75,6 @@ from debug_server.protocol.agentwire import (
 )
 from debug_server.protocol.names import NATIVE, ONLY_ACTIVE, SINCE, WINDOW, WITH_STACKS
 from debug_server.protocol.wire import HandlerError, handler_routes
-from debug_server.rank.agent_launch import parse_ranks
-from debug_server.rank.discovery import WorkerAddr
 
 # ---------------------------------------------------------------------------------------------
 # Parameters

@@ -26,15 +26,9 @@ from debug_server.config import take_secrets
 from debug_server.errors import first_line
 from debug_server.fanout.transport import settle_gc
 from debug_server.listen import start_sites
-from debug_server.rank import discovery, jobpids, pyspy
-from debug_server.rank.agent_launch import (
-    AGENT_ID_ENV,
-    agent_key,
-    format_ranks,
-    host_id,
-    parse_ranks,
-)
-from debug_server.rank.discovery import WorkerAddr
+from debug_server.protocol.addrs import WorkerAddr, agent_key, format_ranks, parse_ranks
+from debug_server.rank.agent_launch import AGENT_ID_ENV, host_id
+from debug_server.readers import jobpids, pyspy, storeview
 
 if TYPE_CHECKING:
     import torch.distributed as dist
@@ -141,9 +135,9 @@ def _connect(args: argparse.Namespace) -> dist.Store | None:
     while True:
         # Asked with a plain connect first: c10d's client retries a refused connection for its
         # whole timeout, also after the job it was started for is over.
-        if not discovery.store_refuses(args.master_addr, args.master_port):
+        if not storeview.store_refuses(args.master_addr, args.master_port):
             try:
-                return discovery.store_client(args.master_addr, args.master_port, min(
+                return storeview.store_client(args.master_addr, args.master_port, min(
                     CONNECT_TRY_S, max(1.0, deadline - time.monotonic())))
             except Exception:  # gone since the probe, or slow: asked again below
                 if time.monotonic() > deadline:

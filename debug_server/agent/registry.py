@@ -7,9 +7,10 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from debug_server.errors import first_line
-from debug_server.rank import discovery
-from debug_server.rank.agent_launch import META_KEY
-from debug_server.rank.discovery import NOT_REGISTERED, WorkerAddr
+from debug_server.protocol import addrs
+from debug_server.protocol.addrs import AGENT_META_KEY as META_KEY
+from debug_server.protocol.addrs import NOT_REGISTERED, WorkerAddr
+from debug_server.readers import storeview
 
 if TYPE_CHECKING:
     import torch.distributed as dist
@@ -30,8 +31,8 @@ class HostRegistry:
         self._gone: str | None = None
         """Why the store, once reached, is no longer asked (it went away with the job)."""
         # One thread: a TCPStore client is not to be shared between threads (fr and stacks
-        # of one page arrive together); a daemon one, never joined at exit (discovery.StoreLane).
-        self._lane = discovery.StoreLane("debug_server.agent")
+        # of one page arrive together); a daemon one, never joined at exit (storeview.StoreLane).
+        self._lane = storeview.StoreLane("debug_server.agent")
 
     @property
     def answered(self) -> bool:
@@ -39,12 +40,12 @@ class HostRegistry:
         return self._store is not None or self._gone is not None
 
     def refuses(self) -> bool:
-        """Whether nothing listens at the store's address now (``discovery.store_refuses``)."""
-        return discovery.store_refuses(*self._addr)
+        """Whether nothing listens at the store's address now (``storeview.store_refuses``)."""
+        return storeview.store_refuses(*self._addr)
 
     def store(self) -> dist.Store:
         if self._store is None:
-            self._store = discovery.store_client(*self._addr, timeout=self._timeout)
+            self._store = storeview.store_client(*self._addr, timeout=self._timeout)
         return self._store
 
     def _lookup_sync(self) -> list[WorkerAddr]:
@@ -53,16 +54,16 @@ class HostRegistry:
         reached = self._store is not None
         try:
             store = self.store()
-            keys = [discovery.url_key(r) for r in self.ranks]
+            keys = [addrs.url_key(r) for r in self.ranks]
             present = self.ranks if store.check(keys) else [
-                r for r in self.ranks if store.check([discovery.url_key(r)])]
-            metas_keys = [discovery.meta_key(r) for r in present]
+                r for r in self.ranks if store.check([addrs.url_key(r)])]
+            metas_keys = [addrs.meta_key(r) for r in present]
             # One round trip to the job's store where every rank has its sidecar (ours do).
             with_meta = present if present and store.check(metas_keys) else [
-                r for r in present if store.check([discovery.meta_key(r)])]
-            urls = dict(zip(present, store.multi_get([discovery.url_key(r) for r in present]),
+                r for r in present if store.check([addrs.meta_key(r)])]
+            urls = dict(zip(present, store.multi_get([addrs.url_key(r) for r in present]),
                             strict=True)) if present else {}
-            metas = dict(zip(with_meta, store.multi_get([discovery.meta_key(r) for r in with_meta]),
+            metas = dict(zip(with_meta, store.multi_get([addrs.meta_key(r) for r in with_meta]),
                              strict=True)) if with_meta else {}
         except Exception as e:  # the store is gone: every rank unknown, one reason
             self._store = None
@@ -75,7 +76,7 @@ class HostRegistry:
             if r not in urls:
                 out.append(WorkerAddr(r, None, NOT_REGISTERED))
                 continue
-            meta = discovery.meta_dict(metas.get(r))
+            meta = addrs.meta_dict(metas.get(r))
             if r in metas and (meta is None or meta.get("restart") != self._restart):
                 out.append(WorkerAddr(r, None, f"{NOT_REGISTERED} (stale or unreadable sidecar)"))
             elif meta is not None and meta.get(META_KEY) not in (None, self._id):

@@ -10,9 +10,9 @@ Nothing here touches torch, HTTP or the disk beyond what a caller hands in.
   calls agree), ``skew`` (ranks read at different instants are not missing).
 * ``verdict``: root-cause order, category, next step, the prose and the banner's headlines.
 * ``progress``: last issued/completed seq per communicator and the ranks behind.
-* ``stackgroups``: ranks grouped by main-thread position; ``ranks``: ``format_ranks``.
+* ``stackgroups``: ranks grouped by main-thread position; ``ranks``: ``format_ranks`` (over
+  ``protocol.addrs.rank_ranges``).
 * ``stackparse``: faulthandler-style stack text to "where is this rank".
-* ``frwindow``, ``members``: which FR entries the live analysis needs; member lists sent once.
 * ``tables``: the report's tables (Collectives, NCCL Calls, Groups) and finding lines as models,
   drawn by the text report and the HTML page alike; ``report``: the plain-text renderer.
 * ``outliers``, ``wait_counters``, ``profile_merge``: per-rank numbers compared across ranks.

@@ -1,12 +1,14 @@
 """Rank-set wording shared by the analysis and every renderer: ``0-2, 5``, ``ranks 0-2, 5``.
 
-No imports from the rest of the package, so a tool that only prints rank lists (``nccl_log``,
+Imports only ``protocol.addrs`` (the range rule the agent's ``ranks`` parameter shares), so a tool that only prints rank lists (``nccl_log``,
 ``preflight``, ``envinfo``) does not load the analyzer.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+
+from debug_server.protocol.addrs import rank_ranges
 
 __all__ = ["format_rank_set", "format_ranks", "ranks_phrase"]
 
@@ -15,16 +17,7 @@ _SMALL_SET = 16
 
 def format_ranks(ranks: Iterable[int]) -> str:
     """``[0, 1, 2, 5]`` -> ``0-2, 5`` (sorted, ranges collapsed)."""
-    rs = sorted(set(ranks))
-    parts: list[str] = []
-    i = 0
-    while i < len(rs):
-        j = i
-        while j + 1 < len(rs) and rs[j + 1] == rs[j] + 1:
-            j += 1
-        parts.append(str(rs[i]) if i == j else f"{rs[i]}-{rs[j]}")
-        i = j + 1
-    return ", ".join(parts)
+    return ", ".join(rank_ranges(ranks))
 
 
 def ranks_phrase(ranks: Iterable[int]) -> str:

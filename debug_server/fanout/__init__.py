@@ -1,7 +1,7 @@
 """The fan-out: asking every rank's worker (or each host's agent) one question at once.
 
 One room between the processes that ask (``frontend``, ``agent``, ``tools``) and what they ask
-over (``rank`` for where the workers are, ``protocol`` for what the wire carries, ``analysis``
+over (``protocol.addrs`` for where the workers are, ``readers`` for reading a rank from outside, ``protocol`` for what the wire carries, ``analysis``
 for the digests' memo). It never imports ``frontend``, ``agent`` or ``recording``.
 
 - ``transport``: one POST per worker (``fetch_one``, ``fan_out``), ``RankResult``, the HTTP

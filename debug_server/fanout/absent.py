@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from debug_server.fanout.transport import RankResult
-    from debug_server.rank.discovery import WorkerAddr
+    from debug_server.protocol.addrs import WorkerAddr
 
 __all__ = ["ABSENT_TTL_S", "KnownAbsent"]
 

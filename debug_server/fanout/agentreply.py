@@ -18,9 +18,8 @@ from typing import Any
 from debug_server.analysis.digest import SNAPSHOT_TIME_KEY
 from debug_server.fanout import fastjson
 from debug_server.fanout.transport import FAILED, RankResult
-from debug_server.protocol import agentwire, members
-from debug_server.rank import agent_launch
-from debug_server.rank.discovery import NOT_REGISTERED, WorkerAddr
+from debug_server.protocol import addrs, agentwire, members
+from debug_server.protocol.addrs import NOT_REGISTERED, WorkerAddr
 
 
 @dataclass(slots=True, frozen=True)
@@ -40,7 +39,7 @@ def keep_stacks(into: list[RankResult] | None, got: list[RankResult] | None) -> 
 
 
 def ranks_param(rs: Sequence[WorkerAddr]) -> str:
-    return agent_launch.format_ranks([a.rank for a in rs])
+    return addrs.format_ranks([a.rank for a in rs])
 
 
 def _record(row: Any, ag: AgentAddr, by_rank: Mapping[int, WorkerAddr],
@@ -52,7 +51,7 @@ def _record(row: Any, ag: AgentAddr, by_rank: Mapping[int, WorkerAddr],
     via = f"via agent {ag.id}"
     elapsed = row.get("elapsed_s")
     code = row.get("http_status")
-    proc = row.get("process")  # read by the agent on the rank's host (rank.procstate)
+    proc = row.get("process")  # read by the agent on the rank's host (readers.procstate)
     return RankResult(row["rank"], by_rank[row["rank"]].url, row["status"], body,
                       row.get("error") if isinstance(row.get("error"), str) else None,
                       float(elapsed) if isinstance(elapsed, int | float) else 0.0,

@@ -53,9 +53,15 @@ from debug_server.fanout.live import LiveCollector
 from debug_server.fanout.reply import INLINE_BYTES, FrData, cut_off_loop, parse_off_loop
 from debug_server.fanout.transport import RankResult, Registry, fetch_one
 from debug_server.protocol import agentwire, frwindow, members
+from debug_server.protocol.addrs import (
+    AGENT_META_KEY,
+    NOT_REGISTERED,
+    WorkerAddr,
+    agent_key,
+    parse_ranks,
+)
 from debug_server.protocol.names import NATIVE, ONLY_ACTIVE, SINCE, WINDOW, WITH_STACKS
-from debug_server.rank import agent_launch, discovery
-from debug_server.rank.discovery import NOT_REGISTERED, WorkerAddr
+from debug_server.readers import storeview
 
 if TYPE_CHECKING:
     import torch.distributed as dist
@@ -84,19 +90,19 @@ class AgentDirectory:
         self._cache: dict[str, tuple[float, AgentAddr | None]] = {}
         self._retry_at = 0.0
         self._reached = False
-        # A daemon thread, never joined at exit (discovery.StoreLane).
-        self._lane = discovery.StoreLane("debug_server.agents")
+        # A daemon thread, never joined at exit (storeview.StoreLane).
+        self._lane = storeview.StoreLane("debug_server.agents")
 
     def _read(self, ids: list[str]) -> dict[str, AgentAddr | None] | None:
         try:
             if self._store is None:
-                self._store = discovery.store_client(*self._addr, timeout=self._timeout)
+                self._store = storeview.store_client(*self._addr, timeout=self._timeout)
             store = self._store
             self._reached = True
-            keys = [agent_launch.agent_key(i) for i in ids]
+            keys = [agent_key(i) for i in ids]
             present = ids if store.check(keys) else [i for i in ids
-                                                     if store.check([agent_launch.agent_key(i)])]
-            raw = dict(zip(present, store.multi_get([agent_launch.agent_key(i) for i in present]),
+                                                     if store.check([agent_key(i)])]
+            raw = dict(zip(present, store.multi_get([agent_key(i) for i in present]),
                            strict=True)) if present else {}
         except Exception as e:  # no store: the agents found before, else every rank directly
             self._store = None
@@ -142,7 +148,7 @@ def _agent_addr(agent_id: str, raw: bytes | None, restart: int) -> AgentAddr | N
         obj = json.loads(raw)
         if obj["restart"] != restart or not isinstance(obj["url"], str):
             return None
-        return AgentAddr(agent_id, obj["url"].rstrip("/"), frozenset(agent_launch.parse_ranks(obj["ranks"])))
+        return AgentAddr(agent_id, obj["url"].rstrip("/"), frozenset(parse_ranks(obj["ranks"])))
     except (ValueError, KeyError, TypeError):
         return None
 
@@ -190,15 +196,15 @@ class AgentRoute:
 
     async def _plan(self, addrs: Sequence[WorkerAddr]) -> tuple[
             list[tuple[AgentAddr, list[WorkerAddr]]], list[WorkerAddr]]:
-        ids = {m[agent_launch.META_KEY] for a in addrs if (m := a.meta) and isinstance(
-            m.get(agent_launch.META_KEY), str)}
+        ids = {m[AGENT_META_KEY] for a in addrs if (m := a.meta) and isinstance(
+            m.get(AGENT_META_KEY), str)}
         now = time.monotonic()
         ids = {i for i in ids if self._down.get(i, 0.0) <= now}
         found = await self.agents.lookup(ids) if ids else {}
         by_agent: dict[str, list[WorkerAddr]] = {}
         direct: list[WorkerAddr] = []
         for a in addrs:
-            aid = a.meta.get(agent_launch.META_KEY) if a.meta else None
+            aid = a.meta.get(AGENT_META_KEY) if a.meta else None
             ag = found.get(aid) if isinstance(aid, str) else None
             if a.url is None or ag is None or a.rank not in ag.ranks:
                 direct.append(a)

@@ -28,8 +28,8 @@ from debug_server.fanout.reply import (
 )
 from debug_server.fanout.transport import OK, RankResult
 from debug_server.protocol import frwindow
+from debug_server.protocol.addrs import WorkerAddr
 from debug_server.protocol.names import C10D_FR_HANDLER, ONLY_ACTIVE
-from debug_server.rank.discovery import WorkerAddr
 
 CPU_EMPTY_TTL_S = 30.0
 """How long an empty CPU recorder of torch's C++ worker (no group, no entry: an NCCL-only job)

@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 from debug_server.analysis.digest import DigestMemo
 from debug_server.fanout.reply import FrData
 from debug_server.fanout.transport import RankResult, RankStates, Registry
+from debug_server.protocol.addrs import WorkerAddr
 from debug_server.protocol.names import C10D_FR_HANDLER, FR_HANDLER, STACKS_HANDLER
-from debug_server.rank.discovery import WorkerAddr
 
 if TYPE_CHECKING:
     from debug_server.fanout.live import LiveCollector

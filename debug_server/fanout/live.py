@@ -35,10 +35,10 @@ from debug_server.fanout.transport import (
     fan_out,
 )
 from debug_server.protocol import frwindow
+from debug_server.protocol.addrs import NOT_REGISTERED, WorkerAddr
 from debug_server.protocol.names import INCLUDE_STACKTRACES, ONLY_ACTIVE, STACKS_HANDLER, WINDOW
-from debug_server.rank import pyspy
-from debug_server.rank.discovery import NOT_REGISTERED, WorkerAddr
-from debug_server.rank.sigstack import SignalCapture
+from debug_server.readers import pyspy
+from debug_server.readers.sigstack import SignalCapture
 
 
 class LiveCollector:

@@ -30,9 +30,9 @@ from typing import TYPE_CHECKING, Any
 from debug_server.errors import first_line
 from debug_server.fanout import fastjson
 from debug_server.fanout.transport import OK, TIMED_OUT, UNREACHABLE, RankResult, fetch_one
+from debug_server.protocol.addrs import WorkerAddr
 from debug_server.protocol.names import PID, PING_HANDLER
-from debug_server.rank import procstate, pyspy
-from debug_server.rank.discovery import WorkerAddr
+from debug_server.readers import procstate, pyspy
 
 if TYPE_CHECKING:
     from debug_server.fanout.live import LiveCollector

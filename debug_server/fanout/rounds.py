@@ -29,6 +29,7 @@ from debug_server.fanout.reply import (
 )
 from debug_server.fanout.transport import RankResult, fetch_one
 from debug_server.protocol import frwindow, members
+from debug_server.protocol.addrs import WorkerAddr
 from debug_server.protocol.names import (
     C10D_FR_HANDLER,
     FR_HANDLER,
@@ -37,7 +38,6 @@ from debug_server.protocol.names import (
     WINDOW,
     WITH_STACKS,
 )
-from debug_server.rank.discovery import WorkerAddr
 
 if TYPE_CHECKING:
     from debug_server.fanout.live import LiveCollector

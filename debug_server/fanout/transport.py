@@ -32,7 +32,7 @@ from debug_server.errors import first_line
 from debug_server.fanout import fastjson
 from debug_server.fanout.leanhttp import BodyTooLarge, LeanClient, ProtocolError
 from debug_server.fanout.pagefirst import PageFirstSemaphore
-from debug_server.rank.discovery import NOT_REGISTERED, WorkerAddr
+from debug_server.protocol.addrs import NOT_REGISTERED, WorkerAddr
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +69,7 @@ class RankResult:
     C++ worker's two recorders merged); its ``body`` is then ``""`` (answered). Never encoded
     again: ``reply.parse_dumps`` takes it as it is."""
     process: dict[str, Any] | None = None
-    """The rank's process as read from outside on its host (``rank.procstate``: state, since,
+    """The rank's process as read from outside on its host (``readers.procstate``: state, since,
     CPU use, wait channel, whether it holds the GIL), where it was read."""
 
     @property

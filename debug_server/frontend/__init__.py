@@ -3,7 +3,6 @@
 * ``app``: the aiohttp application, its routes and the process entry point.
 * ``pagekit``: what every page shares: the app's keys, the templates, reading a request and
   answering in the format asked for.
-* ``fanout``: asking every rank's worker the same question at once, never blocking on one.
 * ``dumps``, ``snapshot``: the periodic dumper and its bounded snapshot file.
 * ``hangreport``: the hang watch (a verdict on disk seconds after a rank stalls).
 * ``metrics``, ``export``, ``pages_extra``, ``store_keys``: the other pages.
@@ -12,6 +11,7 @@
   fetch a page shows beside it, built where the fetch happens.
 * ``attach``: attaching to a running job from any machine that reaches its TCPStore.
 
-Imports ``analysis`` for every verdict and ``rank.discovery``/``rank.sigstack``/``rank.pyspy``
-to find and, as a fallback, read ranks.
+Imports ``fanout`` to ask the ranks, ``analysis`` for every verdict, ``readers`` to find
+ranks in the store and read them from outside, and ``rank`` only for ``rank_capture``'s
+``duration`` rule.
 """

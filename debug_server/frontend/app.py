@@ -79,8 +79,8 @@ from debug_server.frontend.pagekit import query as _query
 from debug_server.frontend.pagekit import respond as _respond
 from debug_server.listen import own_server, start_sites
 from debug_server.protocol.names import HEALTH_HANDLER
-from debug_server.rank import pyspy
-from debug_server.rank.discovery import StaticRegistry, StoreRegistry
+from debug_server.readers import pyspy
+from debug_server.readers.storeview import StaticRegistry, StoreRegistry
 
 logger = logging.getLogger(__name__)
 

@@ -3,7 +3,7 @@
 ``python -m debug_server.frontend --store HOST:PORT --world-size N [--port 25999]`` serves the
 same pages as rank 0's frontend (a login node, or a healthy host when rank 0's is the sick one).
 Workers are found through the store exactly as rank 0's frontend finds them
-(``discovery.lookup_workers``: ours, with their ``_meta`` sidecar, and torch's own C++ workers,
+(``storeview.lookup_workers``: ours, with their ``_meta`` sidecar, and torch's own C++ workers,
 without one). This module settles what the command line leaves open:
 
 - which elastic restart to trust: the newest one named by the workers' sidecars, so a store
@@ -32,7 +32,8 @@ from debug_server.config import (
     ServerConfig,
     check_token_text,
 )
-from debug_server.rank import discovery
+from debug_server.protocol import addrs
+from debug_server.readers import storeview
 
 if TYPE_CHECKING:
     import torch.distributed as dist
@@ -59,7 +60,7 @@ def parse_store(text: str) -> tuple[str, int]:
 def current_restart(store: dist.Store, world_size: int) -> int:
     """The newest elastic restart named by any rank's registration sidecar (0 when none has
     one, e.g. a job of torch's own C++ workers)."""
-    keys = [discovery.meta_key(r) for r in range(world_size)]
+    keys = [addrs.meta_key(r) for r in range(world_size)]
     present = keys if store.check(keys) else [k for k in keys if store.check([k])]
     newest = 0
     for raw in store.multi_get(present) if present else ():
@@ -103,7 +104,7 @@ def resolve(store_text: str, world_size: int, restart: int | None, token: str | 
     """
     host, port = parse_store(store_text)
     try:
-        store = discovery.store_client(host, port, timeout)
+        store = storeview.store_client(host, port, timeout)
     except Exception as e:  # torch raises DistNetworkError/RuntimeError/TimeoutError here
         first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
         raise AttachError(f"cannot reach the job's TCPStore at {host}:{port} within "

@@ -44,8 +44,8 @@ from typing import Any
 from debug_server.analysis.ranks import format_ranks
 from debug_server.fanout.reply import FrData
 from debug_server.fanout.transport import GONE, OK, UNREACHABLE, RankResult
-from debug_server.rank import jobpids
-from debug_server.rank.discovery import WorkerAddr
+from debug_server.protocol.addrs import WorkerAddr
+from debug_server.readers import jobpids
 
 logger = logging.getLogger(__name__)
 

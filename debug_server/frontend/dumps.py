@@ -45,7 +45,7 @@ from debug_server.fanout.transport import RankResult
 from debug_server.frontend import snapshot
 from debug_server.frontend.fetchfacts import FetchFacts
 from debug_server.protocol.names import DUMP_FILE_HANDLER
-from debug_server.rank import procstate
+from debug_server.readers import procstate
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")

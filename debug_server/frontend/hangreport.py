@@ -39,7 +39,7 @@ from debug_server.frontend.dumps import (
 )
 from debug_server.frontend.fetchfacts import FetchFacts
 from debug_server.protocol.names import HEALTH_HANDLER
-from debug_server.rank import procstate
+from debug_server.readers import procstate
 
 logger = logging.getLogger(__name__)
 

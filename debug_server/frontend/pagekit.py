@@ -20,7 +20,7 @@ from aiohttp import web
 from debug_server.config import ServerConfig
 from debug_server.fanout import fastjson
 from debug_server.fanout.collector import Collector
-from debug_server.fanout.transport import Registry
+from debug_server.protocol.addrs import Registry
 
 FORMATS = ("html", "text", "json")
 PAGE_ROWS = 1000

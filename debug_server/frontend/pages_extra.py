@@ -60,8 +60,8 @@ from debug_server.frontend.store_keys import (
     StoreReadError,
 )
 from debug_server.protocol.names import DURATION, PROFILE_HANDLER, WAIT_COUNTERS_HANDLER
-from debug_server.rank.discovery import StoreRegistry
 from debug_server.rank.rank_capture import MAX_PROFILE_S, parse_duration
+from debug_server.readers.storeview import StoreRegistry
 
 logger = logging.getLogger(__name__)
 

@@ -29,8 +29,8 @@ from debug_server.analysis.verdict import CATEGORY_MEANING
 from debug_server.fanout.transport import GONE, RankResult
 from debug_server.frontend.fetchfacts import FetchFacts
 from debug_server.frontend.lanes import lanes_view
-from debug_server.rank import procstate
-from debug_server.rank.discovery import NOT_REGISTERED
+from debug_server.protocol.addrs import NOT_REGISTERED
+from debug_server.readers import procstate
 
 logger = logging.getLogger(__name__)
 

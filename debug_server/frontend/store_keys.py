@@ -26,7 +26,8 @@ from datetime import timedelta
 from typing import Any
 
 from debug_server.errors import first_line
-from debug_server.rank.discovery import PREFIX, StoreLane, meta_key, url_key
+from debug_server.protocol.addrs import PREFIX, meta_key, url_key
+from debug_server.readers.storeview import StoreLane
 
 logger = logging.getLogger(__name__)
 

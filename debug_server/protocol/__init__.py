@@ -1,6 +1,7 @@
 """The wire protocol: what the rank workers, the host agents and the fan-out say to each other.
 
-Modules: ``names`` (every handler and parameter name below, as constants: no module spells them
+Modules: ``addrs`` (the store's keys, ``WorkerAddr``, ``Registry``, ``NOT_REGISTERED``, the
+agent's key and rank lists), ``names`` (every handler and parameter name below, as constants: no module spells them
 as literals), ``wire`` (the two routes, the stacks separator, ``HandlerError``), ``agentwire``
 (the agent's routes and parameters), ``frwindow`` (windows: which FR entries a page needs),
 ``frtext`` (cutting c10d's ring text to a window), ``activecover`` (an ``onlyactive`` reply read
@@ -55,13 +56,13 @@ parameter             meaning; who sends it; who reads it
                       (``members.PARAM``); fanout -> worker, frontend -> ``agent_fr``
 ``stacks``            FR: ``true``: the stacks follow the FR JSON (``names.WITH_STACKS``);
                       fanout (``fr_stacks``) -> ``torchcomms_fr_trace_json``, ``agent_fr``
-``native``            py-spy with native frames; ``rank.pyspy`` -> ``pyspy_dump``; frontend
+``native``            py-spy with native frames; ``readers.pyspy`` -> ``pyspy_dump``; frontend
                       -> ``agent_stacks`` (every rank read that way)
-``nonblocking``       py-spy without pausing the rank (torch's frontend sends it); ``rank.pyspy``
+``nonblocking``       py-spy without pausing the rank (torch's frontend sends it); ``readers.pyspy``
                       -> ``pyspy_dump``
 ``subprocesses``      py-spy of the rank's child processes too; -> ``pyspy_dump``
 ``pid``               ``pyspy_dump``/``process_state`` of another announced rank on the
-                      worker's host (``rank.jobpids``); ``rank.pyspy``, ``fanout.live`` -> worker
+                      worker's host (``readers.jobpids``); ``readers.pyspy``, ``fanout.live`` -> worker
 ``duration``          seconds of ``torch_profile``; frontend ``/profile`` -> worker
 ``ranks``             agent routes: the ranks asked (``0-3,5``); ``fanout.agents`` -> agent
 ``whole``             ``agent_fr``: whole rings; ``fanout.agents`` -> agent

@@ -31,7 +31,7 @@ PYSPY_HANDLER = "pyspy_dump"
 """torch's name: py-spy of the rank (or, ``pid=``, of another rank of the job on its host)."""
 PROCESS_HANDLER = "process_state"
 """Ours: the worker's host reads a rank's process (``pid=``: of a rank of the job on its host)
-from ``/proc``: state, since, CPU use, wait channel (``rank.procstate``), as JSON."""
+from ``/proc``: state, since, CPU use, wait channel (``readers.procstate``), as JSON."""
 PROFILE_HANDLER = "torch_profile"
 WAIT_COUNTERS_HANDLER = "wait_counter_values"
 

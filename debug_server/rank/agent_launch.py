@@ -15,27 +15,19 @@ import os
 import socket
 import subprocess
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from pathlib import Path
 
-from debug_server.analysis import ranks as rank_words
 from debug_server.auth import TOKEN_ENV
 from debug_server.config import AGENT_ENV as AGENT_ENV
 from debug_server.config import AGENT_ID_ENV as AGENT_ID_ENV
 from debug_server.config import TOKEN_FROM_STORE_ENV, JobEnv, ServerConfig, Settings
+from debug_server.protocol.addrs import AGENT_META_KEY, format_ranks
 
 logger = logging.getLogger(__name__)
 
 AGENT_MODULE = "debug_server.agent"
-META_KEY = "agent"
-"""Key of a rank's registration sidecar that names its host's agent."""
-MAX_RANKS_PARAM = 64 * 1024
 MAX_ID_CHARS = 200
-
-
-def agent_key(host_id: str) -> str:
-    """The agent's store key under the ``debug_server`` prefix."""
-    return f"agent/{host_id}"
 
 
 def host_id(settings: Settings) -> str:
@@ -66,28 +58,7 @@ def host_ranks(job: JobEnv, env: Mapping[str, str] | None = None) -> list[int]:
 
 def rank_meta(job: JobEnv, settings: Settings) -> dict[str, str]:
     """What a rank adds to its registration sidecar: the id of its host's agent."""
-    return {META_KEY: host_id(settings)} if wanted(job, settings) else {}
-
-
-def parse_ranks(raw: str) -> list[int]:
-    """``0-7,9`` -> [0, ..., 7, 9]; raises ValueError with one line."""
-    if len(raw) > MAX_RANKS_PARAM:
-        raise ValueError(f"longer than {MAX_RANKS_PARAM} characters")
-    out: set[int] = set()
-    for part in (p for p in raw.split(",") if p):
-        lo, sep, hi = part.partition("-")
-        if not lo.isdigit() or (sep and not hi.isdigit()):
-            raise ValueError(f"{part[:20]!r} is not a rank or a range a-b")
-        a, b = int(lo), int(hi) if sep else int(lo)
-        if b < a or b - a > 1 << 20:
-            raise ValueError(f"bad range {part[:20]!r}")
-        out.update(range(a, b + 1))
-    return sorted(out)
-
-
-def format_ranks(ranks: Sequence[int]) -> str:
-    """The compact text of a rank list (``0-7,9``), what :func:`parse_ranks` reads back."""
-    return rank_words.format_ranks(ranks).replace(", ", ",")
+    return {AGENT_META_KEY: host_id(settings)} if wanted(job, settings) else {}
 
 
 def start_for_rank(config: ServerConfig, job: JobEnv, advertised_host: str,

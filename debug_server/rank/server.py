@@ -42,17 +42,14 @@ from debug_server.config import (
     write_inherited,
 )
 from debug_server.errors import first_line
+from debug_server.protocol import addrs
 from debug_server.rank import agent_launch as host_agent
-from debug_server.rank import clock, jobpids, pyspy, sigstack
-from debug_server.rank.discovery import (
-    HOST_ENV,
-    Advertised,
-    Peers,
-    advertise,
-    register_worker,
-    store_client,
-)
+from debug_server.rank import clock, ptracer, sigstack
+from debug_server.rank.discovery import HOST_ENV, Advertised, Peers, advertise, register_worker
 from debug_server.rank.worker import HooksProvider, WorkerThread, start_worker_thread
+from debug_server.readers import pyspy
+from debug_server.readers.sigstack import META_KEY as SIGSTACK_META_KEY
+from debug_server.readers.storeview import store_client
 from debug_server.recording import c10d_fr
 
 logger = logging.getLogger(__name__)
@@ -80,7 +77,7 @@ class _Registration:
 
     def __init__(self, job: JobEnv, url: str, *, gate: TokenGate | None = None,
                  publish: str | None = None, extra: dict[str, object] | None = None,
-                 keeper: jobpids.PtracerKeeper | None = None) -> None:
+                 keeper: ptracer.PtracerKeeper | None = None) -> None:
         self.job = job
         self.keeper = keeper
         self.url = url
@@ -366,9 +363,9 @@ def _start_parts(job: JobEnv, config: ServerConfig, required: bool,
     # py-spy, run by the frontend or this host's agent (neither is an ancestor), reads this
     # process from outside when its worker cannot answer; under Yama ptrace_scope=1 the rank
     # must name that reader. Until the reader is known (the store may not be up yet), any
-    # process of this user may; then only the reader (jobpids.PtracerKeeper).
+    # process of this user may; then only the reader (ptracer.PtracerKeeper).
     agent_meta = host_agent.rank_meta(job, settings)
-    keeper = jobpids.PtracerKeeper(job, agent_meta.get(host_agent.META_KEY), settings.ptracer)
+    keeper = ptracer.PtracerKeeper(job, agent_meta.get(addrs.AGENT_META_KEY), settings.ptracer)
     keeper.apply(None)
     # Stacks by signal: only where the rank opted in (a signal interrupts sleeps and polls).
     sig = sigstack.install(settings.signal_stacks)
@@ -388,7 +385,7 @@ def _start_parts(job: JobEnv, config: ServerConfig, required: bool,
         registration = _Registration(
             job, worker_url, gate=gate,
             publish=config.auth_token if required and job.rank == 0 else None,
-            extra={**({sigstack.META_KEY: sig.meta()} if sig is not None else {}),
+            extra={**({SIGSTACK_META_KEY: sig.meta()} if sig is not None else {}),
                    **agent_meta} or None, keeper=keeper)
         registration.done.wait(REGISTER_WAIT)
         frontend_port = (wait_frontend_ready(pending, config.port) if pending is not None

@@ -51,7 +51,8 @@ from debug_server.protocol.names import (
     WITH_STACKS,
 )
 from debug_server.protocol.wire import STACKS_SEP, HandlerError, handler_routes
-from debug_server.rank import clock, jobpids, procstate, pyspy, rank_capture
+from debug_server.rank import clock, rank_capture
+from debug_server.readers import jobpids, procstate, pyspy
 from debug_server.recording.lazy import Cut, LazyDump
 from debug_server.stacks import capture_stacks
 

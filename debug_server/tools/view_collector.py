@@ -15,8 +15,8 @@ from typing import Any
 from debug_server.analysis.digest import DigestMemo
 from debug_server.fanout.reply import FrData
 from debug_server.fanout.transport import FAILED, OK, RankResult, RankStates
+from debug_server.protocol.addrs import WorkerAddr
 from debug_server.protocol.names import C10D_FR_HANDLER, FR_HANDLER, STACKS_HANDLER
-from debug_server.rank.discovery import WorkerAddr
 from debug_server.tools.view_disk import CycleData
 
 CURRENT: contextvars.ContextVar[CycleData] = contextvars.ContextVar("debug_server_view_cycle")

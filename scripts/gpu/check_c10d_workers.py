@@ -43,7 +43,8 @@ def rank_main(out: Path, cpu: bool) -> None:
     import torch.distributed as dist
     from torch._C._distributed_c10d import _WorkerServer
 
-    from debug_server.rank.discovery import store_client, url_key
+    from debug_server.protocol.addrs import url_key
+    from debug_server.readers.storeview import store_client
 
     rank = int(os.environ["RANK"])
     device = torch.device("cpu") if cpu else torch.device("cuda", int(os.environ["LOCAL_RANK"]))
@@ -132,7 +133,8 @@ def _active_replies(master_port: int) -> list[str]:
     pg_config name the same groups, and it holds every op after the last completed one), or
     every page would ask every rank for its whole ring again."""
     from debug_server.protocol import activecover
-    from debug_server.rank.discovery import store_client, url_key
+    from debug_server.protocol.addrs import url_key
+    from debug_server.readers.storeview import store_client
 
     store = store_client("127.0.0.1", master_port, 30)
     failures = []

@@ -122,7 +122,7 @@ def rank_main(case: str, marker: str, cpu: bool) -> int:
 
 def ensure_pyspy() -> str:
     """py-spy's path: found as the debug server finds it, else installed from ``.whl/``."""
-    from debug_server.rank import pyspy
+    from debug_server.readers import pyspy
 
     try:
         return pyspy.locate()

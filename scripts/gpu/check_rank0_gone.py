@@ -38,7 +38,7 @@ from typing import Any
 
 from gpucommon import REPO, free_ports, get
 
-from debug_server.rank.jobpids import fate
+from debug_server.readers.jobpids import fate
 
 WORLD = 4
 ORPHAN_EXIT_S = 5.0

@@ -21,7 +21,7 @@ Whom: only a pid that a rank of this job announced on this host, still the same 
 time) and of the same user (``jobpids.check``), whatever the process tree looks like (ranks
 under ``bash -c``, ``timeout``, ``numactl`` wrappers are cousins). Permissions: under Yama
 ``ptrace_scope=1`` (the Ubuntu default) only ancestors may ptrace, so every rank names its
-host's reader as its tracer (``jobpids.PtracerKeeper``, ``prctl(PR_SET_PTRACER, pid)``);
+host's reader as its tracer (``ptracer.PtracerKeeper``, ``prctl(PR_SET_PTRACER, pid)``);
 ``PTRACER_ENV=0`` skips it (``docs/settings.md``). ``ptrace_scope=2`` needs CAP_SYS_PTRACE, and a container
 needs it too (``--cap-add SYS_PTRACE``). Every failure is one line with its fix.
 
@@ -56,7 +56,7 @@ from typing import Any
 from debug_server.config import PTRACER_ENV as PTRACER_ENV
 from debug_server.config import PYSPY_ENV
 from debug_server.protocol.names import NATIVE, NONBLOCKING, PID, PYSPY_HANDLER
-from debug_server.rank import jobpids
+from debug_server.readers import jobpids
 from debug_server.stacks import with_source
 
 logger = logging.getLogger(__name__)

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from debug_server.protocol.names import PROCESS_HANDLER
-from debug_server.rank import jobpids
+from debug_server.readers import jobpids
 
 __all__ = ["HANDLER", "STATE_OF", "ProcReader", "describe", "gil_from_stack"]
 

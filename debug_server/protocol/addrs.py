@@ -1,0 +1,115 @@
+"""Where the workers are, as every side names it: the store's keys, ``WorkerAddr``, ``Registry``.
+
+A rank registers ``debug_server/rank{R}`` = ``http://<host>:<port>`` (the key torch's own debug
+server uses, through the same ``PrefixStore``), then a sidecar ``debug_server/rank{R}_meta`` =
+JSON ``{"restart", "run_id", "pid", "host", "start", "uid", ...}`` (``rank.discovery``); a host's
+agent publishes ``debug_server/agent/<host id>`` and each of its ranks names it in its sidecar
+(``"agent": <host id>``). Readers (``readers.storeview``, ``agent.registry``, ``fanout.agents``)
+never block on a missing key: a rank that never registered is ``NOT_REGISTERED`` at once. A key
+whose sidecar names another elastic restart is stale and not trusted (``stale_reason``); a key
+without a sidecar (torch's C++ worker) is trusted. Pure: no torch, no store calls.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+PREFIX = "debug_server"
+NOT_REGISTERED = "not registered"
+AGENT_META_KEY = "agent"
+"""Key of a rank's registration sidecar that names its host's agent."""
+MAX_RANKS_PARAM = 64 * 1024
+
+
+def url_key(rank: int) -> str:
+    return f"rank{rank}"
+
+
+def meta_key(rank: int) -> str:
+    return f"rank{rank}_meta"
+
+
+def agent_key(host_id: str) -> str:
+    """The agent's store key under the ``debug_server`` prefix."""
+    return f"agent/{host_id}"
+
+
+@dataclass(slots=True, frozen=True)
+class WorkerAddr:
+    """Where rank ``rank``'s worker listens, or why it is not known (``url`` None)."""
+
+    rank: int
+    url: str | None
+    error: str | None = None
+    meta: dict[str, Any] | None = None
+    """The registration sidecar (pid, host, signal-stacks info); None for torch's own worker."""
+
+
+def meta_dict(raw: bytes | None) -> dict[str, Any] | None:
+    """A rank's meta value as read from the store; None when absent or not a JSON object."""
+    try:
+        meta = json.loads(raw) if raw is not None else None
+    except ValueError:
+        return None
+    return meta if isinstance(meta, dict) else None
+
+
+def stale_reason(meta_raw: bytes | None, restart_count: int) -> str | None:
+    if meta_raw is None:
+        return None  # no sidecar: torch's own worker, trusted
+    try:
+        meta: Any = json.loads(meta_raw)
+        restart = int(meta["restart"])
+    except (ValueError, KeyError, TypeError):
+        return f"{NOT_REGISTERED} (unreadable registration metadata)"
+    if restart != restart_count:
+        return f"{NOT_REGISTERED} (stale key from restart {restart}, job is at restart {restart_count})"
+    return None
+
+
+class Registry(Protocol):
+    """Where the workers are (``readers.storeview.StoreRegistry`` or ``StaticRegistry``)."""
+
+    world_size: int
+
+    async def lookup(self) -> list[WorkerAddr]: ...
+
+    def close(self) -> None: ...
+
+
+def rank_ranges(ranks: Iterable[int]) -> list[str]:
+    """``[0, 1, 2, 5]`` -> ``["0-2", "5"]`` (sorted, ranges collapsed)."""
+    rs = sorted(set(ranks))
+    parts: list[str] = []
+    i = 0
+    while i < len(rs):
+        j = i
+        while j + 1 < len(rs) and rs[j + 1] == rs[j] + 1:
+            j += 1
+        parts.append(str(rs[i]) if i == j else f"{rs[i]}-{rs[j]}")
+        i = j + 1
+    return parts
+
+
+def parse_ranks(raw: str) -> list[int]:
+    """``0-7,9`` -> [0, ..., 7, 9]; raises ValueError with one line."""
+    if len(raw) > MAX_RANKS_PARAM:
+        raise ValueError(f"longer than {MAX_RANKS_PARAM} characters")
+    out: set[int] = set()
+    for part in (p for p in raw.split(",") if p):
+        lo, sep, hi = part.partition("-")
+        if not lo.isdigit() or (sep and not hi.isdigit()):
+            raise ValueError(f"{part[:20]!r} is not a rank or a range a-b")
+        a, b = int(lo), int(hi) if sep else int(lo)
+        if b < a or b - a > 1 << 20:
+            raise ValueError(f"bad range {part[:20]!r}")
+        out.update(range(a, b + 1))
+    return sorted(out)
+
+
+def format_ranks(ranks: Sequence[int]) -> str:
+    """The compact text of a rank list (``0-7,9``), what :func:`parse_ranks` reads back."""
+    return ",".join(rank_ranges(ranks))

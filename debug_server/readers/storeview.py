@@ -1,0 +1,299 @@
+"""Reading the job's TCPStore from outside the ranks: where the workers are.
+
+The frontend's view (``StoreRegistry``: lookups on a daemon thread of their own, the last
+addresses kept once the store went away), a fixed map (``StaticRegistry``), the client and the
+lookup itself. The keys and what they hold are ``protocol.addrs``'s; a rank writes them
+(``rank.discovery``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import queue
+import socket
+import threading
+import time
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from debug_server.errors import first_line
+from debug_server.protocol.addrs import (
+    NOT_REGISTERED,
+    PREFIX,
+    WorkerAddr,
+    meta_dict,
+    meta_key,
+    stale_reason,
+    url_key,
+)
+from debug_server.readers import jobpids
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+def store_client(master_addr: str, master_port: int, timeout: float) -> dist.Store:
+    """A client of the job's TCPStore under torch's ``debug_server`` prefix.
+
+    ``timeout`` bounds the connect and any wait; readers here never wait on a missing key.
+    """
+    import torch.distributed as dist
+
+    store = dist.TCPStore(
+        host_name=master_addr,
+        port=master_port,
+        is_master=False,
+        timeout=timedelta(seconds=timeout),
+    )
+    return dist.PrefixStore(PREFIX, store)
+
+
+def store_refuses(master_addr: str, master_port: int, timeout: float = 1.0) -> bool:
+    """Whether nothing listens at the store's address now: a plain TCP connect, told at once,
+    where c10d's client would retry a refused connection for its whole timeout (and log each
+    try with a C++ trace). The store's server takes it for a client that left at once."""
+    try:
+        with socket.create_connection((master_addr, master_port), timeout=timeout):
+            return False
+    except ConnectionRefusedError:
+        return True
+    except OSError:  # no answer in time, no route: not known to be gone
+        return False
+
+
+def lookup_workers(store: dist.Store, world_size: int, restart_count: int) -> list[WorkerAddr]:
+    """One ``WorkerAddr`` per rank; never waits for a key that is not there."""
+    ranks = range(world_size)
+    if store.check([url_key(r) for r in ranks]):
+        present = list(ranks)
+    else:
+        present = [r for r in ranks if store.check([url_key(r)])]
+    # One round trip where every rank has its sidecar (ours do), one per rank otherwise
+    # (16384 round trips took 1.1 s of every page).
+    with_meta = present if present and store.check([meta_key(r) for r in present]) else [
+        r for r in present if store.check([meta_key(r)])]
+    got_urls = _multi_get(store, present, url_key)
+    got_metas = _multi_get(store, with_meta, meta_key)
+    out: list[WorkerAddr] = []
+    for rank in range(world_size):
+        if rank not in got_urls:
+            out.append(WorkerAddr(rank, None, NOT_REGISTERED))
+            continue
+        raw = got_metas.get(rank)
+        meta = meta_dict(raw)
+        # Parsed once: a sidecar of this restart is fine as it is (the usual case).
+        stale = None if meta is not None and type(meta.get("restart")) is int and \
+            meta["restart"] == restart_count else stale_reason(raw, restart_count)
+        if stale:
+            out.append(WorkerAddr(rank, None, stale))
+        else:
+            out.append(WorkerAddr(rank, got_urls[rank].decode(errors="replace").rstrip("/"),
+                                  meta=meta))
+    return out
+
+
+def _multi_get(store: dist.Store, ranks: list[int], key: Callable[[int], str]) -> dict[int, bytes]:
+    if not ranks:
+        return {}
+    return dict(zip(ranks, store.multi_get([key(r) for r in ranks]), strict=True))
+
+
+class StoreLane:
+    """Blocking store calls, one at a time and in order, on a daemon thread of their own.
+
+    A TCPStore client is not shared between threads, so one thread makes every call. Not a
+    ``ThreadPoolExecutor``: the interpreter joins its threads at exit, and a call blocked on a
+    store that went away (a connect retries for its whole timeout) held the frontend's exit for
+    seconds, printing c10d's traces after "exiting". A daemon thread is not waited for.
+    """
+
+    def __init__(self, name: str) -> None:
+        self._jobs: queue.SimpleQueue[tuple[Callable[[], Any], Any, Any] | None] = \
+            queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def call(self, fn: Callable[[], T]) -> asyncio.Future[T]:
+        """``fn()`` on the lane; its result (or exception) in the running loop's future."""
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[T] = loop.create_future()
+        self._jobs.put((fn, loop, fut))
+        return fut
+
+    def submit(self, fn: Callable[[], object]) -> None:
+        """``fn()`` on the lane, nobody waiting for it."""
+        self._jobs.put((fn, None, None))
+
+    def _run(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            fn, loop, fut = job
+            try:
+                out, err = fn(), None
+            except Exception as e:
+                out, err = None, e
+            if fut is not None:
+                with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits
+                    loop.call_soon_threadsafe(_settle, fut, out, err)
+
+    def close(self) -> None:
+        """End the thread after the call it is in (queued calls still run first)."""
+        self._jobs.put(None)
+
+
+def _settle(fut: asyncio.Future[Any], out: Any, err: BaseException | None) -> None:
+    if fut.done():
+        return
+    if err is not None:
+        fut.set_exception(err)
+    else:
+        fut.set_result(out)
+
+
+class StoreRegistry:
+    """The frontend's view of the store: async lookups on one private thread (``StoreLane``).
+
+    The connection is made lazily and retried while the store has never answered (with a plain
+    ``env://`` rendezvous rank 0 creates it late). Once it has answered, a store that goes away
+    is gone for good: the launcher ended the job (torchrun closes its store after the last
+    rank), or rank 0 hosted it and died. It is never asked again: a store on that port now is
+    the next job's, and each try would cost c10d's connect timeout. Lookups then answer the
+    last addresses at once (``store_lost_at`` says since when), so a frontend that outlives
+    rank 0 during a hang still serves the pages.
+    ``announce``: publish this process as its host's reader (rank 0's frontend: ``jobpids``),
+    once, on the first connection.
+    """
+
+    def __init__(
+        self, master_addr: str, master_port: int, world_size: int, restart_count: int,
+        timeout: float = 5.0, *, announce: bool = False,
+    ) -> None:
+        self.world_size = world_size
+        self._addr = (master_addr, master_port)
+        self._restart = restart_count
+        self._timeout = timeout
+        self._announce = announce
+        self._store: dist.Store | None = None
+        self._connected = False
+        """The store has answered once (a connect, a lookup)."""
+        self._last: list[WorkerAddr] | None = None
+        self.store_ok_at: float | None = None
+        """``time.monotonic()`` of the last lookup the store answered."""
+        self.store_lost_at: float | None = None
+        """``time.time()`` when the store stopped answering (None while it answers)."""
+        self.listener: Callable[[list[WorkerAddr]], None] | None = None
+        """Called in the event loop with each lookup's addresses (the frontend's watch follows
+        new ranks' processes at once: ``departed.ExitWatch``)."""
+        self._lane = StoreLane("debug_server.store")
+        # Import torch and connect now, in the background: done lazily, the first page would
+        # pay seconds for it, on top of a stuck rank's fetch_timeout.
+        self._lane.submit(self._connect)
+
+    @property
+    def last(self) -> list[WorkerAddr] | None:
+        """The addresses of the last lookup the store answered (None before one)."""
+        return self._last
+
+    @property
+    def answered(self) -> bool:
+        """The store has answered once (a lookup before that waits out a connect)."""
+        return self._connected
+
+    async def refuses(self) -> bool:
+        """Whether nothing listens at the store's address now (``store_refuses``)."""
+        return await asyncio.get_running_loop().run_in_executor(None, store_refuses, *self._addr)
+
+    @property
+    def gone(self) -> bool:
+        """The store answered once and then went away: it is not asked again."""
+        return self._connected and self.store_lost_at is not None
+
+    def _client(self) -> dist.Store:
+        if self._store is None:
+            store = store_client(*self._addr, timeout=self._timeout)
+            if self._announce and not self._connected:  # ranks here point PR_SET_PTRACER at it
+                jobpids.publish_frontend(store, self._restart)
+            self._store = store
+            self._connected = True
+        return self._store
+
+    def _connect(self) -> None:
+        try:
+            self._client()
+        except Exception:  # the lookup reports it, once, when a page asks
+            self._store = None
+
+    def _unknown(self, why: str) -> list[WorkerAddr]:
+        reason = f"{NOT_REGISTERED} (store {self._addr[0]}:{self._addr[1]} {why})"
+        return [WorkerAddr(r, None, reason) for r in range(self.world_size)]
+
+    def _lookup_sync(self) -> list[WorkerAddr]:
+        if self.gone:
+            return self._last if self._last is not None else self._unknown("is gone")
+        try:
+            out = lookup_workers(self._client(), self.world_size, self._restart)
+        except Exception as e:
+            self._store = None
+            if self._connected:
+                # Said by the frontend's watch where it matters (ranks still run): at the
+                # job's end the store closing is the launcher's normal exit.
+                self.store_lost_at = time.time()
+                logger.debug("debug_server: store %s:%d is gone: %s", *self._addr, first_line(e))
+                return self._last if self._last is not None else self._unknown("is gone")
+            out = self._unknown(f"unavailable: {first_line(e)}")
+            if self.store_lost_at is None:  # never reached: something is wrong, say it once
+                self.store_lost_at = time.time()
+                logger.warning("debug_server: %s", out[0].error)
+            return out
+        self._last = out
+        self.store_ok_at = time.monotonic()
+        self.store_lost_at = None
+        return out
+
+    async def lookup(self) -> list[WorkerAddr]:
+        if self.gone:  # no trip to the lane: a page never waits behind a store that is gone
+            return self._lookup_sync()
+        out = await self._lane.call(self._lookup_sync)
+        if self.listener is not None:
+            self.listener(out)
+        return out
+
+    @property
+    def store_address(self) -> tuple[str, int]:
+        """``(MASTER_ADDR, MASTER_PORT)`` of the job's store (``/tcpstore`` reads it too)."""
+        return self._addr
+
+    @property
+    def restart_count(self) -> int:
+        return self._restart
+
+    @property
+    def store_timeout(self) -> float:
+        return self._timeout
+
+    def close(self) -> None:
+        self._lane.close()
+        self._store = None
+
+
+class StaticRegistry:
+    """A fixed rank -> URL map (tests, benchmarks, and a frontend pointed at known workers)."""
+
+    def __init__(self, urls: Sequence[str | None]) -> None:
+        self.world_size = len(urls)
+        self._urls = list(urls)
+
+    async def lookup(self) -> list[WorkerAddr]:
+        return [
+            WorkerAddr(r, u.rstrip("/")) if u else WorkerAddr(r, None, NOT_REGISTERED)
+            for r, u in enumerate(self._urls)
+        ]
+
+    def close(self) -> None:
+        pass
