@@ -163,6 +163,10 @@ def test_the_fan_out_has_no_cycle_annotations_included() -> None:
              for m, p in mods.items()}
     cycles = _cycles(graph)
     assert cycles == [], "import cycles in fanout/, annotations included:\n" + "\n".join(cycles)
+    # The protocols know no implementation: only the records they speak of.
+    assert graph["debug_server.fanout.collector"] <= {
+        "debug_server.fanout.reply", "debug_server.fanout.transport"}, \
+        graph["debug_server.fanout.collector"]
 
 
 RENDERERS = ("debug_server.frontend.render", "debug_server.frontend.lanes",
