@@ -91,7 +91,7 @@ def collector_through(session: aiohttp.ClientSession, urls: list[str], per_host:
                       agents: dict[str, agents_mod.AgentAddr]) -> LiveCollector:
     """A frontend's collector that asks the ranks at ``urls`` through ``agents``."""
     return LiveCollector(session, AgentedRegistry(urls, per_host), timeout=3.0,  # type: ignore[arg-type]
-                         route=agents_mod.AgentRoute(FakeDirectory(agents)))  # type: ignore[arg-type]
+                         route=agents_mod.agent_route(FakeDirectory(agents)))  # type: ignore[arg-type]
 
 
 @contextlib.asynccontextmanager

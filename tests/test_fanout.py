@@ -133,7 +133,7 @@ def test_every_collector_answers_the_collector_protocol() -> None:
     so a page, the dumper or the hang watch takes any of them."""
     import inspect
 
-    from debug_server.fanout.agents import AgentDirectory, AgentRoute
+    from debug_server.fanout.agents import AgentDirectory, agent_route
     from debug_server.fanout.collector import Collector
     from debug_server.frontend.departed import Departures, KeepLast
     from debug_server.tools.view_collector import DiskCollector
@@ -142,7 +142,7 @@ def test_every_collector_answers_the_collector_protocol() -> None:
     live = LiveCollector(None, registry, timeout=1.0)  # type: ignore[arg-type]
     directory = AgentDirectory("127.0.0.1", 1, 0)
     through = LiveCollector(None, registry, timeout=1.0,  # type: ignore[arg-type]
-                            route=AgentRoute(directory))
+                            route=agent_route(directory))
     try:
         for c in (live, through, KeepLast(live, Departures()), DiskCollector()):
             assert isinstance(c, Collector), type(c)

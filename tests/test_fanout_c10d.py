@@ -13,7 +13,7 @@ from fakefleet import c10d_dump, make_c10d_worker_app
 
 from debug_server.analysis.core import analyze
 from debug_server.fanout import reply
-from debug_server.fanout.agents import AgentRoute
+from debug_server.fanout.agents import AgentRoute, agent_route
 from debug_server.fanout.leanhttp import LeanClient
 from debug_server.fanout.live import LiveCollector
 from debug_server.fanout.reply import FrData
@@ -81,10 +81,11 @@ async def test_agent_collector_cuts_torch_rings_when_it_asks_the_ranks_directly(
     http = LeanClient()
     try:
         async with aiohttp.ClientSession() as session:
-            route = AgentRoute(_NoAgents())  # type: ignore[arg-type]
             collector = LiveCollector(session, StaticRegistry(urls), timeout=10, http=http,
-                                      route=route)
+                                      route=agent_route(_NoAgents()))  # type: ignore[arg-type]
             fr = await collector.fr()
+            route = collector.route
+            assert isinstance(route, AgentRoute)
     finally:
         http.close()
     assert sorted(fr.dumps) == [0, 1, 2] and route.agent_requests == 0

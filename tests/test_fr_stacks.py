@@ -259,14 +259,14 @@ async def test_a_job_whose_lists_are_short_has_one_rank_asked_alone_once_not_eve
     try:
         async with aiohttp.ClientSession() as session:
             c = LiveCollector(session, StaticRegistry(urls), timeout=5.0, prime_ranks=2)
-            fetch = c.direct_fetch
+            fetch = c.asker.fetch
 
             async def counted(handler: str, params: Any = None, addrs: Any = None,
                               each: Any = None) -> Any:
                 fan_outs.append(len(addrs))
                 return await fetch(handler, params, addrs, each)
 
-            monkeypatch.setattr(c, "direct_fetch", counted)
+            monkeypatch.setattr(c.asker, "fetch", counted)
             for _ in range(3):
                 fr = await c.fr()
                 assert fr.dumps.keys() == set(range(WORLD))

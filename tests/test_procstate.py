@@ -1,4 +1,4 @@
-"""A rank's process read from /proc (``rank.procstate``): real child processes that sleep, stop
+"""A rank's process read from /proc (``readers.procstate``): real child processes that sleep, stop
 and spin, one that is gone, one whose pid nobody announced; the worker's ``process_state``."""
 
 from __future__ import annotations

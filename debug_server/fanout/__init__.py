@@ -12,9 +12,13 @@ for the digests' memo). It never imports ``frontend``, ``agent`` or ``recording`
 - ``collector``: the ``Collector`` protocol every collector implements (the live one, the
   frontend's ``departed.KeepLast``, the viewer's ``DiskCollector``), and the ``Route``
   protocol;
-- ``live``: ``LiveCollector``, the one live collector; ``rounds`` its FR rounds; ``c10d_round``
-  and ``c10d_workers`` torch's own C++ workers' two recorders;
-- ``agents``: ``AgentRoute``, the route through one agent per host, and ``collector_for``
+- ``asker``: ``Asker``, the one asker of the ranks (client, slots, timeout, rank states, the
+  404 memo, the quiet ranks), handed to the rounds, the outside reads and the route;
+- ``live``: ``LiveCollector``, the one live collector, which owns the asker; ``rounds`` its FR
+  rounds; ``outside`` its outside reads; ``c10d_round`` and ``c10d_workers`` torch's own C++
+  workers' two recorders;
+- ``agents``: ``AgentRoute``, the route through one agent per host (it returns what it left,
+  never calls the collector), and ``collector_for``
   (the frontend's collector); ``agentreply`` reads an agent's replies;
 - ``pagefirst``: a page's requests before the background polls'; ``fastjson``: orjson where
   installed.

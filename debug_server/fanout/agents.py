@@ -1,11 +1,12 @@
 """The live collector's way through the per-host agents (``agent``), and back to the ranks without them.
 
 :class:`AgentRoute` is the route (``collector.Route``) a ``live.LiveCollector`` is given where
-the workers are found in a store: its ``fr``, ``stacks``, ``fr_stacks`` and ``fetch`` (for the
-handlers an agent relays: health, ping, pickle dump) ask one agent per host instead of every
-rank, and return exactly what the collector's direct methods return (one ``RankResult`` per
-rank, the parsed dumps, the job's FR window), so every page, dump and verdict is computed as
-before. The agents' replies are read by ``agentreply``.
+the workers are found in a store, built on the collector's asker and FR rounds (``asker``,
+``rounds``; it never calls the collector): its ``fr``, ``stacks``, ``fr_stacks`` and ``fetch``
+(for the handlers an agent relays: health, ping, pickle dump) ask one agent per host instead of
+every rank and return what they got, one ``RankResult`` per rank with the parsed dumps, and the
+ranks they left (the collector asks those directly), so every page, dump and verdict is computed
+as before. The agents' replies are read by ``agentreply``.
 
 Which rank goes where: a rank whose registration sidecar names an agent (``"agent": <host id>``)
 that is registered in the store (``debug_server/agent/<id>``) for this restart and lists the rank
@@ -34,7 +35,7 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import aiohttp
@@ -48,10 +49,13 @@ from debug_server.fanout.agentreply import (
     ranks_param,
     with_snap,
 )
+from debug_server.fanout.asker import Asker
+from debug_server.fanout.collector import Plan, Routed
 from debug_server.fanout.leanhttp import LeanClient
 from debug_server.fanout.live import LiveCollector
 from debug_server.fanout.reply import INLINE_BYTES, FrData, cut_off_loop, parse_off_loop
-from debug_server.fanout.transport import RankResult, Registry, fetch_one
+from debug_server.fanout.rounds import FrRounds
+from debug_server.fanout.transport import RankResult, Registry
 from debug_server.protocol import agentwire, frwindow, members
 from debug_server.protocol.addrs import (
     AGENT_META_KEY,
@@ -158,12 +162,14 @@ class AgentFailed(Exception):
 
 
 class AgentRoute:
-    """The live collector's way through one agent per host (module doc): a ``collector.Route``;
-    every answer is what the collector's direct methods give for the same ranks."""
+    """The live collector's way through one agent per host (module doc): a ``collector.Route``
+    on the collector's asker and FR rounds; every answer is what the collector's direct methods
+    give for the same ranks, less the ranks it left."""
 
-    def __init__(self, agents: AgentDirectory) -> None:
+    def __init__(self, agents: AgentDirectory, asker: Asker, rounds: FrRounds) -> None:
         self.agents = agents
-        self._c: LiveCollector | None = None
+        self.asker = asker
+        self.rounds = rounds
         self._down: dict[str, float] = {}
         self.agent_requests = 0
         """Agent requests that gave a usable reply (tests and benchmarks read it)."""
@@ -177,25 +183,17 @@ class AgentRoute:
         self.cuts_reused = 0
         """``fr`` calls that used the last window and cut again (every agent's tag the same)."""
 
-    def attach(self, c: LiveCollector) -> None:
-        self._c = c
-
-    @property
-    def c(self) -> LiveCollector:
-        assert self._c is not None, "AgentRoute used before LiveCollector(route=) attached it"
-        return self._c
-
     @property
     def agent_timeout(self) -> float:
-        return 2 * self.c.timeout + AGENT_SLACK_S
+        return 2 * self.asker.timeout + AGENT_SLACK_S
 
     def close(self) -> None:
         self.agents.close()
 
     # -- which rank goes where --------------------------------------------------------------
 
-    async def _plan(self, addrs: Sequence[WorkerAddr]) -> tuple[
-            list[tuple[AgentAddr, list[WorkerAddr]]], list[WorkerAddr]]:
+    async def plan(self, addrs: Sequence[WorkerAddr]) -> Plan | None:
+        """One group per agent that serves some of ``addrs``; None where none does."""
         ids = {m[AGENT_META_KEY] for a in addrs if (m := a.meta) and isinstance(
             m.get(AGENT_META_KEY), str)}
         now = time.monotonic()
@@ -210,13 +208,12 @@ class AgentRoute:
                 direct.append(a)
             else:
                 by_agent.setdefault(ag.id, []).append(a)
-        return [(found[i], rs) for i, rs in by_agent.items()], direct
+        if not by_agent:
+            return None
+        return Plan(addrs, [(found[i], rs) for i, rs in by_agent.items()], direct)
 
     async def _ask(self, ag: AgentAddr, handler: str, params: Mapping[str, str]) -> str:
-        c = self.c
-        async with c.semaphore:
-            r = await fetch_one(c.session, WorkerAddr(-1, ag.url), handler, params,
-                                self.agent_timeout, c.http)
+        r = await self.asker.one(WorkerAddr(-1, ag.url), handler, params, self.agent_timeout)
         if not r.ok or r.body is None:
             self._fail(ag, r.error or r.status)
         return r.body or ""
@@ -254,72 +251,46 @@ class AgentRoute:
 
     # -- the three fan-outs -------------------------------------------------------------------
 
-    async def fetch(self, handler: str, addrs: Sequence[WorkerAddr]) -> list[RankResult] | None:
+    def relays(self, handler: str) -> bool:
         """A handler an agent relays (``agentwire.FETCHABLE``, no parameters)."""
-        if handler not in agentwire.FETCHABLE:
-            return None
-        plan, direct = await self._plan(addrs)
-        if not plan:
-            return None
-        return await self._grouped(agentwire.FETCH, {agentwire.HANDLER: handler}, plan, direct,
-                                   lambda rest: self.c.direct_fetch(handler, None, rest))
+        return handler in agentwire.FETCHABLE
 
-    async def stacks(self, addrs: Sequence[WorkerAddr], *, native: bool, every: bool,
-                     ) -> list[RankResult] | None:
-        plan, direct = await self._plan(addrs)
-        if not plan:
-            return None
+    async def fetch(self, handler: str, plan: Plan) -> Routed[list[RankResult]]:
+        return await self._grouped(agentwire.FETCH, {agentwire.HANDLER: handler}, plan)
+
+    async def stacks(self, plan: Plan, *, native: bool, every: bool,
+                     ) -> Routed[list[RankResult]]:
         params = {NATIVE: str(native).lower(),
                   agentwire.EVERY: str(every or native).lower()}
-        return await self._grouped(agentwire.STACKS, params, plan, direct,
-                                   lambda rest: self.c.direct_stacks(rest, native=native,
-                                                                     every=every))
+        return await self._grouped(agentwire.STACKS, params, plan)
 
-    async def _grouped(self, handler: str, params: Mapping[str, str],
-                       plan: list[tuple[AgentAddr, list[WorkerAddr]]], direct: list[WorkerAddr],
-                       directly: Any) -> list[RankResult]:
+    async def _grouped(self, handler: str, params: Mapping[str, str], plan: Plan,
+                       ) -> Routed[list[RankResult]]:
         replies = await asyncio.gather(*(self._reply(ag, rs, handler, params, parse_grouped)
-                                         for ag, rs in plan),
-                                       directly(direct) if direct else asyncio.sleep(0))
-        results: list[RankResult] = list(replies[-1] or [])
+                                         for ag, rs in plan.groups))
+        results: list[RankResult] = []
         rest: list[WorkerAddr] = []
-        for (_, rs), got in zip(plan, replies[:-1], strict=True):
+        for (_, rs), got in zip(plan.groups, replies, strict=True):
             if got is None:
                 rest += rs
                 continue
             fine = {r.rank: r for r in got if r.status != NOT_REGISTERED}
             results += fine.values()
             rest += [a for a in rs if a.rank not in fine]
-        if rest:
-            results += await directly(rest)
-        self.c.states.update(results)
-        return sorted(results, key=lambda r: r.rank)
+        return Routed(results, rest)
 
-    async def fr_stacks(self, addrs: Sequence[WorkerAddr],
-                        ) -> tuple[FrData, list[RankResult]] | None:
+    async def fr_stacks(self, plan: Plan, texts: dict[int, str],
+                        ) -> Routed[tuple[FrData, list[RankResult]]]:
         """``fr_stacks`` through the agents: each agent is asked once for both
-        (``agent_fr?stacks=true``) and asks each of its ranks once; ranks asked directly get
-        theirs with their FR too (``LiveCollector.stacks_after_fr``)."""
-        plan, direct = await self._plan(addrs)
-        if not plan:
-            return None
+        (``agent_fr?stacks=true``) and asks each of its ranks once; ranks asked directly bring
+        their stacks texts with their FR (left, with their texts in ``texts``)."""
         got: list[RankResult] = []
-        texts: dict[int, str] = {}
-        fr = await self._fr_window(plan, direct, (got, texts))
+        fr = await self._fr_window(plan.groups, plan.direct, (got, texts))
         have = {r.rank for r in got}
-        rest = [a for a in addrs if a.rank not in have]
-        if rest:
-            got += await self.c.stacks_after_fr(rest, fr.results, texts)
-        return fr, sorted(got, key=lambda r: r.rank)
+        return Routed((fr, got), [a for a in plan.addrs if a.rank not in have])
 
-    async def fr(self, addrs: Sequence[WorkerAddr], *, only_active: bool, whole: bool,
-                 ) -> FrData | None:
-        plan, direct = await self._plan(addrs)
-        if not plan:
-            return None
-        if whole or only_active:
-            return await self._fr_plain(plan, direct, only_active=only_active, whole=whole)
-        return await self._fr_window(plan, direct)
+    async def fr(self, plan: Plan) -> FrData:
+        return await self._fr_window(plan.groups, plan.direct)
 
     async def _fr_window(self, plan: list[tuple[AgentAddr, list[WorkerAddr]]],
                          direct: list[WorkerAddr],
@@ -381,7 +352,7 @@ class AgentRoute:
             dumps = await cut_off_loop(dumps, since)
             # Not after a round 2: its replies are not covered by the first round's tags.
             self._last_cut = (key, since, dumps) if key is not None and not again else None
-        self.c.states.update(results)
+        self.asker.states.update(results)
         return FrData(sorted(results, key=lambda r: r.rank), dumps, since)
 
     async def _again(self, since: dict[str, int], again: list[int], via: Mapping[int, AgentAddr],
@@ -432,7 +403,7 @@ class AgentRoute:
             list[RankResult], dict[int, dict[str, Any]]]:
         if not addrs:
             return [], {}
-        results = await self.c.first_round(addrs, texts)
+        results = await self.rounds.local(addrs, texts)
         dumps = await parse_off_loop(results)
         return results, dumps
 
@@ -441,7 +412,7 @@ class AgentRoute:
             list[RankResult], dict[int, dict[str, Any]]]:
         if not addrs:
             return [], {}
-        results = await self.c.rounds.since(since, addrs, first)
+        results = await self.rounds.since(since, addrs, first)
         dumps = await parse_off_loop(results)
         return results, dumps
 
@@ -508,15 +479,15 @@ class AgentRoute:
         recs = [r for r in recs if r.status != NOT_REGISTERED]
         return recs, {r.rank: dumps[r.rank] for r in recs if r.rank in dumps}
 
-    async def _fr_plain(self, plan: list[tuple[AgentAddr, list[WorkerAddr]]],
-                        direct: list[WorkerAddr], *, only_active: bool, whole: bool) -> FrData:
+    async def fr_plain(self, plan: Plan, *, only_active: bool, whole: bool) -> Routed[FrData]:
         params = {agentwire.WHOLE: str(whole).lower(), ONLY_ACTIVE: str(only_active).lower(),
                   members.PARAM: members.known_param() or ""}
-        replies = await asyncio.gather(*(self._agent_fr(ag, rs, params) for ag, rs in plan))
+        replies = await asyncio.gather(*(self._agent_fr(ag, rs, params)
+                                         for ag, rs in plan.groups))
         results: list[RankResult] = []
         dumps: dict[int, dict[str, Any]] = {}
-        rest = list(direct)
-        for (_, rs), reply in zip(plan, replies, strict=True):
+        rest: list[WorkerAddr] = []
+        for (_, rs), reply in zip(plan.groups, replies, strict=True):
             if reply is None:
                 rest += rs
                 continue
@@ -524,12 +495,13 @@ class AgentRoute:
             dumps.update(reply[1])
             served = {r.rank for r in reply[0]}
             rest += [a for a in rs if a.rank not in served]
-        if rest:
-            plain = await self.c.direct_fr(rest, only_active=only_active, whole=whole)
-            results += plain.results
-            dumps.update(plain.dumps)
-        self.c.states.update(results)
-        return FrData(sorted(results, key=lambda r: r.rank), dumps)
+        return Routed(FrData(results, dumps), rest)
+
+
+def agent_route(agents: AgentDirectory) -> Callable[[Asker, FrRounds], AgentRoute]:
+    """The route through ``agents`` for a ``LiveCollector(route=)``: built on its asker and
+    FR rounds."""
+    return lambda asker, rounds: AgentRoute(agents, asker, rounds)
 
 
 def collector_for(session: aiohttp.ClientSession, registry: Registry, *, timeout: float,
@@ -540,10 +512,12 @@ def collector_for(session: aiohttp.ClientSession, registry: Registry, *, timeout
     store = getattr(registry, "store_address", None)
     route = None
     if isinstance(store, tuple):
-        route = AgentRoute(AgentDirectory(store[0], store[1], getattr(registry, "restart_count", 0),
-                                          timeout=getattr(registry, "store_timeout", 5.0)))
+        route = agent_route(AgentDirectory(store[0], store[1],
+                                           getattr(registry, "restart_count", 0),
+                                           timeout=getattr(registry, "store_timeout", 5.0)))
     return LiveCollector(session, registry, timeout=timeout, max_concurrency=max_concurrency,
                          http=http, route=route)
 
 
-__all__ = ["AGENT_RETRY_S", "AgentAddr", "AgentDirectory", "AgentRoute", "collector_for"]
+__all__ = ["AGENT_RETRY_S", "AgentAddr", "AgentDirectory", "AgentRoute", "agent_route",
+           "collector_for"]

@@ -1,16 +1,17 @@
 """What every collector answers: the one interface the pages, the dumper, the hang watch, the
 straggler poll and the agent ask every rank through.
 
-Three collectors implement :class:`Collector`: the live one (``live.LiveCollector``, which asks
-the workers, directly or through one agent per host: ``agents.AgentRoute``, a :class:`Route`
-it is given), ``departed.KeepLast`` around it (a gone rank's last data kept), and the post-mortem
-viewer's ``tools.view_collector.DiskCollector`` (the answers from the dumper's files).
+Three collectors implement :class:`Collector`: the live one (``live``, which asks the workers,
+directly or through one agent per host: a :class:`Route` it is given), ``departed.KeepLast``
+around it (a gone rank's last data kept), and the post-mortem viewer's ``view_collector`` (the
+answers from the dumper's files). The interfaces here name none of them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from dataclasses import dataclass
+from typing import Any, Generic, Protocol, TypeVar, runtime_checkable
 
 from debug_server.analysis.digest import DigestMemo
 from debug_server.fanout.reply import FrData
@@ -18,8 +19,7 @@ from debug_server.fanout.transport import RankResult, RankStates, Registry
 from debug_server.protocol.addrs import WorkerAddr
 from debug_server.protocol.names import C10D_FR_HANDLER, FR_HANDLER, STACKS_HANDLER
 
-if TYPE_CHECKING:
-    from debug_server.fanout.live import LiveCollector
+T = TypeVar("T")
 
 PRIME_RANKS = 64
 """From this many ranks on, a frontend's first FR fan-out asks one rank first (``members``); a
@@ -69,30 +69,66 @@ class Collector(Protocol):
         ...
 
 
+@dataclass(slots=True)
+class Plan:
+    """Which ranks of one fan-out a route serves, and which it leaves to be asked directly."""
+
+    addrs: Sequence[WorkerAddr]
+    """Every rank of the fan-out, in the order asked."""
+    groups: list[tuple[Any, list[WorkerAddr]]]
+    """The ranks it serves, grouped as the route asks them (one agent per group)."""
+    direct: list[WorkerAddr]
+    """The ranks it does not serve: asked directly, at the same time as the route's."""
+
+
+@dataclass(slots=True)
+class Routed(Generic[T]):
+    """What a route fetched, and the ranks of its groups it could not serve (an agent that
+    failed, a rank its agent does not know): the collector asks those directly."""
+
+    got: T
+    left: list[WorkerAddr]
+
+
 class Route(Protocol):
     """How the live collector reaches the ranks other than one request per rank (``agents``).
 
-    Given to one ``LiveCollector``, which attaches itself. Each method answers exactly what the
-    collector's own method of that name answers, asking the collector's ``direct_*`` methods
-    for the ranks it does not serve; None: it serves none of ``addrs`` (the collector then asks
-    them all directly).
+    A route never calls back into the collector: it asks the ranks of its ``Plan`` it serves and
+    returns what it got and what it left (``Routed``); the collector asks ``plan.direct`` and
+    what was left itself, as it would without a route. Only the default FR window (``fr``), whose
+    frontier is the whole job's, takes ``plan.direct`` through the rounds it was given too.
     """
 
-    def attach(self, c: LiveCollector) -> None: ...
+    def relays(self, handler: str) -> bool:
+        """Whether ``fetch`` of ``handler`` (without parameters) goes through the route."""
+        ...
 
-    async def fetch(self, handler: str, addrs: Sequence[WorkerAddr]) -> list[RankResult] | None: ...
+    async def plan(self, addrs: Sequence[WorkerAddr]) -> Plan | None:
+        """Who serves which of ``addrs``; None: the route serves none of them."""
+        ...
 
-    async def fr(self, addrs: Sequence[WorkerAddr], *, only_active: bool, whole: bool,
-                 ) -> FrData | None: ...
+    async def fetch(self, handler: str, plan: Plan) -> Routed[list[RankResult]]: ...
 
-    async def stacks(self, addrs: Sequence[WorkerAddr], *, native: bool, every: bool,
-                     ) -> list[RankResult] | None: ...
+    async def stacks(self, plan: Plan, *, native: bool, every: bool,
+                     ) -> Routed[list[RankResult]]: ...
 
-    async def fr_stacks(self, addrs: Sequence[WorkerAddr],
-                        ) -> tuple[FrData, list[RankResult]] | None: ...
+    async def fr_plain(self, plan: Plan, *, only_active: bool, whole: bool) -> Routed[FrData]:
+        """``fr(only_active=, whole=)``: the records and dumps of the ranks it served."""
+        ...
+
+    async def fr(self, plan: Plan) -> FrData:
+        """The default FR window of every rank of ``plan``, ``plan.direct`` included."""
+        ...
+
+    async def fr_stacks(self, plan: Plan, texts: dict[int, str],
+                        ) -> Routed[tuple[FrData, list[RankResult]]]:
+        """The default FR window of every rank of ``plan`` and the stacks of those it served;
+        ``left``: the ranks still without stacks, whose texts (where an FR reply brought them)
+        it put in ``texts``."""
+        ...
 
     def close(self) -> None: ...
 
 
 __all__ = ["C10D_FR_HANDLER", "FR_HANDLER", "PRIME_RANKS", "PRIME_TIMEOUT_S", "STACKS_HANDLER",
-           "Collector", "Route"]
+           "Collector", "Plan", "Route", "Routed"]

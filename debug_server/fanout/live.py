@@ -1,28 +1,30 @@
 """The live collector: lookup plus fan-out, with one session, one timeout, one bound on requests
 in flight, and optionally a route that asks one agent per host instead of every rank.
 
-:class:`LiveCollector` implements ``collector.Collector``. Its page methods (``fetch``, ``fr``,
-``stacks``, ``fr_stacks``) go through its :class:`~collector.Route` where it has one
-(``agents.AgentRoute``), which answers what it can through the agents and hands the rest to the
-``direct_*`` methods here; without one (fixed worker URLs, an agent's own collector) every rank
-is asked directly. The FR rounds themselves are ``rounds.FrRounds``; the agent asks its host's
-ranks with the same two rounds apart (``first_round``, then ``complete`` or ``since_round``).
+:class:`LiveCollector` implements ``collector.Collector``. It owns the one asker of the ranks
+(``asker.Asker``: client, slots, timeout, rank states) and hands it to its FR rounds
+(``rounds.FrRounds``), its outside reads (``outside.OutsideReads``) and its route, none of
+which knows the collector. Its page methods (``fetch``, ``fr``, ``stacks``, ``fr_stacks``) go
+through its :class:`~collector.Route` where it has one (``agents.AgentRoute``): the route answers
+what it can through the agents and returns what it left, which the ``direct_*`` methods here
+ask; without one (fixed worker URLs, an agent's own collector) every rank is asked directly. The
+agent asks its host's ranks with the two FR rounds apart (``first_round``, then ``complete`` or
+``since_round``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 
 import aiohttp
 
 from debug_server.analysis.digest import DigestMemo
-from debug_server.fanout.absent import KnownAbsent
-from debug_server.fanout.collector import Route
+from debug_server.fanout.asker import Asker
+from debug_server.fanout.collector import Plan, Route, Routed
 from debug_server.fanout.leanhttp import LeanClient
-from debug_server.fanout.outside import QUIET_ASK_S, OutsideReads
-from debug_server.fanout.pagefirst import PageFirstSemaphore
+from debug_server.fanout.outside import OutsideReads
 from debug_server.fanout.reply import Each, FrData, cut_off_loop, parse_off_loop
 from debug_server.fanout.rounds import FrRounds
 from debug_server.fanout.transport import (
@@ -32,13 +34,14 @@ from debug_server.fanout.transport import (
     RankResult,
     RankStates,
     Registry,
-    fan_out,
 )
 from debug_server.protocol import frwindow
 from debug_server.protocol.addrs import NOT_REGISTERED, WorkerAddr
 from debug_server.protocol.names import INCLUDE_STACKTRACES, ONLY_ACTIVE, STACKS_HANDLER, WINDOW
 from debug_server.readers import pyspy
-from debug_server.readers.sigstack import SignalCapture
+
+RouteFor = Callable[[Asker, FrRounds], Route]
+"""A route built on the collector's asker and FR rounds (``agents.agent_route``)."""
 
 
 class LiveCollector:
@@ -47,32 +50,33 @@ class LiveCollector:
     def __init__(
         self, session: aiohttp.ClientSession, registry: Registry, *, timeout: float,
         max_concurrency: int = 64, http: LeanClient | None = None,
-        prime_ranks: int | None = None, route: Route | None = None,
+        prime_ranks: int | None = None, route: RouteFor | None = None,
     ) -> None:
-        self.session = session
-        self.http = http
-        """The lean client for the fan-outs (``leanhttp``), else ``session``; its owner closes it."""
         self.registry = registry
-        self.timeout = timeout
-        self.route = route
+        self.asker = Asker(session, timeout=timeout, max_concurrency=max_concurrency, http=http)
+        """Asks the ranks for this collector, its rounds, outside reads and route (``asker``)."""
+        self.rounds = FrRounds(self.asker, prime_ranks)
+        self.outside = OutsideReads(self.asker)
+        """Process states and py-spy, and the quiet ranks' kept reads (``outside``)."""
+        self.route = route(self.asker, self.rounds) if route is not None else None
         """Through one agent per host (``agents.AgentRoute``); None: every rank directly."""
         self.digest_memo = DigestMemo() if route is not None else None
         """Digests of the last analysis of this collector's windows (``collector.Collector``).
         Only a route hands back the same dump objects (an agent's "unchanged" reply: its held
         dumps); without one every fetch parses new objects, and a memo would only keep the last
         dumps alive."""
-        # Shared by pages and the background polls; a page's requests get freed slots first.
-        self.semaphore = PageFirstSemaphore(max_concurrency)
-        self.states = RankStates()
-        self.signal_capture = SignalCapture()
-        self.pyspy = pyspy.PySpyCapture()
-        self.absent = KnownAbsent()
-        """Handlers a worker answered 404 to, asked again only after a while (``absent``)."""
-        self.rounds = FrRounds(self, prime_ranks)
-        self.outside = OutsideReads(self)
-        """Process states, and the ranks that went quiet (asked briefly, read in the background)."""
-        if route is not None:
-            route.attach(self)
+
+    @property
+    def states(self) -> RankStates:
+        return self.asker.states
+
+    @property
+    def timeout(self) -> float:
+        return self.asker.timeout
+
+    @property
+    def pyspy(self) -> pyspy.PySpyCapture:
+        return self.outside.pyspy
 
     @property
     def world_size(self) -> int:
@@ -89,10 +93,12 @@ class LiveCollector:
                     ) -> list[RankResult]:
         if addrs is None:
             addrs = await self.registry.lookup()
-        if self.route is not None and not params and each is None:
-            got = await self.route.fetch(handler, addrs)
-            if got is not None:
-                return got
+        route = self.route
+        if route is not None and not params and each is None and route.relays(handler):
+            plan = await route.plan(addrs)
+            if plan is not None:
+                return await self._routed(route.fetch(handler, plan), plan,
+                                          lambda rest: self.direct_fetch(handler, None, rest))
         return await self.direct_fetch(handler, params, addrs, each)
 
     async def fr(self, *, only_active: bool = False, whole: bool = False,
@@ -109,11 +115,20 @@ class LiveCollector:
         """
         if addrs is None:
             addrs = await self.registry.lookup()
-        if self.route is not None:
-            got = await self.route.fr(addrs, only_active=only_active, whole=whole)
-            if got is not None:
-                return got
-        return await self.direct_fr(addrs, only_active=only_active, whole=whole)
+        plan = await self.route.plan(addrs) if self.route is not None else None
+        if self.route is None or plan is None:
+            return await self.direct_fr(addrs, only_active=only_active, whole=whole)
+        if not (whole or only_active):
+            return await self.route.fr(plan)
+        routed = await self.route.fr_plain(plan, only_active=only_active, whole=whole)
+        results, dumps = list(routed.got.results), dict(routed.got.dumps)
+        rest = plan.direct + routed.left
+        if rest:
+            plain = await self.direct_fr(rest, only_active=only_active, whole=whole)
+            results += plain.results
+            dumps.update(plain.dumps)
+        self.states.update(results)
+        return FrData(sorted(results, key=lambda r: r.rank), dumps)
 
     async def stacks(self, addrs: Sequence[WorkerAddr] | None = None, *, native: bool = False,
                      every: bool = False) -> list[RankResult]:
@@ -129,10 +144,11 @@ class LiveCollector:
         """
         if addrs is None:
             addrs = await self.registry.lookup()
-        if self.route is not None:
-            got = await self.route.stacks(addrs, native=native, every=every)
-            if got is not None:
-                return got
+        plan = await self.route.plan(addrs) if self.route is not None else None
+        if self.route is not None and plan is not None:
+            return await self._routed(self.route.stacks(plan, native=native, every=every), plan,
+                                      lambda rest: self.direct_stacks(rest, native=native,
+                                                                      every=every))
         return await self.direct_stacks(addrs, native=native, every=every)
 
     async def fr_stacks(self, addrs: Sequence[WorkerAddr] | None = None,
@@ -143,11 +159,16 @@ class LiveCollector:
         one that answered without stacks (torch's C++ worker) is asked for them apart."""
         if addrs is None:
             addrs = await self.registry.lookup()
-        if self.route is not None:
-            got = await self.route.fr_stacks(addrs)
-            if got is not None:
-                return got
         texts: dict[int, str] = {}
+        plan = await self.route.plan(addrs) if self.route is not None else None
+        if self.route is not None and plan is not None:
+            # Each agent asked once for both (``agent_fr?stacks=true``); ranks asked directly
+            # get theirs with their FR too (``stacks_after_fr``).
+            routed = await self.route.fr_stacks(plan, texts)
+            fr, got = routed.got
+            if routed.left:
+                got = got + await self.stacks_after_fr(routed.left, fr.results, texts)
+            return fr, sorted(got, key=lambda r: r.rank)
         first = await self.first_round(addrs, texts)
         fr, stacks = await asyncio.gather(self.complete(addrs, first),
                                           self.stacks_after_fr(addrs, first, texts))
@@ -171,21 +192,7 @@ class LiveCollector:
     async def direct_fetch(self, handler: str, params: Mapping[str, str] | None,
                            addrs: Sequence[WorkerAddr], each: Each | None = None,
                            ) -> list[RankResult]:
-        ask, held = self.absent.split(handler, addrs)  # a 404 stands for a while (absent)
-        # A rank that timed out lately is asked briefly: the page uses its last outside read
-        # (outside.OutsideReads), so one stopped rank does not cost every page a timeout.
-        ask, quiet = self.outside.split(ask)
-        results, briefly = await asyncio.gather(*(
-            fan_out(self.session, rs, handler, params, timeout=limit, semaphore=self.semaphore,
-                    http=self.http, each=each)
-            for rs, limit in ((ask, self.timeout), (quiet, min(self.timeout, QUIET_ASK_S)))))
-        results += briefly
-        self.outside.note(results, quiet)
-        self.absent.note(handler, results)
-        if held or quiet:
-            results = sorted(results + held, key=lambda r: r.rank)
-        self.states.update(results)
-        return results
+        return await self.asker.fetch(handler, params, addrs, each)
 
     async def direct_fr(self, addrs: Sequence[WorkerAddr], *, only_active: bool = False,
                         whole: bool = False) -> FrData:
@@ -266,6 +273,19 @@ class LiveCollector:
         """``stacks``' records completed (``outside.OutsideReads.complete``): a rank whose worker
         timed out read by py-spy, else by signal where it opted in; processes read."""
         return await self.outside.complete(results, addrs, native=native, every=every)
+
+    async def _routed(self, through: Awaitable[Routed[list[RankResult]]], plan: Plan,
+                      directly: Callable[[list[WorkerAddr]], Awaitable[list[RankResult]]],
+                      ) -> list[RankResult]:
+        """A route's records for its ranks, ``plan.direct`` asked ``directly`` meanwhile, then
+        the ranks it left asked ``directly`` too."""
+        routed, first = await asyncio.gather(
+            through, directly(plan.direct) if plan.direct else asyncio.sleep(0, []))
+        results: list[RankResult] = [*first, *routed.got]
+        if routed.left:
+            results += await directly(routed.left)
+        self.states.update(results)
+        return sorted(results, key=lambda r: r.rank)
 
     def close(self) -> None:
         self.outside.close()

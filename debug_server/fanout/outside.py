@@ -1,20 +1,21 @@
 """Ranks read from outside: py-spy stacks and process states, and the ranks that went quiet.
 
-A rank whose worker does not answer is read from outside (``rank.pyspy``: its stacks; else by
+A rank whose worker does not answer is read from outside (``readers.pyspy``: its stacks; else by
 signal where it opted in: ``rank.sigstack``), and its process is read on its host
-(``rank.procstate``: stopped, blocked in the kernel, its CPU use and wait channel). The reader
+(``readers.procstate``: stopped, blocked in the kernel, its CPU use and wait channel). The reader
 is the frontend for its own host's ranks, an agent for its host's (the agent's own live
 collector does this), and for a rank on another host without an agent an answering worker on
 that host (``pyspy_dump?pid=``, ``process_state?pid=``). Ranks on the reader's own host get their
 process read on every page (a few ``/proc`` reads each): a rank that answers but sits in a
 system call shows its wait channel too.
 
-**Quiet ranks** (:class:`OutsideReads`): a rank that timed out is not waited on again on every
-page. Until it answers again its worker is asked for :data:`QUIET_ASK_S` only, and the page uses
-its last outside read (stacks and process), marked with its age, while background tasks read it
-again and ask its worker with the whole timeout (each at most every :data:`REREAD_S`): a rank
-that answers either ask leaves the quiet set at once. A page while one rank is stopped thus
-answers in a fraction of a second, not in ``fetch_timeout``.
+**Quiet ranks** (the asker's: ``asker.Asker``): a rank that timed out is not waited on again on
+every page. Until it answers again its worker is asked for :data:`~asker.QUIET_ASK_S` only, and
+the page uses its last outside read here (stacks and process), marked with its age, while
+background tasks read it again (:class:`OutsideReads`) and ask its worker with the whole timeout
+(the asker; each at most every :data:`~asker.REREAD_S`): a rank that answers either ask leaves
+the quiet set at once. A page while one rank is stopped thus answers in a fraction of a second,
+not in ``fetch_timeout``.
 """
 
 from __future__ import annotations
@@ -24,119 +25,42 @@ import contextlib
 import logging
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any
+from dataclasses import replace
+from typing import Any
 
 from debug_server.errors import first_line
 from debug_server.fanout import fastjson
+from debug_server.fanout.asker import QUIET_ASK_S, REREAD_S, Asker, Quiet
 from debug_server.fanout.transport import OK, TIMED_OUT, UNREACHABLE, RankResult, fetch_one
 from debug_server.protocol.addrs import WorkerAddr
-from debug_server.protocol.names import PID, PING_HANDLER
+from debug_server.protocol.names import PID
 from debug_server.readers import procstate, pyspy
-
-if TYPE_CHECKING:
-    from debug_server.fanout.live import LiveCollector
+from debug_server.readers.sigstack import SignalCapture
 
 logger = logging.getLogger(__name__)
 
-QUIET_ASK_S = 0.2
-"""How long a quiet rank's worker is waited for on a page's path."""
-REREAD_S = 2.0
-"""A quiet rank's kept outside read older than this is read again in the background."""
 KEEP_S = 300.0
 """A kept read older than this is not shown: the page reads the rank itself."""
 PROCESS_ASK_S = 1.0
 """Bound on asking another worker for a rank's process state."""
 
 
-@dataclass(slots=True)
-class _Quiet:
-    url: str | None
-    since: float
-    """Wall clock when its worker first timed out."""
-    kept: RankResult | None = None
-    read_at: float = 0.0
-    """``time.monotonic()`` of the kept read."""
-    task: asyncio.Task[None] | None = field(default=None, repr=False)
-    """The background outside read in flight."""
-    probe: asyncio.Task[None] | None = field(default=None, repr=False)
-    """The background ask of its worker with the whole timeout, in flight."""
-    probed_at: float = 0.0
-
-
-def _current_task() -> asyncio.Task[Any] | None:
-    try:
-        return asyncio.current_task()
-    except RuntimeError:  # no running loop (close() from a plain thread)
-        return None
-
-
-def _clock(t: float) -> str:
-    return time.strftime("%H:%M:%S", time.localtime(t))
-
-
 class OutsideReads:
     """One live collector's outside reads and its quiet ranks (module doc)."""
 
-    def __init__(self, c: LiveCollector) -> None:
-        self.c = c
+    def __init__(self, asker: Asker) -> None:
+        self.asker = asker
         self.processes = procstate.ProcReader()
-        self.quiet: dict[int, _Quiet] = {}
+        self.pyspy = pyspy.PySpyCapture()
+        self.signal_capture = SignalCapture()
 
-    # -- the page's asks ---------------------------------------------------------------------
-
-    def split(self, addrs: Sequence[WorkerAddr]) -> tuple[list[WorkerAddr], list[WorkerAddr]]:
-        """``addrs`` as (asked with the whole timeout, quiet: asked for ``QUIET_ASK_S``)."""
-        normal, quiet = [], []
-        for a in addrs:
-            q = self.quiet.get(a.rank)
-            (quiet if q is not None and q.url == a.url else normal).append(a)
-        return normal, quiet
-
-    def note(self, results: Sequence[RankResult], quiet: Sequence[WorkerAddr]) -> None:
-        """A fetch's records: a rank that answered is no longer quiet; one that timed out is.
-        A quiet rank's record says since when it does not answer."""
-        asked_briefly = {a.rank for a in quiet}
-        for r in results:
-            q = self.quiet.get(r.rank)
-            if r.status == OK or r.http_status is not None:
-                if q is not None:
-                    self.forget(r.rank)
-            elif r.status == TIMED_OUT:
-                if q is None or q.url != r.url:
-                    self.forget(r.rank)
-                    q = self.quiet[r.rank] = _Quiet(r.url, time.time())
-                if r.rank in asked_briefly:
-                    r.error = (f"not answering since {_clock(q.since)} (timed out; asked for "
-                               f"{QUIET_ASK_S:.1f} s while quiet)")
-                    self._probe_later(r, q)
-
-    def _probe_later(self, r: RankResult, q: _Quiet) -> None:
-        """Ask a quiet rank's worker with the whole timeout in the background (a slow worker
-        that answers within it is no longer quiet), at most every ``REREAD_S``."""
-        now = time.monotonic()
-        if (q.probe is not None and not q.probe.done()) or now - q.probed_at < REREAD_S:
-            return
-        q.probed_at = now
-        q.probe = asyncio.ensure_future(self._probe(WorkerAddr(r.rank, r.url)))
-
-    async def _probe(self, addr: WorkerAddr) -> None:
-        c = self.c
-        got = await fetch_one(c.session, addr, PING_HANDLER, None, c.timeout, c.http)
-        q = self.quiet.get(addr.rank)
-        if q is not None and q.url == addr.url and (got.status == OK
-                                                    or got.http_status is not None):
-            self.forget(addr.rank)  # it answers again: the next page asks it as any other
-
-    def forget(self, rank: int) -> None:
-        q = self.quiet.pop(rank, None)
-        for task in (q.task, q.probe) if q is not None else ():
-            if task is not None and task is not _current_task():  # not the one forgetting it
-                task.cancel()
+    @property
+    def quiet(self) -> dict[int, Quiet]:
+        """The asker's quiet ranks, each with its kept outside read (``asker.Quiet``)."""
+        return self.asker.quiet
 
     def close(self) -> None:
-        for rank in list(self.quiet):
-            self.forget(rank)
+        self.asker.close()
 
     # -- stacks and processes ----------------------------------------------------------------
 
@@ -165,7 +89,7 @@ class OutsideReads:
                 q.kept, q.read_at = replace(r), time.monotonic()
         return results
 
-    def _from_kept(self, r: RankResult, q: _Quiet, age: float) -> RankResult:
+    def _from_kept(self, r: RankResult, q: Quiet, age: float) -> RankResult:
         k = q.kept
         assert k is not None
         how = f"read {age:.0f} s ago"  # and again in the background (complete)
@@ -186,7 +110,7 @@ class OutsideReads:
         addr = next((a for a in addrs if a.rank == rank), None)
         if addr is None:
             return
-        c = self.c
+        c = self.asker
         # Answering ranks only: the helpers on its host (pyspy.fill reads the others' status).
         others = [replace(r) for r in page if r.rank != rank and r.status == OK
                   and r.note is None]
@@ -208,18 +132,18 @@ class OutsideReads:
                     only: set[int] | None = None) -> None:
         """py-spy (else signals) for the ranks of ``results`` not in ``skip`` (``pyspy.fill``),
         then the processes of all of them (of ``only``, where given)."""
-        c = self.c
+        c = self.asker
         silent = {r.rank for r in results if r.status in (TIMED_OUT, UNREACHABLE)}
 
         async def ask(helper: WorkerAddr, params: Mapping[str, str], timeout: float) -> RankResult:
             return await fetch_one(c.session, helper, pyspy.HANDLER, params, timeout)
 
         todo = [r for r in results if r.rank not in skip]
-        failed = await c.pyspy.fill(todo, addrs, ask=ask, native=native,
+        failed = await self.pyspy.fill(todo, addrs, ask=ask, native=native,
                                     every=every or native, ok=OK, timed_out=TIMED_OUT)
         no_pyspy = [r for r in todo if r.status == TIMED_OUT and r.rank in failed
                     and failed[r.rank].kind in (pyspy.UNAVAILABLE, pyspy.NOT_PERMITTED)]
-        await c.signal_capture.fill(no_pyspy, {a.rank: a.meta for a in addrs}, TIMED_OUT)
+        await self.signal_capture.fill(no_pyspy, {a.rank: a.meta for a in addrs}, TIMED_OUT)
         await self.read_processes(results, addrs, silent, skip, only)
 
     async def read_processes(self, results: Sequence[RankResult], addrs: Sequence[WorkerAddr],
@@ -229,7 +153,7 @@ class OutsideReads:
         ``silent`` ones (no answer from their worker) elsewhere through a worker on their host.
         A rank in ``skip`` (its kept record used) is read only where that is local."""
         by_rank = {a.rank: a for a in addrs}
-        here = self.c.pyspy.host
+        here = self.pyspy.host
         local: list[RankResult] = []
         remote: list[RankResult] = []
         for r in results:
@@ -260,7 +184,7 @@ class OutsideReads:
         if not helpers:
             return
         helper = helpers[r.rank % len(helpers)]
-        got = await fetch_one(self.c.session, helper, procstate.HANDLER,
+        got = await fetch_one(self.asker.session, helper, procstate.HANDLER,
                               {PID: str(meta["pid"])}, PROCESS_ASK_S)
         if got.status != OK or got.body is None:
             return

@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 from urllib.parse import urlencode
 
+from debug_server.fanout.asker import Asker
 from debug_server.fanout.c10d_round import C10dRound
 from debug_server.fanout.collector import PRIME_RANKS, PRIME_TIMEOUT_S
 from debug_server.fanout.reply import (
@@ -39,21 +40,18 @@ from debug_server.protocol.names import (
     WITH_STACKS,
 )
 
-if TYPE_CHECKING:
-    from debug_server.fanout.live import LiveCollector
-
 
 class FrRounds:
-    """The FR rounds of one live collector (module doc)."""
+    """The FR rounds of one live collector, asked through its asker (module doc)."""
 
-    def __init__(self, c: LiveCollector, prime_ranks: int | None = None) -> None:
-        self.c = c
+    def __init__(self, asker: Asker, prime_ranks: int | None = None) -> None:
+        self.asker = asker
         self.prime_ranks = PRIME_RANKS if prime_ranks is None else prime_ranks
         """From this many ranks on, an FR fan-out while no member list is held asks one rank
         first (``_ours``); once one such rank has answered, never again (a job whose lists
         are all short teaches nothing, and would pay the extra round trip on every page)."""
         self._primed = False
-        self.c10d = C10dRound(c.direct_fetch)
+        self.c10d = C10dRound(asker.fetch)
         # Per worker URL: which FR handler answers (torch's C++ worker has only c10d's), and
         # which parameters it refused (older ours).
         self._fr_handler: dict[str, str] = {}
@@ -88,7 +86,7 @@ class FrRounds:
             for a in theirs:  # a restarted worker on the same URL may be ours again
                 if done[a.rank].http_status == 404:
                     self._fr_handler.pop(a.url or "", None)
-                    self.c.absent.forget(a.url or "")
+                    self.asker.absent.forget(a.url or "")
             results = [done.pop(r.rank, r) for r in results] + list(done.values())
         return sorted(results, key=lambda r: r.rank)
 
@@ -100,7 +98,7 @@ class FrRounds:
         While this process holds no list yet (its first page), one rank is asked first and
         its lists learnt, so the other ranks' replies do not each carry the world's members.
         """
-        c = self.c
+        c = self.asker
         # aiohttp refuses request lines over 8190 bytes, and ``since`` may take most of them.
         budget = min(members.MAX_PARAM_CHARS, 7000 - len(urlencode(params)))
         known = members.known_param(budget)
@@ -122,10 +120,10 @@ class FrRounds:
         told = [a for a in addrs if known and a.rank not in by_rank
                 and (a.url or "") not in self._no_members]
         if not told and not by_rank:
-            return await c.direct_fetch(FR_HANDLER, params, addrs, each)
+            return await c.fetch(FR_HANDLER, params, addrs, each)
         told_ranks = {a.rank for a in told}
         untold = [a for a in addrs if a.rank not in by_rank and a.rank not in told_ranks]
-        results = await c.direct_fetch(FR_HANDLER, {**params, members.PARAM: known or ""}, told,
+        results = await c.fetch(FR_HANDLER, {**params, members.PARAM: known or ""}, told,
                                        each) if told else []
         refused = {r.rank for r in results
                    # "unknown parameter 'pgknown'": not any 400 whose list of allowed names
@@ -135,7 +133,7 @@ class FrRounds:
         self._no_members.update(a.url or "" for a in told if a.rank in refused)
         by_rank.update((r.rank, r) for r in results)
         if again:
-            by_rank.update((r.rank, r) for r in await c.direct_fetch(FR_HANDLER, params, again,
+            by_rank.update((r.rank, r) for r in await c.fetch(FR_HANDLER, params, again,
                                                                      each))
         return [by_rank[a.rank] for a in addrs]  # in ``addrs`` order, as a fetch would be
 
