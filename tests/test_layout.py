@@ -170,6 +170,16 @@ def test_the_fan_out_has_no_cycle_annotations_included() -> None:
         graph["debug_server.fanout.collector"]
 
 
+def test_the_recorder_has_no_cycle_annotations_included() -> None:
+    # The helpers name what they need of a communicator (``commstate.CommState``), never
+    # ``comms.Comm`` above them (issue 40): no circle in ``recording/``, not even an annotation.
+    mods = {m: p for m, p in _modules().items() if m.startswith("debug_server.recording.")}
+    graph = {m: {d for d in _imports(p, runtime_only=False) if d in mods and d != m}
+             for m, p in mods.items()}
+    cycles = _cycles(graph)
+    assert cycles == [], "import cycles in recording/, annotations included:\n" + "\n".join(cycles)
+
+
 RENDERERS = ("debug_server.frontend.render", "debug_server.frontend.lanes",
              "debug_server.analysis.report", "debug_server.analysis.tables")
 

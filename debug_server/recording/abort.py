@@ -15,19 +15,17 @@ import logging
 import os
 import sys
 import time
-from typing import TYPE_CHECKING, NoReturn
+from typing import NoReturn
 
 import torch.distributed as dist
 
+from debug_server.recording.commstate import CommState
 from debug_server.recording.records import OpRecord
-
-if TYPE_CHECKING:
-    from debug_server.recording.comms import Comm
 
 logger = logging.getLogger(__name__)
 
 
-def fail_op(comm: Comm, op: str, seq: int, is_p2p: bool, exc: BaseException,
+def fail_op(comm: CommState, op: str, seq: int, is_p2p: bool, exc: BaseException,
              td: datetime.timedelta | None = None, timed_out: bool | None = None,
              created_ns: int | None = None, wait_for_other: bool = True) -> NoReturn:
     """The abort path (``fail``) for an op of the c10d-backed path, which has no record:
@@ -39,7 +37,7 @@ def fail_op(comm: Comm, op: str, seq: int, is_p2p: bool, exc: BaseException,
     fail(comm, rec, exc, td, timed_out=timed_out, wait_for_other=wait_for_other)
 
 
-def raise_broken(comm: Comm, limit_s: float = 120.0, cause: BaseException | None = None) -> NoReturn:
+def raise_broken(comm: CommState, limit_s: float = 120.0, cause: BaseException | None = None) -> NoReturn:
     """Raise this communicator's failure, once its abort path (hooks, dump) has finished."""
     deadline = time.monotonic() + limit_s
     while not comm._broken and time.monotonic() < deadline:
@@ -48,7 +46,7 @@ def raise_broken(comm: Comm, limit_s: float = 120.0, cause: BaseException | None
 
 
 def fail(
-    comm: Comm,
+    comm: CommState,
     rec: OpRecord,
     exc: BaseException,
     td: datetime.timedelta | None = None,
@@ -102,7 +100,7 @@ def fail(
     raise err from exc
 
 
-def _abort_nccl(comm: Comm) -> None:
+def _abort_nccl(comm: CommState) -> None:
     abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
     if abort is None:
         return

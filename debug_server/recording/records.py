@@ -24,20 +24,18 @@ import itertools
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
 from debug_server.errors import first_line
-
-if TYPE_CHECKING:
-    from debug_server.recording.comms import Comm
+from debug_server.recording.commstate import CommState
 
 # One counter per process across all communicators, like c10d's record ids: every hook that
 # keeps a record sees the same id, so snapshots of several hooks merge without renumbering.
 _record_ids = itertools.count()
 _raw_stream: Callable[[int], int] = getattr(torch._C, "_cuda_getCurrentRawStream", None) or (lambda i: 0)
-# Per-communicator CUDA event slots (see Comm.__init__); a power of two.
+# Per-communicator CUDA event slots (see comms.Comm.__init__); a power of two.
 _SLOTS = 1024
 _SLOT_MASK = _SLOTS - 1
 # The C method under torch.cuda.Event.record: the Python wrapper only looks up the current
@@ -83,7 +81,7 @@ class OpRecord:
 
     def __init__(
         self,
-        comm: Comm,
+        comm: CommState,
         op: str,
         seq: int,
         p2p_seq: int,
@@ -228,7 +226,7 @@ class InFlight(NamedTuple):
     """An op of a c10d-backed communicator not yet seen completed (``Comm.in_flight()``): what
     the stall check and health need; the full entry is in c10d's recorder."""
 
-    comm: Comm
+    comm: CommState
     op: str
     seq: int
     p2p_seq: int

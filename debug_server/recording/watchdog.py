@@ -27,15 +27,13 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from debug_server.recording import c10d_fr
 from debug_server.recording.abort import fail, fail_op
+from debug_server.recording.commstate import CommState
 from debug_server.recording.groups import _c10d_dump_fn
 from debug_server.recording.records import OpRecord
-
-if TYPE_CHECKING:
-    from debug_server.recording.comms import Comm
 
 logger = logging.getLogger(__name__)
 
@@ -66,7 +64,7 @@ def _c10d_nccl_status(now: int) -> dict[str, Any] | None:
 _first = operator.itemgetter(0)
 
 
-def watch_pass(comm: Comm, now: int) -> None:
+def watch_pass(comm: CommState, now: int) -> None:
     """Advance the completion watermark, let go of c10d works of completed ops, and run the
     abort path for an op in flight longer than the timeout. Non-blocking queries only."""
     if comm._broken is not None or comm._finalized:
@@ -125,7 +123,7 @@ def watch_pass(comm: Comm, now: int) -> None:
     loose[:n] = keep
 
 
-def _watch_backed(comm: Comm, now: int, limit_ns: int) -> bool:
+def _watch_backed(comm: CommState, now: int, limit_ns: int) -> bool:
     """The c10d-backed in-flight ops: drop the completed ones, fire on one older than the
     timeout. Returns True when it fired."""
     pend = comm._pend
@@ -186,7 +184,7 @@ def _watch_backed(comm: Comm, now: int, limit_ns: int) -> bool:
     return False
 
 
-def _fire_op(comm: Comm, op: str, seq: int, is_p2p: bool, created_ns: int, now: int,
+def _fire_op(comm: CommState, op: str, seq: int, is_p2p: bool, created_ns: int, now: int,
                    exc: BaseException | None = None) -> None:
     timed_out: bool | None = None
     if exc is None:
@@ -200,7 +198,7 @@ def _fire_op(comm: Comm, op: str, seq: int, is_p2p: bool, created_ns: int, now: 
         pass  # raised to the op's thread by its next op or wait()
 
 
-def _fire(comm: Comm, rec: OpRecord, now: int, exc: BaseException | None = None) -> None:
+def _fire(comm: CommState, rec: OpRecord, now: int, exc: BaseException | None = None) -> None:
     if exc is None:
         age = (now - rec.time_created_ns) / 1e9
         exc = TimeoutError(f"in flight for {age:.1f} s without completing (debug_server watchdog)")
@@ -242,7 +240,7 @@ _WATCH_PERIOD = 0.1
 _wd_lock = threading.Lock()
 _wd_thread: threading.Thread | None = None
 _wd_stop = threading.Event()
-_wd_comms: weakref.WeakSet[Comm] = weakref.WeakSet()
+_wd_comms: weakref.WeakSet[CommState] = weakref.WeakSet()
 _wd_checks: list[Callable[[], float | None]] = []
 
 
@@ -255,13 +253,13 @@ def add_watchdog_check(fn: Callable[[], float | None]) -> None:
     _ensure_watchdog()
 
 
-def _watchdog_add(comm: Comm) -> None:
+def _watchdog_add(comm: CommState) -> None:
     with _wd_lock:
         _wd_comms.add(comm)
     _ensure_watchdog()
 
 
-def _watchdog_discard(comm: Comm) -> None:
+def _watchdog_discard(comm: CommState) -> None:
     with _wd_lock:
         _wd_comms.discard(comm)
 

@@ -12,20 +12,19 @@ from __future__ import annotations
 
 import datetime
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from debug_server.recording.abort import fail, fail_op, raise_broken
+from debug_server.recording.commstate import CommState
 from debug_server.recording.records import _SLOT_MASK, OpRecord, _as_timedelta, _record_event
 
-if TYPE_CHECKING:
-    from debug_server.recording.comms import Comm
 
 class CommWork:
     """The work object of an ``async_op=True`` call: ``wait(timeout=None)``, ``is_completed()``."""
 
     __slots__ = ("_comm", "_record", "_work")
 
-    def __init__(self, comm: Comm, record: OpRecord, work: Any) -> None:
+    def __init__(self, comm: CommState, record: OpRecord, work: Any) -> None:
         self._comm = comm
         self._record = record
         self._work = work
@@ -72,7 +71,7 @@ class BackedWork:
 
     __slots__ = ("_comm", "_op", "_seq", "_is_p2p", "_work")
 
-    def __init__(self, comm: Comm, op: str, seq: int, is_p2p: bool, work: Any) -> None:
+    def __init__(self, comm: CommState, op: str, seq: int, is_p2p: bool, work: Any) -> None:
         self._comm = comm
         self._op = op
         self._seq = seq
@@ -120,7 +119,7 @@ class BackedWork:
         return True
 
 
-def wait_host(comm: Comm, rec: OpRecord, work: Any, timeout: datetime.timedelta | float | None) -> None:
+def wait_host(comm: CommState, rec: OpRecord, work: Any, timeout: datetime.timedelta | float | None) -> None:
     """gloo: wait on the host, bounded by ``timeout`` or the group's (= our) timeout."""
     td = _as_timedelta(timeout) or comm._timeout
     try:
@@ -137,7 +136,7 @@ def wait_host(comm: Comm, rec: OpRecord, work: Any, timeout: datetime.timedelta 
     rec._mark_completed()
 
 
-def wait_stream(comm: Comm, rec: OpRecord, work: Any) -> None:
+def wait_stream(comm: CommState, rec: OpRecord, work: Any) -> None:
     """CUDA: the current stream waits for the op (c10d's wait() without timeout), not the host."""
     try:
         if work is not None:
@@ -153,7 +152,7 @@ def wait_stream(comm: Comm, rec: OpRecord, work: Any) -> None:
         rec.work = None
 
 
-def wait_cuda_host(comm: Comm, rec: OpRecord, td: datetime.timedelta) -> None:
+def wait_cuda_host(comm: CommState, rec: OpRecord, td: datetime.timedelta) -> None:
     """CUDA, explicit timeout: the host polls (non-blocking queries) until done or ``td``."""
     deadline = time.monotonic() + td.total_seconds()
     delay = 5e-5
