@@ -156,28 +156,26 @@ def test_imports_form_no_cycle_function_level_imports_included() -> None:
     assert cycles == [], "import cycles:\n" + "\n".join(cycles)
 
 
-def test_the_fan_out_has_no_cycle_annotations_included() -> None:
-    # Inside ``fanout/`` not even an annotation goes round (issue 40): the asker knows no
-    # caller, the rounds and the route know the asker, the collector owns them all.
-    mods = {m: p for m, p in _modules().items() if m.startswith("debug_server.fanout.")}
-    graph = {m: {d for d in _imports(p, runtime_only=False) if d in mods and d != m}
-             for m, p in mods.items()}
-    cycles = _cycles(graph)
-    assert cycles == [], "import cycles in fanout/, annotations included:\n" + "\n".join(cycles)
-    # The protocols know no implementation: only the records they speak of.
+def _room_graph(room: str) -> dict[str, set[str]]:
+    mods = {m: p for m, p in _modules().items() if m.startswith(f"debug_server.{room}.")}
+    return {m: {d for d in _imports(p, runtime_only=False) if d in mods and d != m}
+            for m, p in mods.items()}
+
+
+@pytest.mark.parametrize("room", ["fanout", "recording"])
+def test_no_cycle_inside_a_room_annotations_included(room: str) -> None:
+    # Issue 40: inside ``fanout/`` the asker knows no caller, the rounds and the route know the
+    # asker, the collector owns them all; inside ``recording/`` the helpers name what they need
+    # of a communicator (``commstate.CommState``), never ``comms.Comm`` above them.
+    cycles = _cycles(_room_graph(room))
+    assert cycles == [], f"import cycles in {room}/, annotations included:\n" + "\n".join(cycles)
+
+
+def test_the_collector_protocols_know_no_implementation() -> None:
+    graph = _room_graph("fanout")
     assert graph["debug_server.fanout.collector"] <= {
         "debug_server.fanout.reply", "debug_server.fanout.transport"}, \
         graph["debug_server.fanout.collector"]
-
-
-def test_the_recorder_has_no_cycle_annotations_included() -> None:
-    # The helpers name what they need of a communicator (``commstate.CommState``), never
-    # ``comms.Comm`` above them (issue 40): no circle in ``recording/``, not even an annotation.
-    mods = {m: p for m, p in _modules().items() if m.startswith("debug_server.recording.")}
-    graph = {m: {d for d in _imports(p, runtime_only=False) if d in mods and d != m}
-             for m, p in mods.items()}
-    cycles = _cycles(graph)
-    assert cycles == [], "import cycles in recording/, annotations included:\n" + "\n".join(cycles)
 
 
 RENDERERS = ("debug_server.frontend.render", "debug_server.frontend.lanes",

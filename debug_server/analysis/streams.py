@@ -34,7 +34,7 @@ one up to this many)."""
 class ClassOps:
     """One class's ops: seqs and issue times per group, pending P2P times, incomplete ops."""
 
-    __slots__ = ("colls", "p2p", "blocked", "pending", "done")
+    __slots__ = ("colls", "p2p", "blocked", "pending", "done", "states")
 
     def __init__(self) -> None:
         self.colls: dict[str, tuple[list[int], Sequence[int]]] = {}
@@ -44,6 +44,8 @@ class ClassOps:
         self.pending: set[OpKey] = set()
         self.done: list[tuple[int, OpKey, int, int]] = []
         """The newest completed collectives (at most :data:`LANE_OPS` a group), oldest first."""
+        self.states: dict[OpKey, int] = {}
+        """The state code of each incomplete op (``digest.STATES``)."""
 
     def time(self, k: OpKey) -> int:
         """When this class issued op ``k``; :data:`UNKNOWN_T` when it did not or nobody knows."""
@@ -76,9 +78,10 @@ def class_ops(c: RankClass, groups: Mapping[GroupKey, Group]) -> ClassOps:
         j = len(cells) - 1
         while j >= 0 and cells[j][2] != DONE:
             t = ts[j] if j < len(ts) else 0
-            _, sidx, _, fidx = cells[j]
-            held.blocked.append((t or UNKNOWN_T, (g.id, False, cells[j][0]), c.sig_g[sidx],
-                                 c.fr_g[fidx] if fidx >= 0 else -1))
+            _, sidx, st, fidx = cells[j]
+            k = (g.id, False, cells[j][0])
+            held.blocked.append((t or UNKNOWN_T, k, c.sig_g[sidx], c.fr_g[fidx] if fidx >= 0 else -1))
+            held.states[k] = st
             j -= 1
         for i in range(max(0, j - LANE_OPS + 1), j + 1):
             _, sidx, _, fidx = cells[i]
@@ -95,30 +98,12 @@ def class_ops(c: RankClass, groups: Mapping[GroupKey, Group]) -> ClassOps:
             t = ts[j] if j < len(ts) else 0
             k = (g.id, True, p[0])
             held.p2p[k] = t
+            held.states[k] = p[2]
             held.blocked.append((t or UNKNOWN_T, k, c.sig_g[p[1]], c.fr_g[p[3]] if p[3] >= 0 else -1))
     held.blocked.sort()
     held.done.sort()
     held.pending = {x[1] for x in held.blocked}
     return held
-
-
-def states_of(c: RankClass, groups: Mapping[GroupKey, Group]) -> dict[OpKey, int]:
-    """The state code of each of the class's incomplete collectives."""
-    out: dict[OpKey, int] = {}
-    for name, desc, cells in c.d.colls:
-        g = groups.get(c.gkeys.get((name, desc), ("", ())))
-        if g is None:
-            continue
-        for seq, _, st, _ in reversed(cells):
-            if st == DONE:
-                break
-            out[(g.id, False, seq)] = st
-    for name, desc, _done, pending in c.d.p2p:
-        g = groups.get(c.gkeys.get((name, desc), ("", ())))
-        if g is not None:
-            for p in pending:
-                out[(g.id, True, p[0])] = p[2]
-    return out
 
 
 def stream_lanes(classes: Sequence[RankClass], groups: Mapping[GroupKey, Group],
@@ -134,7 +119,7 @@ def stream_lanes(classes: Sequence[RankClass], groups: Mapping[GroupKey, Group],
     out = []
     for c in classes:
         ops: ClassOps = ops_of(c)
-        states = states_of(c, groups)
+        states = ops.states
         pend = ops.blocked[:LANE_OPS]
         done = ops.done[-max(2, LANE_OPS - len(pend)):]
         lane = []

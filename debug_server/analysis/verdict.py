@@ -398,7 +398,7 @@ def _inversion_step(f: Finding) -> str:
     lines = [f"{o['op']} #{o['seq']} on {o['group_label']}"
              + (f" at {o['line']}" if o.get("line") else "") for o in f["ops"] if o["issued"]]
     return (f"issue these collectives in one order on every rank: {ranks_phrase(f['ranks'])} "
-            f"issued {', then '.join(lines)} first (look for iteration over a set or dict, a "
+            f"issued {', then '.join(lines)} (look for iteration over a set or dict, a "
             "rank-dependent branch, or a second thread issuing collectives).")
 
 
