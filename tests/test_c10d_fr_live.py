@@ -70,10 +70,18 @@ for step in range(3):
 """
 
 
-def _wait_file(path: Path, limit_s: float) -> str:
+def _wait_file(path: Path, limit_s: float, procs: list[subprocess.Popen[str]]) -> str:
+    """The file's text once a rank wrote it; a rank that exits first or the bound ends the wait
+    with every rank's output (the ranks are killed by pid to read it)."""
     deadline = time.monotonic() + limit_s
     while not path.exists():
-        assert time.monotonic() < deadline, f"{path.name} not written within {limit_s} s"
+        died = [p.returncode for p in procs if p.poll() is not None]
+        if died or time.monotonic() >= deadline:
+            results = finish(procs, 1)
+            pytest.fail(f"{path.name} not written within {limit_s} s (exit codes {died}):\n"
+                        + "\n".join(f"rank {r.rank} exited {r.returncode}\nstdout: "
+                                    f"{r.stdout[-2000:]}\nstderr: {r.stderr[-4000:]}"
+                                    for r in results))
         time.sleep(0.2)
     return path.read_text()
 
@@ -85,9 +93,9 @@ def ddp_job(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]
     try:
         job = {
             "dir": work,
-            "frontend": _wait_file(work / "frontend", 90),
-            "workers": [_wait_file(work / f"worker{r}", 60) for r in range(2)],
-            "stuck_seq": int(_wait_file(work / "rank1_last_enqueued", 60)) + 1,
+            "frontend": _wait_file(work / "frontend", 90, procs),
+            "workers": [_wait_file(work / f"worker{r}", 60, procs) for r in range(2)],
+            "stuck_seq": int(_wait_file(work / "rank1_last_enqueued", 60, procs)) + 1,
             "skip_line": next(i for i, ln in enumerate(
                 (work / "rank_script.py").read_text().splitlines(), 1) if "SKIP LINE" in ln),
         }

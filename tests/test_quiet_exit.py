@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
+import re
 import subprocess
 import sys
 import time
@@ -43,8 +44,6 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, bool], qui
         return (path, False), quietjob.run(path, False, root / f"{path}_bare")
 
     def served(path: str) -> list[tuple[tuple[str, bool], quietjob.Run]]:
-        if path == "return":
-            return []
         if path == "kill0":  # and once more with the host's agent, a child of rank 0 too
             agent = quietjob.run(path, True, root / "kill0_agent",
                                  extra_env={"DEBUG_SERVER_AGENT": "1"})
@@ -55,9 +54,11 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, bool], qui
         master, frontend = free_port(), free_port()
         first = quietjob.run("destroy", True, root / "destroy_server", master_port=master,
                              frontend_port=frontend)
-        again = quietjob.run("return", True, root / "return_server", master_port=master,
+        # The second job ends with destroy_process_group too: a normal return lets gloo's
+        # threads abort the exit now and then, with or without the server (see below).
+        again = quietjob.run("destroy", True, root / "again_server", master_port=master,
                              frontend_port=frontend)
-        return [(("destroy", True), first), (("return", True), again)]
+        return [(("destroy", True), first), (("again", True), again)]
 
     with ThreadPoolExecutor(max_workers=2) as pool:
         done = [pool.submit(served, p) for p in quietjob.PATHS]
@@ -96,7 +97,11 @@ def test_a_normal_end_says_how_every_rank_exited(
     served = runs[("destroy", True)]
     assert served.returncode == 0 and not any("terminate called" in ln for ln in served.output)
     finish = [ln for ln in served.output if "debug_server frontend: " in ln]
-    assert len(finish) == 1 and "job finished; 2 ranks exited 0; dumps in " in finish[0], finish
+    assert len(finish) == 1 and "job finished; " in finish[0] and "; dumps in " in finish[0], finish
+    # How each rank ended: "exited 0" where the frontend read /proc before torchrun reaped the
+    # rank, "ended" where the reap came first (a loaded machine); never a failure.
+    hows = finish[0].split("job finished; ", 1)[1].split("; dumps in ", 1)[0].split("; ")
+    assert all(re.fullmatch(r"(\d+ ranks|ranks? [\d,-]+) (exited 0|ended)", h) for h in hows), hows
 
 
 @pytest.mark.parametrize("path", quietjob.PATHS)
@@ -112,7 +117,7 @@ def test_nothing_of_the_job_outlives_torchrun(
 
 def test_a_second_job_comes_up_on_the_ports_the_first_just_left(
         runs: dict[tuple[str, bool], quietjob.Run]) -> None:
-    again = runs[("return", True)]  # started as soon as the barrier + destroy job returned
+    again = runs[("again", True)]  # started as soon as the barrier + destroy job returned
     assert again.returncode == 0, "\n".join(again.output)
     assert any("debug_server: pages at http://" in ln for ln in again.output), again.output
 
