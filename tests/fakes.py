@@ -48,11 +48,17 @@ async def serve(app: web.Application, runners: list[web.AppRunner]) -> str:
 class FakeDirectory:
     """The agents' registrations, as ``AgentDirectory`` reads them from a store."""
 
-    def __init__(self, agents: dict[str, agents_mod.AgentAddr]) -> None:
+    def __init__(self, agents: dict[str, agents_mod.AgentAddr],
+                 groups: list[agents_mod.AgentAddr] | None = None) -> None:
         self.agents = agents
+        self.tree = groups
+        """The tree's aggregators (``AgentDirectory.groups``), if any."""
 
     async def lookup(self, ids: set[str]) -> dict[str, agents_mod.AgentAddr]:
         return {i: a for i, a in self.agents.items() if i in ids}
+
+    async def groups(self) -> list[agents_mod.AgentAddr]:
+        return list(self.tree or [])
 
     def forget(self, agent_id: str) -> None:
         pass

@@ -56,7 +56,7 @@ from aiohttp import web
 from debug_server import auth
 from debug_server.agent import hostreply
 from debug_server.fanout.leanhttp import LeanClient
-from debug_server.fanout.live import LiveCollector
+from debug_server.fanout.live import LiveCollector, RouteFor
 from debug_server.fanout.reply import INLINE_DUMPS, FrData
 from debug_server.fanout.transport import MAX_BODY_BYTES, RankResult
 from debug_server.protocol import frwindow, members
@@ -165,7 +165,37 @@ async def _agent_fr(request: web.Request, q: Mapping[str, str]) -> web.Response:
     tag: str | None = None
     stacks: Sequence[RankResult] | None = None
     keep = False  # the default ask's full reply is kept for a new asker (LAST_FULL)
-    if SINCE in q:
+    routed = collector.route is not None  # an aggregator: through its group's host agents
+    if SINCE in q and routed:
+        try:
+            since = frwindow.parse_since(q[SINCE])
+        except ValueError as e:
+            raise BadParam(f"bad parameter since: {e}") from None
+        fr = await collector.routed_since(since, addrs)
+    elif routed and not (_flag(q, WHOLE) or _flag(q, ONLY_ACTIVE)):
+        if WINDOW in q and q[WINDOW] != str(frwindow.LOCAL_SLACK):
+            raise BadParam(f"bad parameter window={q['window'][:20]!r}: only "
+                           f"{frwindow.LOCAL_SLACK} is supported")
+        # Its hosts' windows cut at the group's frontier; its tag folds its hosts' tags, so a
+        # group none of whose hosts changed answers "unchanged" (nothing encoded).
+        if want_stacks:
+            fr, got = await collector.fr_stacks(addrs)
+            stacks = got
+        else:
+            fr = await collector.fr(addrs=addrs)
+        tag = hostreply.group_tag(q, fr.results, collector.route.last_key())
+        if tag and q.get(TAG) == tag:
+            return web.Response(text=hostreply.unchanged_reply(
+                request.app[HOST_ID], fr.results, tag, stacks, hostreply.dump_times(fr.dumps)),
+                content_type="application/json")
+        part = request.app[LAST_FULL].get(tag) if tag else None
+        if part is not None:
+            request.app[COUNTS][FROM_LAST] = request.app[COUNTS].get(FROM_LAST, 0) + 1
+            return web.Response(text=hostreply.with_part(
+                request.app[HOST_ID], fr.results, tag, part, stacks,
+                hostreply.dump_times(fr.dumps)), content_type="application/json")
+        keep = bool(tag)  # "": some ranks came another way; no conditional ask then
+    elif SINCE in q:
         try:
             since = frwindow.parse_since(q[SINCE])
         except ValueError as e:
@@ -260,9 +290,11 @@ routes = handler_routes(HANDLERS, _counted, "agent")
 
 
 def make_agent_app(registry: Any, my_id: str, *, fetch_timeout: float,
-                   max_concurrency: int = 64, token: str | None = None) -> web.Application:
+                   max_concurrency: int = 64, token: str | None = None,
+                   route: RouteFor | None = None) -> web.Application:
     """The agent app over ``registry`` (its host's ranks); with ``token`` every request must
-    carry it, and the agent sends it to the workers."""
+    carry it, and the agent sends it to the workers. ``route``: an aggregator's
+    (``agent.tree``), whose collector asks its group's host agents (``fanout.agents``)."""
     guard = [auth.auth_middleware(auth.TokenGate(token), browser=False)] if token else []
     app = web.Application(middlewares=guard)
     app[REGISTRY] = registry
@@ -270,7 +302,8 @@ def make_agent_app(registry: Any, my_id: str, *, fetch_timeout: float,
     app[COUNTS] = {}
     app[GROUPS] = {}
     app[LAST_FULL] = {}
-    app[SETTINGS] = {"timeout": fetch_timeout, "concurrency": max_concurrency, "token": token}
+    app[SETTINGS] = {"timeout": fetch_timeout, "concurrency": max_concurrency, "token": token,
+                     "route": route}
     app.cleanup_ctx.append(_client_ctx)
     app.add_routes(routes)
     return app
@@ -286,7 +319,7 @@ async def _client_ctx(app: web.Application) -> AsyncIterator[None]:
             # A host's few ranks: one asked first on the first FR ask (fanout.PRIME_RANKS).
             app[COLLECTOR] = LiveCollector(session, app[REGISTRY], timeout=s["timeout"],
                                        max_concurrency=s["concurrency"], http=http,
-                                       prime_ranks=2)
+                                       prime_ranks=2, route=s["route"])
             try:
                 yield
             finally:

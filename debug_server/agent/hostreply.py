@@ -146,11 +146,58 @@ def read_times(results: Sequence[RankResult]) -> dict[str, int | None]:
 
 
 def unchanged_reply(host: str, results: Sequence[RankResult], tag: str,
-                    stacks: Sequence[RankResult] | None = None) -> str:
-    """The records and each rank's read time, read off its reply text (no parse)."""
+                    stacks: Sequence[RankResult] | None = None,
+                    snap: Mapping[str, int | None] | None = None) -> str:
+    """The records and each rank's read time, read off its reply text (no parse) unless
+    given (``snap``: an aggregator's, from the dumps its hosts sent)."""
     rows, _ = records(results, with_body=False)
     return fastjson.dumps({"host": host, "ranks": rows, TAG: tag, "unchanged": True,
-                           "snap": read_times(results), **stacks_part(stacks)})
+                           "snap": read_times(results) if snap is None else snap,
+                           **stacks_part(stacks)})
+
+
+def dump_times(dumps: Mapping[int, Mapping[str, Any]]) -> dict[str, int | None]:
+    """Each rank's read time from its parsed dump (an aggregator's ranks' bodies are parsed)."""
+    return {str(r): t if type(t := d.get(SNAPSHOT_TIME_KEY)) is int else None
+            for r, d in dumps.items()}
+
+
+def group_tag(q: Mapping[str, str], results: Sequence[RankResult], key: Any) -> str:
+    """An aggregator's tag: the question, the asker's member lists, the ranks' statuses and its
+    host agents' tags (``AgentRoute.last_key``: every rank came through a host agent that
+    tagged its reply, and the cut was the last one's). "" where ``key`` is None: no conditional
+    ask then."""
+    if key is None:
+        return ""
+    h = hashlib.blake2b(digest_size=12)
+    h.update(json.dumps(sorted((k, v) for k, v in q.items() if k not in (TAG, WITH_STACKS)),
+                        separators=(",", ":")).encode())
+    h.update((members.known_param() or "").encode())
+    h.update(repr(key).encode())
+    for r in results:
+        h.update(f"\0{r.rank}\0{r.status}".encode())
+    return "g" + h.hexdigest()
+
+
+def share_same(dumps: Mapping[str, Mapping[str, Any]]) -> tuple[dict[str, Any],
+                                                                 dict[str, list[Any]]]:
+    """Ranks whose dumps read the same but for their read time, as one dump: ``"same"`` maps
+    each other rank to ``[rank sent, its read time]``. What goes up a level grows with the
+    distinct behaviours, not with the ranks (an aggregator's thousand ranks in a few dumps)."""
+    first: dict[str, str] = {}
+    out: dict[str, Any] = {}
+    same: dict[str, list[Any]] = {}
+    for r, d in dumps.items():
+        rest = {k: v for k, v in d.items() if k != SNAPSHOT_TIME_KEY}
+        text = fastjson.dumps(rest, default=str)
+        rep = first.get(text)
+        if rep is None:
+            first[text] = r
+            out[r] = d
+        else:
+            t = d.get(SNAPSHOT_TIME_KEY)
+            same[r] = [int(rep), t if type(t) is int else None]
+    return out, same
 
 
 
@@ -159,7 +206,8 @@ def data_part(fr: FrData, known: frozenset[str]) -> str:
     asker's lists), so the same text serves any asker of the same tag (``app.LAST_FULL``)."""
     dumps, lists = share_lists(fr.dumps, known)
     dumps, frame_sets = share_frames(dumps)
-    return fastjson.dumps({"dumps": dumps, "lists": lists, "frames": frame_sets,
+    dumps, same = share_same(dumps)
+    return fastjson.dumps({"dumps": dumps, "same": same, "lists": lists, "frames": frame_sets,
                            "window": fr.window, "signatures": signatures(fr.dumps)}, default=str)
 
 
@@ -176,5 +224,6 @@ def with_part(host: str, results: Sequence[RankResult], tag: str, part: str,
     return head[:-1] + "," + part[1:]
 
 
-__all__ = ["data_part", "fr_tag", "read_times", "records", "share_frames", "share_lists",
-           "signatures", "stacks_part", "unchanged_reply", "with_part"]
+__all__ = ["data_part", "dump_times", "fr_tag", "group_tag", "read_times", "records",
+           "share_frames", "share_lists", "share_same", "signatures", "stacks_part",
+           "unchanged_reply", "with_part"]

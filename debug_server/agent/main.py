@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 
 from debug_server import auth
+from debug_server.agent import tree
 from debug_server.agent.app import make_agent_app
 from debug_server.agent.registry import HostRegistry, StaticHostRegistry
 from debug_server.config import take_secrets
@@ -47,12 +48,14 @@ CONNECT_TRY_S = 5.0
 
 
 def _register(store: dist.Store, my_id: str, url: str, ranks: Sequence[int],
-              restart: int) -> None:
+              restart: int, tree_hosts: int = 0) -> int:
+    """Register this agent; its place in the tree (``tree.join``; -1: no tree)."""
     store.set(agent_key(my_id), json.dumps({"url": url, "ranks": format_ranks(ranks),
                                             "restart": restart, "pid": os.getpid(),
                                             "host": socket.gethostname(),
                                             # ranks here name this pid their tracer (jobpids)
                                             "start": jobpids.start_time(os.getpid())}))
+    return tree.join(store, my_id, restart, tree_hosts)
 
 
 async def _serve(args: argparse.Namespace, registry: Any, token: str | None,
@@ -66,9 +69,14 @@ async def _serve(args: argparse.Namespace, registry: Any, token: str | None,
         port = await start_sites(runner, args.host, args.port)
         host = args.advertise or "127.0.0.1"
         url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
+        group: tuple[web.AppRunner, asyncio.Task[None]] | None = None
         if store is not None:
-            await asyncio.get_running_loop().run_in_executor(
-                None, _register, store, args.host_id, url, registry.ranks, args.restart_count)
+            place = await asyncio.get_running_loop().run_in_executor(
+                None, _register, store, args.host_id, url, registry.ranks, args.restart_count,
+                args.tree_hosts)
+            lead = tree.leads(place, args.tree_hosts)
+            if lead is not None:
+                group = await _serve_group(args, lead, place, token, store)
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, done.set)
@@ -87,7 +95,49 @@ async def _serve(args: argparse.Namespace, registry: Any, token: str | None,
             watch.cancel()
         return 0
     finally:
+        if group is not None:
+            group[1].cancel()
+            await group[0].cleanup()
         await runner.cleanup()
+
+
+async def _serve_group(args: argparse.Namespace, group: int, first: int, token: str | None,
+                       store: dist.Store) -> tuple[web.AppRunner, asyncio.Task[None]]:
+    """This agent leads group ``group`` of the tree (``tree``): the agent app over the group's
+    ranks, through their host agents, on a port of its own, registered once its ranks are
+    known and again whenever they grow."""
+    from debug_server.fanout.agents import AgentDirectory, agent_route
+
+    registry = tree.GroupRegistry(args.master_addr, args.master_port, args.world_size,
+                                  args.restart_count, first, args.tree_hosts,
+                                  timeout=min(5.0, args.fetch_timeout))
+    directory = AgentDirectory(args.master_addr, args.master_port, args.restart_count,
+                               timeout=min(5.0, args.fetch_timeout), tree=False)
+    app = make_agent_app(registry, tree.group_id(group), fetch_timeout=args.fetch_timeout,
+                         max_concurrency=args.max_concurrency, token=token,
+                         route=agent_route(directory))
+    runner = web.AppRunner(app, handle_signals=False, shutdown_timeout=2.0, access_log=None)
+    await runner.setup()
+    port = await start_sites(runner, args.host, 0)
+    host = args.advertise or "127.0.0.1"
+    url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
+
+    async def keep_registered() -> None:
+        said = ""
+        loop = asyncio.get_running_loop()
+        while True:
+            with contextlib.suppress(Exception):  # the store may be gone with rank 0
+                await registry.lookup()
+                record = registry.record(url)
+                if registry.ranks and record != said:
+                    await loop.run_in_executor(None, tree.register, store, args.restart_count,
+                                               group, record)
+                    said = record
+                if len(registry.hosts) >= args.tree_hosts and said:
+                    return
+            await asyncio.sleep(tree.REFRESH_S)
+
+    return runner, asyncio.create_task(keep_registered())
 
 
 async def _watch_parent(pid: int, done: asyncio.Event, registry: Any = None) -> None:
@@ -179,6 +229,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     settings = take_secrets()
     pyspy.use_setting(settings.pyspy)
     args.host_id = args.host_id or host_id(settings)
+    args.tree_hosts = settings.tree_hosts
     try:
         ranks = parse_ranks(args.ranks)
     except ValueError as e:

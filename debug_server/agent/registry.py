@@ -20,7 +20,7 @@ class HostRegistry:
     """This host's ranks' workers, read from the job's store (only these ranks' keys)."""
 
     def __init__(self, master_addr: str, master_port: int, world_size: int, restart: int,
-                 ranks: Sequence[int], my_id: str, timeout: float) -> None:
+                 ranks: Sequence[int], my_id: str | None, timeout: float) -> None:
         self.world_size = world_size
         self.ranks = list(ranks)
         self._addr = (master_addr, master_port)
@@ -79,7 +79,8 @@ class HostRegistry:
             meta = addrs.meta_dict(metas.get(r))
             if r in metas and (meta is None or meta.get("restart") != self._restart):
                 out.append(WorkerAddr(r, None, f"{NOT_REGISTERED} (stale or unreadable sidecar)"))
-            elif meta is not None and meta.get(META_KEY) not in (None, self._id):
+            elif self._id is not None and meta is not None and \
+                    meta.get(META_KEY) not in (None, self._id):
                 continue  # another host's agent serves it
             else:
                 out.append(WorkerAddr(r, urls[r].decode(errors="replace").rstrip("/"), meta=meta))

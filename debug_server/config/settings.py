@@ -26,6 +26,7 @@ TIMING_OPT_ENV = "DEBUG_SERVER_NCCL_TIMING"
 C10D_TIMING_ENV = "DEBUG_SERVER_C10D_TIMING"
 AGENT_ENV = "DEBUG_SERVER_AGENT"
 AGENT_ID_ENV = "DEBUG_SERVER_AGENT_ID"
+TREE_HOSTS_ENV = "DEBUG_SERVER_TREE_HOSTS"
 TOKEN_ENV = "DEBUG_SERVER_AUTH_TOKEN"
 FRONTEND_CONFIG_FD_ENV = "DEBUG_SERVER_FRONTEND_CONFIG_FD"
 TOKEN_FROM_STORE_ENV = "DEBUG_SERVER_AGENT_TOKEN_FROM_STORE"
@@ -60,6 +61,13 @@ def _int_of(name: str, raw: str) -> int:
         return int(raw.strip())
     except ValueError:
         raise ConfigError(f"environment variable {name}={raw!r} is not an integer") from None
+
+
+def _count(name: str, raw: str) -> int:
+    value = _int_of(name, raw)
+    if value < 0:
+        raise ConfigError(f"environment variable {name}={raw!r} must be 0 or more")
+    return value
 
 
 def _positive_float(name: str, raw: str) -> float:
@@ -144,6 +152,11 @@ class Settings:
     agent_id: str | None = _setting(
         AGENT_ID_ENV, None, "This host's agent id (default: the host name); ranks that share "
         "it share one agent.", _text, type_="str")
+    tree_hosts: int = _setting(
+        TREE_HOSTS_ENV, 128, "Hosts per aggregator: the agents of every this many hosts "
+        "answer the frontend through one of them (the first), and the frontend asks only the "
+        "aggregators once a job has more hosts than this; `0`: no aggregators.", _count,
+        type_="int")
     auth_token: str | None = _setting(
         TOKEN_ENV, None, "The access token of an attached frontend (`python -m "
         "debug_server.frontend --store ...`) or the post-mortem viewer; read once and removed "

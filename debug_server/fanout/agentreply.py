@@ -133,12 +133,19 @@ def parse_fr(body: str, ag: AgentAddr, rs: Sequence[WorkerAddr]) -> _FrReply:
     fresh = obj.get("snap")
     if fresh is not None and not isinstance(fresh, dict):
         raise ValueError("snap is not an object")
+    same = obj.get("same", {})
+    if not isinstance(same, dict):
+        raise ValueError("same is not an object")
     by_rank = {a.rank: a for a in rs}
     recs = [_record(row, ag, by_rank, None) for row in obj["ranks"]]
     dumps: dict[int, dict[str, Any]] = {}
+    later: list[tuple[RankResult, Any]] = []
     for r in recs:
         d = raw.get(str(r.rank))
         if not r.ok:
+            continue
+        if d is None and str(r.rank) in same:
+            later.append((r, same[str(r.rank)]))
             continue
         if not isinstance(d, dict):
             r.status, r.error = FAILED, f"rank {r.rank}: the agent sent no dump"
@@ -153,4 +160,17 @@ def parse_fr(body: str, ag: AgentAddr, rs: Sequence[WorkerAddr]) -> _FrReply:
         members.learn(d)
         dumps[r.rank] = d if fresh is None else with_snap(d, fresh.get(str(r.rank)))
         r.body = ""  # answered (the dump is parsed already); the snapshot keys on a body
+    for r, pair in later:
+        # A rank whose dump read the same as another's (``hostreply.share_same``): its own top
+        # level (its read time) over the other's parts, shared by identity, which the analysis
+        # and the window's cut read once for all of them.
+        if not (isinstance(pair, list) and len(pair) == 2 and type(pair[0]) is int):
+            raise ValueError("a same entry is not [rank, read time]")
+        rep = dumps.get(pair[0])
+        if rep is None:
+            r.status, r.error = FAILED, f"rank {r.rank}: the agent sent no dump"
+            continue
+        snap = fresh.get(str(r.rank)) if fresh is not None else pair[1]
+        dumps[r.rank] = with_snap(rep, snap)
+        r.body = ""
     return recs, dumps, tag, None, stacks

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -41,6 +40,12 @@ from typing import TYPE_CHECKING, Any
 import aiohttp
 
 from debug_server.analysis.digest import SNAPSHOT_TIME_KEY
+from debug_server.fanout.agentdir import (
+    AGENT_RETRY_S,
+    AGENT_SLACK_S,
+    GROUP_ID_PREFIX,
+    AgentDirectory,
+)
 from debug_server.fanout.agentreply import (
     AgentAddr,
     keep_stacks,
@@ -61,101 +66,13 @@ from debug_server.protocol.addrs import (
     AGENT_META_KEY,
     NOT_REGISTERED,
     WorkerAddr,
-    agent_key,
-    parse_ranks,
 )
 from debug_server.protocol.names import NATIVE, ONLY_ACTIVE, SINCE, WINDOW, WITH_STACKS
-from debug_server.readers import storeview
 
 if TYPE_CHECKING:
-    import torch.distributed as dist
+    pass
 
 logger = logging.getLogger(__name__)
-
-AGENT_RETRY_S = 30.0
-"""How long a failed agent is skipped (its ranks asked directly) before it is tried again."""
-AGENT_TTL_S = 5.0
-"""How long an agent's registration read from the store is trusted before it is read again."""
-MISSING_TTL_S = 1.0
-STORE_RETRY_S = 15.0
-"""After the store failed to answer, how long the agents found before are used without asking."""
-AGENT_SLACK_S = 2.0
-
-
-class AgentDirectory:
-    """Agents registered in the job's store, read on a private thread and cached briefly."""
-
-    def __init__(self, master_addr: str, master_port: int, restart: int,
-                 timeout: float = 5.0) -> None:
-        self._addr = (master_addr, master_port)
-        self._restart = restart
-        self._timeout = timeout
-        self._store: dist.Store | None = None
-        self._cache: dict[str, tuple[float, AgentAddr | None]] = {}
-        self._retry_at = 0.0
-        self._reached = False
-        # A daemon thread, never joined at exit (storeview.StoreLane).
-        self._lane = storeview.StoreLane("debug_server.agents")
-
-    def _read(self, ids: list[str]) -> dict[str, AgentAddr | None] | None:
-        try:
-            if self._store is None:
-                self._store = storeview.store_client(*self._addr, timeout=self._timeout)
-            store = self._store
-            self._reached = True
-            keys = [agent_key(i) for i in ids]
-            present = ids if store.check(keys) else [i for i in ids
-                                                     if store.check([agent_key(i)])]
-            raw = dict(zip(present, store.multi_get([agent_key(i) for i in present]),
-                           strict=True)) if present else {}
-        except Exception as e:  # no store: the agents found before, else every rank directly
-            self._store = None
-            # A store that answered before and went away is the job's end (or rank 0's):
-            # nothing to warn about here (the frontend's watch says what matters).
-            logger.log(logging.DEBUG if self._reached else logging.WARNING,
-                       "debug_server: agents not readable from the store: %s",
-                       (str(e).splitlines() or [type(e).__name__])[0][:200])
-            return None
-        return {i: _agent_addr(i, raw.get(i), self._restart) for i in ids}
-
-    async def lookup(self, ids: set[str]) -> dict[str, AgentAddr]:
-        now = time.monotonic()
-        # A missing agent is looked for again after a second (it may be starting), a found
-        # one is trusted for AGENT_TTL_S (a dead one is noticed by its requests, not here).
-        stale = sorted(i for i in ids if i not in self._cache or now - self._cache[i][0] > (
-            AGENT_TTL_S if self._cache[i][1] is not None else MISSING_TTL_S))
-        if stale and now >= self._retry_at:
-            got = await self._lane.call(lambda: self._read(stale))
-            if got is None:
-                # The store is gone (rank 0 hosted it and died): keep the agents found before
-                # (a dead one is noticed by its requests). One that answered before is never
-                # asked again (that port may hold the next job's store); one never reached is
-                # tried again every STORE_RETRY_S, so pages do not wait on it.
-                self._retry_at = float("inf") if self._reached else now + STORE_RETRY_S
-                got = {i: self._cache.get(i, (0.0, None))[1] for i in stale}
-            for i, a in got.items():
-                self._cache[i] = (now, a)
-        return {i: a for i in ids if (a := self._cache.get(i, (0.0, None))[1]) is not None}
-
-    def forget(self, agent_id: str) -> None:
-        self._cache.pop(agent_id, None)
-
-    def close(self) -> None:
-        self._lane.close()
-        self._store = None
-
-
-def _agent_addr(agent_id: str, raw: bytes | None, restart: int) -> AgentAddr | None:
-    if raw is None:
-        return None
-    try:
-        obj = json.loads(raw)
-        if obj["restart"] != restart or not isinstance(obj["url"], str):
-            return None
-        return AgentAddr(agent_id, obj["url"].rstrip("/"), frozenset(parse_ranks(obj["ranks"])))
-    except (ValueError, KeyError, TypeError):
-        return None
-
 
 class AgentFailed(Exception):
     """An agent that did not give a usable reply; the text is one line."""
@@ -182,6 +99,13 @@ class AgentRoute:
         last ``fr`` whose ranks all came through agents in one round."""
         self.cuts_reused = 0
         """``fr`` calls that used the last window and cut again (every agent's tag the same)."""
+        self._key: Any = None
+
+    def last_key(self) -> Any:
+        """What the last ``fr`` window stands for: every agent's id and reply tag, where every
+        rank came through an agent that tagged its reply in one round; else None. An
+        aggregator's own tag folds it (``hostreply.group_tag``)."""
+        return self._key
 
     @property
     def agent_timeout(self) -> float:
@@ -192,16 +116,34 @@ class AgentRoute:
 
     # -- which rank goes where --------------------------------------------------------------
 
-    async def plan(self, addrs: Sequence[WorkerAddr]) -> Plan | None:
-        """One group per agent that serves some of ``addrs``; None where none does."""
-        ids = {m[AGENT_META_KEY] for a in addrs if (m := a.meta) and isinstance(
-            m.get(AGENT_META_KEY), str)}
+    async def plan(self, addrs: Sequence[WorkerAddr], tree: bool = True) -> Plan | None:
+        """One group per agent that serves some of ``addrs``: the tree's aggregators where the
+        job has them (``tree``) and they are up, then each host's agent; None where none does."""
         now = time.monotonic()
-        ids = {i for i in ids if self._down.get(i, 0.0) <= now}
-        found = await self.agents.lookup(ids) if ids else {}
         by_agent: dict[str, list[WorkerAddr]] = {}
+        found: dict[str, AgentAddr] = {}
+        if tree:
+            for ag in await self.agents.groups():
+                if self._down.get(ag.id, 0.0) <= now:
+                    found[ag.id] = ag
+        if found:
+            owner = {r: ag.id for ag in found.values() for r in ag.ranks}
+            rest = []
+            for a in addrs:
+                gid = owner.get(a.rank) if a.url is not None else None
+                if gid is None:
+                    rest.append(a)
+                else:
+                    by_agent.setdefault(gid, []).append(a)
+            addrs_left: Sequence[WorkerAddr] = rest
+        else:
+            addrs_left = addrs
+        ids = {m[AGENT_META_KEY] for a in addrs_left if (m := a.meta) and isinstance(
+            m.get(AGENT_META_KEY), str)}
+        ids = {i for i in ids if self._down.get(i, 0.0) <= now}
+        found.update(await self.agents.lookup(ids) if ids else {})
         direct: list[WorkerAddr] = []
-        for a in addrs:
+        for a in addrs_left:
             aid = a.meta.get(AGENT_META_KEY) if a.meta else None
             ag = found.get(aid) if isinstance(aid, str) else None
             if a.url is None or ag is None or a.rank not in ag.ranks:
@@ -211,6 +153,12 @@ class AgentRoute:
         if not by_agent:
             return None
         return Plan(addrs, [(found[i], rs) for i, rs in by_agent.items()], direct)
+
+    async def _below(self, rs: Sequence[WorkerAddr]) -> Plan:
+        """Ranks an aggregator left (it failed, or did not know them): their host agents'
+        plan, the rest direct."""
+        plan = await self.plan(rs, tree=False) if rs else None
+        return plan if plan is not None else Plan(rs, [], list(rs))
 
     async def _ask(self, ag: AgentAddr, handler: str, params: Mapping[str, str]) -> str:
         r = await self.asker.one(WorkerAddr(-1, ag.url), handler, params, self.agent_timeout)
@@ -277,6 +225,11 @@ class AgentRoute:
             fine = {r.rank: r for r in got if r.status != NOT_REGISTERED}
             results += fine.values()
             rest += [a for a in rs if a.rank not in fine]
+        if rest and any(_is_group(ag) for ag, _ in plan.groups):
+            below = await self._below(rest)  # an aggregator's ranks: their host agents
+            more = await self._grouped(handler, params, below) if below.groups else None
+            rest = below.direct + (more.left if more is not None else [])
+            results += more.got if more is not None else []
         return Routed(results, rest)
 
     async def fr_stacks(self, plan: Plan, texts: dict[int, str],
@@ -329,7 +282,24 @@ class AgentRoute:
             dumps.update(ds)
             via.update((r, ag) for r in served)
             rest += [a for a in rs if a.rank not in served]
-        if rest:  # agents that failed: their ranks directly, in this page
+        if rest:  # agents that failed: an aggregator's ranks through their host agents,
+            # then what is left (and a host agent's ranks) directly, in this page
+            below = await self._below(rest) if any(_is_group(ag) for ag, _ in plan) else \
+                Plan(rest, [], rest)
+            parts = await asyncio.gather(
+                *(self._agent_fr(ag, rs, {**window, members.PARAM: members.known_param() or ""},
+                                 tags, stacks_got) for ag, rs in below.groups))
+            rest = list(below.direct)
+            for (ag, rs), reply in zip(below.groups, parts, strict=True):
+                if reply is None:
+                    rest += rs
+                    continue
+                recs, ds = reply
+                served = {r.rank for r in recs}
+                results += recs
+                dumps.update(ds)
+                via.update((r, ag) for r in served)
+                rest += [a for a in rs if a.rank not in served]
             more, more_dumps = await self._direct_local(rest, texts)
             results += more
             dumps.update(more_dumps)
@@ -339,6 +309,7 @@ class AgentRoute:
         key = (tuple(sorted((ag.id, tags.get(ag.id, "")) for ag, _ in plan))
                if not direct and not rest and all(tags.get(ag.id) for ag, _ in plan) else None)
         last = self._last_cut
+        self._key = key
         if key is not None and last is not None and last[0] == key and last[2].keys() == \
                 dumps.keys():
             since = dict(last[1])
@@ -352,6 +323,8 @@ class AgentRoute:
             dumps = await cut_off_loop(dumps, since)
             # Not after a round 2: its replies are not covered by the first round's tags.
             self._last_cut = (key, since, dumps) if key is not None and not again else None
+            if again:
+                self._key = None
         self.asker.states.update(results)
         return FrData(sorted(results, key=lambda r: r.rank), dumps, since)
 
@@ -397,6 +370,32 @@ class AgentRoute:
             if not rec.ok:
                 dumps.pop(r, None)
         return [redone.get(r.rank, r) for r in results], dumps
+
+    async def since(self, plan: Plan, since: Mapping[str, int]) -> FrData:
+        """Round 2 alone through the agents (an aggregator asked ``since=``): each host
+        agent's ranks from ``since`` on, the rest (and a failed agent's) directly."""
+        known = members.known_param() or ""
+        text = frwindow.format_since(since)
+        parts = await asyncio.gather(*(self._agent_fr(ag, rs, {SINCE: text, members.PARAM: known})
+                                       for ag, rs in plan.groups))
+        results: list[RankResult] = []
+        dumps: dict[int, dict[str, Any]] = {}
+        rest = list(plan.direct)
+        for (_, rs), reply in zip(plan.groups, parts, strict=True):
+            if reply is None:
+                rest += rs
+                continue
+            results += reply[0]
+            dumps.update(reply[1])
+            served = {r.rank for r in reply[0]}
+            rest += [a for a in rs if a.rank not in served]
+        first = {a.rank: {"pg_status": dict.fromkeys(since, {})} for a in rest}
+        more, more_dumps = await self._direct_since(since, rest, first)
+        results += more
+        dumps.update(more_dumps)
+        self.asker.states.update(results)
+        dumps = await cut_off_loop(dumps, since)
+        return FrData(sorted(results, key=lambda r: r.rank), dumps, dict(since))
 
     async def _direct_local(self, addrs: Sequence[WorkerAddr],
                             texts: dict[int, str] | None = None) -> tuple[
@@ -498,6 +497,10 @@ class AgentRoute:
         return Routed(FrData(results, dumps), rest)
 
 
+def _is_group(ag: AgentAddr) -> bool:
+    return ag.id.startswith(GROUP_ID_PREFIX)
+
+
 def agent_route(agents: AgentDirectory) -> Callable[[Asker, FrRounds], AgentRoute]:
     """The route through ``agents`` for a ``LiveCollector(route=)``: built on its asker and
     FR rounds."""
@@ -519,5 +522,5 @@ def collector_for(session: aiohttp.ClientSession, registry: Registry, *, timeout
                          http=http, route=route)
 
 
-__all__ = ["AGENT_RETRY_S", "AgentAddr", "AgentDirectory", "AgentRoute", "agent_route",
+__all__ = ["AGENT_RETRY_S", "GROUP_ID_PREFIX", "AgentAddr", "AgentDirectory", "AgentRoute", "agent_route",
            "collector_for"]

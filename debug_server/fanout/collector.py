@@ -103,8 +103,18 @@ class Route(Protocol):
         """Whether ``fetch`` of ``handler`` (without parameters) goes through the route."""
         ...
 
-    async def plan(self, addrs: Sequence[WorkerAddr]) -> Plan | None:
-        """Who serves which of ``addrs``; None: the route serves none of them."""
+    async def plan(self, addrs: Sequence[WorkerAddr], tree: bool = True) -> Plan | None:
+        """Who serves which of ``addrs``; None: the route serves none of them. ``tree``: the
+        second level (aggregators) may serve them too."""
+        ...
+
+    async def since(self, plan: Plan, since: Mapping[str, int]) -> FrData:
+        """The FR window's round 2 alone (``since=``) for ``plan``'s ranks, ``plan.direct``
+        included."""
+        ...
+
+    def last_key(self) -> Any:
+        """What the last ``fr`` window stands for, where the route can tell (else None)."""
         ...
 
     async def fetch(self, handler: str, plan: Plan) -> Routed[list[RankResult]]: ...

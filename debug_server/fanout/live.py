@@ -246,6 +246,14 @@ class LiveCollector:
         dumps = await cut_off_loop(await parse_off_loop(results), since)
         return FrData(results, dumps, dict(since))
 
+    async def routed_since(self, since: Mapping[str, int],
+                           addrs: Sequence[WorkerAddr]) -> FrData:
+        """Round 2 alone through the route (an aggregator asked ``since=``), else directly."""
+        plan = await self.route.plan(addrs) if self.route is not None else None
+        if self.route is None or plan is None:
+            return await self.since_round(since, addrs, {a.rank: set(since) for a in addrs})
+        return await self.route.since(plan, since)
+
     async def stacks_after_fr(self, addrs: Sequence[WorkerAddr], first: Sequence[RankResult],
                               texts: Mapping[int, str]) -> list[RankResult]:
         """``stacks()`` of ``addrs`` from an FR round that asked for them (``first_round``):

@@ -37,6 +37,27 @@ def agent_key(host_id: str) -> str:
     return f"agent/{host_id}"
 
 
+def tree_hosts_key(restart: int) -> str:
+    """A counter: how many hosts' agents joined the tree (``agent.tree``); each got the
+    counter's value before its own add as its place."""
+    return f"tree/{restart}/hosts"
+
+
+def tree_size_key(restart: int) -> str:
+    """The hosts per group of the tree (set by the first agent that joined)."""
+    return f"tree/{restart}/size"
+
+
+def tree_place_key(restart: int, place: int) -> str:
+    """The host id of the agent at ``place`` in the tree."""
+    return f"tree/{restart}/place/{place}"
+
+
+def tree_group_key(restart: int, group: int) -> str:
+    """Group ``group``'s aggregator: JSON ``url``, ``ranks``, ``hosts``, ``pid``."""
+    return f"tree/{restart}/group/{group}"
+
+
 @dataclass(slots=True, frozen=True)
 class WorkerAddr:
     """Where rank ``rank``'s worker listens, or why it is not known (``url`` None)."""

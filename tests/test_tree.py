@@ -1,0 +1,195 @@
+"""The tree's second level (``agent/tree.py``, ``fanout/agents.py``): a real gloo job of 8 ranks
+"on four hosts" (torchrun's per-host variables, one agent id per pair of ranks) with two hosts
+per group (``DEBUG_SERVER_TREE_HOSTS=2``), so the agents at places 0 and 2 of the tree lead a
+group each and the frontend asks only those two aggregators. Rank 5 sleeps instead of joining
+all_reduce #3. Then the aggregator of rank 5's group is killed: its ranks come through their
+host agents in the same page, and the verdict stays the same.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from httpget import request
+from mpjob import free_port, kill_all, rank_env
+
+pytestmark = [pytest.mark.job, pytest.mark.timeout(240)]
+
+WORLD, PER_HOST, TREE_HOSTS, STUCK = 8, 2, 2, 5
+
+JOB = """
+import datetime, os, sys, time, torch
+from debug_server import start_debug_server
+from debug_server.recording.comms import new_comm
+from debug_server.recording.hooks import FlightRecorderHook
+rank = int(os.environ["RANK"])
+server = start_debug_server(port=0, fetch_timeout=2, host="127.0.0.1")
+comm = new_comm("gloo", torch.device("cpu"), "main_comm", timeout=datetime.timedelta(seconds=200))
+FlightRecorderHook(max_entries=100).register_with_comm(comm)
+t = torch.ones(64)
+for _ in range(3):
+    comm.all_reduce(t)
+if rank == 0:
+    print("FRONTEND", server.frontend_url, flush=True)
+if rank == 5:
+    time.sleep(200)  # the hang
+else:
+    comm.all_reduce(t)
+"""
+HANG_LINE = next(i for i, line in enumerate(textwrap.dedent(JOB).splitlines(), 1)
+                 if "time.sleep(200)" in line)
+
+
+def _get(url: str, path: str) -> tuple[int, str]:
+    return request(f"{url}{path}", headers={"Accept": "application/json"})
+
+
+def _store_json(store_port: int, keys: list[str]) -> dict[str, dict[str, Any]]:
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", store_port, is_master=False,
+                          timeout=datetime.timedelta(seconds=10))
+    return {k: json.loads(store.get(f"debug_server/{k}")) for k in keys
+            if store.check([f"debug_server/{k}"])}
+
+
+def _groups(store_port: int) -> dict[str, dict[str, Any]]:
+    return _store_json(store_port, [f"tree/0/group/{g}" for g in range(WORLD // PER_HOST)])
+
+
+def _fr_ready(fr: dict[str, Any]) -> bool:
+    return fr.get("ranks_with_data") == list(range(WORLD)) and any(
+        c["seq"] == 3 and c["missing_ranks"] == [STUCK] for c in fr.get("collectives", []))
+
+
+def _notes(fr: dict[str, Any]) -> list[str]:
+    return [r.get("note") or "" for r in fr.get("ranks", [])]
+
+
+def _host(rank: int) -> str:
+    return f"fakehost{rank // PER_HOST}"
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    tmp = tmp_path_factory.mktemp("treejob")
+    script = tmp / "rank_script.py"
+    script.write_text(textwrap.dedent(JOB))
+    store_port = free_port()
+    procs: list[subprocess.Popen[str]] = []
+    logs = [tmp / f"rank{r}.log" for r in range(WORLD)]
+    files = [p.open("w") for p in logs]
+    try:
+        for rank in range(WORLD):
+            env = rank_env(rank, WORLD, store_port, {
+                "LOCAL_RANK": str(rank % PER_HOST), "LOCAL_WORLD_SIZE": str(PER_HOST),
+                "DEBUG_SERVER_AGENT_ID": _host(rank),
+                "DEBUG_SERVER_TREE_HOSTS": str(TREE_HOSTS), "OMP_NUM_THREADS": "1"})
+            for var in ("TORCHCOMM_FR_DUMP_TEMP_FILE", "DEBUG_SERVER_AGENT", "DEBUG_SERVER_HOST"):
+                env.pop(var, None)
+            procs.append(subprocess.Popen([sys.executable, str(script)], env=env, cwd=tmp,
+                                          stdout=files[rank], stderr=subprocess.STDOUT, text=True,
+                                          start_new_session=True))
+        deadline = time.monotonic() + 120
+        url = None
+        fr: dict[str, Any] = {}
+        while True:
+            for p, log in zip(procs, logs, strict=True):
+                if p.poll() is not None:
+                    raise AssertionError(f"a rank exited:\n{log.read_text()[-3000:]}")
+            text = logs[0].read_text()
+            if url is None and "FRONTEND " in text:
+                url = text.split("FRONTEND ", 1)[1].split()[0]
+            if url is not None and len(_groups(store_port)) == WORLD // PER_HOST // TREE_HOSTS:
+                status, body = _get(url, "/fr_trace?format=json")
+                fr = json.loads(body) if status == 200 else {}
+                # The frontend reads the tree every few seconds: until every rank came up it.
+                if _fr_ready(fr) and all("via agent agg-" in n for n in _notes(fr)):
+                    break
+            assert time.monotonic() < deadline, (fr.get("ranks"), logs[0].read_text()[-3000:])
+            time.sleep(0.5)
+        yield {"url": url, "store_port": store_port, "fr": fr, "procs": procs, "logs": logs}
+    finally:
+        kill_all(procs)  # each rank's session: the rank and the frontend or agent it started
+        for f in files:
+            f.close()
+
+
+def test_two_hosts_per_group_make_two_aggregators_over_four_ranks_each(
+        job: dict[str, Any]) -> None:
+    """Places go by the order the agents joined: each group two hosts, every rank in one."""
+    from debug_server.protocol.addrs import parse_ranks
+
+    groups = _groups(job["store_port"])
+    assert len(groups) == 2 and all(len(g["hosts"]) == TREE_HOSTS for g in groups.values())
+    ranks = sorted(r for g in groups.values() for r in parse_ranks(g["ranks"]))
+    assert ranks == list(range(WORLD)), groups
+    for g in groups.values():
+        assert sorted(parse_ranks(g["ranks"])) == sorted(
+            r for r in range(WORLD) if _host(r) in g["hosts"]), g
+
+
+def test_every_rank_comes_up_the_tree_and_the_verdict_names_rank_5(job: dict[str, Any]) -> None:
+    fr = job["fr"]
+    assert fr["verdict"].startswith(f"Rank {STUCK} never joined all_reduce #3"), fr["verdict"]
+    for r, note in enumerate(_notes(fr)):
+        # which way each rank came: its host's agent, then its group's aggregator
+        assert f"via agent {_host(r)}" in note and "via agent agg-" in note, (r, note)
+
+
+def test_stacks_come_up_the_tree_and_show_rank_5_asleep(job: dict[str, Any]) -> None:
+    status, body = _get(job["url"], "/stacks?format=json")
+    assert status == 200, body
+    ranks = json.loads(body)["ranks"]
+    assert all("via agent agg-" in (r.get("note") or "") for r in ranks), ranks
+    assert f"line {HANG_LINE} in <module>" in ranks[STUCK]["stacks"], ranks[STUCK]["stacks"]
+
+
+def _wait_gone(pid: int, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (FileNotFoundError, ProcessLookupError):
+            return
+        if state in ("Z", "X"):
+            return
+        assert time.monotonic() < deadline, f"pid {pid} still {state} after SIGKILL"
+        time.sleep(0.01)
+
+
+def test_a_dead_aggregator_is_bypassed_through_its_host_agents(job: dict[str, Any]) -> None:
+    """Last in the module: the aggregator of rank 5's group (and its host's agent, the same
+    process) killed; rank 5's host agent still answers for it, the others of that host
+    directly."""
+    from debug_server.protocol.addrs import parse_ranks
+
+    group = next(g for g in _groups(job["store_port"]).values()
+                 if STUCK in parse_ranks(g["ranks"]))
+    os.kill(group["pid"], signal.SIGKILL)
+    _wait_gone(group["pid"])
+    status, body = _get(job["url"], "/fr_trace?format=json")
+    fr = json.loads(body)
+    assert status == 200 and _fr_ready(fr), fr.get("ranks", fr)
+    assert fr["verdict"].startswith(f"Rank {STUCK} never joined all_reduce #3"), fr["verdict"]
+    notes = _notes(fr)
+    lead_host = group["hosts"][0]  # the killed process was this host's agent too
+    for r in range(WORLD):
+        if _host(r) == lead_host:
+            assert "via agent" not in notes[r], (r, notes[r])  # asked directly
+        elif _host(r) in group["hosts"]:
+            assert notes[r].startswith(f"via agent {_host(r)}") and "agg-" not in notes[r], \
+                (r, notes[r])
+        else:
+            assert "via agent agg-" in notes[r], (r, notes[r])
