@@ -139,6 +139,7 @@ async def test_agents_found_before_stay_when_the_store_dies_with_rank_0(monkeypa
     import torch.distributed as dist
     from mpjob import free_port
 
+    from debug_server.fanout import agentdir
     from debug_server.fanout import agents as agents_mod
     from debug_server.protocol.addrs import agent_key
     from debug_server.readers.storeview import store_client
@@ -148,7 +149,7 @@ async def test_agents_found_before_stay_when_the_store_dies_with_rank_0(monkeypa
                            timeout=timedelta(seconds=5))
     store_client("127.0.0.1", port, 5).set(agent_key("h1"), json.dumps(
         {"url": "http://h1:1", "ranks": "0-1", "restart": 0}))
-    monkeypatch.setattr(agents_mod, "AGENT_TTL_S", 0.0)  # read it again on every lookup
+    monkeypatch.setattr(agentdir, "AGENT_TTL_S", 0.0)  # read it again on every lookup
     directory = agents_mod.AgentDirectory("127.0.0.1", port, 0, timeout=1.0)
     try:
         assert set(await directory.lookup({"h1"})) == {"h1"}

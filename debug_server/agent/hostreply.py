@@ -19,26 +19,45 @@ from debug_server.analysis.digest import SNAPSHOT_TIME_KEY
 from debug_server.fanout import fastjson
 from debug_server.fanout.reply import FrData
 from debug_server.fanout.transport import RankResult
-from debug_server.protocol import members
+from debug_server.protocol import addrs, members
 from debug_server.protocol.agentwire import TAG
 from debug_server.protocol.names import WITH_STACKS
 
 
 def records(results: Sequence[RankResult], with_body: bool) -> tuple[list[dict[str, Any]],
                                                                       list[str]]:
-    """Per-rank summaries, and with ``with_body`` each distinct body once (``"body"``: index)."""
+    """Rank records, and with ``with_body`` each distinct body once (``"body"``: index). Ranks
+    whose records agree but for their reply time share one row (``"ranks"``: their range
+    text, ``"elapsed_s"``: the longest): a thousand ranks that answered alike are one row."""
     texts: list[str] = []
     index: dict[str, int] = {}
-    rows = []
+    rows: list[dict[str, Any]] = []
+    alike: dict[str, tuple[dict[str, Any], list[int]]] = {}
     for r in results:
         row = r.summary()
+        row.pop("url", None)  # the asker knows its ranks' addresses
         if with_body and r.body is not None:
             i = index.get(r.body)
             if i is None:
                 i = index[r.body] = len(texts)
                 texts.append(r.body)
             row["body"] = i
-        rows.append(row)
+        if "process" in row:  # read per rank on its host: its own row
+            rows.append(row)
+            continue
+        rank, elapsed = row.pop("rank"), row.pop("elapsed_s")
+        key = fastjson.dumps(row, default=str)
+        held = alike.get(key)
+        if held is None:
+            held = alike[key] = ({**row, "elapsed_s": elapsed}, [])
+            rows.append(held[0])
+        held[0]["elapsed_s"] = max(held[0]["elapsed_s"], elapsed)
+        held[1].append(rank)
+    for row, ranks in alike.values():
+        if len(ranks) == 1:
+            row["rank"] = ranks[0]
+        else:
+            row["ranks"] = addrs.format_ranks(ranks)
     return rows, texts
 
 

@@ -42,22 +42,33 @@ def ranks_param(rs: Sequence[WorkerAddr]) -> str:
     return addrs.format_ranks([a.rank for a in rs])
 
 
-def _record(row: Any, ag: AgentAddr, by_rank: Mapping[int, WorkerAddr],
-            body: str | None) -> RankResult:
-    if not isinstance(row, dict) or type(row.get("rank")) is not int \
-            or row["rank"] not in by_rank or not isinstance(row.get("status"), str):
-        raise ValueError("a rank record is malformed or names a rank not asked for")
+def _records(row: Any, ag: AgentAddr, by_rank: Mapping[int, WorkerAddr],
+             body: str | None) -> list[RankResult]:
+    """One row's records: one rank's (``"rank"``), or every rank of ``"ranks"`` (their range
+    text: ranks that answered alike, ``hostreply.records``)."""
+    if not isinstance(row, dict) or not isinstance(row.get("status"), str):
+        raise ValueError("a rank record is malformed")
+    if type(row.get("rank")) is int:
+        ranks = [row["rank"]]
+    elif isinstance(row.get("ranks"), str):
+        ranks = addrs.parse_ranks(row["ranks"])
+    else:
+        raise ValueError("a rank record names no rank")
+    if any(r not in by_rank for r in ranks):
+        raise ValueError("a rank record names a rank not asked for")
     note = row.get("note") if isinstance(row.get("note"), str) else None
     via = f"via agent {ag.id}"
+    note = f"{note}; {via}" if note else via
     elapsed = row.get("elapsed_s")
+    elapsed = float(elapsed) if isinstance(elapsed, int | float) else 0.0
     code = row.get("http_status")
+    code = code if type(code) is int else None
+    error = row.get("error") if isinstance(row.get("error"), str) else None
+    status = row["status"]
     proc = row.get("process")  # read by the agent on the rank's host (readers.procstate)
-    return RankResult(row["rank"], by_rank[row["rank"]].url, row["status"], body,
-                      row.get("error") if isinstance(row.get("error"), str) else None,
-                      float(elapsed) if isinstance(elapsed, int | float) else 0.0,
-                      code if type(code) is int else None,
-                      f"{note}; {via}" if note else via,
-                      process=proc if isinstance(proc, dict) else None)
+    proc = proc if isinstance(proc, dict) else None
+    return [RankResult(r, by_rank[r].url, status, body, error, elapsed, code, note, 0, None, proc)
+            for r in ranks]
 
 
 def _load(body: str) -> dict[str, Any]:
@@ -86,7 +97,7 @@ def _grouped_records(obj: dict[str, Any], ag: AgentAddr,
         i = row.get("body") if isinstance(row, dict) else None
         if i is not None and (type(i) is not int or not 0 <= i < len(texts)):
             raise ValueError("a body index is out of range")
-        out.append(_record(row, ag, by_rank, texts[i] if i is not None else None))
+        out += _records(row, ag, by_rank, texts[i] if i is not None else None)
     return out
 
 
@@ -118,7 +129,8 @@ def parse_fr(body: str, ag: AgentAddr, rs: Sequence[WorkerAddr]) -> _FrReply:
         if not isinstance(snap, dict) or not tag:
             raise ValueError("an unchanged reply without its tag or read times")
         by_rank = {a.rank: a for a in rs}
-        return [_record(row, ag, by_rank, None) for row in obj["ranks"]], {}, tag, snap, stacks
+        return [r for row in obj["ranks"] for r in _records(row, ag, by_rank, None)], {}, tag, \
+            snap, stacks
     lists, raw = obj.get("lists", {}), obj.get("dumps", {})
     if not isinstance(lists, dict) or not isinstance(raw, dict):
         raise ValueError("lists or dumps is not an object")
@@ -137,7 +149,7 @@ def parse_fr(body: str, ag: AgentAddr, rs: Sequence[WorkerAddr]) -> _FrReply:
     if not isinstance(same, dict):
         raise ValueError("same is not an object")
     by_rank = {a.rank: a for a in rs}
-    recs = [_record(row, ag, by_rank, None) for row in obj["ranks"]]
+    recs = [r for row in obj["ranks"] for r in _records(row, ag, by_rank, None)]
     dumps: dict[int, dict[str, Any]] = {}
     later: list[tuple[RankResult, Any]] = []
     for r in recs:

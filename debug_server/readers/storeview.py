@@ -156,6 +156,11 @@ def _settle(fut: asyncio.Future[Any], out: Any, err: BaseException | None) -> No
         fut.set_result(out)
 
 
+REREAD_S = 30.0
+"""How long the frontend trusts its last read of every rank's keys while the store's key count
+stays the same (``StoreRegistry``)."""
+
+
 class StoreRegistry:
     """The frontend's view of the store: async lookups on one private thread (``StoreLane``).
 
@@ -183,6 +188,11 @@ class StoreRegistry:
         self._connected = False
         """The store has answered once (a connect, a lookup)."""
         self._last: list[WorkerAddr] | None = None
+        self._keys = -1
+        """The store's key count at the last full read (``_lookup_sync``)."""
+        self._read_at = 0.0
+        self._complete = False
+        """Every rank was registered at the last full read (else each lookup reads again)."""
         self.store_ok_at: float | None = None
         """``time.monotonic()`` of the last lookup the store answered."""
         self.store_lost_at: float | None = None
@@ -237,7 +247,20 @@ class StoreRegistry:
         if self.gone:
             return self._last if self._last is not None else self._unknown("is gone")
         try:
-            out = lookup_workers(self._client(), self.world_size, self._restart)
+            store = self._client()
+            # Every rank's two keys, read and parsed, cost a page 0.2 s at 16384 ranks and
+            # more than a second at 131072: read again only when a key came (a rank, an agent,
+            # the tree registered) or the last read is REREAD_S old (a rank that registered
+            # again over its own keys).
+            keys = store.num_keys()
+            now = time.monotonic()
+            if self._last is not None and keys == self._keys and \
+                    now - self._read_at < REREAD_S and self._complete:
+                self.store_ok_at = now
+                return self._last
+            out = lookup_workers(store, self.world_size, self._restart)
+            self._keys, self._read_at = keys, now
+            self._complete = all(a.url is not None for a in out)
         except Exception as e:
             self._store = None
             if self._connected:

@@ -1,0 +1,408 @@
+"""The pages of a 4096- to 131072-rank job through the tree (``agent/tree.py``): the frontend asks
+one aggregator per 128 hosts, each aggregator asks its hosts' agents.
+
+What is real and what is fake. Real: the TCPStore (every rank's ``debug_server/rank{N}`` key and
+sidecar naming its host's agent, every host agent's key, the tree's places, size and group
+records, as a job's agents write them); the aggregators (``agent.app.make_agent_app`` over a
+``tree.GroupRegistry`` read from that store, through ``fanout.agents.AgentRoute`` over their
+hosts' agents: the code an aggregator process runs, many on one loop per helper process); the
+frontend (a process started as ``start_debug_server`` starts it, reading the store). Fake: the
+hosts and their ranks. A fake host answers ``agent_fr`` (default window, ``stacks=true``,
+conditional on its tag), ``agent_stacks`` and ``agent_fetch`` with bodies made once at start by
+the real agent's reply code (``agent.hostreply``) from 8 fake ranks' windows (2000-entry rings of
+``fakefleet.rank_dumps``, cut as a worker and its agent cut them), with fresh read times on each
+"unchanged" reply. So the fake host's own work per page (its agent asking 8 ranks: ~15-40 ms on
+its own host, in parallel with every other host) is not on this box; one host agent's page is
+timed apart (``bench_agents.py``). Rank 77777 (else the last rank) never issued the newest
+all_reduce.
+
+    python benchmarks/bench_tree.py --ranks 4096 16384 65536 131072 --reps 3
+
+Each row: the first ``/fr_trace`` of a new frontend (the agents and aggregators have answered
+another frontend before, as in a job that has run a while), reloads of ``/fr_trace``, the
+overview and ``/stacks`` (HTML, medians), the frontend's CPU per page and its peak RSS, the
+CPU per page of the aggregators and of the fake hosts, the bytes each level sent per page, and
+the verdict. ``--cold`` also times the very first page of the first frontend (every level
+building its first reply).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import os
+import re
+import signal
+import subprocess
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import fakefleet as ff
+from torch.distributed.elastic.utils.distributed import get_free_port
+
+PER_HOST = 8
+TREE_HOSTS = 128
+PAGES = (("fr_s", "/fr_trace"), ("overview_s", "/"), ("stacks_s", "/stacks"))
+CLOSED_URL = "http://127.0.0.1:9"  # a rank's own worker: never asked while its host answers
+
+
+def _missing(world: int) -> int:
+    return 77777 if world > 77777 else world - 1
+
+
+# ---------------------------------------------------------------------------------------------
+# Fake hosts: one app per helper process, each host under its own path (/fh<h>)
+
+
+def _host_bodies(world: int, host: int, full: Mapping[str, Any], missing: Mapping[str, Any],
+                 ) -> dict[str, Any]:
+    """One host's replies, made by the agent's own reply code (``hostreply``)."""
+    from debug_server.fanout.reply import FrData
+    from debug_server.fanout.transport import OK, RankResult
+    from debug_server.protocol import frwindow
+
+    lo = host * PER_HOST
+    ranks = range(lo, min(world, lo + PER_HOST))
+    now = time.time_ns()
+    # What each rank's worker sends in round 1 (its ring cut at its own frontier less a slack),
+    # cut once per kind of rank: every rank but the missing one holds the same ring.
+    local = {r: missing if r == _missing(world) else full for r in ranks}
+    since = frwindow.frontier(local)
+    dumps = {r: {**frwindow.window(d, since), "dump_time_ns": now} for r, d in local.items()}
+    url = f"{CLOSED_URL}/r"
+    results = [RankResult(r, url, OK, "", None, 0.002, 200) for r in ranks]
+    stacks = [RankResult(r, url, OK, ff.STACK, None, 0.002, 200) for r in ranks]
+    health = [RankResult(r, url, OK, json.dumps({"status": "ok", "rank": r}), None, 0.001, 200)
+              for r in ranks]
+    fr = FrData(results, dumps, since)
+    tag = f"fh{host}-{world}"
+    return {"fr": fr, "results": results, "stacks": stacks, "tag": tag, "health": health,
+            "parts": {}}
+
+
+def _host_app(world: int, first: int, last: int) -> Any:
+    from aiohttp import web
+
+    from debug_server.agent import hostreply
+    from debug_server.protocol import frwindow, members
+
+    full, missing = (frwindow.local_window(d) for d in ff.rank_dumps(world))
+    hosts = {h: _host_bodies(world, h, full, missing) for h in range(first, last)}
+    grouped: dict[tuple[int, str], bytes] = {}
+    sent = {"bytes": 0, "requests": 0}
+
+    def grouped_body(h: int, kind: str) -> bytes:
+        body = grouped.get((h, kind))
+        if body is None:
+            rows, texts = hostreply.records(hosts[h][kind], with_body=True)
+            body = grouped[(h, kind)] = json.dumps(
+                {"host": f"fh{h}", "ranks": rows, "bodies": texts}).encode()
+        return body
+
+    async def handle(request: web.Request) -> web.Response:
+        h = int(request.match_info["host"])
+        name = request.match_info["name"]
+        q = request.query
+        b = hosts.get(h)
+        if b is None:
+            raise web.HTTPNotFound()
+        if name == "agent_fr":
+            stacks = b["stacks"] if q.get("stacks") == "true" else None
+            if q.get("tag") == b["tag"]:
+                t = time.time_ns()
+                for r in b["results"]:
+                    b["fr"].dumps[r.rank]["dump_time_ns"] = t
+                text = hostreply.unchanged_reply(f"fh{h}", b["results"], b["tag"], stacks,
+                                                 hostreply.dump_times(b["fr"].dumps))
+            else:
+                known = members.parse_known(q.get(members.PARAM, ""))
+                part = b["parts"].get(known)
+                if part is None:
+                    part = b["parts"][known] = hostreply.data_part(b["fr"], known)
+                text = hostreply.with_part(f"fh{h}", b["results"], b["tag"], part, stacks,
+                                           hostreply.dump_times(b["fr"].dumps))
+            body = text.encode()
+        elif name == "agent_stacks":
+            body = grouped_body(h, "stacks")
+        elif name == "agent_fetch":
+            body = grouped_body(h, "health")
+        else:
+            raise web.HTTPNotFound()
+        sent["bytes"] += len(body)
+        sent["requests"] += 1
+        return web.Response(body=body, content_type="application/json")
+
+    async def counters(_: web.Request) -> web.Response:
+        return web.json_response(sent)
+
+    app = web.Application()
+    app.router.add_post("/fh{host:\\d+}/handler/{name}", handle)
+    app.router.add_get("/sent", counters)
+    return app
+
+
+async def _serve_hosts(first: int, last: int, world: int) -> None:
+    from debug_server.fanout import transport
+
+    app = _host_app(world, first, last)
+    transport.settle_gc()
+    await ff.serve_apps([app])
+
+
+# ---------------------------------------------------------------------------------------------
+# Aggregators: real agent apps over the store, many on one loop
+
+
+async def _serve_groups(first: int, last: int, world: int, store_port: int) -> None:
+    from aiohttp import web
+
+    from debug_server.agent import tree
+    from debug_server.agent.app import make_agent_app
+    from debug_server.fanout import transport
+    from debug_server.fanout.agentdir import AgentDirectory
+    from debug_server.fanout.agents import agent_route
+
+    apps = []
+    registries = []
+    sent = {"bytes": 0, "requests": 0}
+
+    @web.middleware
+    async def count(request: web.Request, handler: Any) -> Any:
+        resp = await handler(request)
+        body = getattr(resp, "body", None)
+        if isinstance(body, bytes | bytearray):
+            sent["bytes"] += len(body)
+        sent["requests"] += 1
+        return resp
+
+    for g in range(first, last):
+        registry = tree.GroupRegistry("127.0.0.1", store_port, world, 0, g * TREE_HOSTS,
+                                      TREE_HOSTS, timeout=30.0)
+        directory = AgentDirectory("127.0.0.1", store_port, 0, timeout=30.0, tree=False)
+        app = make_agent_app(registry, tree.group_id(g), fetch_timeout=120.0,
+                             max_concurrency=TREE_HOSTS, route=agent_route(directory))
+        app.middlewares.append(count)
+        apps.append(app)
+        registries.append(registry)
+
+    async def counters(_: web.Request) -> web.Response:
+        return web.json_response(sent)
+
+    side = web.Application()
+    side.router.add_get("/sent", counters)
+    transport.settle_gc()
+    await ff.serve_apps([side, *apps])
+
+
+# ---------------------------------------------------------------------------------------------
+# The store, as a job's ranks and agents fill it
+
+
+def _fill_store(ds: Any, world: int, host_urls: list[str]) -> None:
+    hosts = len(host_urls)
+    keys, values = [], []
+    for r in range(world):
+        keys += [f"rank{r}", f"rank{r}_meta"]
+        values += [CLOSED_URL.encode(), json.dumps(
+            {"restart": 0, "pid": 0, "host": f"fh{r // PER_HOST}",
+             "agent": f"fh{r // PER_HOST}"}).encode()]
+    for h, u in enumerate(host_urls):
+        lo = h * PER_HOST
+        keys += [f"agent/fh{h}", f"tree/0/place/{h}"]
+        values += [json.dumps({"url": u, "ranks": f"{lo}-{min(world, lo + PER_HOST) - 1}",
+                               "restart": 0, "pid": 0, "host": "fake"}).encode(),
+                   f"fh{h}".encode()]
+    for i in range(0, len(keys), 8192):
+        ds.multi_set(keys[i:i + 8192], values[i:i + 8192])
+    ds.set("tree/0/size", str(TREE_HOSTS))
+    ds.add("tree/0/hosts", hosts)
+
+
+def _register_groups(ds: Any, world: int, groups: int, urls: list[str]) -> None:
+    """Each aggregator's record, as its process registers it once its ranks are read
+    (``tree.GroupRegistry.record``)."""
+    from debug_server.agent import tree
+    from debug_server.protocol.addrs import format_ranks
+
+    hosts = (world + PER_HOST - 1) // PER_HOST
+    for g in range(groups):
+        lo, hi = g * TREE_HOSTS * PER_HOST, min(world, (g + 1) * TREE_HOSTS * PER_HOST)
+        tree.register(ds, 0, g, json.dumps({
+            "url": urls[g], "ranks": format_ranks(range(lo, hi)),
+            "hosts": [f"fh{h}" for h in range(g * TREE_HOSTS, min(hosts, (g + 1) * TREE_HOSTS))],
+            "restart": 0, "pid": 0}))
+
+
+# ---------------------------------------------------------------------------------------------
+# Measuring
+
+
+def _sent(urls: list[str]) -> int:
+    total = 0
+    for u in urls:
+        _, body = ff.timed_get(f"{u}/sent")
+        total += json.loads(body)["bytes"]
+    return total
+
+
+def _measure(world: int, store_port: int, reps: int, pids: dict[str, list[int]],
+             side: dict[str, list[str]], cold: bool) -> dict[str, Any]:
+    row: dict[str, Any] = {}
+    if cold:  # the very first page: every level builds its first reply
+        proc, port = ff.start_frontend(store=("127.0.0.1", store_port), world_size=world,
+                                       fetch_timeout=120.0)
+        try:
+            row["cold_fr_s"], _ = ff.timed_get(f"http://127.0.0.1:{port}/fr_trace?format=json")
+        finally:
+            ff.end_process(proc)
+    else:  # the levels have answered a frontend before (a job that ran a while)
+        proc, port = ff.start_frontend(store=("127.0.0.1", store_port), world_size=world,
+                                       fetch_timeout=120.0)
+        try:
+            ff.timed_get(f"http://127.0.0.1:{port}/fr_trace?format=json")
+            ff.timed_get(f"http://127.0.0.1:{port}/stacks")
+        finally:
+            ff.end_process(proc)
+    proc, port = ff.start_frontend(store=("127.0.0.1", store_port), world_size=world,
+                                   fetch_timeout=120.0)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        groups = {"frontend": [proc.pid], **pids}
+        before = {g: ff_cpu(p) for g, p in groups.items()}
+        row["first_fr_s"], body = ff.timed_get(f"{base}/fr_trace?format=json")
+        row["first_fr_cpu"] = {g: ff_cpu(p) - before[g] for g, p in groups.items()}
+        fr = json.loads(body)
+        row["verdict"] = fr["verdict"]
+        row["json_mb"] = len(body) / 1e6
+        row["via_agg"] = sum(1 for r in fr["ranks"] if "via agent agg-" in (r.get("note") or ""))
+        for key, path in PAGES:
+            spy = _profile(proc.pid, key)
+            before = {g: ff_cpu(p) for g, p in groups.items()}
+            sent0 = {k: _sent(v) for k, v in side.items()}
+            row[key], body = ff.median_of(
+                lambda path=path: ff.timed_get(f"{base}{path}", "text/html"), reps)
+            row[key + "_cpu"] = {g: (ff_cpu(p) - before[g]) / reps for g, p in groups.items()}
+            row[key + "_bytes"] = {k: (_sent(v) - sent0[k]) / reps for k, v in side.items()}
+            if spy is not None:
+                spy.send_signal(signal.SIGINT)
+                spy.wait(30)
+            if path == "/stacks":
+                row["stacks_apart"] = _stacks_apart(body, world)
+        row["rss_mb"] = ff.status_kb(proc.pid, "VmHWM") / 1024
+        return row
+    finally:
+        ff.end_process(proc)
+
+
+def _profile(pid: int, key: str) -> subprocess.Popen[bytes] | None:
+    """``BENCH_PROFILE=<dir>``: py-spy's raw stacks of the frontend during one kind of page."""
+    out = os.environ.get("BENCH_PROFILE")
+    if not out:
+        return None
+    spy = subprocess.Popen(["py-spy", "record", "-p", str(pid), "-r", "200", "--format", "raw",
+                            "-o", f"{out}/{key}.txt"], stdout=subprocess.DEVNULL,
+                           stderr=subprocess.DEVNULL)
+    time.sleep(1.0)  # attached
+    return spy
+
+
+def ff_cpu(pids: list[int]) -> float:
+    return sum(ff.cpu_s(p) for p in pids)
+
+
+def _stacks_apart(html: bytes, world: int) -> bool:
+    """The stacks page shows the missing rank apart from the others (its own group)."""
+    text = re.sub(rb"<[^>]+>", b" ", html).decode(errors="replace")
+    return str(_missing(world)) in text
+
+
+def bench(world: int, reps: int, helpers: int, store_port: int, cold: bool) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    hosts = (world + PER_HOST - 1) // PER_HOST
+    groups = (hosts + TREE_HOSTS - 1) // TREE_HOSTS
+    store = dist.TCPStore("127.0.0.1", store_port, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=120))
+    ds = dist.PrefixStore("debug_server", store)
+    host_procs: list[subprocess.Popen[str]] = []
+    group_procs: list[subprocess.Popen[str]] = []
+    try:
+        t0 = time.monotonic()
+        host_procs, host_bases = ff.start_helpers(
+            __file__, [["--serve-hosts", str(lo), str(hi), str(world)]
+                       for lo, hi in ff.split(hosts, helpers)])
+        host_urls = []
+        for (lo, hi), base in zip(ff.split(hosts, helpers), host_bases, strict=True):
+            host_urls += [f"{base}/fh{h}" for h in range(lo, hi)]
+        _fill_store(ds, world, host_urls)
+        group_procs, group_bases = ff.start_helpers(
+            __file__, [["--serve-groups", str(lo), str(hi), str(world), str(store_port)]
+                       for lo, hi in ff.split(groups, helpers)])
+        side_urls, group_urls = [], []
+        it = iter(group_bases)
+        for lo, hi in ff.split(groups, helpers):
+            side_urls.append(next(it))
+            group_urls += [next(it) for _ in range(lo, hi)]
+        _register_groups(ds, world, groups, group_urls)
+        setup_s = time.monotonic() - t0
+        row = _measure(world, store_port, reps,
+                       {"aggregators": [p.pid for p in group_procs],
+                        "fake hosts": [p.pid for p in host_procs]},
+                       {"aggregators": side_urls, "fake hosts": host_bases}, cold)
+        row.update(ranks=world, hosts=hosts, groups=groups, setup_s=setup_s)
+        return row
+    finally:
+        ff.stop_fleet(group_procs)
+        ff.stop_fleet(host_procs)
+        del store
+
+
+def _print(row: dict[str, Any]) -> None:
+    print(f"\nN={row['ranks']}: {row['hosts']} fake hosts, {row['groups']} aggregators "
+          f"(setup {row['setup_s']:.0f} s); ranks via an aggregator {row['via_agg']}")
+    print(f"  verdict: {row['verdict'][:170]}")
+    if "cold_fr_s" in row:
+        print(f"  cold first /fr_trace (every level's first reply): {row['cold_fr_s']:.2f} s")
+    cpu = row["first_fr_cpu"]
+    print(f"  new frontend's first /fr_trace?format=json: {row['first_fr_s']:.2f} s; CPU s "
+          + ", ".join(f"{k} {v:.2f}" for k, v in cpu.items())
+          + f"; JSON {row['json_mb']:.1f} MB")
+    for key, path in PAGES:
+        c, b = row[key + "_cpu"], row[key + "_bytes"]
+        print(f"  {path:>10} {row[key]:6.2f} s   CPU s/page "
+              + ", ".join(f"{k} {v:.2f}" for k, v in c.items())
+              + "   bytes/page " + ", ".join(f"{k} {v / 1e6:.1f} MB" for k, v in b.items()))
+    print(f"  frontend RSS peak {row['rss_mb']:.0f} MB; /stacks shows rank "
+          f"{_missing(row['ranks'])} apart: {row['stacks_apart']}")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--ranks", type=int, nargs="+", default=[4096])
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--helpers", type=int, default=2)
+    p.add_argument("--cold", action="store_true")
+    p.add_argument("--serve-hosts", nargs=3, help=argparse.SUPPRESS)
+    p.add_argument("--serve-groups", nargs=4, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.serve_hosts:
+        first, last, world = map(int, args.serve_hosts)
+        asyncio.run(_serve_hosts(first, last, world))
+        return
+    if args.serve_groups:
+        first, last, world, port = map(int, args.serve_groups)
+        asyncio.run(_serve_groups(first, last, world, port))
+        return
+    print(f"fake hosts of {PER_HOST} ranks, {TREE_HOSTS} hosts per aggregator; "
+          f"{args.helpers} helper processes for hosts and {args.helpers} for aggregators; "
+          f"medians of {args.reps}")
+    for n in args.ranks:
+        _print(bench(n, args.reps, args.helpers, get_free_port(), args.cold))
+
+
+if __name__ == "__main__":
+    main()
