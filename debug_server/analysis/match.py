@@ -85,8 +85,7 @@ class _GroupScan:
             in_flight=in_flight, mismatch=mismatch,
         )
         if not row["pass_check"] or in_tail or m.total_entries <= NCCL_CALLS_FULL_LIMIT:
-            per_rank = sorted((r, it[2]) for it in items for r in self.cls_ranks[it[0]])
-            m.calls_src.append((row, per_rank))
+            m.calls_src.append((row, [(self.cls_ranks[it[0]], it[2]) for it in items]))
         if lost_real:
             self.lost_union.update(lost)
             self.lost_last_seq = seq
