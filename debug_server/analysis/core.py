@@ -20,7 +20,10 @@ How it differs from PyTorch's ``fr_trace`` (each is a bug there):
   read is "in flight" for that rank, not missing, unmatched or stuck.
 
 Speed: ranks whose digests are identical form one class and are merged once, so a 4096-rank job
-where 4095 ranks did the same thing costs little more than a 2-rank one.
+where 4095 ranks did the same thing costs little more than a 2-rank one. Ranks whose dumps share
+their parts by identity (the fan-out's shallow copies) are digested once, and what stays per rank
+is a few list appends and one small record (131072 ranks in two classes: about 0.35 s,
+``benchmarks/bench_analyze_shared.py``).
 """
 
 from __future__ import annotations
@@ -29,13 +32,24 @@ import logging
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from debug_server.analysis.digest import STATES, DigestMemo, RankDigest, digest_dump
+from debug_server.analysis.digest import (
+    SNAPSHOT_TIME_KEY,
+    STATES,
+    DigestMemo,
+    RankDigest,
+    SharedDigests,
+    SharedRank,
+    digest_dump,
+    rebind,
+    share_key,
+)
 from debug_server.analysis.groups import Group, resolve_groups
 from debug_server.analysis.match import match_collectives
 from debug_server.analysis.merge import FINDING_KINDS, NCCL_CALLS_FULL_LIMIT, Merge
 from debug_server.analysis.order import order_inversions
 from debug_server.analysis.p2p import match_p2p
 from debug_server.analysis.progress import communicators
+from debug_server.analysis.ranks import rank_ranges
 from debug_server.analysis.silent import silent_findings
 from debug_server.analysis.stackgroups import group_stacks
 from debug_server.analysis.streams import stream_lanes
@@ -84,15 +98,48 @@ def analyze(
         ``behind`` (per rank behind: its communicators), see :mod:`.progress`. Never raises on
         bad data: a malformed dump or entry becomes a note.
     """
-    digests = []
+    digests = SharedDigests()
     notes: list[str] = []
-    for rank, dump in sorted(dumps.items()):
+    # Ranks that did the same thing arrive sharing their dump's parts (the fan-out's shallow
+    # copies): each distinct dump is digested once, the others share its digest (SharedRank).
+    firsts: dict[tuple[Any, ...], RankDigest] = {}
+    snap_key = SNAPSHOT_TIME_KEY
+    shared_digests, shared_ranks, shared_snaps = digests.digests, digests.ranks, digests.snaps
+    for rank in sorted(dumps):  # keys, not items: comparing 131072 (int, dict) pairs is slow
+        dump = dumps[rank]
+        r = rank if type(rank) is int else int(rank)
+        if type(dump) is dict:  # share_key(dump), inlined: this loop runs once per rank
+            get = dump.get
+            v = get("version", "")
+            key: tuple[Any, ...] | None = (
+                id(get("entries")), id(get("pg_config")), id(get("pg_status")),
+                id(get("fr_window")), v if type(v) is str else id(v))
+        else:
+            key = share_key(dump)
+        if key is not None:
+            base = firsts.get(key)
+            if base is not None:
+                snap = get(snap_key) if type(dump) is dict else dump.get(snap_key)
+                snap = snap if type(snap) is int and snap > 0 else 0  # digest.snap_ns_of
+                if not base.notes:
+                    shared_digests.append(base)
+                    shared_ranks.append(r)
+                    shared_snaps.append(snap)
+                    continue
+                moved = rebind(base, r, snap)
+                if moved is not None:
+                    digests.add(moved)
+                    continue
         try:
-            digests.append(digest_memo.digest(int(rank), dump) if digest_memo is not None
-                           else digest_dump(int(rank), dump))
+            d = (digest_memo.digest(r, dump) if digest_memo is not None
+                 else digest_dump(r, dump))
         except Exception as e:  # noqa: BLE001 - one unusable dump must not stop the analysis
             notes.append(f"rank {rank}: dump unusable ({type(e).__name__}: {str(e)[:80]})")
             logger.warning("rank %s: dump unusable: %s", rank, e)
+            continue
+        digests.add(d)
+        if key is not None:
+            firsts.setdefault(key, d)
     if digest_memo is not None:
         digest_memo.done()
     return analyze_digests(
@@ -107,7 +154,7 @@ def analyze(
 
 
 def analyze_digests(
-    digests: Iterable[RankDigest],
+    digests: Iterable[RankDigest | SharedRank] | SharedDigests,
     *,
     world_size: int | None = None,
     stacks: Mapping[int, str] | None = None,
@@ -116,7 +163,11 @@ def analyze_digests(
     extra_notes: Sequence[str] = (),
     processes: Mapping[int, Mapping[str, Any]] | None = None,
 ) -> dict[str, Any]:
-    """:func:`analyze` over pre-computed digests (what the CLI's worker processes return)."""
+    """:func:`analyze` over pre-computed digests (what the CLI's worker processes return).
+
+    A rank may come as a ``digest.SharedRank`` (another rank's digest, its own rank and read
+    time), and all of them as a ``digest.SharedDigests`` (what :func:`analyze` builds): the same
+    result as the digests of each rank's own dump, at a cost per rank of a few list appends."""
     m = Merge(digests, world_size, stacks, unavailable, extra_notes, processes)
     shown = _match_groups(m, set(pg_filters) if pg_filters else None)
     calls, elided = _nccl_calls(m)
@@ -179,20 +230,56 @@ def _match_groups(m: Merge, pg_filters: set[str] | None) -> list[Group]:
 
 
 def _nccl_calls(m: Merge) -> tuple[list[dict[str, Any]], int]:
-    """One row per (rank, op) kept by the matchers, and how many entries were left out."""
+    """The result's ``nccl_calls`` and ``nccl_calls_elided``.
+
+    Up to :data:`~.merge.NCCL_CALLS_FULL_LIMIT` (rank, op) pairs among the ops the matchers kept,
+    one row per (rank, op), in op then rank order. Above it (131072 ranks would make millions
+    of rows), one row per (rank class, op) instead: the same keys, ``global_rank`` the class's
+    lowest rank there, plus ``global_ranks``, the class's ranks as range text
+    (``"0-77776,77778-131071"``, ``protocol.addrs.rank_ranges``), in op then lowest-rank order.
+    ``nccl_calls_elided``: when the job holds more than the limit of entries, how many
+    (rank, entry) pairs no row stands for.
+    """
+    pairs = sum(len(ranks) for _, per in m.calls_src for ranks, _ in per)
     calls: list[dict[str, Any]] = []
-    for row, per_rank in m.calls_src:
-        for r, st in per_rank:
-            calls.append(
-                {
-                    "id": len(calls),
-                    "collective_id": row["id"],
-                    "group": row["group"],
-                    "global_rank": r,
-                    "collective_type": row["profiling_name"],
-                    "sizes": row["input_sizes"],
-                    "state": STATES[st],
-                }
-            )
-    elided = m.total_entries - len(calls) if m.total_entries > NCCL_CALLS_FULL_LIMIT else 0
+    if pairs <= NCCL_CALLS_FULL_LIMIT:
+        for row, per in m.calls_src:
+            for r, st in sorted((r, st) for ranks, st in per for r in ranks):
+                calls.append(
+                    {
+                        "id": len(calls),
+                        "collective_id": row["id"],
+                        "group": row["group"],
+                        "global_rank": r,
+                        "collective_type": row["profiling_name"],
+                        "sizes": row["input_sizes"],
+                        "state": STATES[st],
+                    }
+                )
+    else:
+        texts: dict[int, tuple[int, str]] = {}  # id of a class's rank list -> (lowest, text)
+        for row, per in m.calls_src:
+            held = []
+            for ranks, st in per:
+                if not ranks:
+                    continue
+                t = texts.get(id(ranks))
+                if t is None:
+                    t = texts[id(ranks)] = (min(ranks), ",".join(rank_ranges(ranks)))
+                held.append((t, st))
+            held.sort(key=lambda x: x[0][0])
+            for (low, text), st in held:
+                calls.append(
+                    {
+                        "id": len(calls),
+                        "collective_id": row["id"],
+                        "group": row["group"],
+                        "global_rank": low,
+                        "global_ranks": text,
+                        "collective_type": row["profiling_name"],
+                        "sizes": row["input_sizes"],
+                        "state": STATES[st],
+                    }
+                )
+    elided = m.total_entries - pairs if m.total_entries > NCCL_CALLS_FULL_LIMIT else 0
     return calls, elided

@@ -14,13 +14,13 @@ repaired here; a bad entry is skipped and counted in a note, never an exception.
 from __future__ import annotations
 
 import operator
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any, NamedTuple
 
 from debug_server.dumpio import DumpError, group_members
 
 __all__ = ["DONE", "SNAPSHOT_TIME_KEY", "STATES", "THREADS_SCAN", "DigestMemo", "RankDigest",
-           "digest_dump"]
+           "SharedDigests", "SharedRank", "digest_dump", "rebind", "share_key", "snap_ns_of"]
 
 STATES = ("scheduled", "started", "completed")
 _STATE_CODE = {"scheduled": 0, "started": 1, "completed": 2}
@@ -124,7 +124,7 @@ def digest_dump(rank: int, dump: Mapping[str, Any]) -> RankDigest:
         oldest_ns=oldest,
         n_entries=len(entries),
         notes=tuple(notes),
-        snap_ns=_snap_ns(dump.get(SNAPSHOT_TIME_KEY)),
+        snap_ns=snap_ns_of(dump.get(SNAPSHOT_TIME_KEY)),
         p2p_times=tuple((gk[0], gk[1], tuple(ts)) for gk, ts in sorted(b.p2p_t.items())),
         pg_progress=progress,
         pending_order=_pending_order(colls, times),
@@ -216,20 +216,93 @@ def _pg_status(
             tuple(sorted((n, i, d) for n, (i, d) in progress.items())))  # fmt: skip
 
 
+class SharedRank(NamedTuple):
+    """A rank whose dump shares every part the digest reads with ``base``'s rank's dump (the
+    fan-out's shallow copies, :func:`share_key`): its digest is ``base`` with this rank and read
+    time (:meth:`digest`). The merge folds it in without building that digest (``merge``).
+    Made only of a ``base`` without notes (notes name their rank)."""
+
+    rank: int
+    snap_ns: int
+    base: RankDigest
+
+    def digest(self) -> RankDigest:
+        """The digest this rank's own dump gives (what :func:`digest_dump` would return)."""
+        d = rebind(self.base, self.rank, self.snap_ns)
+        assert d is not None  # made only of a base whose notes rebind
+        return d
+
+
+class SharedDigests:
+    """Digests in rank order, ranks that share a dump's parts sharing one digest object:
+    ``digests[i]`` is rank ``ranks[i]``'s digest when its ``rank`` is ``ranks[i]``, else the
+    digest it shares, to be read as ``SharedRank(ranks[i], snaps[i], digests[i])``. What
+    ``core.analyze`` hands the merge: per shared rank two ints in lists and a reference, no
+    object (131072 :class:`SharedRank` tuples would cost the cyclic collector a tenth of a
+    second)."""
+
+    __slots__ = ("digests", "ranks", "snaps")
+
+    def __init__(self) -> None:
+        self.digests: list[RankDigest] = []
+        self.ranks: list[int] = []
+        self.snaps: list[int] = []
+
+    def add(self, d: RankDigest) -> None:
+        """A rank's own digest."""
+        self.digests.append(d)
+        self.ranks.append(d.rank)
+        self.snaps.append(d.snap_ns)
+
+    def __iter__(self) -> Iterator[RankDigest | SharedRank]:
+        for d, r, snap in zip(self.digests, self.ranks, self.snaps, strict=True):
+            yield d if d.rank == r else SharedRank(r, snap, d)
+
+
+def share_key(dump: Any) -> tuple[Any, ...] | None:
+    """What a dump's digest depends on besides its rank and read time, by object identity:
+    ``entries``, ``pg_config``, ``pg_status``, ``fr_window`` and ``version``. Two dumps with
+    the same key (both alive) have digests that differ only in ``rank``, ``snap_ns`` and the
+    rank their notes name (:func:`rebind`). None for a dump that is not a mapping."""
+    if not isinstance(dump, Mapping):
+        return None
+    get = dump.get
+    v = get("version", "")
+    return (id(get("entries")), id(get("pg_config")), id(get("pg_status")), id(get("fr_window")),
+            v if type(v) is str else id(v))
+
+
+def rebind(d: RankDigest, rank: int, snap_ns: int) -> RankDigest | None:
+    """``d`` as the digest of another rank whose dump shares ``d``'s parts (:func:`share_key`),
+    read at ``snap_ns``; None when a note of ``d`` does not start with its rank (it cannot be
+    moved to another rank: digest that dump itself)."""
+    if rank == d.rank and snap_ns == d.snap_ns:
+        return d
+    if not d.notes:
+        return d._replace(rank=rank, snap_ns=snap_ns)
+    old, new = f"rank {d.rank}: ", f"rank {rank}: "
+    if not all(n.startswith(old) for n in d.notes):
+        return None
+    return d._replace(rank=rank, snap_ns=snap_ns,
+                      notes=tuple(new + n[len(old):] for n in d.notes))
+
+
 class DigestMemo:
     """Digests of the last analysis, used again for a dump made of the very same objects.
 
     A frontend that reuses the dumps it holds (an agent's "unchanged" reply, ``fanout.agents``)
     hands the analysis new dicts over the same entry, ``pg_config`` and ``pg_status`` objects
-    (nothing mutates those after parsing). A rank whose dump matches the last one by object
-    identity of those parts, ``version`` and ring facts gets its last digest with the new read
-    time (``snap_ns``) instead of a new pass over its entries. Each entry keeps the last dump
-    alive, so an identity it compares cannot belong to another object.
+    (nothing mutates those after parsing). A dump that matches one of the last analysis by
+    object identity of those parts, ``version`` and ring facts gets that dump's digest with its
+    own rank and read time (``snap_ns``, :func:`rebind`) instead of a new pass over its entries.
+    Each entry keeps its dump alive, so an identity it compares cannot belong to another object.
+    The analysis asks once per distinct dump (``core.analyze``: ranks sharing a dump's parts
+    share its digest), so :attr:`hits` counts distinct dumps found again.
     """
 
     def __init__(self) -> None:
-        self._last: dict[int, tuple[tuple[Any, ...], Mapping[str, Any], RankDigest]] = {}
-        self._next: dict[int, tuple[tuple[Any, ...], Mapping[str, Any], RankDigest]] = {}
+        self._last: dict[tuple[Any, ...], tuple[Mapping[str, Any], RankDigest]] = {}
+        self._next: dict[tuple[Any, ...], tuple[Mapping[str, Any], RankDigest]] = {}
         self.hits = 0
 
     def digest(self, rank: int, dump: Mapping[str, Any]) -> RankDigest:
@@ -238,13 +311,15 @@ class DigestMemo:
         key = (id(dump.get("pg_config")), id(dump.get("pg_status")), str(dump.get("version", "")),
                window.get("ring_oldest_ns") if isinstance(window, Mapping) else None,
                tuple(map(id, entries)) if isinstance(entries, list) else id(entries))
-        held = self._last.get(rank)
-        if held is not None and held[0] == key:
+        held = self._last.get(key)
+        d = None
+        if held is not None:
+            d = rebind(held[1], rank, snap_ns_of(dump.get(SNAPSHOT_TIME_KEY)))
+        if d is not None:
             self.hits += 1
-            d = held[2]._replace(snap_ns=_snap_ns(dump.get(SNAPSHOT_TIME_KEY)))
         else:
             d = digest_dump(rank, dump)
-        self._next[rank] = (key, dump, d)
+        self._next.setdefault(key, (dump, d))
         return d
 
     def done(self) -> None:
@@ -252,7 +327,7 @@ class DigestMemo:
         self._last, self._next = self._next, {}
 
 
-def _snap_ns(v: Any) -> int:
+def snap_ns_of(v: Any) -> int:
     """A usable ``dump_time_ns`` or 0 (absent, not an int, or not positive)."""
     return v if type(v) is int and v > 0 else 0
 

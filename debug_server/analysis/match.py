@@ -8,6 +8,7 @@ later collective: each kind is reported once per group, with a count of later re
 
 from __future__ import annotations
 
+from itertools import chain
 from typing import Any
 
 from debug_server.analysis import sigcheck, skew
@@ -43,14 +44,19 @@ class _GroupScan:
     def __init__(self, m: Merge, g: Group, cls: list[skew.ClassEntries]) -> None:
         self.m, self.g, self.cls = m, g, cls
         member_set = g.rank_set
+        # A class inside the group (the world group's every class) is taken whole: one C-level
+        # check instead of a membership test per rank.
+        self.cls_ranks = [c.ranks if member_set.issuperset(c.ranks)
+                          else [r for r in c.ranks if r in member_set] for c, _, _ in cls]
         covered: set[int] = set()
-        for c, _, _ in cls:
-            covered.update(r for r in c.ranks if r in member_set)
-        # Member ranks that have data but no entry at all in this group.
-        self.no_entries = [r for r in g.ranks if r in m.digest_of and r not in covered]
+        for rs in self.cls_ranks:
+            covered.update(rs)
+        # Member ranks that have data but no entry at all in this group (none when every rank
+        # with data is covered already).
+        self.no_entries = [] if len(covered) == len(m.digest_of) else \
+            [r for r in g.ranks if r in m.digest_of and r not in covered]
         self.status = {r: m.digest_of[r].status.get(g.name, -1) for r in self.no_entries}
         self.all_present = sorted(covered)
-        self.cls_ranks = [[r for r in c.ranks if r in member_set] for c, _, _ in cls]
         self.cells: dict[int, list[Cell]] = {}
         self.cover: dict[int, tuple[int, int]] = {}  # class index -> its [lo, hi] seq
         self.rep_time: dict[int, int] = {}
@@ -85,8 +91,7 @@ class _GroupScan:
             in_flight=in_flight, mismatch=mismatch,
         )
         if not row["pass_check"] or in_tail or m.total_entries <= NCCL_CALLS_FULL_LIMIT:
-            per_rank = sorted((r, it[2]) for it in items for r in self.cls_ranks[it[0]])
-            m.calls_src.append((row, per_rank))
+            m.calls_src.append((row, [(self.cls_ranks[it[0]], it[2]) for it in items]))
         if lost_real:
             self.lost_union.update(lost)
             self.lost_last_seq = seq
@@ -110,7 +115,7 @@ class _GroupScan:
         lost: list[int] = []
         lost_real = False  # some rank's ring lost it before the others were read
         issuing = {it[0] for it in items}
-        present = sorted(r for it in items for r in cls_ranks[it[0]])
+        present = sorted(chain.from_iterable(cls_ranks[it[0]] for it in items))
         for ci in range(n_cls):
             if ci in issuing:
                 continue

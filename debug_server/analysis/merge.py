@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
-from debug_server.analysis.digest import STATES, RankDigest
+from debug_server.analysis.digest import STATES, RankDigest, SharedDigests, SharedRank
 from debug_server.analysis.groups import Group, GroupKey, RankClass
 from debug_server.analysis.streams import ClassOps, class_ops
 
@@ -39,7 +39,9 @@ NCCL_CALLS_TAIL = 50
 
 
 class RankInfo(NamedTuple):
-    """What the merge keeps per rank besides its class (the parts of a digest that differ)."""
+    """What the merge keeps per rank besides its class (the parts of a digest that differ).
+
+    Ranks sharing one digest's parts share its ``status`` dict and ``pg_progress`` (read only)."""
 
     status: dict[str, int]
     oldest_ns: int
@@ -52,7 +54,7 @@ class Merge:
 
     def __init__(
         self,
-        digests: Iterable[RankDigest],
+        digests: Iterable[RankDigest | SharedRank] | SharedDigests,
         world_size: int | None,
         stacks: Mapping[int, str] | None,
         unavailable: Mapping[int, str] | None,
@@ -75,16 +77,58 @@ class Merge:
         self.fr_ids: dict[tuple[Any, ...], int] = {}
         self.any_snap = False  # some dump says when it was taken: the skew rules can apply
         self.newer_memo: dict[tuple[int, int], int] = {}
+        self._by_parts: dict[tuple[int, ...], tuple[RankDigest, RankClass]] = {}
+        """The ids of a digest's key parts -> (that digest, kept alive; its class): digests
+        sharing their parts by identity (one dump's, or the fan-out's shared copies) are
+        classed without hashing the key."""
+        self._bases: dict[int, tuple[RankDigest, RankClass, dict[str, int], int, list[int]]] = {}
+        """id(digest) -> (that digest, its class, its status dict, the largest rank its groups
+        name, the ranks of its progress group): what a :class:`SharedRank` of it needs."""
+        self._status: dict[int, tuple[tuple[tuple[str, int], ...], dict[str, int]]] = {}
+        self.progress_groups: dict[tuple[int, int], tuple[tuple[tuple[str, int, int], ...],
+                                                         RankClass, list[int]]] = {}
+        """(id of a ``pg_progress``, class idx) -> (that ``pg_progress``, the class, its ranks):
+        ranks with the same progress and class, for per-class rather than per-rank loops
+        (``progress``)."""
         max_rank = -1
-        for d in digests:
-            max_rank = max(max_rank, self._add(d))
+        add, add_shared, bases, digest_of = self._add, self._add_shared, self._bases, self.digest_of
+        class_of, new_info = self.class_of, tuple.__new__
+        triples: Iterable[tuple[Any, int, int]] = (
+            zip(digests.digests, digests.ranks, digests.snaps, strict=True)
+            if isinstance(digests, SharedDigests) else ((d, -1, 0) for d in digests))
+        for d, r, snap in triples:
+            if type(d) is SharedRank:
+                r, snap, d = d
+            elif r == -1 or d.rank == r:
+                mr = add(d)
+                if mr > max_rank:
+                    max_rank = mr
+                continue
+            # A shared rank: _add_shared inlined for the common case (once per rank).
+            held = bases.get(id(d))
+            if held is None or held[0] is not d or r in digest_of:
+                mr = add_shared(SharedRank(r, snap, d))
+            else:
+                b, c, status, mr, prog_ranks = held
+                digest_of[r] = new_info(RankInfo, (status, b.oldest_ns, snap, b.pg_progress))
+                if snap > 0:
+                    self.any_snap = True
+                self.total_entries += b.n_entries
+                c.ranks.append(r)
+                class_of[r] = c
+                prog_ranks.append(r)
+                if r > mr:
+                    mr = r
+            if mr > max_rank:
+                max_rank = mr
         for r in list(self.unavailable) + list(self.stacks):
             max_rank = max(max_rank, r)
         self.world_size = world_size if world_size is not None else max_rank + 1
         self.data_ranks = sorted(self.digest_of)
         self.collectives: list[dict[str, Any]] = []
         self.findings: list[dict[str, Any]] = []
-        self.calls_src: list[tuple[dict[str, Any], list[tuple[int, int]]]] = []
+        self.calls_src: list[tuple[dict[str, Any], list[tuple[list[int], int]]]] = []
+        """Per collective row the NCCL calls keep: (row, [(a class's ranks there, state)])."""
         self.waiting: list[dict[str, Any]] = []
         self.groups: dict[GroupKey, Group] = {}
         """Every group the entries name (``groups.resolve_groups``), filled before matching."""
@@ -102,25 +146,63 @@ class Merge:
         if d.rank in self.digest_of:
             self.notes.append(f"rank {d.rank}: more than one dump; kept the first")
             return -1
-        self.digest_of[d.rank] = RankInfo(dict(d.status), d.oldest_ns, d.snap_ns, d.pg_progress)
+        held_status = self._status.get(id(d.status))
+        if held_status is None:
+            held_status = self._status[id(d.status)] = (d.status, dict(d.status))
+        self.digest_of[d.rank] = RankInfo(held_status[1], d.oldest_ns, d.snap_ns, d.pg_progress)
         self.any_snap = self.any_snap or d.snap_ns > 0
         self.total_entries += d.n_entries
         self.notes.extend(d.notes)
-        max_rank = d.rank
+        max_pg = -1
         for _, _, rs in d.pg:
             if rs:
-                max_rank = max(max_rank, rs[-1])
-        k = d.key()
-        c = self.classes.get(k)
-        if c is None:
-            c = self.classes[k] = RankClass(len(self.class_list), d)
-            self.class_list.append(c)
-            c.sig_g = [self._intern_sig(s) for s in d.sigs]
-            c.fr_g = [self._intern_frames(f) for f in d.frames]
-        else:
+                max_pg = max(max_pg, rs[-1])
+        parts = (id(d.pg), id(d.sigs), id(d.frames), id(d.colls), id(d.p2p),
+                 id(d.pending_order), id(d.threads))
+        held = self._by_parts.get(parts)
+        if held is not None:
+            c = held[1]
             c.ranks.append(d.rank)
+        else:
+            k = d.key()
+            c = self.classes.get(k)
+            if c is None:
+                c = self.classes[k] = RankClass(len(self.class_list), d)
+                self.class_list.append(c)
+                c.sig_g = [self._intern_sig(s) for s in d.sigs]
+                c.fr_g = [self._intern_frames(f) for f in d.frames]
+            else:
+                c.ranks.append(d.rank)
+            self._by_parts[parts] = (d, c)
         self.class_of[d.rank] = c
-        return max_rank
+        pkey = (id(d.pg_progress), c.idx)
+        pg = self.progress_groups.get(pkey)
+        if pg is None:
+            pg = self.progress_groups[pkey] = (d.pg_progress, c, [])
+        pg[2].append(d.rank)
+        if not d.notes:
+            self._bases.setdefault(id(d), (d, c, held_status[1], max_pg, pg[2]))
+        return max(d.rank, max_pg)
+
+    def _add_shared(self, s: SharedRank) -> int:
+        """Fold in a rank that shares ``s.base``'s digest (folded in before it): a few list
+        appends and one small record, no digest built."""
+        held = self._bases.get(id(s.base))
+        if held is None or held[0] is not s.base:
+            return self._add(s.digest())
+        r = s.rank
+        if r in self.digest_of:
+            self.notes.append(f"rank {r}: more than one dump; kept the first")
+            return -1
+        d, c, status, max_pg, prog_ranks = held
+        self.digest_of[r] = RankInfo(status, d.oldest_ns, s.snap_ns, d.pg_progress)
+        if s.snap_ns > 0:
+            self.any_snap = True
+        self.total_entries += d.n_entries
+        c.ranks.append(r)
+        self.class_of[r] = c
+        prog_ranks.append(r)
+        return r if r > max_pg else max_pg
 
     def _intern_sig(self, sig: tuple[Any, ...]) -> int:
         i = self.sig_ids.get(sig)

@@ -131,5 +131,5 @@ def _match_one(
         missing=missing, present=sorted({x[4] for x in sides}), expected=sorted({src, dst}),
         lost=[], in_flight=in_flight, mismatch=mismatch,
     )
-    m.calls_src.append((row, [(x[4], x[2]) for x in sides]))
+    m.calls_src.append((row, [([x[4]], x[2]) for x in sides]))
     return unmatched

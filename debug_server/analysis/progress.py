@@ -28,7 +28,7 @@ def communicators(
     ``last_completed_max``/``_min`` over members that completed any (-1: none known), and
     ``behind_ranks``. A ``behind`` row: ``rank`` and the ``groups`` it is behind on.
     """
-    progress = _per_rank(m)
+    progress = _per_group(m)
     groups = {g.name: g for g in shown}
     missing_in: dict[str, set[int]] = {}
     for f in m.findings:
@@ -37,33 +37,39 @@ def communicators(
     rows = []
     behind: dict[int, list[str]] = {}
     for name in sorted(set(progress) | set(groups)):
-        per = progress.get(name, {})
-        top = max((i for i, _ in per.values() if i >= 0), default=-1)
-        done = [d for _, d in per.values() if d >= 0]
-        late = sorted({r for r, (i, _) in per.items() if 0 <= i < top} | missing_in.get(name, set()))
+        per = progress.get(name, [])
+        top = max((i for _, (i, _) in per if i >= 0), default=-1)
+        done = [d for _, (_, d) in per if d >= 0]
+        late_set = set(missing_in.get(name, set()))
+        for ranks, (i, _) in per:
+            if 0 <= i < top:
+                late_set.update(ranks)
+        late = sorted(late_set)
         for r in late:
             behind.setdefault(r, []).append(name)
         g = groups.get(name)
         rows.append({
             "name": name, "desc": g.desc if g else "",
-            "size": len((g.ranks if g else None) or per),
+            "size": len(g.ranks) if g and g.ranks else sum(len(rs) for rs, _ in per),
             "last_issued": top, "last_completed_max": max(done, default=-1),
             "last_completed_min": min(done, default=-1), "behind_ranks": late,
         })  # fmt: skip
     return rows, [{"rank": r, "groups": sorted(gs)} for r, gs in sorted(behind.items())]
 
 
-def _per_rank(m: Merge) -> dict[str, dict[int, tuple[int, int]]]:
-    """communicator name -> rank -> (last issued seq, last completed seq), -1 when unknown."""
+def _per_group(m: Merge) -> dict[str, list[tuple[list[int], tuple[int, int]]]]:
+    """communicator name -> [(ranks, (last issued seq, last completed seq))], -1 when unknown:
+    one item per set of ranks with the same class and ``pg_progress`` (``Merge``), so the cost
+    is per class, not per rank."""
     from_entries = {c.idx: _class_progress(c) for c in m.class_list}
-    out: dict[str, dict[int, tuple[int, int]]] = {}
-    for rank, info in m.digest_of.items():
-        per = {name: (i, d) for name, i, d in info.pg_progress}
-        for name, (i, d) in from_entries[m.class_of[rank].idx].items():
+    out: dict[str, list[tuple[list[int], tuple[int, int]]]] = {}
+    for pg_progress, c, ranks in m.progress_groups.values():
+        per = {name: (i, d) for name, i, d in pg_progress}
+        for name, (i, d) in from_entries[c.idx].items():
             pi, pd = per.get(name, (-1, -1))
             per[name] = (max(pi, i), max(pd, d))
         for name, seqs in per.items():
-            out.setdefault(name, {})[rank] = seqs
+            out.setdefault(name, []).append((ranks, seqs))
     return out
 
 

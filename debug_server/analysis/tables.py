@@ -142,7 +142,7 @@ def nccl_calls_table(result: Item, chosen: Sequence[Item] | None = None) -> Tabl
             c["id"],
             c["collective_id"],
             labels.get(c["group"], c["group"]),
-            c["global_rank"],
+            c.get("global_ranks", c["global_rank"]),  # a class's row at scale (core._nccl_calls)
             c["collective_type"],
             c["state"],
         ]

@@ -92,8 +92,9 @@ async def parse_off_loop(results: Sequence[RankResult]) -> dict[int, dict[str, A
 
 def cut_all(dumps: Mapping[int, dict[str, Any]],
             since: Mapping[str, int]) -> dict[int, dict[str, Any]]:
-    """Every dump cut to the job's window (the workers' own cuts may keep a little more)."""
-    return {r: frwindow.window(d, since) for r, d in dumps.items()}
+    """Every dump cut to the job's window (the workers' own cuts may keep a little more); ranks
+    that share their dump's parts are cut once and share the cut (``frwindow.window_all``)."""
+    return frwindow.window_all(dumps, since)
 
 
 async def cut_off_loop(dumps: Mapping[int, dict[str, Any]],

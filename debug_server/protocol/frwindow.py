@@ -47,7 +47,7 @@ from typing import Any
 
 __all__ = ["ACTIVE_KEY", "FRONTIER_MARGIN", "LOCAL_SLACK", "WINDOW_KEY", "Window",
            "config_members", "covers", "cutter", "format_since", "frontier", "local_window", "parse_since", "rank_groups",
-           "since_for", "window"]
+           "since_for", "window", "window_all"]
 
 WINDOW_KEY = "fr_window"
 """Dump key of what the ring held before the cut: ``since``, ``ring_entries``, ``ring_oldest_ns``."""
@@ -208,23 +208,42 @@ def frontier(dumps: Mapping[int, Mapping[str, Any]],
     that some dump holds only the active entries of (``fr_window`` lists it under
     :data:`ACTIVE_KEY`) is cut at the first seq some member has not completed, without
     ``margin``, and returned from 0 on (``analysis.activecover`` says why).
+
+    Ranks whose dumps share ``pg_config``, ``pg_status``, ``entries`` and ``fr_window`` by
+    identity (the fan-out's shallow copies of one rank that did the same thing) are read once:
+    the cost is per distinct dump plus a dict lookup per rank.
     """
+    # Distinct dumps by the identity of the parts read here: rank lists per distinct dump.
+    kinds: dict[tuple[int, int, int, int], tuple[Mapping[str, Any], list[int]]] = {}
+    for rank, d in dumps.items():
+        get = d.get
+        k = (id(get("pg_config")), id(get("pg_status")), id(get("entries")), id(get(WINDOW_KEY)))
+        held = kinds.get(k)
+        if held is None:
+            kinds[k] = (d, [rank])
+        else:
+            held[1].append(rank)
     active: set[str] = set()
-    bound: dict[str, dict[int, int]] = {}
+    # Per group: [(the ranks of one distinct dump, its bound)].
+    bound: dict[str, list[tuple[list[int], int]]] = {}
+    reporters: dict[str, set[int]] = {}  # group -> indexes of the distinct dumps reporting it
     # Distinct member sets per group (frozensets hash once): one union per distinct set at the
     # end, not one O(group size) update per rank.
     member_sets: dict[str, set[frozenset[int]]] = {}
-    for rank, d in dumps.items():
+    kind_ranks: list[list[int]] = []
+    for ki, (d, ranks) in enumerate(kinds.values()):
+        kind_ranks.append(ranks)
         for name, rs in config_members(d).items():
             member_sets.setdefault(name, set()).add(rs)
         cut = d.get(WINDOW_KEY)
         if type(cut) is dict and isinstance(cut.get(ACTIVE_KEY), list):
             active.update(map(str, cut[ACTIVE_KEY]))
+        per: dict[str, int] = {}
         status = d.get("pg_status")
         if isinstance(status, Mapping):
             for g, st in status.items():
-                lc = _int(st.get("last_completed_collective")) if isinstance(st, Mapping) else -1
-                bound.setdefault(str(g), {})[rank] = lc
+                per[str(g)] = (_int(st.get("last_completed_collective"))
+                               if isinstance(st, Mapping) else -1)
         entries = d.get("entries")
         for e in entries if isinstance(entries, list) else ():
             # Most entries are done: a lookup or two each, the careful checks for the rest
@@ -237,25 +256,28 @@ def frontier(dumps: Mapping[int, Mapping[str, Any]],
             seq = _int(e.get("collective_seq_id"))
             if g is None or seq < 0:
                 continue
-            per = bound.setdefault(g, {})
-            per[rank] = min(per.get(rank, -1), seq - 1) if rank in per else -1
+            per[g] = min(per[g], seq - 1) if g in per else -1
+        for g, b in per.items():
+            bound.setdefault(g, []).append((ranks, b))
+            reporters.setdefault(g, set()).add(ki)
     # One distinct set (the usual case) is used as it is: a union would copy 16384 members.
     members = {g: next(iter(sets)) if len(sets) == 1 else frozenset().union(*sets)
                for g, sets in member_sets.items()}
     out: dict[str, int] = {}
-    for g, per in bound.items():
+    for g, per_kind in bound.items():
         # A member that answered but reports nothing for g may never have reached g's first op.
-        # Walk the smaller side: an agent's 8 dumps of a 16384-member group, or one rank's own
-        # cut, must not cost a pass over every member.
+        # Only the distinct dumps that do not report g are looked at, each with one C-level
+        # pass (an agent's 8 dumps of a 16384-member group must not cost a pass per member).
         mg = members.get(g, frozenset())
-        answered = (r for r in dumps if r in mg) if len(dumps) < len(mg) else \
-            (r for r in mg if r in dumps)
-        if any(r not in per for r in answered):
+        rep = reporters[g]
+        if mg and any(not mg.isdisjoint(kind_ranks[ki])
+                      for ki in range(len(kind_ranks)) if ki not in rep):
             continue
+        low = min(b for _, b in per_kind)
         if g in active:
-            out[g] = max(0, min(per.values()) + 1)
+            out[g] = max(0, low + 1)
             continue
-        first = min(per.values()) - margin
+        first = low - margin
         if first > 0:
             out[g] = first
     return out
@@ -274,6 +296,30 @@ def window(dump: Mapping[str, Any], since: Mapping[str, int]) -> dict[str, Any]:
     out = dict(dump)
     out["entries"] = [entries[i] for i in picked]
     out[WINDOW_KEY] = _facts(dump.get(WINDOW_KEY), since, len(entries), oldest)
+    return out
+
+
+def window_all(dumps: Mapping[int, Mapping[str, Any]],
+               since: Mapping[str, int]) -> dict[int, dict[str, Any]]:
+    """:func:`window` of every dump, each distinct one cut once: dumps that share ``entries``
+    and ``fr_window`` by identity (the fan-out's shallow copies) share the cut ``entries`` list
+    and ``fr_window`` facts after it too (each keeps its own top-level dict, so its own
+    ``dump_time_ns``), and the analysis digests them once (``analysis.digest.share_key``)."""
+    cuts: dict[tuple[int, int], tuple[Mapping[str, Any], dict[str, Any]]] = {}
+    out: dict[int, dict[str, Any]] = {}
+    for r, d in dumps.items():
+        k = (id(d.get("entries")), id(d.get(WINDOW_KEY)))
+        held = cuts.get(k)
+        if held is None:
+            w = window(d, since)
+            cuts[k] = (d, w)  # d keeps the ids of k alive while this runs
+            out[r] = w
+            continue
+        w = dict(d)
+        w["entries"] = held[1].get("entries")
+        if WINDOW_KEY in held[1]:
+            w[WINDOW_KEY] = held[1][WINDOW_KEY]
+        out[r] = w
     return out
 
 
