@@ -74,6 +74,17 @@ logger = logging.getLogger(__name__)
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 PREFIX = "debug_server"
+METRICS_INTERVAL_S = 15.0
+"""The FR part's most age before the frontend fetches one itself (a usual scrape interval)."""
+FR_RANKS_PER_S = 512
+"""Ranks per second the frontend's own FR cycle asks at most: above 7680 ranks its interval
+grows with the job (256 s at 131072 ranks), as the hang watch's health polls do."""
+FIRST_CYCLE_S = 0.25
+"""Seconds after start of the frontend's own first FR cycle where no dumper fetches FR (where
+one does, its first cycle, 1 s after start, brings the first part)."""
+RECHECK_S = 1.0
+"""How soon the frontend's cycle looks again while another FR fetch for the holder runs."""
+
 _WHAT = {"fr": "FR fetch and analysis", "health": "health poll", "stragglers": "straggler poll"}
 
 
@@ -81,15 +92,6 @@ def _as_of(part: str) -> str:
     """The HELP texts' last sentence: which cycle a value is from, where its age is."""
     return (f" As of the frontend's last {_WHAT[part]} (a scrape asks no rank); its age: "
             f"debug_server_last_cycle_age_seconds, part {part}.")
-METRICS_INTERVAL_S = 15.0
-"""The FR part's most age before the frontend fetches one itself (a usual scrape interval)."""
-FR_RANKS_PER_S = 512
-"""Ranks per second the frontend's own FR cycle asks at most: above 7680 ranks its interval
-grows with the job (256 s at 131072 ranks), as the hang watch's health polls do."""
-FIRST_CYCLE_S = 0.25
-"""The frontend's own first FR cycle, where no dumper fetches FR (it starts after 1 s)."""
-RECHECK_S = 1.0
-"""How soon the frontend's cycle looks again while another FR fetch for the holder runs."""
 
 
 @dataclass(frozen=True, slots=True)
