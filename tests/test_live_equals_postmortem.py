@@ -53,9 +53,18 @@ async def _live(dumps: dict[int, dict[str, Any]], stacks: dict[int, str]) -> dic
             async with s.get(f"{base}/fr_trace?format=json") as resp:
                 assert resp.status == 200
                 page = await resp.json()
-            async with s.get(f"{base}/metrics") as resp:
-                assert resp.status == 200
-                metrics = await resp.text()
+            # /metrics is the frontend's last FR cycle (its first comes soon after start):
+            # scrape until one is in (a scrape asks no rank).
+            deadline = asyncio.get_running_loop().time() + 30
+            while True:
+                async with s.get(f"{base}/metrics") as resp:
+                    assert resp.status == 200
+                    metrics = await resp.text()
+                if any(s.name == "debug_server_last_cycle_age_seconds" and s.labels["part"] == "fr"
+                       for fam in text_string_to_metric_families(metrics) for s in fam.samples):
+                    break
+                assert asyncio.get_running_loop().time() < deadline, metrics
+                await asyncio.sleep(0.02)
         report = await HangWatch(app[COLLECTOR], None, interval=1.0).write_report([], [])
         return {"page": page, "metrics": metrics, "report": report.to_json()}
     finally:

@@ -369,3 +369,13 @@ def test_cli_missing_dir_exits_1_with_one_line(tmp_path: Path) -> None:
                           env=full, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 1 and proc.stderr == f"error: no such directory: {tmp_path / 'nope'}\n"
 
+
+
+async def test_metrics_of_the_viewer_are_the_chosen_cycle_read_from_its_files(
+        aiohttp_client: Any, dump_dir: Path) -> None:
+    # The viewer has no background cycles (frontend/lastcycle.py): its /metrics reads the
+    # cycle's files on request, as its pages do.
+    client = await _client(aiohttp_client, dump_dir)
+    text = await (await client.get("/metrics")).text()
+    assert 'debug_server_stuck_seq{group="main_comm",op="all_reduce"} 4.0' in text
+    assert "debug_server_cycle_ready 1.0" in text

@@ -5,6 +5,8 @@
   answering in the format asked for.
 * ``dumps``, ``snapshot``: the periodic dumper and its bounded snapshot file.
 * ``hangreport``: the hang watch (a verdict on disk seconds after a rank stalls).
+* ``lastcycle``: what the dumper, the hang watch and the metrics cycle saw last (``/metrics``
+  is built from it: a scrape asks no rank).
 * ``metrics``, ``export``, ``pages_extra``, ``store_keys``: the other pages.
 * ``render``, ``lanes``: view-models of the HTML pages; they format an analysis result (its
   table models: ``analysis.tables``), never analyse; ``fetchfacts``: the few facts of an FR

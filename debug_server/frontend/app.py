@@ -58,7 +58,8 @@ from debug_server.frontend import (
 from debug_server.frontend.dumps import Dumper, analyze_fr, fr_trace_text, stacks_report
 from debug_server.frontend.fetchfacts import FetchFacts
 from debug_server.frontend.hangreport import HangWatch, parse_health
-from debug_server.frontend.metrics import metrics_response
+from debug_server.frontend.lastcycle import LastCycle
+from debug_server.frontend.metrics import CycleFill, metrics_response, read_now
 from debug_server.frontend.pagekit import (  # noqa: F401 (re-exported: app.load_templates, ...)
     COLLECTOR,
     CONFIG,
@@ -102,6 +103,9 @@ ENDING = web.AppKey("ending", list)
 """Why the frontend stops (the watch's or a signal's phrase; empty while it serves)."""
 DUMPER = web.AppKey("dumper", Dumper)
 HANG_WATCH = web.AppKey("hang_watch", HangWatch)
+LAST_CYCLE = web.AppKey("last_cycle", LastCycle)
+"""What the dumper, the hang watch and the metrics cycle saw last: ``/metrics`` reads it."""
+METRICS_CYCLE = web.AppKey("metrics_cycle", CycleFill)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -226,10 +230,20 @@ async def pyspy_dump(request: web.Request) -> web.Response:
 
 @routes.get("/metrics")
 async def metrics(request: web.Request) -> web.Response:
+    """From the frontend's last cycle (``LAST_CYCLE``): a scrape asks no rank. The post-mortem
+    viewer's app has no cycles; its collector reads files, read on request."""
     _query(request, {})
-    watch = request.app.get(HANG_WATCH)
-    return await metrics_response(request.app[COLLECTOR], len(watch.reports) if watch else 0,
-                                  _slow(request.app))
+    app = request.app
+    watch = app.get(HANG_WATCH)
+    cycle = app.get(LAST_CYCLE)
+    if cycle is None:
+        cycle = await read_now(app[COLLECTOR])
+    slow = stragglers.held(app)
+    slow_age = (max(0.0, time.time() - slow.last_at) if slow is not None
+                and slow.last_at is not None else None)
+    return await metrics_response(cycle, app[COLLECTOR].world_size,
+                                  len(watch.reports) if watch else 0,
+                                  slow.last if slow is not None else None, slow_age)
 
 
 def _slow(app: web.Application, result: Mapping[str, Any] | None = None) -> Any:
@@ -367,10 +381,14 @@ async def _client_ctx(app: web.Application) -> AsyncIterator[None]:
 async def _background_ctx(app: web.Application) -> AsyncIterator[None]:
     config = app[CONFIG]
     tasks = []
+    # What /metrics serves (lastcycle): the dumper's, the hang watch's and the metrics
+    # cycle's last results; a scrape itself asks no rank.
+    cycle = app[LAST_CYCLE] = LastCycle()
+    dumper = None
     if config.dump_dir:
         dumper = Dumper(app[COLLECTOR], config.dump_dir, interval=config.dump_interval,
                         enabled=config.enabled_dumps, keep=config.keep_dumps,
-                        keep_bytes=config.keep_bytes)
+                        keep_bytes=config.keep_bytes, cycle=cycle)
         app[DUMPER] = dumper
         # Background work (this and the hang watch): its requests wait behind a page's, not
         # the page behind them (pagefirst).
@@ -378,9 +396,14 @@ async def _background_ctx(app: web.Application) -> AsyncIterator[None]:
     # Health is polled every min(dump_interval, 2 s) whatever the dump interval, so a hang
     # report lands seconds after a rank stalls (written only with a dump_dir, logged always).
     watch = HangWatch(app[COLLECTOR], config.dump_dir, interval=config.dump_interval,
-                      keep=config.keep_dumps, per_rank="per_rank" in config.enabled_dumps)
+                      keep=config.keep_dumps, per_rank="per_rank" in config.enabled_dumps,
+                      cycle=cycle)
     app[HANG_WATCH] = watch
     tasks.append(in_background(watch.run_forever(), name="debug_server.hang_watch"))
+    # /metrics' FR part where no dumper fetch brought one for its interval (metrics.CycleFill).
+    fill = app[METRICS_CYCLE] = CycleFill(app[COLLECTOR], cycle, interval=config.dump_interval,
+                                          dumper_feeds=dumper is not None and dumper.fetches_fr)
+    tasks.append(in_background(fill.run_forever(), name="debug_server.metrics_cycle"))
     # Slow ranks while the job runs (frontend/stragglers.py); a hang report says who had been.
     slow = stragglers.watch_of(app)
     watch.before_hang = slow.before_hang

@@ -13,15 +13,18 @@ One cycle writes, each only if enabled:
 written to a temp name and renamed; only the newest ``keep`` cycles are kept. A dump directory
 that cannot be written is logged once (and once more when it recovers), never per cycle.
 
-No file work runs on the event loop: after the fan-out, a cycle's snapshot, analysis, reports,
-writes and pruning run on the dump directory's own thread (``FileThread``), in order, so a slow
-or hung filesystem (NFS) delays the dumps, never a page.
+No file work runs on the event loop: after the fan-out, a cycle's snapshot, reports, writes and
+pruning run on the dump directory's own thread (``FileThread``), in order, so a slow or hung
+filesystem (NFS) delays the dumps, never a page. The analysis runs before them on the loop's
+executor and goes to the frontend's ``lastcycle.LastCycle`` (``/metrics`` reads it), so a hung
+disk does not hold ``/metrics`` back either.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
 import os
 import queue
@@ -44,6 +47,7 @@ from debug_server.fanout.reply import FrData
 from debug_server.fanout.transport import RankResult
 from debug_server.frontend import snapshot
 from debug_server.frontend.fetchfacts import FetchFacts
+from debug_server.frontend.lastcycle import FrPart, LastCycle
 from debug_server.protocol.names import DUMP_FILE_HANDLER
 from debug_server.readers import procstate
 
@@ -314,8 +318,11 @@ class Dumper:
 
     def __init__(self, collector: Collector, dump_dir: str, *, interval: float,
                  enabled: Collection[str] = ALL_DUMPS, keep: int = 50,
-                 first_delay: float = 1.0, keep_bytes: int | None = None) -> None:
+                 first_delay: float = 1.0, keep_bytes: int | None = None,
+                 cycle: LastCycle | None = None) -> None:
         self.collector = collector
+        self.cycle = cycle
+        """Where each cycle's FR analysis goes (``/metrics`` reads it); None: nowhere."""
         self.dir = DumpDir(dump_dir, keep, keep_bytes)
         self.interval = interval
         self.enabled = frozenset(enabled)
@@ -351,13 +358,19 @@ class Dumper:
         self.cycles += 1
         return written
 
+    @property
+    def fetches_fr(self) -> bool:
+        """Whether a cycle fetches FR (and so puts an FR part in ``cycle``)."""
+        return bool(self.enabled & {"fr_trace", "snapshot"})
+
     async def _cycle(self) -> list[str]:
         c = self.collector
         # First, and off the loop like every file operation: an unusable dir costs no fan-out.
         await self.dir.run(self.dir.create)
+        started = time.monotonic()
         addrs = await c.registry.lookup()
         # asyncio.sleep(0) returns None: the gather's slot for what this cycle does not want.
-        want_fr = bool(self.enabled & {"fr_trace", "snapshot"})
+        want_fr = self.fetches_fr
         want_stacks = bool(self.enabled & {"stacks", "fr_trace"})
 
         async def fr_and_stacks() -> tuple[FrData | None, list[RankResult] | None]:
@@ -368,25 +381,38 @@ class Dumper:
 
         dump_task = (c.fetch(DUMP_FILE_HANDLER, None, addrs) if "per_rank" in self.enabled
                      else asyncio.sleep(0))
-        (fr, stacks), dumped = await asyncio.gather(fr_and_stacks(), dump_task)
-        return await self.dir.run(self._write_cycle, fr, stacks, dumped)
+        result = None
+        with (self.cycle.fetching_fr() if self.cycle is not None and want_fr
+              else contextlib.nullcontext()):
+            (fr, stacks), dumped = await asyncio.gather(fr_and_stacks(), dump_task)
+            if fr is not None:
+                # On the loop's executor, not the dir's thread: /metrics never waits on a disk.
+                result, part = await asyncio.get_running_loop().run_in_executor(
+                    None, self._analyze, fr, stacks, started)
+                if self.cycle is not None:
+                    self.cycle.put_fr(part)
+        return await self.dir.run(self._write_cycle, fr, stacks, dumped, result)
+
+    def _analyze(self, fr: FrData, stacks: list[RankResult] | None,
+                 started: float) -> tuple[dict[str, Any], FrPart]:
+        result = analyze_fr(fr, stacks, self.collector.world_size, self.collector.digest_memo)
+        return result, FrPart.of(fr, result, started, "dumper")
 
     def _write_cycle(self, fr: FrData | None, stacks: list[RankResult] | None,
-                     dumped: list[RankResult] | None) -> list[str]:
+                     dumped: list[RankResult] | None,
+                     result: Mapping[str, Any] | None = None) -> list[str]:
         # On the dump dir's thread: each file is built, then written, in this order.
         stamp = self.dir.new_stamp()
         written: list[str] = []
         if fr is not None and "snapshot" in self.enabled:
             written.append(self.dir.write(f"{SNAPSHOT_PREFIX}_{stamp}.json", snapshot_json(fr)))
         if fr is not None and "fr_trace" in self.enabled:
+            if result is None:
+                result = analyze_fr(fr, stacks, self.collector.world_size,
+                                    self.collector.digest_memo)
             written.append(self.dir.write(f"{FR_TRACE_PREFIX}_{stamp}.txt",
-                                          self._fr_text(fr, stacks, dumped)))
+                                          fr_trace_text(result, FetchFacts.of(fr), dumped)))
         if stacks is not None and "stacks" in self.enabled:
             written.append(self.dir.write(f"{STACKS_PREFIX}_{stamp}.txt", stacks_report(stacks)))
         self.dir.prune()
         return written
-
-    def _fr_text(self, fr: FrData, stacks: list[RankResult] | None,
-                 dumped: list[RankResult] | None) -> str:
-        result = analyze_fr(fr, stacks, self.collector.world_size, self.collector.digest_memo)
-        return fr_trace_text(result, FetchFacts.of(fr), dumped)

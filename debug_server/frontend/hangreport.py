@@ -15,6 +15,7 @@ code holding the GIL cannot answer) counts as unhealthy too.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime
 import json
 import logging
@@ -38,6 +39,7 @@ from debug_server.frontend.dumps import (
     fr_trace_text,
 )
 from debug_server.frontend.fetchfacts import FetchFacts
+from debug_server.frontend.lastcycle import FrPart, HealthPart, LastCycle
 from debug_server.protocol.names import HEALTH_HANDLER
 from debug_server.readers import procstate
 
@@ -237,8 +239,11 @@ class HangWatch:
 
     def __init__(self, collector: Collector, dump_dir: str | None, *, interval: float,
                  keep: int = 50, per_rank: bool = True,
-                 unresponsive_polls: int = UNRESPONSIVE_POLLS) -> None:
+                 unresponsive_polls: int = UNRESPONSIVE_POLLS,
+                 cycle: LastCycle | None = None) -> None:
         self.collector = collector
+        self.cycle = cycle
+        """Where each poll's health and each report's FR analysis go (``/metrics`` reads them)."""
         self.dir = DumpDir(dump_dir, keep) if dump_dir else None
         self.interval = min(interval, MAX_POLL_INTERVAL)
         self.per_rank = per_rank
@@ -281,6 +286,8 @@ class HangWatch:
                 h.error = f"health check timed out {self._timeouts[r.rank]} times in a row"
         self.last = health
         self.last_at = time.monotonic()
+        if self.cycle is not None:
+            self.cycle.put_health(HealthPart.of(results, health))
         bad = [h for h in health if h.healthy is False]
         if not bad:
             if self.unhealthy:
@@ -301,10 +308,15 @@ class HangWatch:
         # asyncio.sleep(0) returns None: the gather's slot for the dumps when none are wanted.
         dump_task = (c.fetch(DUMP_FILE_HANDLER, None, addrs) if self.per_rank and self.dir
                      else asyncio.sleep(0))
-        (fr, stacks), dumped = await asyncio.gather(c.fr_stacks(addrs), dump_task)
+        started = time.monotonic()
         loop = asyncio.get_running_loop()
-        result = await loop.run_in_executor(None, analyze_fr, fr, stacks, c.world_size,
-                                            c.digest_memo)
+        with self.cycle.fetching_fr() if self.cycle is not None else contextlib.nullcontext():
+            (fr, stacks), dumped = await asyncio.gather(c.fr_stacks(addrs), dump_task)
+            result = await loop.run_in_executor(None, analyze_fr, fr, stacks, c.world_size,
+                                                c.digest_memo)
+            if self.cycle is not None:  # the report's analysis is the freshest for /metrics
+                self.cycle.put_fr(await loop.run_in_executor(None, FrPart.of, fr, result,
+                                                             started, "hang report"))
         stack_texts = {r.rank: r.body for r in stacks if r.ok and r.body is not None}
         # The dump dir's own thread does every file operation: a slow disk never stalls pages.
         stamp = await self.dir.run(self.dir.new_stamp, now) if self.dir else report_stamp(now)

@@ -1,17 +1,39 @@
-"""``/metrics``: the job's hang state for Prometheus, built at scrape time.
+"""``/metrics``: the job's hang state for Prometheus, as of the frontend's last cycle.
 
-One scrape is one fan-out (every rank's health check and its FR window: each communicator's
-entries from its frontier on, ``frwindow``) and one analyzer run over it; a custom collector turns that into metric families in a private
-``CollectorRegistry`` (never the process-global one, so nothing leaks between apps or tests).
-Exposition is the Prometheus text format 0.0.4.
+**A scrape asks no rank.** At 131072 ranks a fan-out per scrape (every 15 s) would cost a page
+each time, so the families are built from what the frontend's periodic work saw last, kept in
+its ``lastcycle.LastCycle``: the last FR fetch's analysis (put by the dumper, a hang report, or
+the frontend's own cycle, ``CycleFill``, whichever came last) and the hang watch's last health
+poll. ``CycleFill`` keeps the FR part at most ``METRICS_INTERVAL_S`` old (``dump_interval``
+where shorter and no dumper fetches FR; longer above 7680 ranks: ``FR_RANKS_PER_S``): an FR fetch
+the dumper or a hang report made counts, so a dumper that fetches FR at least that often leaves
+it nothing to do, and without a dumper (no ``dump_dir``, ``enabled_dumps`` without ``fr_trace``
+and ``snapshot``, an unwritable dump dir) it is the frontend's one FR fetch for ``/metrics``.
+Every value is as of its part's cycle, and the families say how old:
+``debug_server_last_cycle_age_seconds{part}``. Before the first cycle a scrape still answers,
+with what is known (``world_size``, ``cycle_ready 0``, the hang reports, empty families).
+
+The post-mortem viewer (a collector of files, no ranks) has no cycles: its ``/metrics`` reads
+the chosen dump cycle's files on request (``read_now``).
+
+A custom collector turns a cycle into metric families in a private ``CollectorRegistry`` (never
+the process-global one, so nothing leaks between apps or tests); the families of one cycle are
+rendered once and reused until a part changes. Exposition is the Prometheus text format 0.0.4.
 
 Metrics (labels in braces; ``rank`` is the global rank, ``group`` the communicator):
 
 - ``debug_server_world_size``: ranks in the job.
-- ``debug_server_up{rank}``: 1 when the rank's worker answered this scrape, else 0.
+- ``debug_server_cycle_ready``: 1 once both an FR analysis and a health poll came in, else 0
+  (the families below them are absent until then).
+- ``debug_server_last_cycle_age_seconds{part}``: seconds since that part came in: ``fr`` (the
+  FR fetch and analysis), ``health`` (the hang watch's poll), ``stragglers`` (the straggler
+  poll); absent before its first.
+- ``debug_server_up{rank}``: 1 when the rank's worker answered the last health poll (before
+  one, the last FR fetch), else 0.
 - ``debug_server_healthy{rank}``: 1 healthy, 0 a stalled op (only ranks that answered health).
 - ``debug_server_in_flight_ops{rank}``: ops issued and not completed.
-- ``debug_server_oldest_in_flight_seconds{rank}``: age of the oldest in-flight op (0: none).
+- ``debug_server_oldest_in_flight_seconds{rank}``: age of the oldest in-flight op (0: none),
+  when the poll read it.
 - ``debug_server_stalled_op_seq{rank,group,op}``: seq of the op this rank reports stalled.
 - ``debug_server_last_enqueued_seq{rank,group}``, ``debug_server_last_started_seq{rank,group}``,
   ``debug_server_last_completed_seq{rank,group}``: from each rank's ``pg_status``.
@@ -20,8 +42,9 @@ Metrics (labels in braces; ``rank`` is the global rank, ``group`` the communicat
 - ``debug_server_stuck_seq{group,op}``: the lowest sequence number of ``group`` with an error
   finding (missing ranks, mismatch, stuck everywhere): where the job stopped.
 - ``debug_server_findings{kind}``: the analyzer's error findings by kind.
-- ``debug_server_hang_reports_total``: hang reports written by this frontend.
-- ``debug_server_scrape_duration_seconds``: how long the fan-out and analysis took.
+- ``debug_server_hang_reports_total``: hang reports written by this frontend (now).
+- ``debug_server_scrape_duration_seconds``: how long the last FR cycle's fan-out and analysis
+  took (the name is older than the cycles; a scrape itself fetches nothing).
 - ``debug_server_rank_arrival_lag_seconds{rank,group}``: the rank's median arrival lag at the
   group's collectives over the straggler window (``frontend.stragglers``' last poll; absent
   before it), and ``debug_server_rank_last_share{rank,group}``: the share of them it was last at.
@@ -30,6 +53,7 @@ Metrics (labels in braces; ``rank`` is the global rank, ``group`` the communicat
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -41,71 +65,82 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector as PromCollector
 
 from debug_server.fanout.collector import Collector
-from debug_server.fanout.reply import FrData
 from debug_server.frontend.dumps import analyze_fr
-from debug_server.frontend.hangreport import RankHealth, parse_health
+from debug_server.frontend.hangreport import parse_health
+from debug_server.frontend.lastcycle import FrPart, HealthPart, LastCycle
 from debug_server.protocol.names import HEALTH_HANDLER
+
+logger = logging.getLogger(__name__)
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 PREFIX = "debug_server"
+METRICS_INTERVAL_S = 15.0
+"""The FR part's most age before the frontend fetches one itself (a usual scrape interval)."""
+FR_RANKS_PER_S = 512
+"""Ranks per second the frontend's own FR cycle asks at most: above 7680 ranks its interval
+grows with the job (256 s at 131072 ranks), as the hang watch's health polls do."""
+FIRST_CYCLE_S = 0.25
+"""Seconds after start of the frontend's own first FR cycle where no dumper fetches FR (where
+one does, its first cycle, 1 s after start, brings the first part)."""
+RECHECK_S = 1.0
+"""How soon the frontend's cycle looks again while another FR fetch for the holder runs."""
+
+_WHAT = {"fr": "FR fetch and analysis", "health": "health poll", "stragglers": "straggler poll"}
 
 
-@dataclass(slots=True)
-class Scrape:
-    """What one scrape saw: health, the FR window and the analyzer's result."""
+def _as_of(part: str) -> str:
+    """The HELP texts' last sentence: which cycle a value is from, where its age is."""
+    return (f" As of the frontend's last {_WHAT[part]} (a scrape asks no rank); its age: "
+            f"debug_server_last_cycle_age_seconds, part {part}.")
 
-    world_size: int
-    health: list[RankHealth]
-    fr: FrData
-    result: dict[str, Any]
-    hang_reports: int
-    duration_s: float
+
+@dataclass(frozen=True, slots=True)
+class Cycle:
+    """The parts one scrape renders (``LastCycle``'s at that moment) and the straggler poll's."""
+
+    fr: FrPart | None
+    health: HealthPart | None
     slow: dict[str, Any] | None = None
     """The straggler watch's last result (``analysis.stragglers.analyze``), None before it polled."""
 
-
-async def scrape(collector: Collector, hang_reports: int = 0,
-                 slow: dict[str, Any] | None = None) -> Scrape:
-    """One fan-out of health and the FR window, and the analysis of it."""
-    started = time.monotonic()
-    addrs = await collector.registry.lookup()
-    health_res, fr = await asyncio.gather(collector.fetch(HEALTH_HANDLER, None, addrs),
-                                          collector.fr(addrs=addrs))
-    result = await asyncio.get_running_loop().run_in_executor(
-        None, analyze_fr, fr, None, collector.world_size, collector.digest_memo)
-    return Scrape(collector.world_size, parse_health(health_res), fr, result, hang_reports,
-                  time.monotonic() - started, slow)
+    def key(self) -> tuple[Any, ...]:
+        return (self.fr, self.health, self.slow)
 
 
 def _gauge(name: str, doc: str, labels: list[str]) -> GaugeMetricFamily:
     return GaugeMetricFamily(f"{PREFIX}_{name}", doc, labels=labels)
 
 
-class JobCollector(PromCollector):
-    """Builds the metric families of one ``Scrape`` (a prometheus-client custom collector)."""
+class CycleCollector(PromCollector):
+    """The families of one ``Cycle`` (a prometheus-client custom collector); rendered once per
+    cycle (``LastCycle.memo``)."""
 
-    def __init__(self, s: Scrape) -> None:
-        self.s = s
+    def __init__(self, c: Cycle) -> None:
+        self.c = c
 
     def collect(self) -> Iterator[Metric]:
-        s = self.s
-        world = _gauge("world_size", "Ranks in the job.", [])
-        world.add_metric([], s.world_size)
-        yield world
+        yield from self._health_families()
+        yield from self._fr_families(self.c.fr)  # empty families before the first FR part
+        yield from _straggler_families(self.c.slow)
 
-        answered = {r.rank for r in s.fr.results if r.http_status is not None}
-        answered |= {h.rank for h in s.health if h.answered}
-        up = _gauge("up", "1 when the rank's worker answered this scrape, else 0.", ["rank"])
+    def _health_families(self) -> Iterator[Metric]:
+        fr, hp = self.c.fr, self.c.health
+        h_as_of = _as_of("health")
+        up = _gauge("up", "1 when the rank's worker answered the hang watch's last health poll "
+                    "(before one, the last FR fetch), else 0." + h_as_of, ["rank"])
         healthy = _gauge("healthy", "1 healthy, 0 an op in flight longer than the stall "
-                         "timeout (ranks that answered health only).", ["rank"])
-        in_flight = _gauge("in_flight_ops", "Ops issued and not completed.", ["rank"])
-        oldest = _gauge("oldest_in_flight_seconds",
-                        "Age of the rank's oldest in-flight op (0: none).", ["rank"])
-        stalled = _gauge("stalled_op_seq", "Sequence number of the op the rank reports stalled.",
-                         ["rank", "group", "op"])
-        for h in s.health:
+                         "timeout (ranks that answered health only)." + h_as_of, ["rank"])
+        in_flight = _gauge("in_flight_ops", "Ops issued and not completed." + h_as_of, ["rank"])
+        oldest = _gauge("oldest_in_flight_seconds", "Age of the rank's oldest in-flight op "
+                        "(0: none) when the poll read it." + h_as_of, ["rank"])
+        stalled = _gauge("stalled_op_seq", "Sequence number of the op the rank reports "
+                         "stalled." + h_as_of, ["rank", "group", "op"])
+        if hp is None and fr is not None:  # no poll yet: who answered the last FR fetch
+            for r in fr.ranks:
+                up.add_metric([str(r)], 1 if r in fr.answered else 0)
+        for h in hp.health if hp is not None else ():
             rank = str(h.rank)
-            up.add_metric([rank], 1 if h.rank in answered else 0)
+            up.add_metric([rank], 1 if h.rank in hp.replied else 0)
             if h.healthy is not None:
                 healthy.add_metric([rank], 1 if h.healthy else 0)
             if h.answered:
@@ -116,34 +151,28 @@ class JobCollector(PromCollector):
                 stalled.add_metric([rank, str(op.get("group")), str(op.get("op"))], op["seq"])
         yield from (up, healthy, in_flight, oldest, stalled)
 
+    def _fr_families(self, fr: FrPart | None) -> Iterator[Metric]:
+        as_of = _as_of("fr")
         seq_docs = {
             "last_enqueued_collective": ("last_enqueued_seq", "Last collective seq issued."),
             "last_started_collective": ("last_started_seq", "Last collective seq started."),
             "last_completed_collective": ("last_completed_seq", "Last collective seq completed."),
         }
-        seq_families = {k: _gauge(n, d, ["rank", "group"]) for k, (n, d) in seq_docs.items()}
-        for rank, dump in sorted(s.fr.dumps.items()):
-            status = dump.get("pg_status")
-            if not isinstance(status, dict):
-                continue
-            for group, st in sorted(status.items()):
-                if not isinstance(st, dict):
-                    continue
-                for key, fam in seq_families.items():
-                    if isinstance(st.get(key), int):
-                        fam.add_metric([str(rank), str(group)], st[key])
-        yield from seq_families.values()
+        for key, (name, doc) in seq_docs.items():
+            fam = _gauge(name, doc + as_of, ["rank", "group"])
+            for rank, group, seq in fr.seqs.get(key, ()) if fr is not None else ():
+                fam.add_metric([rank, group], seq)
+            yield fam
 
-        findings = [f for f in s.result.get("findings", []) if f.get("severity", "error") == "error"]
         missing = _gauge("missing_ranks", "1 for each rank missing from a collective that other "
-                         "ranks issued.", ["group", "seq", "rank"])
-        missing_n = _gauge("missing_ranks_count", "Ranks missing from the collective.",
+                         "ranks issued." + as_of, ["group", "seq", "rank"])
+        missing_n = _gauge("missing_ranks_count", "Ranks missing from the collective." + as_of,
                            ["group", "seq"])
         stuck = _gauge("stuck_seq", "Lowest collective seq of the communicator with an error "
-                       "finding: where the job stopped.", ["group", "op"])
+                       "finding: where the job stopped." + as_of, ["group", "op"])
         by_kind: dict[str, int] = {}
         lowest: dict[str, tuple[int, str]] = {}
-        for f in findings:
+        for f in fr.findings if fr is not None else ():
             kind, group, seq = str(f.get("kind")), str(f.get("group")), f.get("seq")
             by_kind[kind] = by_kind.get(kind, 0) + 1
             if kind == "missing_ranks":
@@ -154,27 +183,59 @@ class JobCollector(PromCollector):
                 lowest[group] = (seq, str(f.get("op")))
         for group, (seq, op) in sorted(lowest.items()):
             stuck.add_metric([group, op], seq)
-        kinds = _gauge("findings", "The analyzer's error findings by kind.", ["kind"])
+        kinds = _gauge("findings", "The analyzer's error findings by kind." + as_of, ["kind"])
         for kind, n in sorted(by_kind.items()):
             kinds.add_metric([kind], n)
         yield from (missing, missing_n, stuck, kinds)
+        if fr is None:
+            return
+        took = _gauge("scrape_duration_seconds", "Fan-out and analysis time of the last FR "
+                      "cycle (a scrape itself fetches nothing)." + as_of, [])
+        took.add_metric([], round(fr.took_s, 6))
+        yield took
 
+
+class NowCollector(PromCollector):
+    """The families of this scrape's moment: world size, readiness, ages, hang reports."""
+
+    def __init__(self, world_size: int, c: Cycle, hang_reports: int,
+                 slow_age_s: float | None) -> None:
+        self.world_size, self.c = world_size, c
+        self.hang_reports, self.slow_age_s = hang_reports, slow_age_s
+
+    def collect(self) -> Iterator[Metric]:
+        world = _gauge("world_size", "Ranks in the job.", [])
+        world.add_metric([], self.world_size)
+        yield world
+        ready = _gauge("cycle_ready", "1 once the frontend's cycles brought both an FR analysis "
+                       "and a health poll (the families that come from them are absent before), "
+                       "else 0. /metrics asks no rank: its values are as of those cycles.", [])
+        ready.add_metric([], 1 if self.c.fr is not None and self.c.health is not None else 0)
+        yield ready
+        age = _gauge("last_cycle_age_seconds", "Seconds since the part of the frontend's last "
+                     "cycle that the other families come from: fr (the FR fetch and its "
+                     "analysis), health (the hang watch's poll), stragglers (the straggler "
+                     "poll); absent before its first.", ["part"])
+        now = time.monotonic()
+        for part, s in (("fr", LastCycle.age_s(self.c.fr, now)),
+                        ("health", LastCycle.age_s(self.c.health, now)),
+                        ("stragglers", self.slow_age_s)):
+            if s is not None:
+                age.add_metric([part], round(s, 3))
+        yield age
         reports = CounterMetricFamily(f"{PREFIX}_hang_reports", "Hang reports this frontend "
                                       "wrote.", labels=[])
-        reports.add_metric([], s.hang_reports)
+        reports.add_metric([], self.hang_reports)
         yield reports
-        took = _gauge("scrape_duration_seconds", "Fan-out and analysis time of this scrape.", [])
-        took.add_metric([], round(s.duration_s, 6))
-        yield took
-        yield from _straggler_families(s.slow)
 
 
 def _straggler_families(result: dict[str, Any] | None) -> Iterator[Metric]:
+    as_of = _as_of("stragglers")
     lag = _gauge("rank_arrival_lag_seconds", "Median time the rank issued the group's "
-                 "collectives after its first member did, over the straggler window.",
+                 "collectives after its first member did, over the straggler window." + as_of,
                  ["rank", "group"])
     share = _gauge("rank_last_share", "Share of the group's collectives in the straggler "
-                   "window the rank arrived last at.", ["rank", "group"])
+                   "window the rank arrived last at." + as_of, ["rank", "group"])
     for g in (result or {}).get("groups", []):
         for row in g["rows"]:
             labels = [str(row["rank"]), str(g["group"])]
@@ -187,17 +248,112 @@ def _num(v: Any) -> float:
     return float(v) if isinstance(v, int | float) and not isinstance(v, bool) else 0.0
 
 
-def render(s: Scrape) -> bytes:
-    """The text exposition of one scrape, from a registry of its own."""
+def _text(collector: PromCollector) -> bytes:
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(JobCollector(s))
+    registry.register(collector)
     return generate_latest(registry)
 
 
-async def metrics_response(collector: Collector, hang_reports: int = 0,
-                           slow: dict[str, Any] | None = None) -> web.Response:
-    """The ``/metrics`` reply: one scrape, rendered off the event loop; ``slow``: the
-    straggler watch's last result."""
-    s = await scrape(collector, hang_reports, slow)
-    body = await asyncio.get_running_loop().run_in_executor(None, render, s)
+def render(world_size: int, c: Cycle, hang_reports: int = 0, slow_age_s: float | None = None,
+           memo: LastCycle | None = None) -> bytes:
+    """The text exposition: the cycle's families (from ``memo.memo`` where they were rendered
+    for the same parts), then this moment's. Families are whole in each, so the two join."""
+    key = c.key()
+    held = memo.memo if memo is not None else None
+    if held is not None and len(held[0]) == len(key) and all(
+            a is b for a, b in zip(held[0], key, strict=True)):
+        body = held[1]
+    else:
+        body = _text(CycleCollector(c))
+        if memo is not None:
+            memo.memo = (key, body)
+    return body + _text(NowCollector(world_size, c, hang_reports, slow_age_s))
+
+
+async def metrics_response(cycle: LastCycle, world_size: int, hang_reports: int = 0,
+                           slow: dict[str, Any] | None = None,
+                           slow_age_s: float | None = None) -> web.Response:
+    """The ``/metrics`` reply from ``cycle`` (no rank is asked), rendered off the event loop;
+    ``slow``: the straggler watch's last result, ``slow_age_s`` its age."""
+    c = Cycle(cycle.fr, cycle.health, slow)
+    body = await asyncio.get_running_loop().run_in_executor(
+        None, render, world_size, c, hang_reports, slow_age_s, cycle)
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
+
+
+async def read_now(collector: Collector) -> LastCycle:
+    """A cycle read now from a collector that asks no rank (the post-mortem viewer's files):
+    its health and FR window, and the analysis of them."""
+    started = time.monotonic()
+    addrs = await collector.registry.lookup()
+    health_res, fr = await asyncio.gather(collector.fetch(HEALTH_HANDLER, None, addrs),
+                                          collector.fr(addrs=addrs))
+    cycle = LastCycle()
+    cycle.put_health(HealthPart.of(health_res, parse_health(health_res)))
+    result = await asyncio.get_running_loop().run_in_executor(
+        None, analyze_fr, fr, None, collector.world_size, collector.digest_memo)
+    cycle.put_fr(FrPart.of(fr, result, started, "viewer"))
+    return cycle
+
+
+class CycleFill:
+    """The frontend's own FR cycle for ``/metrics``: an FR fetch and its analysis whenever the
+    holder's FR part is ``interval_s()`` old and no other fetch for it is under way.
+
+    The dumper's and the hang reports' fetches count, so a dumper that fetches FR at least
+    every ``METRICS_INTERVAL_S`` leaves it nothing to do; without one (no ``dump_dir``, or
+    ``enabled_dumps`` without ``fr_trace`` and ``snapshot``, or a dump dir that cannot be
+    written) it is what keeps ``/metrics``' FR part fresh.
+    """
+
+    def __init__(self, collector: Collector, cycle: LastCycle, *, interval: float,
+                 dumper_feeds: bool = False) -> None:
+        self.collector = collector
+        self.cycle = cycle
+        # With a dumper that fetches FR, its cycles keep the part young when they come at
+        # least every METRICS_INTERVAL_S: this one then only fills the gaps of a slower one.
+        self.interval = METRICS_INTERVAL_S if dumper_feeds else min(interval, METRICS_INTERVAL_S)
+        self.first_delay = None if dumper_feeds else FIRST_CYCLE_S
+        """None: the dumper's first cycle (1 s after start) brings the first FR part."""
+        self.cycles = 0
+
+    def interval_s(self) -> float:
+        """The FR part's most age: ``interval``, longer where the job is too big for it."""
+        return max(self.interval, self.collector.world_size / FR_RANKS_PER_S)
+
+    def due_in(self, now: float | None = None) -> float:
+        """Seconds until this cycle should fetch (0 or less: now)."""
+        if self.cycle.fetching:
+            return RECHECK_S
+        age = LastCycle.age_s(self.cycle.fr, now)
+        return 0.0 if age is None else self.interval_s() - age
+
+    async def run_forever(self) -> None:
+        delay = self.interval_s() if self.first_delay is None else self.first_delay
+        while True:
+            await asyncio.sleep(delay)
+            delay = self.due_in()
+            if delay > 0:
+                continue
+            try:
+                await self.run_once()
+            except Exception:  # one bad cycle must not end them
+                logger.exception("debug_server: metrics cycle failed")
+            delay = self.interval_s()
+
+    async def run_once(self) -> FrPart:
+        """One FR fetch (the job's window, as the pages') and its analysis, put in the holder."""
+        c = self.collector
+        started = time.monotonic()
+        with self.cycle.fetching_fr():
+            addrs = await c.registry.lookup()
+            fr = await c.fr(addrs=addrs)
+            part = await asyncio.get_running_loop().run_in_executor(
+                None, _analyzed, fr, c.world_size, c.digest_memo, started)
+        self.cycle.put_fr(part)
+        self.cycles += 1
+        return part
+
+
+def _analyzed(fr: Any, world_size: int, memo: Any, started: float) -> FrPart:
+    return FrPart.of(fr, analyze_fr(fr, None, world_size, memo), started, "metrics cycle")

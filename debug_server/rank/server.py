@@ -244,7 +244,8 @@ def start_debug_server(
             set and ``TORCHCOMM_FR_DUMP_TEMP_FILE`` is not, every rank's pickle goes to
             ``<dump_dir>/per_rank/rank_<N>``, next to the reports.
         dump_interval: Seconds between dump cycles (default 60); the first cycle runs about a
-            second after start so short runs get dumps too.
+            second after start so short runs get dumps too. (``/metrics`` comes from the last
+            dump cycle's analysis, else from the frontend's own FR fetch every 15 s.)
         enabled_dumps: Which dumps a cycle writes, a subset of ``{"fr_trace", "stacks",
             "per_rank", "snapshot"}``; None (default) means all.
         fetch_timeout: Seconds the frontend waits for one rank before reporting it as timed

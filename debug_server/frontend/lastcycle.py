@@ -1,0 +1,131 @@
+"""What the frontend's last background cycles saw, kept for ``/metrics`` (which asks no rank).
+
+A Prometheus scrape every 15 s must not cost a fan-out over a 131072-rank job each time. So
+``/metrics`` is built from what the frontend's periodic work produced last, kept here in one
+small holder the frontend owns (``LastCycle``, app key ``app.LAST_CYCLE``):
+
+- the **FR part** (``FrPart``): the last FR fetch's analysis (its error findings), each rank's
+  ``pg_status`` seqs, who answered, when, and what the fetch and analysis took. Put by the dumper
+  after each cycle's fetch (``dumps.Dumper``), by the hang watch's report (``hangreport``), and
+  where neither has put one for an interval, by the frontend's own cycle
+  (``metrics.CycleFill``);
+- the **health part** (``HealthPart``): the hang watch's last health poll (every
+  ``min(dump_interval, 2 s)``, longer above 1024 ranks: ``hangreport.MAX_POLLS_PER_S``).
+
+Each part is replaced whole (never changed in place), so a reader holding one sees one cycle.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from debug_server.fanout.reply import FrData
+from debug_server.fanout.transport import RankResult
+
+if TYPE_CHECKING:  # hangreport puts the health part; this module only holds it
+    from debug_server.frontend.hangreport import RankHealth
+
+__all__ = ["SEQ_KEYS", "FrPart", "HealthPart", "LastCycle"]
+
+SEQ_KEYS = ("last_enqueued_collective", "last_started_collective", "last_completed_collective")
+"""The ``pg_status`` counters an FR part keeps per (rank, group)."""
+
+
+@dataclass(frozen=True, slots=True)
+class FrPart:
+    """What ``/metrics`` keeps of one FR fetch and its analysis."""
+
+    findings: tuple[Mapping[str, Any], ...]
+    """The analysis result's error findings (severity ``error``), in its order."""
+    ranks: tuple[int, ...]
+    """Every rank the fetch asked."""
+    answered: frozenset[int]
+    """Ranks whose worker answered the fetch (any HTTP status)."""
+    seqs: Mapping[str, tuple[tuple[str, str, int], ...]]
+    """``SEQ_KEYS`` key -> ``(rank, group, seq)`` rows, from each rank's ``pg_status``."""
+    at: float
+    """``time.monotonic()`` when the analysis was done."""
+    took_s: float
+    """The fetch and analysis, in seconds."""
+    by: str
+    """Who fetched: ``dumper``, ``hang report`` or ``metrics cycle``."""
+
+    @classmethod
+    def of(cls, fr: FrData, result: Mapping[str, Any], started: float, by: str) -> FrPart:
+        """The part of one fetch and its analysis ``result``; ``started``: ``time.monotonic()``
+        when the fetch began. Off the event loop at scale (one pass over every rank's status)."""
+        rows: dict[str, list[tuple[str, str, int]]] = {k: [] for k in SEQ_KEYS}
+        for rank, dump in sorted(fr.dumps.items()):
+            status = dump.get("pg_status") if isinstance(dump, Mapping) else None
+            if not isinstance(status, Mapping):
+                continue
+            for group, st in sorted(status.items()):
+                if not isinstance(st, Mapping):
+                    continue
+                for key in SEQ_KEYS:
+                    v = st.get(key)
+                    if isinstance(v, int) and not isinstance(v, bool):
+                        rows[key].append((str(rank), str(group), v))
+        findings = tuple(f for f in result.get("findings", [])
+                         if f.get("severity", "error") == "error")
+        now = time.monotonic()
+        return cls(findings, tuple(r.rank for r in fr.results),
+                   frozenset(r.rank for r in fr.results if r.http_status is not None),
+                   {k: tuple(v) for k, v in rows.items()}, now, now - started, by)
+
+
+@dataclass(frozen=True, slots=True)
+class HealthPart:
+    """The hang watch's last health poll, as ``/metrics`` reads it."""
+
+    health: tuple[RankHealth, ...]
+    replied: frozenset[int]
+    """Ranks whose worker answered the poll with any HTTP status (one without a health check
+    answers 404: its worker is up, its health unknown)."""
+    at: float
+    """``time.monotonic()`` when the poll's replies came in."""
+
+    @classmethod
+    def of(cls, results: Sequence[RankResult], health: Sequence[RankHealth]) -> HealthPart:
+        return cls(tuple(health), frozenset(r.rank for r in results if r.http_status is not None),
+                   time.monotonic())
+
+
+class LastCycle:
+    """The frontend's one holder of its last FR part and health part (module docstring)."""
+
+    def __init__(self) -> None:
+        self.fr: FrPart | None = None
+        self.health: HealthPart | None = None
+        self.fetching = 0
+        """FR fetches for the FR part in flight now (the frontend's cycle waits for them)."""
+        self.memo: tuple[Any, bytes] | None = None
+        """``/metrics``' text of the current parts, keyed by what it was built from
+        (``metrics.py``'s; the parts are replaced, never changed, so identity is the key)."""
+
+    def put_fr(self, part: FrPart) -> None:
+        if self.fr is None or part.at >= self.fr.at:  # a slow fetch never replaces a newer one
+            self.fr = part
+
+    def put_health(self, part: HealthPart) -> None:
+        self.health = part
+
+    @contextlib.contextmanager
+    def fetching_fr(self) -> Iterator[None]:
+        """Around a fetch whose analysis will be put here."""
+        self.fetching += 1
+        try:
+            yield
+        finally:
+            self.fetching -= 1
+
+    @staticmethod
+    def age_s(part: FrPart | HealthPart | None, now: float | None = None) -> float | None:
+        """Seconds since ``part`` came in; None without one."""
+        if part is None:
+            return None
+        return max(0.0, (time.monotonic() if now is None else now) - part.at)
