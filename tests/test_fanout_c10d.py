@@ -71,6 +71,9 @@ class _NoAgents:
     async def lookup(self, ids: set[str]) -> dict[str, Any]:
         return {}
 
+    async def groups(self) -> list[Any]:
+        return []
+
     def forget(self, agent_id: str) -> None:
         pass
 

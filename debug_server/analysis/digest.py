@@ -304,6 +304,8 @@ class DigestMemo:
         self._last: dict[tuple[Any, ...], tuple[Mapping[str, Any], RankDigest]] = {}
         self._next: dict[tuple[Any, ...], tuple[Mapping[str, Any], RankDigest]] = {}
         self.hits = 0
+        self.misses = 0
+        """Dumps digested anew (no dump of the last analysis had their parts)."""
 
     def digest(self, rank: int, dump: Mapping[str, Any]) -> RankDigest:
         entries = dump.get("entries")
@@ -318,6 +320,7 @@ class DigestMemo:
         if d is not None:
             self.hits += 1
         else:
+            self.misses += 1
             d = digest_dump(rank, dump)
         self._next.setdefault(key, (dump, d))
         return d
