@@ -103,7 +103,7 @@ def _host_app(world: int, first: int, last: int) -> Any:
         return body
 
     async def handle(request: web.Request) -> web.Response:
-        h = int(request.match_info["host"])
+        h = port_host[request.transport.get_extra_info("sockname")[1]]  # type: ignore[union-attr]
         name = request.match_info["name"]
         q = request.query
         b = hosts.get(h)
@@ -138,25 +138,55 @@ def _host_app(world: int, first: int, last: int) -> Any:
     async def counters(_: web.Request) -> web.Response:
         return web.json_response(sent)
 
+    port_host: dict[int, int] = {}
     app = web.Application()
-    app.router.add_post("/fh{host:\\d+}/handler/{name}", handle)
+    app.router.add_post("/handler/{name}", handle)
     app.router.add_get("/sent", counters)
-    return app
+    return app, port_host
 
 
 async def _serve_hosts(first: int, last: int, world: int) -> None:
+    """Each fake host on a port of its own (as each host's agent is): one app, one site per
+    host; prints the ports (the first: the counters), serves until stdin closes."""
+    import gc
+    import sys
+
+    from aiohttp import web
+
     from debug_server.fanout import transport
 
-    app = _host_app(world, first, last)
+    _more_files()
+    app, port_host = _host_app(world, first, last)
+    runner = web.AppRunner(app, handle_signals=False, access_log=None)
+    await runner.setup()
+    ports = []
+    for h in range(first - 1, last):  # first - 1: the counters' own port
+        site = web.TCPSite(runner, "127.0.0.1", 0, backlog=128)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        port_host[port] = h
+        ports.append(port)
     transport.settle_gc()
-    await ff.serve_apps([app])
+    gc.freeze()
+    print(json.dumps(ports), flush=True)
+    await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
+    await runner.cleanup()
 
 
 # ---------------------------------------------------------------------------------------------
 # Aggregators: real agent apps over the store, many on one loop
 
 
+def _more_files() -> None:
+    """Thousands of hosts' ports and connections in one helper process."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, 1 << 20)), hard))
+
+
 async def _serve_groups(first: int, last: int, world: int, store_port: int) -> None:
+    _more_files()
     from aiohttp import web
 
     from debug_server.agent import tree
@@ -334,9 +364,11 @@ def bench(world: int, reps: int, helpers: int, store_port: int, cold: bool) -> d
         host_procs, host_bases = ff.start_helpers(
             __file__, [["--serve-hosts", str(lo), str(hi), str(world)]
                        for lo, hi in ff.split(hosts, helpers)])
-        host_urls = []
-        for (lo, hi), base in zip(ff.split(hosts, helpers), host_bases, strict=True):
-            host_urls += [f"{base}/fh{h}" for h in range(lo, hi)]
+        host_urls, counter_urls = [], []
+        it = iter(host_bases)
+        for lo, hi in ff.split(hosts, helpers):
+            counter_urls.append(next(it))
+            host_urls += [next(it) for _ in range(lo, hi)]
         _fill_store(ds, world, host_urls)
         group_procs, group_bases = ff.start_helpers(
             __file__, [["--serve-groups", str(lo), str(hi), str(world), str(store_port)]
@@ -351,7 +383,7 @@ def bench(world: int, reps: int, helpers: int, store_port: int, cold: bool) -> d
         row = _measure(world, store_port, reps,
                        {"aggregators": [p.pid for p in group_procs],
                         "fake hosts": [p.pid for p in host_procs]},
-                       {"aggregators": side_urls, "fake hosts": host_bases}, cold)
+                       {"aggregators": side_urls, "fake hosts": counter_urls}, cold)
         row.update(ranks=world, hosts=hosts, groups=groups, setup_s=setup_s)
         return row
     finally:
