@@ -60,22 +60,20 @@ class HostRegistry:
             store = self.store()
             # Read again only when a key came or the last read is REREAD_S old (an
             # aggregator's thousand ranks' keys on every request cost it most of its page).
-            count, now = store.num_keys(), time.monotonic()
+            count = store.num_keys()
             last = self._last
             if last is not None and last[0] == (count, len(self.ranks)) and \
-                    now - last[1] < storeview.REREAD_S:
+                    time.monotonic() - last[1] < storeview.REREAD_S:
                 return last[2]
-            keys = [addrs.url_key(r) for r in self.ranks]
-            present = self.ranks if store.check(keys) else [
-                r for r in self.ranks if store.check([addrs.url_key(r)])]
-            metas_keys = [addrs.meta_key(r) for r in present]
-            # One round trip to the job's store where every rank has its sidecar (ours do).
-            with_meta = present if present and store.check(metas_keys) else [
-                r for r in present if store.check([addrs.meta_key(r)])]
-            urls = dict(zip(present, store.multi_get([addrs.url_key(r) for r in present]),
-                            strict=True)) if present else {}
-            metas = dict(zip(with_meta, store.multi_get([addrs.meta_key(r) for r in with_meta]),
-                             strict=True)) if with_meta else {}
+            present = [r for r, here in zip(self.ranks, storeview.present(
+                store, [addrs.url_key(r) for r in self.ranks]), strict=True) if here]
+            # One round trip per chunk where every rank has its sidecar (ours do).
+            with_meta = [r for r, here in zip(present, storeview.present(
+                store, [addrs.meta_key(r) for r in present]), strict=True) if here]
+            urls = dict(zip(present, storeview.get_many(store, [addrs.url_key(r) for r in present]),
+                            strict=True))
+            metas = dict(zip(with_meta, storeview.get_many(
+                store, [addrs.meta_key(r) for r in with_meta]), strict=True))
         except Exception as e:  # the store is gone: every rank unknown, one reason
             self._store = None
             reason = f"{NOT_REGISTERED} (agent: store unavailable: {first_line(e, 200)})"
@@ -96,7 +94,7 @@ class HostRegistry:
             else:
                 out.append(WorkerAddr(r, urls[r].decode(errors="replace").rstrip("/"), meta=meta))
         complete = all(a.url is not None for a in out) and len(out) == len(self.ranks)
-        self._last = ((count, len(self.ranks)), now, out) if complete else None
+        self._last = ((count, len(self.ranks)), time.monotonic(), out) if complete else None
         return out
 
     async def lookup(self) -> list[WorkerAddr]:

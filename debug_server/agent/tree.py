@@ -31,6 +31,7 @@ from debug_server.agent.registry import HostRegistry
 from debug_server.fanout.agents import GROUP_ID_PREFIX
 from debug_server.protocol import addrs
 from debug_server.protocol.addrs import format_ranks, parse_ranks
+from debug_server.readers import storeview
 
 if TYPE_CHECKING:
     import torch.distributed as dist
@@ -84,11 +85,14 @@ class GroupRegistry(HostRegistry):
         store = self.store()
         keys = [addrs.tree_place_key(self._restart, p)
                 for p in range(self.first, self.first + self.size)]
-        present = [k for k in keys if store.check([k])]
-        hosts = [v.decode(errors="replace") for v in store.multi_get(present)] if present else []
-        agent_keys = [addrs.agent_key(h) for h in hosts]
+        present = [k for k, here in zip(keys, storeview.present(store, keys), strict=True)
+                   if here]
+        hosts = [v.decode(errors="replace") for v in storeview.get_many(store, present)]
+        agent_keys = [k for k, here in zip(
+            (addrs.agent_key(h) for h in hosts), storeview.present(
+                store, [addrs.agent_key(h) for h in hosts]), strict=True) if here]
         ranks: set[int] = set()
-        for raw in store.multi_get(agent_keys) if hosts and store.check(agent_keys) else []:
+        for raw in storeview.get_many(store, agent_keys):
             try:
                 obj = json.loads(raw)
                 if obj.get("restart") == self._restart:

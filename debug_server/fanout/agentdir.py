@@ -60,10 +60,10 @@ class AgentDirectory:
             store = self._store
             self._reached = True
             keys = [agent_key(i) for i in ids]
-            present = ids if store.check(keys) else [i for i in ids
-                                                     if store.check([agent_key(i)])]
-            raw = dict(zip(present, store.multi_get([agent_key(i) for i in present]),
-                           strict=True)) if present else {}
+            found = [i for i, here in zip(ids, storeview.present(store, keys), strict=True)
+                     if here]
+            raw = dict(zip(found, storeview.get_many(store, [agent_key(i) for i in found]),
+                           strict=True))
         except Exception as e:  # no store: the agents found before, else every rank directly
             self._store = None
             # A store that answered before and went away is the job's end (or rank 0's):
@@ -109,8 +109,8 @@ class AgentDirectory:
             if size <= 0 or hosts <= size:
                 return []
             keys = [tree_group_key(self._restart, g) for g in range((hosts + size - 1) // size)]
-            present = [g for g, k in enumerate(keys) if store.check([k])]
-            raw = store.multi_get([keys[g] for g in present]) if present else []
+            present = [g for g, here in enumerate(storeview.present(store, keys)) if here]
+            raw = storeview.get_many(store, [keys[g] for g in present])
         except Exception as e:  # noqa: BLE001 - no store: the host agents as before
             self._store = None
             logger.debug("debug_server: the tree is not readable from the store: %s", e)

@@ -41,6 +41,29 @@ LINKED_RANKS = 16
 """Up to this many ranks in a cell are linked one by one; more are one link to the stacks page."""
 RANK_TABLE_OPEN = 32
 """The full ranks table starts expanded up to this many ranks, collapsed above."""
+CELLS_MAX = 4096
+"""Up to this many ranks the overview draws one cell and one table row per rank; above it, one
+per run of consecutive ranks alike (state, detail, health, how they answered): 131072 ranks of
+which one is odd are three cells, not 131072."""
+PROBLEMS_SHOWN = 200
+
+
+def _runs_table(runs: Sequence[list[Any]], cells: list[dict[str, Any]]) -> str:
+    """The runs (``[first, last, (state, detail, health, status, note)]``) as cells (into
+    ``cells``) and as the ranks table's rows."""
+    from debug_server.protocol.addrs import format_ranks as range_text
+
+    rows, classes = [], []
+    for first, last, (state, detail, h, status, note) in runs:
+        text = range_text(range(first, last + 1))
+        n = last - first + 1
+        cells.append({"rank": first, "label": text, "state": state,
+                      "title": f"rank{'s' if n > 1 else ''} {text}: {state}; {detail}"})
+        how = f"{n} rank{'s' if n > 1 else ''}: {status or 'no record'}" + \
+            (f" ({note})" if note else "")
+        rows.append([Link(text, f"/stacks#rank-{first}"), state, "", how, h])
+        classes.append(_ROW_CLASS.get(state, ""))
+    return html_table(["ranks", "state", "worker", "reachability", "health"], rows, classes)
 
 OK, BEHIND, UNREACHABLE, UNHEALTHY, UNREGISTERED = (
     "ok", "behind", "unreachable", "unhealthy", "not registered")
@@ -217,7 +240,10 @@ def overview_model(result: Mapping[str, Any], stacks: Sequence[RankResult],
         comm_classes.append("fail" if c["behind_ranks"] else "")
     reach = {r.rank: r for r in stacks}
     pos = _positions(result)
-    cells, problems = [], []
+    cells: list[dict[str, Any]] = []
+    problems: list[dict[str, Any]] = []
+    more_problems = 0
+    runs: list[list[Any]] = []
     counts = dict.fromkeys(RANK_STATES, 0)
     for rank in range(world_size):
         rec = reach.get(rank)
@@ -237,25 +263,38 @@ def overview_model(result: Mapping[str, Any], stacks: Sequence[RankResult],
         if state != OK and rec is not None and rec.process is not None:
             detail += f"; process {procstate.describe(rec.process)}"
         counts[state] += 1
-        cells.append({"rank": rank, "state": state, "title": f"rank {rank}: {state}; {detail}"})
-        if state != OK:
+        if world_size > CELLS_MAX:  # runs of ranks alike: one cell and one row each
+            key = (state, detail, h, rec.status if rec else None, rec.note if rec else None)
+            if runs and runs[-1][2] == key and runs[-1][1] == rank - 1:
+                runs[-1][1] = rank
+            else:
+                runs.append([rank, rank, key])
+        else:
+            cells.append({"rank": rank, "state": state,
+                          "title": f"rank {rank}: {state}; {detail}"})
+        if state != OK and len(problems) <= PROBLEMS_SHOWN:
             problems.append({"rank": rank, "state": state, "detail": detail,
                              "url": rec.url if rec else None})
-    ranks_table = html_table(
-        ["rank", "state", "worker", "reachability", "health"],
-        [[Link(str(c["rank"]), f"/stacks#rank-{c['rank']}"), c["state"],
-          (reach[c["rank"]].url or "") if c["rank"] in reach else "",
-          reach[c["rank"]].line() if c["rank"] in reach else "", health.get(c["rank"], "")]
-         for c in cells],
-        [_ROW_CLASS.get(c["state"], "") for c in cells])
+        elif state != OK:
+            more_problems += 1
+    if runs:
+        ranks_table = _runs_table(runs, cells)
+    else:
+        ranks_table = html_table(
+            ["rank", "state", "worker", "reachability", "health"],
+            [[Link(str(c["rank"]), f"/stacks#rank-{c['rank']}"), c["state"],
+              (reach[c["rank"]].url or "") if c["rank"] in reach else "",
+              reach[c["rank"]].line() if c["rank"] in reach else "", health.get(c["rank"], "")]
+             for c in cells],
+            [_ROW_CLASS.get(c["state"], "") for c in cells])
     return {
         "banner": banner(result, world_size),
         "reachable": sum(1 for r in stacks if r.ok and r.status != GONE),
         "world_size": world_size,
         "counts": [(s, counts[s]) for s in RANK_STATES],
         "cells": cells,
-        "problems": problems[:200],
-        "problems_more": max(0, len(problems) - 200),
+        "problems": problems[:PROBLEMS_SHOWN],
+        "problems_more": max(0, len(problems) - PROBLEMS_SHOWN) + more_problems,
         "comms": html_table(["communicator", "backend", "size", "last issued seq",
                              "last completed seq (max)", "last completed seq (min)",
                              "behind / missing ranks"], comm_rows, comm_classes),

@@ -68,18 +68,40 @@ def store_refuses(master_addr: str, master_port: int, timeout: float = 1.0) -> b
         return False
 
 
+STORE_CHUNK = 4096
+"""Keys per ``check``/``multi_get`` call. c10d's TCPStore answers one call of n keys in time
+that grows faster than n (131072 keys: 32 s for ``multi_get``, 4 s for ``check``), chunks of
+4096 in linear time (131072 keys: about 1 s): every call over many keys goes through
+:func:`present` and :func:`get_many`."""
+
+
+def present(store: dist.Store, keys: Sequence[str]) -> list[bool]:
+    """Which of ``keys`` the store holds: one ``check`` per chunk, one per key only in a chunk
+    that lacks some."""
+    out: list[bool] = []
+    for i in range(0, len(keys), STORE_CHUNK):
+        chunk = list(keys[i:i + STORE_CHUNK])
+        out += [True] * len(chunk) if store.check(chunk) else [store.check([k]) for k in chunk]
+    return out
+
+
+def get_many(store: dist.Store, keys: Sequence[str]) -> list[bytes]:
+    """``multi_get`` of ``keys`` (all present), in chunks."""
+    out: list[bytes] = []
+    for i in range(0, len(keys), STORE_CHUNK):
+        out += store.multi_get(list(keys[i:i + STORE_CHUNK]))
+    return out
+
+
 def lookup_workers(store: dist.Store, world_size: int, restart_count: int) -> list[WorkerAddr]:
     """One ``WorkerAddr`` per rank; never waits for a key that is not there."""
     ranks = range(world_size)
-    if store.check([url_key(r) for r in ranks]):
-        present = list(ranks)
-    else:
-        present = [r for r in ranks if store.check([url_key(r)])]
-    # One round trip where every rank has its sidecar (ours do), one per rank otherwise
-    # (16384 round trips took 1.1 s of every page).
-    with_meta = present if present and store.check([meta_key(r) for r in present]) else [
-        r for r in present if store.check([meta_key(r)])]
-    got_urls = _multi_get(store, present, url_key)
+    present_ranks = [r for r, here in zip(ranks, present(store, [url_key(r) for r in ranks]),
+                                          strict=True) if here]
+    # One round trip per chunk where every rank has its sidecar (ours do).
+    with_meta = [r for r, here in zip(present_ranks, present(
+        store, [meta_key(r) for r in present_ranks]), strict=True) if here]
+    got_urls = _multi_get(store, present_ranks, url_key)
     got_metas = _multi_get(store, with_meta, meta_key)
     out: list[WorkerAddr] = []
     for rank in range(world_size):
@@ -102,7 +124,7 @@ def lookup_workers(store: dist.Store, world_size: int, restart_count: int) -> li
 def _multi_get(store: dist.Store, ranks: list[int], key: Callable[[int], str]) -> dict[int, bytes]:
     if not ranks:
         return {}
-    return dict(zip(ranks, store.multi_get([key(r) for r in ranks]), strict=True))
+    return dict(zip(ranks, get_many(store, [key(r) for r in ranks]), strict=True))
 
 
 class StoreLane:
@@ -259,7 +281,7 @@ class StoreRegistry:
                 self.store_ok_at = now
                 return self._last
             out = lookup_workers(store, self.world_size, self._restart)
-            self._keys, self._read_at = keys, now
+            self._keys, self._read_at = keys, time.monotonic()  # REREAD_S from the read's end
             self._complete = all(a.url is not None for a in out)
         except Exception as e:
             self._store = None
