@@ -278,8 +278,21 @@ def _sent(urls: list[str]) -> int:
     return total
 
 
+POLL_SETTLE_S = 20.0
+"""Seconds after the hang watch's first poll is due by which it has come back."""
+
+
+def _poll_interval(world: int) -> float:
+    """The frontend's health poll interval at ``world`` ranks (``HangWatch.poll_interval``)."""
+    from debug_server.config import ServerConfig
+    from debug_server.frontend import hangreport
+
+    interval = min(ServerConfig().dump_interval, hangreport.MAX_POLL_INTERVAL)
+    return max(interval, world / hangreport.MAX_POLLS_PER_S)
+
+
 def _measure(world: int, store_port: int, reps: int, pids: dict[str, list[int]],
-             side: dict[str, list[str]], cold: bool) -> dict[str, Any]:
+             side: dict[str, list[str]], cold: bool, wait_poll: bool) -> dict[str, Any]:
     row: dict[str, Any] = {}
     if cold:  # the very first page: every level builds its first reply
         proc, port = ff.start_frontend(store=("127.0.0.1", store_port), world_size=world,
@@ -296,6 +309,7 @@ def _measure(world: int, store_port: int, reps: int, pids: dict[str, list[int]],
             ff.timed_get(f"http://127.0.0.1:{port}/stacks")
         finally:
             ff.end_process(proc)
+    started = time.monotonic()
     proc, port = ff.start_frontend(store=("127.0.0.1", store_port), world_size=world,
                                    fetch_timeout=120.0)
     base = f"http://127.0.0.1:{port}"
@@ -321,6 +335,18 @@ def _measure(world: int, store_port: int, reps: int, pids: dict[str, list[int]],
                 spy.wait(30)
             if path == "/stacks":
                 row["stacks_apart"] = _stacks_apart(body, world)
+        if wait_poll:
+            # The overview as a user finds it on a frontend that has run a while: its health
+            # column from the hang watch's last poll (``health_held``), not a fan-out of its own.
+            poll_s = _poll_interval(world)
+            time.sleep(max(0.0, started + poll_s + POLL_SETTLE_S - time.monotonic()))
+            before = {g: ff_cpu(p) for g, p in groups.items()}
+            row["overview_held_s"], body = ff.median_of(
+                lambda: ff.timed_get(f"{base}/", "text/html"), reps)
+            row["overview_held_cpu"] = {g: (ff_cpu(p) - before[g]) / reps
+                                        for g, p in groups.items()}
+            m = re.search(rb"the hang watch&#39;s poll of (\d+) s ago", body)
+            row["overview_health"] = f"held poll, {int(m.group(1))} s old" if m else "fetched"
         row["rss_mb"] = ff.status_kb(proc.pid, "VmHWM") / 1024
         return row
     finally:
@@ -349,7 +375,8 @@ def _stacks_apart(html: bytes, world: int) -> bool:
     return str(_missing(world)) in text
 
 
-def bench(world: int, reps: int, helpers: int, store_port: int, cold: bool) -> dict[str, Any]:
+def bench(world: int, reps: int, helpers: int, store_port: int, cold: bool,
+          wait_poll: bool) -> dict[str, Any]:
     import torch.distributed as dist
 
     hosts = (world + PER_HOST - 1) // PER_HOST
@@ -383,7 +410,7 @@ def bench(world: int, reps: int, helpers: int, store_port: int, cold: bool) -> d
         row = _measure(world, store_port, reps,
                        {"aggregators": [p.pid for p in group_procs],
                         "fake hosts": [p.pid for p in host_procs]},
-                       {"aggregators": side_urls, "fake hosts": counter_urls}, cold)
+                       {"aggregators": side_urls, "fake hosts": counter_urls}, cold, wait_poll)
         row.update(ranks=world, hosts=hosts, groups=groups, setup_s=setup_s)
         return row
     finally:
@@ -407,6 +434,11 @@ def _print(row: dict[str, Any]) -> None:
         print(f"  {path:>10} {row[key]:6.2f} s   CPU s/page "
               + ", ".join(f"{k} {v:.2f}" for k, v in c.items())
               + "   bytes/page " + ", ".join(f"{k} {v / 1e6:.1f} MB" for k, v in b.items()))
+    if "overview_held_s" in row:
+        c = row["overview_held_cpu"]
+        print(f"  {'/ (held)':>10} {row['overview_held_s']:6.2f} s   CPU s/page "
+              + ", ".join(f"{k} {v:.2f}" for k, v in c.items())
+              + f"   ({row['overview_health']})")
     print(f"  frontend RSS peak {row['rss_mb']:.0f} MB; /stacks shows rank "
           f"{_missing(row['ranks'])} apart: {row['stacks_apart']}")
 
@@ -418,6 +450,8 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--helpers", type=int, default=2)
     p.add_argument("--cold", action="store_true")
+    p.add_argument("--wait-poll", action="store_true",
+                   help="also time the overview once the hang watch's first poll is held")
     p.add_argument("--serve-hosts", nargs=3, help=argparse.SUPPRESS)
     p.add_argument("--serve-groups", nargs=4, help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -433,7 +467,7 @@ def main() -> None:
           f"{args.helpers} helper processes for hosts and {args.helpers} for aggregators; "
           f"medians of {args.reps}")
     for n in args.ranks:
-        _print(bench(n, args.reps, args.helpers, get_free_port(), args.cold))
+        _print(bench(n, args.reps, args.helpers, get_free_port(), args.cold, args.wait_poll))
 
 
 if __name__ == "__main__":

@@ -145,7 +145,7 @@ def test_every_rank_comes_up_the_tree_and_the_verdict_names_rank_5(job: dict[str
     assert fr["verdict"].startswith(f"Rank {STUCK} never joined all_reduce #3"), fr["verdict"]
     for r, note in enumerate(_notes(fr)):
         # which way each rank came: its host's agent, then its group's aggregator
-        assert f"via agent {_host(r)}" in note and "via agent agg-" in note, (r, note)
+        assert note.startswith("via its host's agent; via agent agg-"), (r, note)
 
 
 def test_stacks_come_up_the_tree_and_show_rank_5_asleep(job: dict[str, Any]) -> None:

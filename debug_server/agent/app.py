@@ -172,6 +172,7 @@ async def _agent_fr(request: web.Request, q: Mapping[str, str]) -> web.Response:
         except ValueError as e:
             raise BadParam(f"bad parameter since: {e}") from None
         fr = await collector.routed_since(since, addrs)
+        hostreply.fold_notes(fr.results)
     elif routed and not (_flag(q, WHOLE) or _flag(q, ONLY_ACTIVE)):
         if WINDOW in q and q[WINDOW] != str(frwindow.LOCAL_SLACK):
             raise BadParam(f"bad parameter window={q['window'][:20]!r}: only "
@@ -184,6 +185,8 @@ async def _agent_fr(request: web.Request, q: Mapping[str, str]) -> web.Response:
         else:
             fr = await collector.fr(addrs=addrs)
         tag = hostreply.group_tag(q, fr.results, collector.route.last_key())
+        hostreply.fold_notes(fr.results)
+        hostreply.fold_notes(stacks)
         if tag and q.get(TAG) == tag:
             return web.Response(text=hostreply.unchanged_reply(
                 request.app[HOST_ID], fr.results, tag, stacks, hostreply.dump_times(fr.dumps)),
@@ -252,6 +255,8 @@ async def _agent_stacks(request: web.Request, q: Mapping[str, str]) -> web.Respo
     addrs = await _addrs(request, q)
     results = await request.app[COLLECTOR].stacks(addrs, native=_flag(q, NATIVE),
                                                   every=_flag(q, EVERY))
+    if request.app[COLLECTOR].route is not None:
+        hostreply.fold_notes(results)
     rows, texts = hostreply.records(results, with_body=True)
     return web.json_response({"host": request.app[HOST_ID], RANKS: rows, "bodies": texts})
 
@@ -264,6 +269,8 @@ async def _agent_fetch(request: web.Request, q: Mapping[str, str]) -> web.Respon
                        f"{', '.join(sorted(FETCHABLE))}")
     addrs = await _addrs(request, q)
     results = await request.app[COLLECTOR].fetch(handler, None, addrs)
+    if request.app[COLLECTOR].route is not None:
+        hostreply.fold_notes(results)
     rows, texts = hostreply.records(results, with_body=True)
     return web.json_response({"host": request.app[HOST_ID], RANKS: rows, "bodies": texts})
 

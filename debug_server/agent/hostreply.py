@@ -175,6 +175,19 @@ def unchanged_reply(host: str, results: Sequence[RankResult], tag: str,
                            **stacks_part(stacks)})
 
 
+_HOST_NOTE = re.compile(r"via agent [^;]+$")
+HOST_NOTE = "via its host's agent"
+
+
+def fold_notes(results: Sequence[RankResult] | None) -> None:
+    """An aggregator's records: "via agent <host>" becomes "via its host's agent", so the ranks
+    of all its hosts that answered alike share one row (``records``); a rank it asked directly
+    (its host's agent failed) keeps no such note."""
+    for r in results or ():
+        if r.note:
+            r.note = _HOST_NOTE.sub(HOST_NOTE, r.note)
+
+
 def dump_times(dumps: Mapping[int, Mapping[str, Any]]) -> dict[str, int | None]:
     """Each rank's read time from its parsed dump (an aggregator's ranks' bodies are parsed)."""
     return {str(r): t if type(t := d.get(SNAPSHOT_TIME_KEY)) is int else None
@@ -243,6 +256,6 @@ def with_part(host: str, results: Sequence[RankResult], tag: str, part: str,
     return head[:-1] + "," + part[1:]
 
 
-__all__ = ["data_part", "dump_times", "fr_tag", "group_tag", "read_times", "records",
+__all__ = ["HOST_NOTE", "data_part", "dump_times", "fold_notes", "fr_tag", "group_tag", "read_times", "records",
            "share_frames", "share_lists", "share_same", "signatures", "stacks_part",
            "unchanged_reply", "with_part"]
