@@ -25,6 +25,10 @@ already-digested reply for the host:
   same data again, with this ask's records and read times (``LAST_FULL``), not a new one;
 - ``agent_stacks``: per-rank status and the stacks grouped by identity (each distinct text
   once, with the ranks that have it);
+- in every reply, records of ranks that answered alike share one row (``"ranks"``: their range
+  text), and in ``agent_fr`` ranks whose windows read the same share one dump (``"same"``:
+  rank -> [the rank whose dump it has, its own read time]): an aggregator's thousand ranks
+  (``tree``) go up as a few dumps and rows;
 - ``agent_fetch?handler=<name>``: the same grouping for ``ping``, the health check and the
   pickle dump (the frontend's health poll becomes one request per host);
 - ``agent_info``: which ranks it serves and how many requests of each kind it answered.
