@@ -9,6 +9,11 @@ One cycle writes, each only if enabled:
 - ``fr_snapshot_<ts>.json``: ``{rank: dump | {"error": line}}``, so a post-mortem can re-run the
   analyzer on exactly what was seen (``snapshot``).
 
+At scale (issue 41: 131072 ranks) no file has a row per rank: above ``PER_RANK_LISTING_MAX``
+ranks, ranks alike share one stacks section (``=== Ranks 0-77776, 77778-131071 (131071 ranks)
+===``), one Dump File line and one failure line (ranges), and the snapshot writes one dump per
+class of ranks (``snapshot``); a rank unlike the others keeps its own section, line or dump.
+
 ``<ts>`` is ``%Y%m%d_%H%M%S`` with ``_1``, ``_2``... when two cycles fall in one second. Files are
 written to a temp name and renamed; only the newest ``keep`` cycles are kept. A dump directory
 that cannot be written is logged once (and once more when it recovers), never per cycle.
@@ -32,7 +37,7 @@ import re
 import socket
 import threading
 import time
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from typing import Any, TypeVar
 
 from debug_server.analysis import core as analysis
@@ -44,7 +49,7 @@ from debug_server.config import ALL_DUMPS
 from debug_server.dumpio import write_atomic
 from debug_server.fanout.collector import Collector
 from debug_server.fanout.reply import FrData
-from debug_server.fanout.transport import RankResult
+from debug_server.fanout.transport import GONE, RankResult
 from debug_server.frontend import snapshot
 from debug_server.frontend.fetchfacts import FetchFacts
 from debug_server.frontend.lastcycle import FrPart, LastCycle
@@ -70,12 +75,88 @@ _CYCLE_FILE = re.compile(
 # Renderers shared with the frontend's text pages
 
 
+PER_RANK_LISTING_MAX = 32
+"""Up to this many ranks, a listing of the dump files (stacks sections, Dump File lines, failure
+lines) has one row per rank, as it always had; above, ranks alike share one row (ranges)."""
+MAX_ROWS = 200
+"""Most rows of a grouped listing; the rest are counted in one last row."""
+MAX_STACKS_FILE_CHARS = 512 * 1024
+"""``stacks_<ts>.txt`` keeps within this (sections past it are counted and their ranks named)."""
+_RANKS_TEXT_CHARS = 2000
+_THREAD_ID = re.compile(r"\b([Tt]hread) (0x[0-9a-fA-F]+|\d+)\b")
+
+
+def _ranks_text(ranks: Sequence[int]) -> str:
+    """Range text of ``ranks``, cut to a bound (a scattered set is named by its first runs)."""
+    text = format_ranks(ranks)
+    if len(text) <= _RANKS_TEXT_CHARS:
+        return text
+    cut = text.rfind(", ", 0, _RANKS_TEXT_CHARS)
+    return f"{text[:cut]}, ... ({len(ranks)} ranks in all)"
+
+
+def _ranks_head(ranks: Sequence[int], word: str = "Rank") -> str:
+    """``Rank 5`` or ``Ranks 0-77776, 77778-131071``."""
+    return f"{word} {ranks[0]}" if len(ranks) == 1 else f"{word}s {_ranks_text(ranks)}"
+
+
+def _why(rank: int, line: str) -> tuple[bool, str]:
+    """A failure line without its ``rank N: `` head (True; a record's ``line()`` of an error
+    that names its rank has it twice), or the line as it is."""
+    head = f"rank {rank}: "
+    if not line.startswith(head):
+        return False, line
+    while line.startswith(head):
+        line = line[len(head):]
+    return True, line
+
+
+def group_lines(items: Iterable[tuple[int, Any]]) -> list[tuple[list[int], Any]]:
+    """``(rank, key)`` pairs -> ``(ranks, key)`` per distinct key, in the order keys first came."""
+    groups: dict[Any, list[int]] = {}
+    for rank, key in items:
+        got = groups.get(key)
+        if got is None:
+            groups[key] = [rank]
+        else:
+            got.append(rank)
+    return [(ranks, key) for key, ranks in groups.items()]
+
+
+def _capped(rows: list[tuple[list[int], str]], indent: str = "") -> list[str]:
+    """The rows' lines, at most ``MAX_ROWS``; the rest counted in one last line."""
+    lines = [indent + line for _, line in rows[:MAX_ROWS]]
+    if len(rows) > MAX_ROWS:
+        rest = sorted(r for ranks, _ in rows[MAX_ROWS:] for r in ranks)
+        lines.append(f"{indent}... {len(rows) - MAX_ROWS} more rows left out (ranks "
+                     f"{_ranks_text(rest)})")
+    return lines
+
+
+def failure_rows(lines: Sequence[str]) -> list[str]:
+    """Failure lines (``rank N: why``) of many ranks: one per distinct ``why`` with its ranks
+    (``ranks 100-199: unreachable after 2.0 s``), at most ``MAX_ROWS``."""
+    keyed = []
+    for line in lines:
+        head, _, rest = line.partition(": ")
+        num = head[5:] if head.startswith("rank ") else ""
+        keyed.append((int(num), (True, rest)) if num.isdigit() else (-1, (False, line)))
+    rows = []
+    for ranks, (has_rank, why) in group_lines(k for k in keyed if k[0] >= 0):
+        rows.append((ranks, f"{_ranks_head(ranks, 'rank')}: {why}" if has_rank else why))
+    loose = [line for r, (_, line) in keyed if r < 0]
+    return _capped(rows) + loose[:MAX_ROWS]
+
+
 def status_block(fetch: FetchFacts) -> str:
-    """``PARTIAL DATA: 6/8 ranks answered`` and one line per failed rank; empty when all did."""
+    """``PARTIAL DATA: 6/8 ranks answered`` and one line per failed rank (above
+    ``PER_RANK_LISTING_MAX`` failures, per kind of failure with its ranks); empty when all did."""
     if not fetch.failures:
         return ""
     lines = [f"PARTIAL DATA: {fetch.asked - len(fetch.failures)}/{fetch.asked} ranks answered"]
-    lines += [f"  {line}" for line in fetch.failures]
+    rows = (fetch.failures if len(fetch.failures) <= PER_RANK_LISTING_MAX
+            else failure_rows(fetch.failures))
+    lines += [f"  {line}" for line in rows]
     return "\n".join(lines)
 
 
@@ -85,14 +166,7 @@ def stacks_text(results: Sequence[RankResult], groups: Sequence[Mapping[str, Any
     ``groups`` (``stackgroups.stack_groups``) become a preamble: one line per set of ranks whose
     main threads stand at the same place, odd ones first, so 63 identical ranks read as one line.
     """
-    parts = []
-    if groups:
-        parts.append("--- Stack groups (main thread; odd ones first) ---")
-        for g in groups:
-            n = len(g["ranks"])
-            where = g["summary"] + ("" if g.get("in_collective") else "  (not in a collective)")
-            parts.append(f"{n} rank{'s' if n != 1 else ''} ({format_ranks(g['ranks'])}): {where}")
-        parts.append("")
+    parts = _preamble(groups)
     for r in results:
         parts.append(f"=== Rank {r.rank} ===")
         if r.process is not None:
@@ -102,21 +176,115 @@ def stacks_text(results: Sequence[RankResult], groups: Sequence[Mapping[str, Any
     return "\n".join(parts)
 
 
+def _preamble(groups: Sequence[Mapping[str, Any]]) -> list[str]:
+    parts = []
+    if groups:
+        parts.append("--- Stack groups (main thread; odd ones first) ---")
+        for g in groups[:MAX_ROWS]:
+            n = len(g["ranks"])
+            where = g["summary"] + ("" if g.get("in_collective") else "  (not in a collective)")
+            parts.append(f"{n} rank{'s' if n != 1 else ''} ({_ranks_text(g['ranks'])}): {where}")
+        if len(groups) > MAX_ROWS:
+            parts.append(f"... {len(groups) - MAX_ROWS} more groups")
+        parts.append("")
+    return parts
+
+
 def stacks_report(results: Sequence[RankResult]) -> str:
-    """The /stacks text and ``stacks_<ts>.txt``: the stack groups, then every rank's section."""
+    """The /stacks text: the stack groups, then every rank's section."""
     texts = {r.rank: r.body for r in results if r.ok and r.body}
     return stacks_text(results, stack_groups(texts))
 
 
-def dump_file_lines(results: Sequence[RankResult]) -> list[str]:
+def _stack_key(r: RankResult, memo: dict[int, str]) -> tuple[Any, ...]:
+    """What puts ranks in one section of ``stacks_<ts>.txt``: the same text but for thread ids
+    (each process has its own), the same process state; or the same failure."""
+    if not r.ok:
+        return ("failed", *_why(r.rank, r.line()))
+    body = r.body or ""
+    norm = memo.get(id(body))
+    if norm is None:  # ranks alike share one text object (the fan-out's): normalized once
+        norm = memo[id(body)] = _THREAD_ID.sub(r"\1 <id>", body.rstrip("\n"))
+    state = r.process.get("state") if isinstance(r.process, Mapping) else None
+    return ("ok", norm, r.note if r.status == GONE else None, state, r.process is not None)
+
+
+def stacks_file(results: Sequence[RankResult], *, grouped: bool | None = None) -> str:
+    """``stacks_<ts>.txt``: the stack groups, then a section per rank, as ``stacks_report``, up to
+    ``PER_RANK_LISTING_MAX`` ranks (or with ``grouped=False``).
+
+    Above (or with ``grouped=True``), ranks whose texts read the same (but for thread ids) are
+    one section headed by their ranges, ``=== Ranks 0-77776, 77778-131071 (131071 ranks) ===``,
+    showing the lowest rank's text; ranks that failed alike, one section of one line
+    (``ranks 100-199: unreachable after 2.0 s``); a rank alone keeps ``=== Rank N ===`` and its
+    own process line. The file keeps within ``MAX_STACKS_FILE_CHARS``: sections past it are
+    counted in a last line that names their ranks. ``analysis.stackparse.split_stacks_file``
+    reads both forms back, one text per rank.
+    """
+    if grouped is None:
+        grouped = len(results) > PER_RANK_LISTING_MAX
+    texts = {r.rank: r.body for r in results if r.ok and r.body}
+    groups = stack_groups(texts)
+    if not grouped:
+        return stacks_text(results, groups)
+    by_rank = {r.rank: r for r in results}
+    memo: dict[int, str] = {}
+    classes = group_lines((r.rank, _stack_key(r, memo)) for r in results)
+    classes.sort(key=lambda c: min(c[0]))
+    parts = _preamble(groups)
+    size = sum(len(p) + 1 for p in parts)
+    left: list[int] = []
+    n_left = 0
+    for ranks, key in classes:
+        first = by_rank[ranks[0]]
+        if len(ranks) == 1:
+            section = [f"=== Rank {first.rank} ==="]
+            if first.process is not None:
+                section.append(f"Process: {procstate.describe(first.process)}")
+            section.append((first.body or "").rstrip("\n") if first.ok else first.line())
+        else:
+            section = [f"=== Ranks {_ranks_text(ranks)} ({len(ranks)} ranks) ==="]
+            if key[0] == "failed":
+                section.append(f"{_ranks_head(ranks, 'rank')}: {key[2]}" if key[1] else key[2])
+            else:
+                if first.process is not None:
+                    section.append(f"Process: {key[3] or 'read'} (each rank's pid and times: "
+                                   f"the live /stacks page)")
+                if first.status == GONE:
+                    section.append(f"(kept from an earlier answer: {first.note})")
+                section.append((first.body or "").rstrip("\n"))
+        section.append("")
+        chars = sum(len(p) + 1 for p in section)
+        if size + chars > MAX_STACKS_FILE_CHARS - 4 * _RANKS_TEXT_CHARS:
+            left.extend(ranks)
+            n_left += 1
+            continue
+        parts += section
+        size += chars
+    if n_left:
+        parts.append(f"... {n_left} more section{'s' if n_left != 1 else ''} left out (this file "
+                     f"keeps within {MAX_STACKS_FILE_CHARS // 1024} KB): ranks "
+                     f"{_ranks_text(sorted(left))}")
+        parts.append("")
+    return "\n".join(parts)
+
+
+def dump_file_lines(results: Sequence[RankResult], *, grouped: bool | None = None) -> list[str]:
     """``Rank N: OK - ... written to <path>`` or ``Rank N: <why not>``.
 
     A pickle this process cannot see was written on another host (a dump dir that is not
-    shared): its line names that host, and a last line says how to analyze without it.
+    shared): its line names that host, and a last line says how to analyze without it. Above
+    ``PER_RANK_LISTING_MAX`` ranks (or with ``grouped=True``), ranks alike share one line:
+    ``Ranks 0-99, 200-131071: OK - FR pickle written to <dir>/rank_<N>`` (at most ``MAX_ROWS``).
     """
+    if grouped is None:
+        grouped = len(results) > PER_RANK_LISTING_MAX
     lines = []
     elsewhere: list[int] = []
     here_dirs: list[str] = []
+    keyed: list[tuple[int, tuple[str, ...]]] = []
+    hosts: dict[tuple[str, ...], list[str]] = {}
+    me = socket.gethostname()
     for r in results:
         if r.ok:
             try:
@@ -124,16 +292,56 @@ def dump_file_lines(results: Sequence[RankResult]) -> list[str]:
                 path, host = reply.get("path"), reply.get("host")
             except (ValueError, AttributeError):
                 path = host = None
-            line = f"Rank {r.rank}: OK - FR pickle written to {path or '(path not reported)'}"
+            shown = path or "(path not reported)"
+            line = f"Rank {r.rank}: OK - FR pickle written to {shown}"
+            away = False
             if isinstance(path, str) and path:
                 if os.path.exists(path):
-                    here_dirs.append(os.path.dirname(path))
+                    if not here_dirs:
+                        here_dirs.append(os.path.dirname(path))
                 else:
+                    away = True
                     elsewhere.append(r.rank)
-                    line += f" on host {host or '(not reported)'}, not on this host ({socket.gethostname()})"
-            lines.append(line)
+                    line += f" on host {host or '(not reported)'}, not on this host ({me})"
+            if not grouped:
+                lines.append(line)
+                continue
+            if isinstance(path, str) and path.endswith(str(r.rank)):
+                shown = path[: len(path) - len(str(r.rank))] + "<N>"
+            key = ("ok", shown, "away" if away else "")
+            if away:
+                seen = hosts.setdefault(key, [])
+                if len(seen) < 4 and str(host) not in seen:
+                    seen.append(str(host))
+            keyed.append((r.rank, key))
         else:
-            lines.append(f"Rank {r.rank}: {r.error or r.status}")
+            why = r.error or r.status
+            if not grouped:
+                lines.append(f"Rank {r.rank}: {why}")
+                continue
+            keyed.append((r.rank, ("failed", *map(str, _why(r.rank, why)))))
+    if grouped:
+        rows = []
+        for ranks, key in group_lines(keyed):
+            if len(ranks) == 1:  # today's line for a rank alone
+                r = ranks[0]
+                if key[0] == "ok":
+                    line = f"Rank {r}: OK - FR pickle written to {key[1].replace('<N>', str(r))}"
+                    if key[2]:
+                        line += (f" on host {hosts[key][0] if hosts[key] else '(not reported)'}, "
+                                 f"not on this host ({me})")
+                else:
+                    line = f"Rank {r}: {f'rank {r}: ' if key[1] == 'True' else ''}{key[2]}"
+            elif key[0] == "ok":
+                line = f"{_ranks_head(ranks)}: OK - FR pickle written to {key[1]}"
+                if key[2]:
+                    seen = hosts.get(key, [])
+                    line += (f" on other hosts ({', '.join(seen[:3])}{', ...' if len(seen) > 3 else ''}),"
+                             f" not on this host ({me})")
+            else:
+                line = f"{_ranks_head(ranks)}: {key[2]}"
+            rows.append((ranks, line))
+        lines = _capped(rows)
     if elsewhere:
         where = here_dirs[0] if here_dirs else "<dir>"
         lines.append(
@@ -161,9 +369,12 @@ def snapshot_json(fr: FrData) -> str:
     """``{"<rank>": dump | {"error": line}}``: what the analysis saw, in bounded bytes.
 
     Each rank's dump as analyzed (cut to the job's window on a live fetch), at most
-    ``snapshot.MAX_ENTRIES_PER_RANK`` entries, and long group member lists written once
-    (``snapshot``: a cycle's size does not grow with ring length x ranks; readers call
-    ``snapshot.expand``). Whole rings stay in the per-rank pickles.
+    ``snapshot.MAX_ENTRIES_PER_RANK`` entries, long group member lists written once, and ranks
+    whose dumps are alike (shared parts, or the same text) written once with the list of the
+    others and their own ``dump_time_ns`` (``same_as``), ranks that failed alike as one row
+    (``rank_errors``): ``snapshot``'s doc has the format; a cycle's size grows with neither ring
+    length nor the number of ranks alike. Readers call ``snapshot.expand``. Whole rings stay in
+    the per-rank pickles.
     """
     return snapshot.encode([(r.rank, fr.dumps.get(r.rank) if r.body is not None else None,
                              r.line()) for r in fr.results])
@@ -413,6 +624,6 @@ class Dumper:
             written.append(self.dir.write(f"{FR_TRACE_PREFIX}_{stamp}.txt",
                                           fr_trace_text(result, FetchFacts.of(fr), dumped)))
         if stacks is not None and "stacks" in self.enabled:
-            written.append(self.dir.write(f"{STACKS_PREFIX}_{stamp}.txt", stacks_report(stacks)))
+            written.append(self.dir.write(f"{STACKS_PREFIX}_{stamp}.txt", stacks_file(stacks)))
         self.dir.prune()
         return written

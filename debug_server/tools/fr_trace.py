@@ -7,6 +7,9 @@ dtypes across ranks, and joins that with the ranks' stacks (``--stacks stacks_<t
 Files are ``<prefix><rank>`` or ``<prefix><rank>.json`` (prefix inferred when ``-p`` is not given),
 each a pickle (loaded with a restricted unpickler that refuses anything but plain containers) or
 the same dict as JSON, ours or PyTorch's (``_dump_fr_trace()`` / ``_dump_fr_trace_json()``).
+``DIR`` may also be one dump cycle's ``fr_snapshot_<ts>.json`` (``frontend.snapshot``: every
+rank's dump as the frontend analyzed it, ranks alike written once): the ranks it records as
+failed are without data, as they were live.
 
 Exit status: 0 no hang or mismatch found, 2 findings (a hang or a mismatch), 1 unusable input.
 Every error is one line on stderr followed by a one-line hint; there is no traceback.
@@ -31,7 +34,14 @@ from debug_server.analysis.core import analyze_digests
 from debug_server.analysis.digest import RankDigest, digest_dump
 from debug_server.analysis.groups import group_label
 from debug_server.analysis.ranks import format_rank_set
-from debug_server.dumpio import DumpError, group_members, load_dump, rank_files
+from debug_server.dumpio import (
+    MAX_RANK,
+    DumpError,
+    group_members,
+    load_dump,
+    rank_files,
+    validate_dump,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +84,14 @@ class MissingDumpFilesError(FrTraceError):
             "files are on those hosts: copy them here")
 
 
+class SnapshotError(FrTraceError):
+    help = ("pass an fr_snapshot_<ts>.json written by the frontend's dumper (or a directory of "
+            "per-rank dumps); a truncated one cannot be read: use another cycle's")
+
+
+MAX_SNAPSHOT_BYTES = 4 << 30
+
+
 class StacksFileError(FrTraceError):
     help = "pass the stacks_<ts>.txt file written by the rank-0 dumper (sections '=== Rank N ===')"
 
@@ -87,6 +105,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "trace_dir", nargs="?", help="directory with one dump per rank, named <prefix><rank>[.json]"
+        ", or a dump cycle's fr_snapshot_<ts>.json"
     )
     p.add_argument("-p", "--prefix", default=None,
                    help="file name prefix before the rank (inferred if omitted)")
@@ -304,6 +323,80 @@ def _gather(args: argparse.Namespace) -> tuple[list[RankDigest], dict[int, str],
     return digests, unavailable, notes
 
 
+def read_snapshot(path: str) -> tuple[dict[int, dict[str, Any]], dict[int, str], int]:
+    """(rank -> dump, rank -> why it has none, world size) of an ``fr_snapshot_<ts>.json``.
+
+    The ranks of a class come back as shallow copies of its dump (``snapshot.expand``), checked
+    once per class; a file that is not a snapshot is a :class:`SnapshotError` of one line.
+    """
+    from debug_server.frontend import snapshot
+
+    name = os.path.basename(path)
+    try:
+        size = os.path.getsize(path)
+        if size > MAX_SNAPSHOT_BYTES:
+            raise SnapshotError(f"{name}: {size} bytes is over the {MAX_SNAPSHOT_BYTES >> 30} GiB limit")
+        with open(path, "rb") as f:
+            obj = snapshot.expand(json.loads(f.read()))
+    except OSError as e:
+        raise SnapshotError(f"cannot read {path}: {e.strerror or e}") from None
+    except (ValueError, RecursionError) as e:
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise SnapshotError(f"{name}: not a usable snapshot ({first[:300]})") from None
+    if not isinstance(obj, dict):
+        raise SnapshotError(f"{name}: not a snapshot (top level is {type(obj).__name__})")
+    dumps: dict[int, dict[str, Any]] = {}
+    unavailable: dict[int, str] = {}
+    checked: dict[tuple[int, ...], tuple[Any, str | None]] = {}
+    for key, value in obj.items():
+        key = str(key)
+        if not (key.isascii() and key.isdigit()) or int(key) > MAX_RANK:
+            raise SnapshotError(f"{name}: {key[:40]!r} is not a rank number")
+        rank = int(key)
+        if isinstance(value, dict) and set(value) == {"error"}:
+            line = str(value["error"] or "no data").splitlines()[0][:300] if value["error"] else ""
+            unavailable[rank] = line or f"rank {rank}: no data"
+            continue
+        parts = ((id(value.get("entries")), id(value.get("pg_config")), id(value.get("version")))
+                 if isinstance(value, dict) else None)
+        seen = checked.get(parts) if parts is not None else None
+        if seen is None:
+            try:
+                validate_dump(value, f"{name} rank {rank}")
+                seen = (value, None)
+            except DumpError as e:
+                seen = (value, str(e))
+            if parts is not None:
+                checked[parts] = seen
+        if seen[1] is None:
+            dumps[rank] = value
+        else:
+            unavailable[rank] = f"unusable dump: {seen[1].split(': ', 1)[-1]}"
+    ranks = set(dumps) | set(unavailable)
+    configs = {id(c): c for d in dumps.values() if isinstance(c := d.get("pg_config"), dict)}
+    for cfg in configs.values():  # shared by the ranks of a class: read once
+        for c in cfg.values():
+            try:
+                ranks.update(r for r in group_members(c.get("ranks", "[]")) if 0 <= r <= MAX_RANK)
+            except (DumpError, AttributeError):
+                continue
+    return dumps, unavailable, max(ranks) + 1 if ranks else 0
+
+
+def _run_snapshot(args: argparse.Namespace, stacks: dict[int, str] | None) -> dict[str, Any]:
+    from debug_server.analysis.core import analyze
+
+    dumps, unavailable, world = read_snapshot(args.trace_dir)
+    if not dumps:
+        raise SnapshotError(f"{os.path.basename(args.trace_dir)}: no rank has a dump "
+                            f"({len(unavailable)} recorded as failed)")
+    if args.just_print_entries:
+        sys.stdout.write(just_print_entries(dumps, args))
+        return {}
+    return analyze(dumps, world_size=world, stacks=stacks, unavailable=unavailable,
+                   pg_filters=args.pg_filters)
+
+
 def _read_stacks(path: str) -> dict[int, str]:
     try:
         with open(path, encoding="utf-8", errors="replace") as f:
@@ -456,15 +549,23 @@ def run(args: argparse.Namespace) -> int:
     """Run the analysis for parsed arguments; raises :class:`FrTraceError` on unusable input."""
     if not args.trace_dir:
         raise NoDumpFilesError("missing DIR (the directory with the per-rank dump files)")
-    if args.just_print_entries:
+    snapshot_file = os.path.isfile(args.trace_dir)
+    if args.just_print_entries and not snapshot_file:
         return _just_print(args)
     stacks = _read_stacks(args.stacks) if args.stacks else None
-    digests, unavailable, notes = _gather(args)
-    for n in notes:
-        print(f"note: {n}", file=sys.stderr)
-    result = analyze_digests(
-        digests, stacks=stacks, unavailable=unavailable, pg_filters=args.pg_filters
-    )
+    if snapshot_file:
+        if args.chrome_trace:
+            raise SnapshotError("--chrome-trace reads per-rank dumps: pass their directory")
+        result = _run_snapshot(args, stacks)
+        if args.just_print_entries:
+            return EXIT_OK
+    else:
+        digests, unavailable, notes = _gather(args)
+        for n in notes:
+            print(f"note: {n}", file=sys.stderr)
+        result = analyze_digests(
+            digests, stacks=stacks, unavailable=unavailable, pg_filters=args.pg_filters
+        )
     if args.selected_ranks is not None:
         sel = set(args.selected_ranks)
         result["nccl_calls"] = [c for c in result["nccl_calls"] if c["global_rank"] in sel]
@@ -506,7 +607,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_OK
 
 
-__all__ = ["FrTraceError", "just_print_entries", "main", "run"]
+__all__ = ["FrTraceError", "just_print_entries", "main", "read_snapshot", "run"]
 
 if __name__ == "__main__":
     sys.exit(main())
