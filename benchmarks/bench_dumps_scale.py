@@ -63,9 +63,9 @@ def fleet(world: int) -> tuple[FrData, list[RankResult], list[RankResult], int]:
     for r in range(world):
         url = f"http://h{r // 8}:2{r % 8:04d}"
         if r in down:
-            fr_results.append(RankResult(r, url, UNREACHABLE, error=f"rank {r}: {why}"))
-            stacks.append(RankResult(r, url, UNREACHABLE, error=f"rank {r}: {why}"))
-            pickles.append(RankResult(r, url, UNREACHABLE, error=f"rank {r}: {why}"))
+            fr_results.append(RankResult(r, url, UNREACHABLE, error=why))  # as the transport's
+            stacks.append(RankResult(r, url, UNREACHABLE, error=why))
+            pickles.append(RankResult(r, url, UNREACHABLE, error=why))
             continue
         fr_results.append(RankResult(r, url, OK, body="", dump=dumps[r]))
         stacks.append(RankResult(r, url, OK, body=_SLEEPING if r == odd else _STACK))

@@ -138,9 +138,9 @@ def failure_rows(lines: Sequence[str]) -> list[str]:
     (``ranks 100-199: unreachable after 2.0 s``), at most ``MAX_ROWS``."""
     keyed = []
     for line in lines:
-        head, _, rest = line.partition(": ")
+        head = line.partition(": ")[0]
         num = head[5:] if head.startswith("rank ") else ""
-        keyed.append((int(num), (True, rest)) if num.isdigit() else (-1, (False, line)))
+        keyed.append((int(num), _why(int(num), line)) if num.isdigit() else (-1, (False, line)))
     rows = []
     for ranks, (has_rank, why) in group_lines(k for k in keyed if k[0] >= 0):
         rows.append((ranks, f"{_ranks_head(ranks, 'rank')}: {why}" if has_rank else why))
