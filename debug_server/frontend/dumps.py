@@ -37,20 +37,31 @@ import re
 import socket
 import threading
 import time
-from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any, TypeVar
 
 from debug_server.analysis import core as analysis
 from debug_server.analysis import report
 from debug_server.analysis.digest import DigestMemo
-from debug_server.analysis.ranks import format_rank_set, format_ranks
+from debug_server.analysis.ranks import format_rank_set
 from debug_server.analysis.stackgroups import stack_groups
 from debug_server.config import ALL_DUMPS
 from debug_server.dumpio import write_atomic
 from debug_server.fanout.collector import Collector
 from debug_server.fanout.reply import FrData
-from debug_server.fanout.transport import GONE, RankResult
+from debug_server.fanout.transport import RankResult
 from debug_server.frontend import snapshot
+from debug_server.frontend.dumplists import (
+    MAX_ROWS,
+    PER_RANK_LISTING_MAX,
+    capped,
+    failure_rows,
+    group_lines,
+    grouped_sections,
+    ranks_head,
+    ranks_text,
+    strip_rank,
+)
 from debug_server.frontend.fetchfacts import FetchFacts
 from debug_server.frontend.lastcycle import FrPart, LastCycle
 from debug_server.protocol.names import DUMP_FILE_HANDLER
@@ -73,79 +84,6 @@ _CYCLE_FILE = re.compile(
 
 # ---------------------------------------------------------------------------------------------
 # Renderers shared with the frontend's text pages
-
-
-PER_RANK_LISTING_MAX = 32
-"""Up to this many ranks, a listing of the dump files (stacks sections, Dump File lines, failure
-lines) has one row per rank, as it always had; above, ranks alike share one row (ranges)."""
-MAX_ROWS = 200
-"""Most rows of a grouped listing; the rest are counted in one last row."""
-MAX_STACKS_FILE_CHARS = 512 * 1024
-"""``stacks_<ts>.txt`` keeps within this (sections past it are counted and their ranks named)."""
-_RANKS_TEXT_CHARS = 2000
-_THREAD_ID = re.compile(r"\b([Tt]hread) (0x[0-9a-fA-F]+|\d+)\b")
-
-
-def _ranks_text(ranks: Sequence[int]) -> str:
-    """Range text of ``ranks``, cut to a bound (a scattered set is named by its first runs)."""
-    text = format_ranks(ranks)
-    if len(text) <= _RANKS_TEXT_CHARS:
-        return text
-    cut = text.rfind(", ", 0, _RANKS_TEXT_CHARS)
-    return f"{text[:cut]}, ... ({len(ranks)} ranks in all)"
-
-
-def _ranks_head(ranks: Sequence[int], word: str = "Rank") -> str:
-    """``Rank 5`` or ``Ranks 0-77776, 77778-131071``."""
-    return f"{word} {ranks[0]}" if len(ranks) == 1 else f"{word}s {_ranks_text(ranks)}"
-
-
-def _why(rank: int, line: str) -> tuple[bool, str]:
-    """A failure line without its ``rank N: `` head (True; a record's ``line()`` of an error
-    that names its rank has it twice), or the line as it is."""
-    head = f"rank {rank}: "
-    if not line.startswith(head):
-        return False, line
-    while line.startswith(head):
-        line = line[len(head):]
-    return True, line
-
-
-def group_lines(items: Iterable[tuple[int, Any]]) -> list[tuple[list[int], Any]]:
-    """``(rank, key)`` pairs -> ``(ranks, key)`` per distinct key, in the order keys first came."""
-    groups: dict[Any, list[int]] = {}
-    for rank, key in items:
-        got = groups.get(key)
-        if got is None:
-            groups[key] = [rank]
-        else:
-            got.append(rank)
-    return [(ranks, key) for key, ranks in groups.items()]
-
-
-def _capped(rows: list[tuple[list[int], str]], indent: str = "") -> list[str]:
-    """The rows' lines, at most ``MAX_ROWS``; the rest counted in one last line."""
-    lines = [indent + line for _, line in rows[:MAX_ROWS]]
-    if len(rows) > MAX_ROWS:
-        rest = sorted(r for ranks, _ in rows[MAX_ROWS:] for r in ranks)
-        lines.append(f"{indent}... {len(rows) - MAX_ROWS} more rows left out (ranks "
-                     f"{_ranks_text(rest)})")
-    return lines
-
-
-def failure_rows(lines: Sequence[str]) -> list[str]:
-    """Failure lines (``rank N: why``) of many ranks: one per distinct ``why`` with its ranks
-    (``ranks 100-199: unreachable after 2.0 s``), at most ``MAX_ROWS``."""
-    keyed = []
-    for line in lines:
-        head = line.partition(": ")[0]
-        num = head[5:] if head.startswith("rank ") else ""
-        keyed.append((int(num), _why(int(num), line)) if num.isdigit() else (-1, (False, line)))
-    rows = []
-    for ranks, (has_rank, why) in group_lines(k for k in keyed if k[0] >= 0):
-        rows.append((ranks, f"{_ranks_head(ranks, 'rank')}: {why}" if has_rank else why))
-    loose = [line for r, (_, line) in keyed if r < 0]
-    return _capped(rows) + loose[:MAX_ROWS]
 
 
 def status_block(fetch: FetchFacts) -> str:
@@ -183,7 +121,7 @@ def _preamble(groups: Sequence[Mapping[str, Any]]) -> list[str]:
         for g in groups[:MAX_ROWS]:
             n = len(g["ranks"])
             where = g["summary"] + ("" if g.get("in_collective") else "  (not in a collective)")
-            parts.append(f"{n} rank{'s' if n != 1 else ''} ({_ranks_text(g['ranks'])}): {where}")
+            parts.append(f"{n} rank{'s' if n != 1 else ''} ({ranks_text(g['ranks'])}): {where}")
         if len(groups) > MAX_ROWS:
             parts.append(f"... {len(groups) - MAX_ROWS} more groups")
         parts.append("")
@@ -194,19 +132,6 @@ def stacks_report(results: Sequence[RankResult]) -> str:
     """The /stacks text: the stack groups, then every rank's section."""
     texts = {r.rank: r.body for r in results if r.ok and r.body}
     return stacks_text(results, stack_groups(texts))
-
-
-def _stack_key(r: RankResult, memo: dict[int, str]) -> tuple[Any, ...]:
-    """What puts ranks in one section of ``stacks_<ts>.txt``: the same text but for thread ids
-    (each process has its own), the same process state; or the same failure."""
-    if not r.ok:
-        return ("failed", *_why(r.rank, r.line()))
-    body = r.body or ""
-    norm = memo.get(id(body))
-    if norm is None:  # ranks alike share one text object (the fan-out's): normalized once
-        norm = memo[id(body)] = _THREAD_ID.sub(r"\1 <id>", body.rstrip("\n"))
-    state = r.process.get("state") if isinstance(r.process, Mapping) else None
-    return ("ok", norm, r.note if r.status == GONE else None, state, r.process is not None)
 
 
 def stacks_file(results: Sequence[RankResult], *, grouped: bool | None = None) -> str:
@@ -227,46 +152,7 @@ def stacks_file(results: Sequence[RankResult], *, grouped: bool | None = None) -
     groups = stack_groups(texts)
     if not grouped:
         return stacks_text(results, groups)
-    by_rank = {r.rank: r for r in results}
-    memo: dict[int, str] = {}
-    classes = group_lines((r.rank, _stack_key(r, memo)) for r in results)
-    classes.sort(key=lambda c: min(c[0]))
-    parts = _preamble(groups)
-    size = sum(len(p) + 1 for p in parts)
-    left: list[int] = []
-    n_left = 0
-    for ranks, key in classes:
-        first = by_rank[ranks[0]]
-        if len(ranks) == 1:
-            section = [f"=== Rank {first.rank} ==="]
-            if first.process is not None:
-                section.append(f"Process: {procstate.describe(first.process)}")
-            section.append((first.body or "").rstrip("\n") if first.ok else first.line())
-        else:
-            section = [f"=== Ranks {_ranks_text(ranks)} ({len(ranks)} ranks) ==="]
-            if key[0] == "failed":
-                section.append(f"{_ranks_head(ranks, 'rank')}: {key[2]}" if key[1] else key[2])
-            else:
-                if first.process is not None:
-                    section.append(f"Process: {key[3] or 'read'} (each rank's pid and times: "
-                                   f"the live /stacks page)")
-                if first.status == GONE:
-                    section.append(f"(kept from an earlier answer: {first.note})")
-                section.append((first.body or "").rstrip("\n"))
-        section.append("")
-        chars = sum(len(p) + 1 for p in section)
-        if size + chars > MAX_STACKS_FILE_CHARS - 4 * _RANKS_TEXT_CHARS:
-            left.extend(ranks)
-            n_left += 1
-            continue
-        parts += section
-        size += chars
-    if n_left:
-        parts.append(f"... {n_left} more section{'s' if n_left != 1 else ''} left out (this file "
-                     f"keeps within {MAX_STACKS_FILE_CHARS // 1024} KB): ranks "
-                     f"{_ranks_text(sorted(left))}")
-        parts.append("")
-    return "\n".join(parts)
+    return grouped_sections(results, _preamble(groups))
 
 
 def dump_file_lines(results: Sequence[RankResult], *, grouped: bool | None = None) -> list[str]:
@@ -319,7 +205,7 @@ def dump_file_lines(results: Sequence[RankResult], *, grouped: bool | None = Non
             if not grouped:
                 lines.append(f"Rank {r.rank}: {why}")
                 continue
-            keyed.append((r.rank, ("failed", *map(str, _why(r.rank, why)))))
+            keyed.append((r.rank, ("failed", *map(str, strip_rank(r.rank, why)))))
     if grouped:
         rows = []
         for ranks, key in group_lines(keyed):
@@ -333,15 +219,15 @@ def dump_file_lines(results: Sequence[RankResult], *, grouped: bool | None = Non
                 else:
                     line = f"Rank {r}: {f'rank {r}: ' if key[1] == 'True' else ''}{key[2]}"
             elif key[0] == "ok":
-                line = f"{_ranks_head(ranks)}: OK - FR pickle written to {key[1]}"
+                line = f"{ranks_head(ranks)}: OK - FR pickle written to {key[1]}"
                 if key[2]:
                     seen = hosts.get(key, [])
                     line += (f" on other hosts ({', '.join(seen[:3])}{', ...' if len(seen) > 3 else ''}),"
                              f" not on this host ({me})")
             else:
-                line = f"{_ranks_head(ranks)}: {key[2]}"
+                line = f"{ranks_head(ranks)}: {key[2]}"
             rows.append((ranks, line))
-        lines = _capped(rows)
+        lines = capped(rows)
     if elsewhere:
         where = here_dirs[0] if here_dirs else "<dir>"
         lines.append(

@@ -41,15 +41,16 @@ one line.
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from debug_server.analysis.ranks import parse_rank_text, rank_ranges
-from debug_server.dumpio import MAX_RANK
+from debug_server.dumpio import MAX_RANK, DumpError, group_members, validate_dump
 from debug_server.protocol.members import MIN_CHARS, map_lists
 
 __all__ = ["ERRORS_KEY", "INLINE_RANKS_CHARS", "MAX_ENTRIES_PER_RANK", "MEMBERS_KEY", "SAME_KEY",
-           "cap_entries", "encode", "encode_per_rank", "expand"]
+           "cap_entries", "encode", "encode_per_rank", "expand", "load"]
 
 MEMBERS_KEY = "pg_members"
 """Top-level key of the shared member lists (never a rank number, so readers can tell it apart)."""
@@ -369,3 +370,55 @@ def expand(obj: Any) -> Any:
     if SAME_KEY in obj or ERRORS_KEY in obj:
         _expand_classes(obj)
     return obj
+
+
+def load(path: str, max_bytes: int) -> tuple[dict[int, dict[str, Any]], dict[int, str], int]:
+    """(rank -> dump, rank -> why it has none, world size) of an ``fr_snapshot_<ts>.json``, for
+    the ``fr_trace`` CLI. The ranks of a class come back as shallow copies of its dump
+    (:func:`expand`), checked once per class (``dumpio.validate_dump``; one that fails is a
+    rank without data). Raises ``OSError``, or ``ValueError`` of one line for a file that is
+    not a snapshot."""
+    name = os.path.basename(path)
+    size = os.path.getsize(path)
+    if size > max_bytes:
+        raise ValueError(f"{size} bytes is over the {max_bytes >> 30} GiB limit")
+    with open(path, "rb") as f:
+        obj = expand(json.loads(f.read()))
+    if not isinstance(obj, dict):
+        raise ValueError(f"top level is {type(obj).__name__}")
+    dumps: dict[int, dict[str, Any]] = {}
+    unavailable: dict[int, str] = {}
+    checked: dict[tuple[int, ...], tuple[Any, str | None]] = {}
+    for key, value in obj.items():
+        key = str(key)
+        if not (key.isascii() and key.isdigit()) or int(key) > MAX_RANK:
+            raise ValueError(f"{key[:40]!r} is not a rank number")
+        rank = int(key)
+        if isinstance(value, dict) and set(value) == {"error"}:
+            line = str(value["error"]).splitlines()[0][:300] if value["error"] else ""
+            unavailable[rank] = line or f"rank {rank}: no data"
+            continue
+        parts = ((id(value.get("entries")), id(value.get("pg_config")), id(value.get("version")))
+                 if isinstance(value, dict) else None)
+        seen = checked.get(parts) if parts is not None else None
+        if seen is None:
+            try:
+                validate_dump(value, f"{name} rank {rank}")
+                seen = (value, None)
+            except DumpError as e:
+                seen = (value, str(e))
+            if parts is not None:
+                checked[parts] = seen
+        if seen[1] is None:
+            dumps[rank] = value
+        else:
+            unavailable[rank] = f"unusable dump: {seen[1].split(': ', 1)[-1]}"
+    ranks = set(dumps) | set(unavailable)
+    configs = {id(c): c for d in dumps.values() if isinstance(c := d.get("pg_config"), dict)}
+    for cfg in configs.values():  # shared by the ranks of a class: read once
+        for c in cfg.values():
+            try:
+                ranks.update(r for r in group_members(c.get("ranks", "[]")) if 0 <= r <= MAX_RANK)
+            except (DumpError, AttributeError):
+                continue
+    return dumps, unavailable, max(ranks) + 1 if ranks else 0

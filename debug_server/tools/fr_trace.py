@@ -34,14 +34,7 @@ from debug_server.analysis.core import analyze_digests
 from debug_server.analysis.digest import RankDigest, digest_dump
 from debug_server.analysis.groups import group_label
 from debug_server.analysis.ranks import format_rank_set
-from debug_server.dumpio import (
-    MAX_RANK,
-    DumpError,
-    group_members,
-    load_dump,
-    rank_files,
-    validate_dump,
-)
+from debug_server.dumpio import DumpError, group_members, load_dump, rank_files
 
 logger = logging.getLogger(__name__)
 
@@ -324,63 +317,17 @@ def _gather(args: argparse.Namespace) -> tuple[list[RankDigest], dict[int, str],
 
 
 def read_snapshot(path: str) -> tuple[dict[int, dict[str, Any]], dict[int, str], int]:
-    """(rank -> dump, rank -> why it has none, world size) of an ``fr_snapshot_<ts>.json``.
-
-    The ranks of a class come back as shallow copies of its dump (``snapshot.expand``), checked
-    once per class; a file that is not a snapshot is a :class:`SnapshotError` of one line.
-    """
+    """(rank -> dump, rank -> why it has none, world size) of an ``fr_snapshot_<ts>.json``
+    (``snapshot.load``); a file that is not a snapshot is a :class:`SnapshotError` of one line."""
     from debug_server.frontend import snapshot
 
-    name = os.path.basename(path)
     try:
-        size = os.path.getsize(path)
-        if size > MAX_SNAPSHOT_BYTES:
-            raise SnapshotError(f"{name}: {size} bytes is over the {MAX_SNAPSHOT_BYTES >> 30} GiB limit")
-        with open(path, "rb") as f:
-            obj = snapshot.expand(json.loads(f.read()))
+        return snapshot.load(path, MAX_SNAPSHOT_BYTES)
     except OSError as e:
         raise SnapshotError(f"cannot read {path}: {e.strerror or e}") from None
     except (ValueError, RecursionError) as e:
         first = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise SnapshotError(f"{name}: not a usable snapshot ({first[:300]})") from None
-    if not isinstance(obj, dict):
-        raise SnapshotError(f"{name}: not a snapshot (top level is {type(obj).__name__})")
-    dumps: dict[int, dict[str, Any]] = {}
-    unavailable: dict[int, str] = {}
-    checked: dict[tuple[int, ...], tuple[Any, str | None]] = {}
-    for key, value in obj.items():
-        key = str(key)
-        if not (key.isascii() and key.isdigit()) or int(key) > MAX_RANK:
-            raise SnapshotError(f"{name}: {key[:40]!r} is not a rank number")
-        rank = int(key)
-        if isinstance(value, dict) and set(value) == {"error"}:
-            line = str(value["error"] or "no data").splitlines()[0][:300] if value["error"] else ""
-            unavailable[rank] = line or f"rank {rank}: no data"
-            continue
-        parts = ((id(value.get("entries")), id(value.get("pg_config")), id(value.get("version")))
-                 if isinstance(value, dict) else None)
-        seen = checked.get(parts) if parts is not None else None
-        if seen is None:
-            try:
-                validate_dump(value, f"{name} rank {rank}")
-                seen = (value, None)
-            except DumpError as e:
-                seen = (value, str(e))
-            if parts is not None:
-                checked[parts] = seen
-        if seen[1] is None:
-            dumps[rank] = value
-        else:
-            unavailable[rank] = f"unusable dump: {seen[1].split(': ', 1)[-1]}"
-    ranks = set(dumps) | set(unavailable)
-    configs = {id(c): c for d in dumps.values() if isinstance(c := d.get("pg_config"), dict)}
-    for cfg in configs.values():  # shared by the ranks of a class: read once
-        for c in cfg.values():
-            try:
-                ranks.update(r for r in group_members(c.get("ranks", "[]")) if 0 <= r <= MAX_RANK)
-            except (DumpError, AttributeError):
-                continue
-    return dumps, unavailable, max(ranks) + 1 if ranks else 0
+        raise SnapshotError(f"{os.path.basename(path)}: not a usable snapshot ({first[:300]})") from None
 
 
 def _run_snapshot(args: argparse.Namespace, stacks: dict[int, str] | None) -> dict[str, Any]:
