@@ -66,10 +66,16 @@ def test_snapshot_writes_a_long_member_list_once_and_expand_restores_it() -> Non
     members = list(range(512))
     dumps = [(r, _dump(r, members, 4, 4), None) for r in range(8)]
     text = snapshot.encode(dumps)
-    assert text.count(json.dumps(json.dumps(members))) == 1  # once, not once per rank
+    # once, not once per rank; an ascending list as its range text (issue 41)
+    assert text.count('"ranges": "0-511"') == 1 and json.dumps(members) not in text
     back = snapshot.expand(json.loads(text))
     assert sorted(back) == [str(r) for r in range(8)]  # the shared table is gone again
     assert {d["pg_config"]["main_comm"]["ranks"] for d in back.values()} == {json.dumps(members)}
+    odd = members[::-1]  # not ascending: the list's own text, once
+    text = snapshot.encode([(r, _dump(r, odd, 4, 4), None) for r in range(8)])
+    assert text.count(json.dumps(json.dumps(odd))) == 1
+    back = snapshot.expand(json.loads(text))
+    assert {d["pg_config"]["main_comm"]["ranks"] for d in back.values()} == {json.dumps(odd)}
 
 
 def test_snapshot_keeps_short_member_lists_inline() -> None:

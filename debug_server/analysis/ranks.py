@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-__all__ = ["format_rank_set", "format_ranks", "rank_ranges", "ranks_phrase"]
+__all__ = ["format_rank_set", "format_ranks", "parse_rank_text", "rank_ranges", "ranks_phrase"]
 
 _SMALL_SET = 16
 
@@ -63,3 +63,27 @@ def format_rank_set(ranks: Iterable[int]) -> str:
     if len(rs) <= _SMALL_SET:
         return "{" + ", ".join(map(str, rs)) + "}"
     return "{" + format_ranks(rs) + "}"
+
+
+def parse_rank_text(raw: object, where: str = "ranks", limit: int = 1 << 20) -> list[int]:
+    """``0-7,9`` or ``0-7, 9`` (:func:`format_ranks`' text) -> the ranks, ascending.
+
+    Raises ``ValueError`` with one line for anything else: ranks out of order or overlapping,
+    a rank above ``limit``, more than ``limit + 1`` ranks in all (a hostile file's range text
+    cannot make a reader build a huge list).
+    """
+    if not isinstance(raw, str) or not raw:
+        raise ValueError(f"{where}: ranks is not range text")
+    out: list[int] = []
+    for part in raw.split(","):
+        part = part.strip()
+        lo, sep, hi = part.partition("-")
+        if not (lo.isascii() and lo.isdigit()) or (sep and not (hi.isascii() and hi.isdigit())):
+            raise ValueError(f"{where}: {part[:20]!r} is not a rank or a range a-b")
+        a = int(lo)
+        b = int(hi) if sep else a
+        if b < a or b > limit or (out and a <= out[-1]) or len(out) + b - a >= limit + 1:
+            raise ValueError(f"{where}: bad range {part[:20]!r} (out of order, overlapping or "
+                             f"above rank {limit})")
+        out.extend(range(a, b + 1))
+    return out

@@ -13,7 +13,7 @@ from typing import Any
 
 from tabulate import tabulate
 
-from debug_server.analysis.ranks import format_rank_set
+from debug_server.analysis.ranks import format_rank_set, format_ranks
 from debug_server.analysis.tables import (
     TableModel,
     collectives_table,
@@ -41,6 +41,29 @@ def _table(t: TableModel) -> str:
     return tabulate(t.rows, headers=t.headers, tablefmt="plain", disable_numparse=True)
 
 
+_LIST_EACH = 32
+"""Up to this many ranks without data are listed one a line; above, one line per reason."""
+
+
+def _without_data_lines(unavailable: list[dict[str, Any]]) -> list[str]:
+    """``rank 3: <reason>`` each; above ``_LIST_EACH`` ranks, ranks with the same reason (but
+    for their own rank number in it) share a line: ``ranks 100-199: unreachable after 2.0 s``."""
+    if len(unavailable) <= _LIST_EACH:
+        return [f"rank {u['rank']}: {u['reason']}" for u in unavailable]
+    groups: dict[str, list[int]] = {}
+    for u in unavailable:
+        rank, reason = u["rank"], str(u["reason"])
+        head = f"rank {rank}: "
+        while reason.startswith(head):
+            reason = reason[len(head):]
+        groups.setdefault(reason, []).append(rank)
+    lines = [f"{'rank' if len(rs) == 1 else 'ranks'} {format_ranks(rs)}: {reason}"
+             for reason, rs in list(groups.items())[:200]]
+    if len(groups) > 200:
+        lines.append(f"... {len(groups) - 200} more reasons (all in the JSON output)")
+    return lines
+
+
 def fr_trace_text(result: dict[str, Any]) -> str:
     """The whole plain-text report: verdict, findings, groups, collectives, NCCL calls."""
     out: list[str] = ["=== Verdict ===", result.get("verdict", "")]
@@ -52,8 +75,7 @@ def fr_trace_text(result: dict[str, Any]) -> str:
     out.append("")
     if result.get("ranks_without_data"):
         out.append("--- Ranks without data ---")
-        for u in result.get("unavailable", []):
-            out.append(f"rank {u['rank']}: {u['reason']}")
+        out.extend(_without_data_lines(result.get("unavailable", [])))
         out.append("")
     sg = stack_groups_lines(result)
     if sg:

@@ -27,6 +27,8 @@ import os
 import re
 from dataclasses import dataclass, field
 
+from debug_server.analysis.ranks import parse_rank_text
+
 logger = logging.getLogger(__name__)
 
 _THREAD_RE = re.compile(
@@ -240,21 +242,48 @@ def summarize_text(text: str) -> Position | None:
 
 
 _SECTION_RE = re.compile(r"^=== Rank (\d+)(?::[^\n]*?)? ===\s*$")
+_GROUP_RE = re.compile(r"^=== Ranks ([0-9][0-9, \-]*(?:, \.\.\. \(\d+ ranks in all\))?) "
+                       r"\((\d+) ranks\) ===\s*$")
+_GROUP_FAILED_RE = re.compile(r"^ranks [0-9][0-9, \-]*: (.+)$")
+MAX_RANK = 1 << 20
 
 
 def split_stacks_file(text: str) -> dict[int, str]:
     """Split a ``stacks_<ts>.txt`` file into rank -> that rank's faulthandler text.
 
     Sections start with ``=== Rank N ===`` or ``=== Rank N: <addr> ===``; text before the first
-    section is ignored.
+    section is ignored. A section of ranks alike (``=== Ranks 0-77776, 77778-131071 (131071
+    ranks) ===``, ``frontend.dumps.stacks_file``) gives each of its ranks its text (one ``str``
+    shared by all), and a failure line of ranks alike (``ranks 100-199: unreachable ...``)
+    becomes each rank's own (``rank 100: unreachable ...``). A heading whose ranges do not
+    parse, or do not count what it says, is skipped with its section.
     """
     out: dict[int, list[str]] = {}
+    groups: list[tuple[list[int], list[str]]] = []
     cur: list[str] | None = None
     for line in text.splitlines():
         m = _SECTION_RE.match(line)
         if m:
             cur = out.setdefault(int(m.group(1)), [])
             continue
+        g = _GROUP_RE.match(line) if line.startswith("=== Ranks ") else None
+        if g:
+            cur = None
+            try:
+                ranks = parse_rank_text(g.group(1), "stacks section", MAX_RANK)
+            except ValueError:
+                continue
+            if len(ranks) == int(g.group(2)):
+                cur = []
+                groups.append((ranks, cur))
+            continue
         if cur is not None:
             cur.append(line)
-    return {r: "\n".join(lines).strip("\n") + "\n" for r, lines in out.items()}
+    texts = {r: "\n".join(lines).strip("\n") + "\n" for r, lines in out.items()}
+    for ranks, lines in groups:
+        body = "\n".join(lines).strip("\n") + "\n"
+        failed = _GROUP_FAILED_RE.match(body.strip()) if "\n" not in body.strip() else None
+        for r in ranks:
+            if r not in texts:
+                texts[r] = f"rank {r}: {failed.group(1)}\n" if failed else body
+    return texts

@@ -9,6 +9,11 @@ One cycle writes, each only if enabled:
 - ``fr_snapshot_<ts>.json``: ``{rank: dump | {"error": line}}``, so a post-mortem can re-run the
   analyzer on exactly what was seen (``snapshot``).
 
+At scale (issue 41: 131072 ranks) no file has a row per rank: above ``PER_RANK_LISTING_MAX``
+ranks, ranks alike share one stacks section (``=== Ranks 0-77776, 77778-131071 (131071 ranks)
+===``), one Dump File line and one failure line (ranges), and the snapshot writes one dump per
+class of ranks (``snapshot``); a rank unlike the others keeps its own section, line or dump.
+
 ``<ts>`` is ``%Y%m%d_%H%M%S`` with ``_1``, ``_2``... when two cycles fall in one second. Files are
 written to a temp name and renamed; only the newest ``keep`` cycles are kept. A dump directory
 that cannot be written is logged once (and once more when it recovers), never per cycle.
@@ -38,7 +43,7 @@ from typing import Any, TypeVar
 from debug_server.analysis import core as analysis
 from debug_server.analysis import report
 from debug_server.analysis.digest import DigestMemo
-from debug_server.analysis.ranks import format_rank_set, format_ranks
+from debug_server.analysis.ranks import format_rank_set
 from debug_server.analysis.stackgroups import stack_groups
 from debug_server.config import ALL_DUMPS
 from debug_server.dumpio import write_atomic
@@ -46,6 +51,17 @@ from debug_server.fanout.collector import Collector
 from debug_server.fanout.reply import FrData
 from debug_server.fanout.transport import RankResult
 from debug_server.frontend import snapshot
+from debug_server.frontend.dumplists import (
+    MAX_ROWS,
+    PER_RANK_LISTING_MAX,
+    capped,
+    failure_rows,
+    group_lines,
+    grouped_sections,
+    ranks_head,
+    ranks_text,
+    strip_rank,
+)
 from debug_server.frontend.fetchfacts import FetchFacts
 from debug_server.frontend.lastcycle import FrPart, LastCycle
 from debug_server.protocol.names import DUMP_FILE_HANDLER
@@ -71,11 +87,14 @@ _CYCLE_FILE = re.compile(
 
 
 def status_block(fetch: FetchFacts) -> str:
-    """``PARTIAL DATA: 6/8 ranks answered`` and one line per failed rank; empty when all did."""
+    """``PARTIAL DATA: 6/8 ranks answered`` and one line per failed rank (above
+    ``PER_RANK_LISTING_MAX`` failures, per kind of failure with its ranks); empty when all did."""
     if not fetch.failures:
         return ""
     lines = [f"PARTIAL DATA: {fetch.asked - len(fetch.failures)}/{fetch.asked} ranks answered"]
-    lines += [f"  {line}" for line in fetch.failures]
+    rows = (fetch.failures if len(fetch.failures) <= PER_RANK_LISTING_MAX
+            else failure_rows(fetch.failures))
+    lines += [f"  {line}" for line in rows]
     return "\n".join(lines)
 
 
@@ -85,14 +104,7 @@ def stacks_text(results: Sequence[RankResult], groups: Sequence[Mapping[str, Any
     ``groups`` (``stackgroups.stack_groups``) become a preamble: one line per set of ranks whose
     main threads stand at the same place, odd ones first, so 63 identical ranks read as one line.
     """
-    parts = []
-    if groups:
-        parts.append("--- Stack groups (main thread; odd ones first) ---")
-        for g in groups:
-            n = len(g["ranks"])
-            where = g["summary"] + ("" if g.get("in_collective") else "  (not in a collective)")
-            parts.append(f"{n} rank{'s' if n != 1 else ''} ({format_ranks(g['ranks'])}): {where}")
-        parts.append("")
+    parts = _preamble(groups)
     for r in results:
         parts.append(f"=== Rank {r.rank} ===")
         if r.process is not None:
@@ -102,21 +114,63 @@ def stacks_text(results: Sequence[RankResult], groups: Sequence[Mapping[str, Any
     return "\n".join(parts)
 
 
+def _preamble(groups: Sequence[Mapping[str, Any]]) -> list[str]:
+    parts = []
+    if groups:
+        parts.append("--- Stack groups (main thread; odd ones first) ---")
+        for g in groups[:MAX_ROWS]:
+            n = len(g["ranks"])
+            where = g["summary"] + ("" if g.get("in_collective") else "  (not in a collective)")
+            parts.append(f"{n} rank{'s' if n != 1 else ''} ({ranks_text(g['ranks'])}): {where}")
+        if len(groups) > MAX_ROWS:
+            parts.append(f"... {len(groups) - MAX_ROWS} more groups")
+        parts.append("")
+    return parts
+
+
 def stacks_report(results: Sequence[RankResult]) -> str:
-    """The /stacks text and ``stacks_<ts>.txt``: the stack groups, then every rank's section."""
+    """The /stacks text: the stack groups, then every rank's section."""
     texts = {r.rank: r.body for r in results if r.ok and r.body}
     return stacks_text(results, stack_groups(texts))
 
 
-def dump_file_lines(results: Sequence[RankResult]) -> list[str]:
+def stacks_file(results: Sequence[RankResult], *, grouped: bool | None = None) -> str:
+    """``stacks_<ts>.txt``: the stack groups, then a section per rank, as ``stacks_report``, up to
+    ``PER_RANK_LISTING_MAX`` ranks (or with ``grouped=False``).
+
+    Above (or with ``grouped=True``), ranks whose texts read the same (but for thread ids) are
+    one section headed by their ranges, ``=== Ranks 0-77776, 77778-131071 (131071 ranks) ===``,
+    showing the lowest rank's text; ranks that failed alike, one section of one line
+    (``ranks 100-199: unreachable after 2.0 s``); a rank alone keeps ``=== Rank N ===`` and its
+    own process line. The file keeps within ``MAX_STACKS_FILE_CHARS``: sections past it are
+    counted in a last line that names their ranks. ``analysis.stackparse.split_stacks_file``
+    reads both forms back, one text per rank.
+    """
+    if grouped is None:
+        grouped = len(results) > PER_RANK_LISTING_MAX
+    texts = {r.rank: r.body for r in results if r.ok and r.body}
+    groups = stack_groups(texts)
+    if not grouped:
+        return stacks_text(results, groups)
+    return grouped_sections(results, _preamble(groups))
+
+
+def dump_file_lines(results: Sequence[RankResult], *, grouped: bool | None = None) -> list[str]:
     """``Rank N: OK - ... written to <path>`` or ``Rank N: <why not>``.
 
     A pickle this process cannot see was written on another host (a dump dir that is not
-    shared): its line names that host, and a last line says how to analyze without it.
+    shared): its line names that host, and a last line says how to analyze without it. Above
+    ``PER_RANK_LISTING_MAX`` ranks (or with ``grouped=True``), ranks alike share one line:
+    ``Ranks 0-99, 200-131071: OK - FR pickle written to <dir>/rank_<N>`` (at most ``MAX_ROWS``).
     """
+    if grouped is None:
+        grouped = len(results) > PER_RANK_LISTING_MAX
     lines = []
     elsewhere: list[int] = []
     here_dirs: list[str] = []
+    keyed: list[tuple[int, tuple[str, ...]]] = []
+    hosts: dict[tuple[str, ...], list[str]] = {}
+    me = socket.gethostname()
     for r in results:
         if r.ok:
             try:
@@ -124,16 +178,56 @@ def dump_file_lines(results: Sequence[RankResult]) -> list[str]:
                 path, host = reply.get("path"), reply.get("host")
             except (ValueError, AttributeError):
                 path = host = None
-            line = f"Rank {r.rank}: OK - FR pickle written to {path or '(path not reported)'}"
+            shown = path or "(path not reported)"
+            line = f"Rank {r.rank}: OK - FR pickle written to {shown}"
+            away = False
             if isinstance(path, str) and path:
                 if os.path.exists(path):
-                    here_dirs.append(os.path.dirname(path))
+                    if not here_dirs:
+                        here_dirs.append(os.path.dirname(path))
                 else:
+                    away = True
                     elsewhere.append(r.rank)
-                    line += f" on host {host or '(not reported)'}, not on this host ({socket.gethostname()})"
-            lines.append(line)
+                    line += f" on host {host or '(not reported)'}, not on this host ({me})"
+            if not grouped:
+                lines.append(line)
+                continue
+            if isinstance(path, str) and path.endswith(str(r.rank)):
+                shown = path[: len(path) - len(str(r.rank))] + "<N>"
+            key = ("ok", shown, "away" if away else "")
+            if away:
+                seen = hosts.setdefault(key, [])
+                if len(seen) < 4 and str(host) not in seen:
+                    seen.append(str(host))
+            keyed.append((r.rank, key))
         else:
-            lines.append(f"Rank {r.rank}: {r.error or r.status}")
+            why = r.error or r.status
+            if not grouped:
+                lines.append(f"Rank {r.rank}: {why}")
+                continue
+            keyed.append((r.rank, ("failed", *map(str, strip_rank(r.rank, why)))))
+    if grouped:
+        rows = []
+        for ranks, key in group_lines(keyed):
+            if len(ranks) == 1:  # today's line for a rank alone
+                r = ranks[0]
+                if key[0] == "ok":
+                    line = f"Rank {r}: OK - FR pickle written to {key[1].replace('<N>', str(r))}"
+                    if key[2]:
+                        line += (f" on host {hosts[key][0] if hosts[key] else '(not reported)'}, "
+                                 f"not on this host ({me})")
+                else:
+                    line = f"Rank {r}: {f'rank {r}: ' if key[1] == 'True' else ''}{key[2]}"
+            elif key[0] == "ok":
+                line = f"{ranks_head(ranks)}: OK - FR pickle written to {key[1]}"
+                if key[2]:
+                    seen = hosts.get(key, [])
+                    line += (f" on other hosts ({', '.join(seen[:3])}{', ...' if len(seen) > 3 else ''}),"
+                             f" not on this host ({me})")
+            else:
+                line = f"{ranks_head(ranks)}: {key[2]}"
+            rows.append((ranks, line))
+        lines = capped(rows)
     if elsewhere:
         where = here_dirs[0] if here_dirs else "<dir>"
         lines.append(
@@ -161,9 +255,12 @@ def snapshot_json(fr: FrData) -> str:
     """``{"<rank>": dump | {"error": line}}``: what the analysis saw, in bounded bytes.
 
     Each rank's dump as analyzed (cut to the job's window on a live fetch), at most
-    ``snapshot.MAX_ENTRIES_PER_RANK`` entries, and long group member lists written once
-    (``snapshot``: a cycle's size does not grow with ring length x ranks; readers call
-    ``snapshot.expand``). Whole rings stay in the per-rank pickles.
+    ``snapshot.MAX_ENTRIES_PER_RANK`` entries, long group member lists written once, and ranks
+    whose dumps are alike (shared parts, or the same text) written once with the list of the
+    others and their own ``dump_time_ns`` (``same_as``), ranks that failed alike as one row
+    (``rank_errors``): ``snapshot``'s doc has the format; a cycle's size grows with neither ring
+    length nor the number of ranks alike. Readers call ``snapshot.expand``. Whole rings stay in
+    the per-rank pickles.
     """
     return snapshot.encode([(r.rank, fr.dumps.get(r.rank) if r.body is not None else None,
                              r.line()) for r in fr.results])
@@ -413,6 +510,6 @@ class Dumper:
             written.append(self.dir.write(f"{FR_TRACE_PREFIX}_{stamp}.txt",
                                           fr_trace_text(result, FetchFacts.of(fr), dumped)))
         if stacks is not None and "stacks" in self.enabled:
-            written.append(self.dir.write(f"{STACKS_PREFIX}_{stamp}.txt", stacks_report(stacks)))
+            written.append(self.dir.write(f"{STACKS_PREFIX}_{stamp}.txt", stacks_file(stacks)))
         self.dir.prune()
         return written

@@ -7,6 +7,9 @@ dtypes across ranks, and joins that with the ranks' stacks (``--stacks stacks_<t
 Files are ``<prefix><rank>`` or ``<prefix><rank>.json`` (prefix inferred when ``-p`` is not given),
 each a pickle (loaded with a restricted unpickler that refuses anything but plain containers) or
 the same dict as JSON, ours or PyTorch's (``_dump_fr_trace()`` / ``_dump_fr_trace_json()``).
+``DIR`` may also be one dump cycle's ``fr_snapshot_<ts>.json`` (``frontend.snapshot``: every
+rank's dump as the frontend analyzed it, ranks alike written once): the ranks it records as
+failed are without data, as they were live.
 
 Exit status: 0 no hang or mismatch found, 2 findings (a hang or a mismatch), 1 unusable input.
 Every error is one line on stderr followed by a one-line hint; there is no traceback.
@@ -74,6 +77,14 @@ class MissingDumpFilesError(FrTraceError):
             "files are on those hosts: copy them here")
 
 
+class SnapshotError(FrTraceError):
+    help = ("pass an fr_snapshot_<ts>.json written by the frontend's dumper (or a directory of "
+            "per-rank dumps); a truncated one cannot be read: use another cycle's")
+
+
+MAX_SNAPSHOT_BYTES = 4 << 30
+
+
 class StacksFileError(FrTraceError):
     help = "pass the stacks_<ts>.txt file written by the rank-0 dumper (sections '=== Rank N ===')"
 
@@ -87,6 +98,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "trace_dir", nargs="?", help="directory with one dump per rank, named <prefix><rank>[.json]"
+        ", or a dump cycle's fr_snapshot_<ts>.json"
     )
     p.add_argument("-p", "--prefix", default=None,
                    help="file name prefix before the rank (inferred if omitted)")
@@ -304,6 +316,34 @@ def _gather(args: argparse.Namespace) -> tuple[list[RankDigest], dict[int, str],
     return digests, unavailable, notes
 
 
+def read_snapshot(path: str) -> tuple[dict[int, dict[str, Any]], dict[int, str], int]:
+    """(rank -> dump, rank -> why it has none, world size) of an ``fr_snapshot_<ts>.json``
+    (``snapshot.load``); a file that is not a snapshot is a :class:`SnapshotError` of one line."""
+    from debug_server.frontend import snapshot
+
+    try:
+        return snapshot.load(path, MAX_SNAPSHOT_BYTES)
+    except OSError as e:
+        raise SnapshotError(f"cannot read {path}: {e.strerror or e}") from None
+    except (ValueError, RecursionError) as e:
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise SnapshotError(f"{os.path.basename(path)}: not a usable snapshot ({first[:300]})") from None
+
+
+def _run_snapshot(args: argparse.Namespace, stacks: dict[int, str] | None) -> dict[str, Any]:
+    from debug_server.analysis.core import analyze
+
+    dumps, unavailable, world = read_snapshot(args.trace_dir)
+    if not dumps:
+        raise SnapshotError(f"{os.path.basename(args.trace_dir)}: no rank has a dump "
+                            f"({len(unavailable)} recorded as failed)")
+    if args.just_print_entries:
+        sys.stdout.write(just_print_entries(dumps, args))
+        return {}
+    return analyze(dumps, world_size=world, stacks=stacks, unavailable=unavailable,
+                   pg_filters=args.pg_filters)
+
+
 def _read_stacks(path: str) -> dict[int, str]:
     try:
         with open(path, encoding="utf-8", errors="replace") as f:
@@ -456,15 +496,23 @@ def run(args: argparse.Namespace) -> int:
     """Run the analysis for parsed arguments; raises :class:`FrTraceError` on unusable input."""
     if not args.trace_dir:
         raise NoDumpFilesError("missing DIR (the directory with the per-rank dump files)")
-    if args.just_print_entries:
+    snapshot_file = os.path.isfile(args.trace_dir)
+    if args.just_print_entries and not snapshot_file:
         return _just_print(args)
     stacks = _read_stacks(args.stacks) if args.stacks else None
-    digests, unavailable, notes = _gather(args)
-    for n in notes:
-        print(f"note: {n}", file=sys.stderr)
-    result = analyze_digests(
-        digests, stacks=stacks, unavailable=unavailable, pg_filters=args.pg_filters
-    )
+    if snapshot_file:
+        if args.chrome_trace:
+            raise SnapshotError("--chrome-trace reads per-rank dumps: pass their directory")
+        result = _run_snapshot(args, stacks)
+        if args.just_print_entries:
+            return EXIT_OK
+    else:
+        digests, unavailable, notes = _gather(args)
+        for n in notes:
+            print(f"note: {n}", file=sys.stderr)
+        result = analyze_digests(
+            digests, stacks=stacks, unavailable=unavailable, pg_filters=args.pg_filters
+        )
     if args.selected_ranks is not None:
         sel = set(args.selected_ranks)
         result["nccl_calls"] = [c for c in result["nccl_calls"] if c["global_rank"] in sel]
@@ -506,7 +554,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_OK
 
 
-__all__ = ["FrTraceError", "just_print_entries", "main", "run"]
+__all__ = ["FrTraceError", "just_print_entries", "main", "read_snapshot", "run"]
 
 if __name__ == "__main__":
     sys.exit(main())

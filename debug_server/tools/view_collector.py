@@ -93,6 +93,7 @@ class DiskCollector:
         data = _current()
         src, _st = data.sources()
         results, dumps = [], {}
+        active: dict[int, list[Any]] = {}
         for r in _ranks(addrs):
             dump = data.dumps.get(r)
             if dump is None:
@@ -102,9 +103,13 @@ class DiskCollector:
                 results.append(RankResult(r, src or None, FAILED, error=line))
                 continue
             if only_active and not whole:  # as the worker's onlyactive: ops not completed
-                dump = {**dump, "entries": [e for e in dump.get("entries") or ()
-                                            if not (isinstance(e, dict)
-                                                    and e.get("state") == "completed")]}
+                ents = dump.get("entries")
+                kept = active.get(id(ents))  # ranks alike share entries: filtered once, shared
+                if kept is None:
+                    kept = active[id(ents)] = [e for e in ents or ()
+                                               if not (isinstance(e, dict)
+                                                       and e.get("state") == "completed")]
+                dump = {**dump, "entries": kept}
             dumps[r] = dump
             results.append(RankResult(r, src or None, OK))
         return FrData(results, dumps, scope=f"as the dumper wrote them to {src or 'this cycle'}")

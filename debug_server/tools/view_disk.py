@@ -257,6 +257,8 @@ def _load_snapshot(path: str, data: CycleData) -> None:
     if not isinstance(obj, dict):
         data.problems.append(f"{name}: not a snapshot (top level is {type(obj).__name__})")
         return
+    # Ranks of one class are shallow copies of one dump (snapshot.expand): checked once.
+    checked: dict[tuple[int, ...], tuple[dict[str, Any], str | None, int]] = {}
     for key, value in obj.items():
         try:
             rank = _rank_key(str(key), name)
@@ -267,10 +269,25 @@ def _load_snapshot(path: str, data: CycleData) -> None:
             data.fr_errors[rank] = str(value["error"]).splitlines()[0][:300] if value["error"] else (
                 "no data")
             continue
-        try:
-            data.dumps[rank] = validate_dump(value, f"{name} rank {rank}")
-        except DumpError as e:
-            data.fr_errors[rank] = str(e)
+        parts = ((id(value.get("entries")), id(value.get("pg_config")), id(value.get("version")))
+                 if isinstance(value, dict) else None)
+        seen = checked.get(parts) if parts is not None else None
+        if seen is not None:
+            err = seen[1]
+            if err is not None:  # the class's reason, named by this rank
+                err = err.replace(f"{name} rank {seen[2]}:", f"{name} rank {rank}:", 1)
+        else:
+            try:
+                validate_dump(value, f"{name} rank {rank}")
+                err = None
+            except DumpError as e:
+                err = str(e)
+            if parts is not None:
+                checked[parts] = (value, err, rank)  # value keeps the ids alive
+        if err is None:
+            data.dumps[rank] = value
+        else:
+            data.fr_errors[rank] = err
 
 
 def _load_rank_files(files: Mapping[int, str], data: CycleData) -> None:
@@ -382,8 +399,9 @@ def load_cycle(scan: Scan, cycle: Cycle | None) -> CycleData:
         else:
             data.problems.append(f"cycle {cycle.stamp} has no stacks file")
     ranks = set(data.dumps) | set(data.fr_errors) | set(data.stacks) | set(data.stack_errors)
-    for dump in data.dumps.values():
-        for cfg in (dump.get("pg_config") or {}).values():
+    configs = {id(c): c for d in data.dumps.values() if isinstance(c := d.get("pg_config"), dict)}
+    for pg_config in configs.values():  # ranks alike share one (snapshot.expand): read once
+        for cfg in pg_config.values():
             ranks.update(r for r in _cfg_ranks(cfg) if 0 <= r <= MAX_RANK)
     data.world_size = max(ranks) + 1 if ranks else 0
     for p in data.problems[len(scan.problems):]:
