@@ -16,16 +16,15 @@ import os
 import signal
 import subprocess
 import sys
-import textwrap
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
+from agentjob import get, hang_line, job_script, wait_gone
 from fakes import FLEET_MISSING, FLEET_PER_HOST, FLEET_WORLD
-from httpget import get_json, request
+from httpget import get_json
 from mpjob import free_port, kill_all, rank_env
 
 from debug_server.config import JobEnv, Settings
@@ -189,32 +188,9 @@ async def test_agent_relays_only_the_listed_handlers(agent_fleet: dict[str, Any]
 # ---------------------------------------------------------------------------------------------
 # A real gloo job: 4 ranks, two fake hosts, one agent each
 
-JOB = """
-import datetime, os, sys, time, torch
-from debug_server import start_debug_server
-from debug_server.recording.comms import new_comm
-from debug_server.recording.hooks import FlightRecorderHook
-rank = int(os.environ["RANK"])
-server = start_debug_server(port=0, fetch_timeout=2, host="127.0.0.1")
-comm = new_comm("gloo", torch.device("cpu"), "main_comm", timeout=datetime.timedelta(seconds=100))
-FlightRecorderHook(max_entries=100).register_with_comm(comm)
-t = torch.ones(64)
-for _ in range(3):
-    comm.all_reduce(t)
-if rank == 0:
-    print("FRONTEND", server.frontend_url, flush=True)
-print("PHASE2", flush=True)
-if rank == 3:
-    time.sleep(100)  # the hang
-else:
-    comm.all_reduce(t)
-"""
-HANG_LINE = next(i for i, line in enumerate(textwrap.dedent(JOB).splitlines(), 1)
-                 if "time.sleep(100)" in line)
-
-
-def _get(url: str, path: str) -> tuple[int, str]:
-    return request(f"{url}{path}", headers={"Accept": "application/json"})
+JOB = job_script(3, 100)
+HANG_LINE = hang_line(JOB)
+_get = get
 
 
 def _agents(store_port: int) -> dict[str, dict[str, Any]]:
@@ -239,7 +215,7 @@ def _fr_ready(fr: dict[str, Any]) -> bool:
 def job(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     tmp = tmp_path_factory.mktemp("agentjob")
     script = tmp / "rank_script.py"
-    script.write_text(textwrap.dedent(JOB))
+    script.write_text(JOB)
     store_port = free_port()
     procs: list[subprocess.Popen[str]] = []
     logs = [tmp / f"rank{r}.log" for r in range(4)]
@@ -342,26 +318,12 @@ def test_attached_frontend_finds_the_agents_through_the_store(job: dict[str, Any
             proc.stdout.close()
 
 
-def _wait_gone(pid: int, timeout: float = 30.0) -> None:
-    """Until ``pid`` has exited (gone, or a zombie whose sockets are closed)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        except (FileNotFoundError, ProcessLookupError):
-            return
-        if state in ("Z", "X"):
-            return
-        assert time.monotonic() < deadline, f"pid {pid} still {state} after SIGKILL"
-        time.sleep(0.01)
-
-
 @pytest.mark.job
 @pytest.mark.timeout(150)
 def test_killed_agent_leaves_every_rank_on_the_pages(job: dict[str, Any]) -> None:
     victim = _agents(job["store_port"])["fakehost1"]
     os.kill(victim["pid"], signal.SIGKILL)
-    _wait_gone(victim["pid"])
+    wait_gone(victim["pid"])
     status, body = _get(job["url"], "/fr_trace?format=json")
     fr = json.loads(body)
     assert status == 200 and _fr_ready(fr), fr.get("ranks", fr)

@@ -14,45 +14,21 @@ import os
 import signal
 import subprocess
 import sys
-import textwrap
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
-from httpget import request
+from agentjob import get, hang_line, job_script, wait_gone
 from mpjob import free_port, kill_all, rank_env
 
 pytestmark = [pytest.mark.job, pytest.mark.timeout(240)]
 
 WORLD, PER_HOST, TREE_HOSTS, STUCK = 8, 2, 2, 5
 
-JOB = """
-import datetime, os, sys, time, torch
-from debug_server import start_debug_server
-from debug_server.recording.comms import new_comm
-from debug_server.recording.hooks import FlightRecorderHook
-rank = int(os.environ["RANK"])
-server = start_debug_server(port=0, fetch_timeout=2, host="127.0.0.1")
-comm = new_comm("gloo", torch.device("cpu"), "main_comm", timeout=datetime.timedelta(seconds=200))
-FlightRecorderHook(max_entries=100).register_with_comm(comm)
-t = torch.ones(64)
-for _ in range(3):
-    comm.all_reduce(t)
-if rank == 0:
-    print("FRONTEND", server.frontend_url, flush=True)
-if rank == 5:
-    time.sleep(200)  # the hang
-else:
-    comm.all_reduce(t)
-"""
-HANG_LINE = next(i for i, line in enumerate(textwrap.dedent(JOB).splitlines(), 1)
-                 if "time.sleep(200)" in line)
-
-
-def _get(url: str, path: str) -> tuple[int, str]:
-    return request(f"{url}{path}", headers={"Accept": "application/json"})
+JOB = job_script(STUCK, 200)
+HANG_LINE = hang_line(JOB)
+_get = get
 
 
 def _store_json(store_port: int, keys: list[str]) -> dict[str, dict[str, Any]]:
@@ -85,7 +61,7 @@ def _host(rank: int) -> str:
 def job(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     tmp = tmp_path_factory.mktemp("treejob")
     script = tmp / "rank_script.py"
-    script.write_text(textwrap.dedent(JOB))
+    script.write_text(JOB)
     store_port = free_port()
     procs: list[subprocess.Popen[str]] = []
     logs = [tmp / f"rank{r}.log" for r in range(WORLD)]
@@ -156,19 +132,6 @@ def test_stacks_come_up_the_tree_and_show_rank_5_asleep(job: dict[str, Any]) -> 
     assert f"line {HANG_LINE} in <module>" in ranks[STUCK]["stacks"], ranks[STUCK]["stacks"]
 
 
-def _wait_gone(pid: int, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        except (FileNotFoundError, ProcessLookupError):
-            return
-        if state in ("Z", "X"):
-            return
-        assert time.monotonic() < deadline, f"pid {pid} still {state} after SIGKILL"
-        time.sleep(0.01)
-
-
 def test_a_dead_aggregator_is_bypassed_through_its_host_agents(job: dict[str, Any]) -> None:
     """Last in the module: the aggregator of rank 5's group (and its host's agent, the same
     process) killed; rank 5's host agent still answers for it, the others of that host
@@ -178,7 +141,7 @@ def test_a_dead_aggregator_is_bypassed_through_its_host_agents(job: dict[str, An
     group = next(g for g in _groups(job["store_port"]).values()
                  if STUCK in parse_ranks(g["ranks"]))
     os.kill(group["pid"], signal.SIGKILL)
-    _wait_gone(group["pid"])
+    wait_gone(group["pid"])
     status, body = _get(job["url"], "/fr_trace?format=json")
     fr = json.loads(body)
     assert status == 200 and _fr_ready(fr), fr.get("ranks", fr)

@@ -268,20 +268,9 @@ class AgentRoute:
         *rest_got, (direct_results, dumps) = await asyncio.gather(
             *(self._agent_fr(ag, rs, {**window, members.PARAM: known or ""}, tags, stacks_got)
               for ag, rs in plan[len(first):]), direct_round)
-        got = first + rest_got
         results = list(direct_results)
         via: dict[int, AgentAddr] = {}
-        rest: list[WorkerAddr] = []
-        for (ag, rs), reply in zip(plan, got, strict=True):
-            if reply is None:
-                rest += rs
-                continue
-            recs, ds = reply
-            served = {r.rank for r in recs}
-            results += recs
-            dumps.update(ds)
-            via.update((r, ag) for r in served)
-            rest += [a for a in rs if a.rank not in served]
+        rest = _take(plan, first + rest_got, results, dumps, via)
         if rest:  # agents that failed: an aggregator's ranks through their host agents,
             # then what is left (and a host agent's ranks) directly, in this page
             below = await self._below(rest) if any(_is_group(ag) for ag, _ in plan) else \
@@ -289,17 +278,7 @@ class AgentRoute:
             parts = await asyncio.gather(
                 *(self._agent_fr(ag, rs, {**window, members.PARAM: members.known_param() or ""},
                                  tags, stacks_got) for ag, rs in below.groups))
-            rest = list(below.direct)
-            for (ag, rs), reply in zip(below.groups, parts, strict=True):
-                if reply is None:
-                    rest += rs
-                    continue
-                recs, ds = reply
-                served = {r.rank for r in recs}
-                results += recs
-                dumps.update(ds)
-                via.update((r, ag) for r in served)
-                rest += [a for a in rs if a.rank not in served]
+            rest = list(below.direct) + _take(below.groups, parts, results, dumps, via)
             more, more_dumps = await self._direct_local(rest, texts)
             results += more
             dumps.update(more_dumps)
@@ -495,6 +474,25 @@ class AgentRoute:
             served = {r.rank for r in reply[0]}
             rest += [a for a in rs if a.rank not in served]
         return Routed(FrData(results, dumps), rest)
+
+
+def _take(groups: Sequence[tuple[AgentAddr, list[WorkerAddr]]], replies: Sequence[Any],
+          results: list[RankResult], dumps: dict[int, dict[str, Any]],
+          via: dict[int, AgentAddr]) -> list[WorkerAddr]:
+    """The agents' FR replies (``_agent_fr``: records and dumps, None for a failed agent) put
+    into ``results``, ``dumps`` and ``via``; the ranks none of them served."""
+    rest: list[WorkerAddr] = []
+    for (ag, rs), reply in zip(groups, replies, strict=True):
+        if reply is None:
+            rest += rs
+            continue
+        recs, ds = reply
+        served = {r.rank for r in recs}
+        results += recs
+        dumps.update(ds)
+        via.update((r, ag) for r in served)
+        rest += [a for a in rs if a.rank not in served]
+    return rest
 
 
 def _is_group(ag: AgentAddr) -> bool:

@@ -130,6 +130,7 @@ async def _fr_page(request: web.Request) -> web.Response:
     # onlyactive=false: whole rings. onlyactive=true names the default (it holds every active entry).
     whole = not q.get("onlyactive", True)
     collector = request.app[COLLECTOR]
+    started = time.monotonic()
     addrs = await collector.registry.lookup()
     # One request per rank for both where it can (LiveCollector.fr_stacks); whole rings apart.
     fr, stacks = await (asyncio.gather(collector.fr(whole=True, addrs=addrs),
@@ -138,6 +139,8 @@ async def _fr_page(request: web.Request) -> web.Response:
     # Whole rings are new objects every time: the collector's memo is for its windows.
     result = await _off_loop(analyze_fr, fr, stacks, collector.world_size,
                              None if whole else collector.digest_memo)
+    if not whole and LAST_CYCLE in request.app:  # the job's window: /metrics' newest cycle
+        request.app[LAST_CYCLE].put_page(fr, result, started)
     if fmt == "json":
         return _respond(fmt, {**result, "ranks": _rank_rows(fr.results, stacks),
                               "fr_window": fr.window})
@@ -263,6 +266,7 @@ async def index(request: web.Request) -> web.Response:
     fmt = negotiate(request, _query(request, {"format": _format, "refresh": render.parse_refresh})
                     .get("format"))
     collector = request.app[COLLECTOR]
+    started = time.monotonic()
     addrs = await collector.registry.lookup()
     # At scale the health column comes from the hang watch's last poll (health_held), not
     # from one more fan-out over every rank; the page says how old it is.
@@ -276,6 +280,8 @@ async def index(request: web.Request) -> web.Response:
         health, texts = stack_res, held.texts(stack_res)
     result = await _off_loop(analyze_fr, fr, stack_res, collector.world_size,
                              collector.digest_memo)
+    if LAST_CYCLE in request.app:  # the job's window: /metrics' newest cycle
+        request.app[LAST_CYCLE].put_page(fr, result, started)
     if fmt == "html":  # the ranks table (render.overview_model) has its own rows
         model = render.overview_model(result, stack_res, texts, collector.world_size,
                                      held.note() if held else "")

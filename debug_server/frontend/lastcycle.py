@@ -18,6 +18,7 @@ Each part is replaced whole (never changed in place), so a reader holding one se
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -99,7 +100,13 @@ class LastCycle:
     """The frontend's one holder of its last FR part and health part (module docstring)."""
 
     def __init__(self) -> None:
-        self.fr: FrPart | None = None
+        self._fr: FrPart | None = None
+        self._later: tuple[FrData, Mapping[str, Any], float, str, float] | None = None
+        """A page's fetch and analysis, made into the FR part only when read (``fr``): a page
+        at 131072 ranks does not pay the pass over every rank's status that a scrape may never
+        ask for."""
+        self.fr_at: float | None = None
+        """``time.monotonic()`` of the FR part's analysis (None before one)."""
         self.health: HealthPart | None = None
         self.fetching = 0
         """FR fetches for the FR part in flight now (the frontend's cycle waits for them)."""
@@ -107,9 +114,31 @@ class LastCycle:
         """``/metrics``' text of the current parts, keyed by what it was built from
         (``metrics.py``'s; the parts are replaced, never changed, so identity is the key)."""
 
+    @property
+    def fr(self) -> FrPart | None:
+        """The FR part of the newest FR fetch (a page's made now, on first read)."""
+        if self._later is not None:
+            fr, result, started, by, at = self._later
+            self._later = None
+            self._fr = dataclasses.replace(FrPart.of(fr, result, started, by), at=at,
+                                           took_s=at - started)
+        return self._fr
+
     def put_fr(self, part: FrPart) -> None:
-        if self.fr is None or part.at >= self.fr.at:  # a slow fetch never replaces a newer one
-            self.fr = part
+        if self.fr_at is None or part.at >= self.fr_at:  # a slow fetch never replaces a newer one
+            self._fr, self._later, self.fr_at = part, None, part.at
+
+    def put_page(self, fr: FrData, result: Mapping[str, Any], started: float) -> None:
+        """A page's FR fetch (the job's window) and its analysis: the newest cycle too."""
+        at = time.monotonic()
+        if self.fr_at is None or at >= self.fr_at:
+            self._later, self.fr_at = (fr, result, started, "page", at), at
+
+    def fr_age_s(self, now: float | None = None) -> float | None:
+        """Seconds since the FR part's analysis; None without one (nothing made for it)."""
+        if self.fr_at is None:
+            return None
+        return max(0.0, (time.monotonic() if now is None else now) - self.fr_at)
 
     def put_health(self, part: HealthPart) -> None:
         self.health = part

@@ -325,7 +325,7 @@ class CycleFill:
         """Seconds until this cycle should fetch (0 or less: now)."""
         if self.cycle.fetching:
             return RECHECK_S
-        age = LastCycle.age_s(self.cycle.fr, now)
+        age = self.cycle.fr_age_s(now)
         return 0.0 if age is None else self.interval_s() - age
 
     async def run_forever(self) -> None:
