@@ -82,6 +82,10 @@ grows with the job (256 s at 131072 ranks), as the hang watch's health polls do.
 FIRST_CYCLE_S = 0.25
 """Seconds after start of the frontend's own first FR cycle where no dumper fetches FR (where
 one does, its first cycle, 1 s after start, brings the first part)."""
+FIRST_CYCLE_RANKS = 1024
+"""Above this many ranks the frontend's own first FR cycle waits ``METRICS_INTERVAL_S``: the
+first pages (which feed the holder too: ``LastCycle.put_page``) do not share the box with a
+whole-job fetch of its own in the frontend's first seconds."""
 RECHECK_S = 1.0
 """How soon the frontend's cycle looks again while another FR fetch for the holder runs."""
 
@@ -313,7 +317,8 @@ class CycleFill:
         # With a dumper that fetches FR, its cycles keep the part young when they come at
         # least every METRICS_INTERVAL_S: this one then only fills the gaps of a slower one.
         self.interval = METRICS_INTERVAL_S if dumper_feeds else min(interval, METRICS_INTERVAL_S)
-        self.first_delay = None if dumper_feeds else FIRST_CYCLE_S
+        self.first_delay = None if dumper_feeds else (
+            FIRST_CYCLE_S if collector.world_size <= FIRST_CYCLE_RANKS else METRICS_INTERVAL_S)
         """None: the dumper's first cycle (1 s after start) brings the first FR part."""
         self.cycles = 0
 
