@@ -4,11 +4,17 @@ JSON GET and waiting for a killed process to be gone."""
 
 from __future__ import annotations
 
+import contextlib
+import subprocess
+import sys
 import textwrap
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import IO
 
 from httpget import request
+from mpjob import kill_all, rank_env
 
 JOB = """
 import datetime, os, sys, time, torch
@@ -57,3 +63,39 @@ def wait_gone(pid: int, timeout: float = 30.0) -> None:
             return
         assert time.monotonic() < deadline, f"pid {pid} still {state} after SIGKILL"
         time.sleep(0.01)
+
+
+@contextlib.contextmanager
+def running_hosts(tmp: Path, script: str, world: int, per_host: int, store_port: int,
+                  extra_env: dict[str, str] | None = None,
+                  ) -> Iterator[tuple[list[subprocess.Popen[str]], list[Path]]]:
+    """``world`` ranks of ``script`` "on" hosts of ``per_host`` (torchrun's per-host variables,
+    the agent id ``fakehost<n>``), each in its own session, output in ``rank<r>.log``: the
+    processes and the logs; on the way out every session is killed (the rank and the frontend
+    or agent it started) and the logs closed."""
+    path = tmp / "rank_script.py"
+    path.write_text(script)
+    logs = [tmp / f"rank{r}.log" for r in range(world)]
+    files: list[IO[str]] = [p.open("w") for p in logs]
+    procs: list[subprocess.Popen[str]] = []
+    try:
+        _start(procs, files, path, tmp, world, per_host, store_port, extra_env)
+        yield procs, logs
+    finally:
+        kill_all(procs)
+        for f in files:
+            f.close()
+
+
+def _start(procs: list[subprocess.Popen[str]], files: list[IO[str]], path: Path, tmp: Path,
+           world: int, per_host: int, store_port: int,
+           extra_env: dict[str, str] | None) -> None:
+    for rank in range(world):
+        env = rank_env(rank, world, store_port, {
+            "LOCAL_RANK": str(rank % per_host), "LOCAL_WORLD_SIZE": str(per_host),
+            "DEBUG_SERVER_AGENT_ID": f"fakehost{rank // per_host}", **(extra_env or {})})
+        for var in ("TORCHCOMM_FR_DUMP_TEMP_FILE", "DEBUG_SERVER_AGENT", "DEBUG_SERVER_HOST"):
+            env.pop(var, None)
+        procs.append(subprocess.Popen([sys.executable, str(path)], env=env, cwd=tmp,
+                                      stdout=files[rank], stderr=subprocess.STDOUT, text=True,
+                                      start_new_session=True))

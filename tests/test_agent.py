@@ -22,10 +22,10 @@ from typing import Any
 
 import aiohttp
 import pytest
-from agentjob import get, hang_line, job_script, wait_gone
+from agentjob import get, hang_line, job_script, running_hosts, wait_gone
 from fakes import FLEET_MISSING, FLEET_PER_HOST, FLEET_WORLD
 from httpget import get_json
-from mpjob import free_port, kill_all, rank_env
+from mpjob import free_port, kill_all
 
 from debug_server.config import JobEnv, Settings
 from debug_server.frontend.dumps import analyze_fr
@@ -214,22 +214,8 @@ def _fr_ready(fr: dict[str, Any]) -> bool:
 @pytest.fixture(scope="module")
 def job(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     tmp = tmp_path_factory.mktemp("agentjob")
-    script = tmp / "rank_script.py"
-    script.write_text(JOB)
     store_port = free_port()
-    procs: list[subprocess.Popen[str]] = []
-    logs = [tmp / f"rank{r}.log" for r in range(4)]
-    files = [p.open("w") for p in logs]
-    try:
-        for rank in range(4):
-            env = rank_env(rank, 4, store_port, {
-                "LOCAL_RANK": str(rank % 2), "LOCAL_WORLD_SIZE": "2",
-                "DEBUG_SERVER_AGENT_ID": f"fakehost{rank // 2}"})
-            for var in ("TORCHCOMM_FR_DUMP_TEMP_FILE", "DEBUG_SERVER_AGENT", "DEBUG_SERVER_HOST"):
-                env.pop(var, None)
-            procs.append(subprocess.Popen([sys.executable, str(script)], env=env, cwd=tmp,
-                                          stdout=files[rank], stderr=subprocess.STDOUT, text=True,
-                                          start_new_session=True))
+    with running_hosts(tmp, JOB, 4, 2, store_port) as (procs, logs):
         deadline = time.monotonic() + 60
         url = None
         while url is None or len(_agents(store_port)) < 2:
@@ -252,10 +238,6 @@ def job(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
                 break
             time.sleep(0.5)
         yield {"url": url, "store_port": store_port, "fr": fr, "procs": procs, "logs": logs}
-    finally:
-        kill_all(procs)  # each rank's session: the rank and the frontend or agent it started
-        for f in files:
-            f.close()
 
 
 @pytest.mark.job

@@ -12,15 +12,13 @@ import datetime
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from agentjob import get, hang_line, job_script, wait_gone
-from mpjob import free_port, kill_all, rank_env
+from agentjob import get, hang_line, job_script, running_hosts, wait_gone
+from mpjob import free_port
 
 pytestmark = [pytest.mark.job, pytest.mark.timeout(240)]
 
@@ -60,23 +58,9 @@ def _host(rank: int) -> str:
 @pytest.fixture(scope="module")
 def job(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     tmp = tmp_path_factory.mktemp("treejob")
-    script = tmp / "rank_script.py"
-    script.write_text(JOB)
     store_port = free_port()
-    procs: list[subprocess.Popen[str]] = []
-    logs = [tmp / f"rank{r}.log" for r in range(WORLD)]
-    files = [p.open("w") for p in logs]
-    try:
-        for rank in range(WORLD):
-            env = rank_env(rank, WORLD, store_port, {
-                "LOCAL_RANK": str(rank % PER_HOST), "LOCAL_WORLD_SIZE": str(PER_HOST),
-                "DEBUG_SERVER_AGENT_ID": _host(rank),
-                "DEBUG_SERVER_TREE_HOSTS": str(TREE_HOSTS), "OMP_NUM_THREADS": "1"})
-            for var in ("TORCHCOMM_FR_DUMP_TEMP_FILE", "DEBUG_SERVER_AGENT", "DEBUG_SERVER_HOST"):
-                env.pop(var, None)
-            procs.append(subprocess.Popen([sys.executable, str(script)], env=env, cwd=tmp,
-                                          stdout=files[rank], stderr=subprocess.STDOUT, text=True,
-                                          start_new_session=True))
+    with running_hosts(tmp, JOB, WORLD, PER_HOST, store_port, {
+        "DEBUG_SERVER_TREE_HOSTS": str(TREE_HOSTS), "OMP_NUM_THREADS": "1"}) as (procs, logs):
         deadline = time.monotonic() + 120
         url = None
         fr: dict[str, Any] = {}
@@ -96,10 +80,6 @@ def job(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
             assert time.monotonic() < deadline, (fr.get("ranks"), logs[0].read_text()[-3000:])
             time.sleep(0.5)
         yield {"url": url, "store_port": store_port, "fr": fr, "procs": procs, "logs": logs}
-    finally:
-        kill_all(procs)  # each rank's session: the rank and the frontend or agent it started
-        for f in files:
-            f.close()
 
 
 def test_two_hosts_per_group_make_two_aggregators_over_four_ranks_each(

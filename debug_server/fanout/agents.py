@@ -359,15 +359,7 @@ class AgentRoute:
                                        for ag, rs in plan.groups))
         results: list[RankResult] = []
         dumps: dict[int, dict[str, Any]] = {}
-        rest = list(plan.direct)
-        for (_, rs), reply in zip(plan.groups, parts, strict=True):
-            if reply is None:
-                rest += rs
-                continue
-            results += reply[0]
-            dumps.update(reply[1])
-            served = {r.rank for r in reply[0]}
-            rest += [a for a in rs if a.rank not in served]
+        rest = list(plan.direct) + _take(plan.groups, parts, results, dumps, {})
         first = {a.rank: {"pg_status": dict.fromkeys(since, {})} for a in rest}
         more, more_dumps = await self._direct_since(since, rest, first)
         results += more
@@ -464,15 +456,7 @@ class AgentRoute:
                                          for ag, rs in plan.groups))
         results: list[RankResult] = []
         dumps: dict[int, dict[str, Any]] = {}
-        rest: list[WorkerAddr] = []
-        for (_, rs), reply in zip(plan.groups, replies, strict=True):
-            if reply is None:
-                rest += rs
-                continue
-            results += reply[0]
-            dumps.update(reply[1])
-            served = {r.rank for r in reply[0]}
-            rest += [a for a in rs if a.rank not in served]
+        rest = _take(plan.groups, replies, results, dumps, {})
         return Routed(FrData(results, dumps), rest)
 
 
