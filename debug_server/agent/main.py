@@ -76,7 +76,7 @@ async def _serve(args: argparse.Namespace, registry: Any, token: str | None,
                 args.tree_hosts)
             lead = tree.leads(place, args.tree_hosts)
             if lead is not None:
-                group = await _serve_group(args, lead, place, token, store)
+                group = await _serve_group(args, lead, place, token)
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, done.set)
@@ -101,8 +101,8 @@ async def _serve(args: argparse.Namespace, registry: Any, token: str | None,
         await runner.cleanup()
 
 
-async def _serve_group(args: argparse.Namespace, group: int, first: int, token: str | None,
-                       store: dist.Store) -> tuple[web.AppRunner, asyncio.Task[None]]:
+async def _serve_group(args: argparse.Namespace, group: int, first: int,
+                       token: str | None) -> tuple[web.AppRunner, asyncio.Task[None]]:
     """This agent leads group ``group`` of the tree (``tree``): the agent app over the group's
     ranks, through their host agents, on a port of its own, registered once its ranks are
     known and again whenever they grow."""
@@ -124,14 +124,15 @@ async def _serve_group(args: argparse.Namespace, group: int, first: int, token: 
 
     async def keep_registered() -> None:
         said = ""
-        loop = asyncio.get_running_loop()
         while True:
             with contextlib.suppress(Exception):  # the store may be gone with rank 0
                 await registry.lookup()
                 record = registry.record(url)
                 if registry.ranks and record != said:
-                    await loop.run_in_executor(None, tree.register, store, args.restart_count,
-                                               group, record)
+                    # On the registry's own lane (a daemon thread with its own client): a
+                    # call stuck on a store that went away never holds this process's exit.
+                    await registry.on_lane(lambda r=record: tree.register(
+                        registry.store(), args.restart_count, group, r))
                     said = record
                 if len(registry.hosts) >= args.tree_hosts and said:
                     return

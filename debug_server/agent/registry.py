@@ -4,8 +4,8 @@ fixed URLs (``--worker-urls``: tests, benchmarks)."""
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, TypeVar
 
 from debug_server.errors import first_line
 from debug_server.protocol import addrs
@@ -15,6 +15,9 @@ from debug_server.readers import storeview
 
 if TYPE_CHECKING:
     import torch.distributed as dist
+
+
+T = TypeVar("T")
 
 
 class HostRegistry:
@@ -99,6 +102,10 @@ class HostRegistry:
 
     async def lookup(self) -> list[WorkerAddr]:
         return await self._lane.call(self._lookup_sync)
+
+    async def on_lane(self, fn: Callable[[], T]) -> T:
+        """``fn()`` on this registry's store lane (its daemon thread, its client)."""
+        return await self._lane.call(fn)
 
     def close(self) -> None:
         self._lane.close()

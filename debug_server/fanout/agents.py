@@ -35,7 +35,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import aiohttp
 
@@ -69,9 +69,6 @@ from debug_server.protocol.addrs import (
 )
 from debug_server.protocol.names import NATIVE, ONLY_ACTIVE, SINCE, WINDOW, WITH_STACKS
 
-if TYPE_CHECKING:
-    pass
-
 logger = logging.getLogger(__name__)
 
 class AgentFailed(Exception):
@@ -100,6 +97,9 @@ class AgentRoute:
         self.cuts_reused = 0
         """``fr`` calls that used the last window and cut again (every agent's tag the same)."""
         self._key: Any = None
+        self._owner: tuple[tuple[int, ...], dict[int, str], tuple[AgentAddr, ...]] = \
+            ((), {}, ())
+        """(ids of the aggregators found, rank -> aggregator id, the aggregators): ``plan``."""
 
     def last_key(self) -> Any:
         """What the last ``fr`` window stands for: every agent's id and reply tag, where every
@@ -127,7 +127,14 @@ class AgentRoute:
                 if self._down.get(ag.id, 0.0) <= now:
                     found[ag.id] = ag
         if found:
-            owner = {r: ag.id for ag in found.values() for r in ag.ranks}
+            # Which aggregator has which rank, made again only when the aggregators found
+            # change (131072 entries: not on every page); the memo holds the objects whose ids
+            # it compares, so none can be reused meanwhile.
+            ids = tuple(id(ag) for ag in found.values())
+            if self._owner[0] != ids:
+                self._owner = (ids, {r: ag.id for ag in found.values() for r in ag.ranks},
+                               tuple(found.values()))
+            owner = self._owner[1]
             rest = []
             for a in addrs:
                 gid = owner.get(a.rank) if a.url is not None else None
