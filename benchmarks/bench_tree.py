@@ -354,12 +354,15 @@ def _measure(world: int, store_port: int, reps: int, pids: dict[str, list[int]],
 
 
 def _profile(pid: int, key: str) -> subprocess.Popen[bytes] | None:
-    """``BENCH_PROFILE=<dir>``: py-spy's raw stacks of the frontend during one kind of page."""
+    """``BENCH_PROFILE=<dir>``: py-spy's raw stacks of the frontend during one kind of page
+    (``BENCH_PROFILE_GIL=1``: of the thread holding the GIL only)."""
     out = os.environ.get("BENCH_PROFILE")
     if not out:
         return None
+    # BENCH_PROFILE_GIL=1: only the thread holding the GIL (where the CPU goes, not who waits).
+    gil = ["--gil"] if os.environ.get("BENCH_PROFILE_GIL") else []
     spy = subprocess.Popen(["py-spy", "record", "-p", str(pid), "-r", "200", "--format", "raw",
-                            "-o", f"{out}/{key}.txt"], stdout=subprocess.DEVNULL,
+                            *gil, "-o", f"{out}/{key}.txt"], stdout=subprocess.DEVNULL,
                            stderr=subprocess.DEVNULL)
     time.sleep(1.0)  # attached
     return spy

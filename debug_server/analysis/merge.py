@@ -49,6 +49,16 @@ class RankInfo(NamedTuple):
     pg_progress: tuple[tuple[str, int, int], ...]
 
 
+def _int_keyed(m: Mapping[Any, str] | None) -> dict[int, str]:
+    """rank -> text with int ranks (JSON gives str keys); a dict keyed by ints already is
+    copied as it is (one C-level copy at 131072 ranks, not an int() per rank)."""
+    if not m:
+        return {}
+    if type(m) is dict and all(type(k) is int for k in m):
+        return dict(m)
+    return {int(k): v for k, v in m.items()}
+
+
 class Merge:
     """Every rank's digest folded into classes; the output lists the matchers fill."""
 
@@ -65,7 +75,7 @@ class Merge:
         self.processes = {int(k): v for k, v in (processes or {}).items()}
         """rank -> its process as read from outside (``silent``'s docstring has the keys)."""
         self.total_entries = 0
-        self.stacks = {int(k): v for k, v in (stacks or {}).items()}
+        self.stacks = _int_keyed(stacks)
         self.unavailable = {int(k): str(v) for k, v in (unavailable or {}).items()}
         self.classes: dict[tuple[Any, ...], RankClass] = {}
         self.class_list: list[RankClass] = []
@@ -121,8 +131,7 @@ class Merge:
                     mr = r
             if mr > max_rank:
                 max_rank = mr
-        for r in list(self.unavailable) + list(self.stacks):
-            max_rank = max(max_rank, r)
+        max_rank = max(max(self.unavailable, default=-1), max(self.stacks, default=-1), max_rank)
         self.world_size = world_size if world_size is not None else max_rank + 1
         self.data_ranks = sorted(self.digest_of)
         self.collectives: list[dict[str, Any]] = []
@@ -220,7 +229,11 @@ class Merge:
 
     def no_data(self) -> list[int]:
         """Ranks below the world size that sent no dump."""
-        return [r for r in range(self.world_size) if r not in self.digest_of]
+        have = self.digest_of
+        if len(have) >= self.world_size and (not have or (min(have) >= 0 and max(have) <
+                                                          self.world_size)):
+            return []  # every rank's (asked per page at 131072 ranks: no loop over them)
+        return [r for r in range(self.world_size) if r not in have]
 
     def finding(
         self,

@@ -8,37 +8,16 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from debug_server.protocol.addrs import sorted_ranges
+
 __all__ = ["format_rank_set", "format_ranks", "parse_rank_text", "rank_ranges", "ranks_phrase"]
 
 _SMALL_SET = 16
 
 
 def rank_ranges(ranks: Iterable[int]) -> list[str]:
-    """``[0, 1, 2, 5]`` -> ``["0-2", "5"]``: ``protocol.addrs.rank_ranges``' text, found in
-    O(runs x log ranks) steps rather than one per rank (131072 ranks in two runs cost a few
-    dozen steps after the sort)."""
-    rs = sorted(set(ranks))
-    n = len(rs)
-    parts: list[str] = []
-    i = 0
-    while i < n:
-        first = rs[i]
-        if i + 1 == n or rs[i + 1] != first + 1:
-            parts.append(str(first))
-            i += 1
-            continue
-        # rs[k] - k never decreases (sorted, distinct): a run is where it stays rs[i] - i.
-        base = first - i
-        lo, hi = i + 1, n - 1
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if rs[mid] - mid == base:
-                lo = mid
-            else:
-                hi = mid - 1
-        parts.append(f"{first}-{rs[lo]}")
-        i = lo + 1
-    return parts
+    """``[0, 1, 2, 5]`` -> ``["0-2", "5"]`` (``protocol.addrs.rank_ranges``)."""
+    return sorted_ranges(sorted(set(ranks)))
 
 
 def format_ranks(ranks: Iterable[int]) -> str:
@@ -49,7 +28,7 @@ def format_ranks(ranks: Iterable[int]) -> str:
 def ranks_phrase(ranks: Iterable[int]) -> str:
     """``rank 3`` or ``ranks 0-2, 5``."""
     rs = sorted(set(ranks))
-    return f"{'rank' if len(rs) == 1 else 'ranks'} {format_ranks(rs)}"
+    return f"{'rank' if len(rs) == 1 else 'ranks'} {', '.join(sorted_ranges(rs))}"
 
 
 def format_rank_set(ranks: Iterable[int]) -> str:
@@ -62,7 +41,7 @@ def format_rank_set(ranks: Iterable[int]) -> str:
         return ""
     if len(rs) <= _SMALL_SET:
         return "{" + ", ".join(map(str, rs)) + "}"
-    return "{" + format_ranks(rs) + "}"
+    return "{" + ", ".join(sorted_ranges(rs)) + "}"
 
 
 def parse_rank_text(raw: object, where: str = "ranks", limit: int = 1 << 20) -> list[int]:

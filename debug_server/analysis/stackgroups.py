@@ -24,21 +24,29 @@ def group_stacks(
     stacks: Mapping[int, str], notes: list[str]
 ) -> tuple[list[dict[str, Any]], dict[int, stackparse.Position]]:
     """:func:`stack_groups` and each rank's position; an unparseable text becomes a note."""
+    # Ranks by text first (at 131072 ranks a few distinct texts): each text parsed once, each
+    # rank's position put in by class, not one lookup chain per rank.
+    by_text: dict[str, list[int]] = {}
+    for r, text in stacks.items():
+        rs = by_text.get(text)
+        if rs is None:
+            by_text[text] = [r]
+        else:
+            rs.append(r)
     by_summary: dict[tuple[str, bool], list[int]] = {}
     positions: dict[int, stackparse.Position] = {}
-    cache: dict[str, stackparse.Position | None] = {}
-    for r, text in sorted(stacks.items()):
-        if text not in cache:
-            try:
-                cache[text] = stackparse.summarize_text(text)
-            except Exception as e:  # noqa: BLE001 - unparseable stacks must not stop the analysis
-                notes.append(f"rank {r}: stack text unparseable ({type(e).__name__})")
-                cache[text] = None
-        pos = cache[text]
+    for text, rs in sorted(by_text.items(), key=lambda kv: min(kv[1])):
+        try:
+            pos = stackparse.summarize_text(text)
+        except Exception as e:  # noqa: BLE001 - unparseable stacks must not stop the analysis
+            notes.append(f"rank {min(rs)}: stack text unparseable ({type(e).__name__})")
+            continue
         if pos is None:
             continue
-        positions[r] = pos
-        by_summary.setdefault((pos.summary, pos.in_collective), []).append(r)
+        positions.update(dict.fromkeys(rs, pos))
+        by_summary.setdefault((pos.summary, pos.in_collective), []).extend(rs)
+    for rs in by_summary.values():
+        rs.sort()
     groups = [
         {"ranks": rs, "summary": s, "in_collective": ic}
         for (s, ic), rs in sorted(by_summary.items(), key=lambda kv: (len(kv[1]), kv[1][0]))

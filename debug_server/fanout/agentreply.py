@@ -17,7 +17,7 @@ from typing import Any
 
 from debug_server.analysis.digest import SNAPSHOT_TIME_KEY
 from debug_server.fanout import fastjson
-from debug_server.fanout.transport import FAILED, RankResult
+from debug_server.fanout.transport import FAILED, OK, RankResult
 from debug_server.protocol import addrs, agentwire, members
 from debug_server.protocol.addrs import NOT_REGISTERED, WorkerAddr
 
@@ -38,11 +38,35 @@ def keep_stacks(into: list[RankResult] | None, got: list[RankResult] | None) -> 
         into.extend(r for r in got if r.status != NOT_REGISTERED)
 
 
-def ranks_param(rs: Sequence[WorkerAddr]) -> str:
-    return addrs.format_ranks([a.rank for a in rs])
+class _PerList:
+    """A value made from a ranks list, held by the list's identity: a route's plan hands the
+    same lists page after page (``agents.AgentRoute.plan``), each read several times a page.
+    Lists of a host's few ranks are not held (they cost less to redo than to hold)."""
+
+    def __init__(self, make: Any, max_lists: int = 8192) -> None:
+        self._make = make
+        self._held: dict[int, tuple[Sequence[WorkerAddr], Any]] = {}
+        self._max = max_lists
+
+    def __call__(self, rs: Sequence[WorkerAddr]) -> Any:
+        held = self._held.get(id(rs))
+        if held is not None and held[0] is rs:
+            return held[1]
+        value = self._make(rs)
+        if len(rs) >= 64:
+            if len(self._held) >= self._max:
+                self._held.clear()
+            self._held[id(rs)] = (rs, value)
+        return value
 
 
-def _records(row: Any, ag: AgentAddr, by_rank: Mapping[int, WorkerAddr],
+ranks_param = _PerList(lambda rs: addrs.format_ranks([a.rank for a in rs]))
+"""The ``ranks`` parameter naming ``rs`` (``0-1023``)."""
+_urls = _PerList(lambda rs: {a.rank: a.url for a in rs})
+"""rank -> its worker's URL, of ``rs``."""
+
+
+def _records(row: Any, ag: AgentAddr, urls: Mapping[int, str | None],
              body: str | None) -> list[RankResult]:
     """One row's records: one rank's (``"rank"``), or every rank of ``"ranks"`` (their range
     text: ranks that answered alike, ``hostreply.records``)."""
@@ -54,7 +78,7 @@ def _records(row: Any, ag: AgentAddr, by_rank: Mapping[int, WorkerAddr],
         ranks = addrs.parse_ranks(row["ranks"])
     else:
         raise ValueError("a rank record names no rank")
-    if any(r not in by_rank for r in ranks):
+    if not urls.keys() >= set(ranks):
         raise ValueError("a rank record names a rank not asked for")
     note = row.get("note") if isinstance(row.get("note"), str) else None
     via = f"via agent {ag.id}"
@@ -67,7 +91,7 @@ def _records(row: Any, ag: AgentAddr, by_rank: Mapping[int, WorkerAddr],
     status = row["status"]
     proc = row.get("process")  # read by the agent on the rank's host (readers.procstate)
     proc = proc if isinstance(proc, dict) else None
-    return [RankResult(r, by_rank[r].url, status, body, error, elapsed, code, note, 0, None, proc)
+    return [RankResult(r, urls[r], status, body, error, elapsed, code, note, 0, None, proc)
             for r in ranks]
 
 
@@ -91,13 +115,13 @@ def _grouped_records(obj: dict[str, Any], ag: AgentAddr,
     texts = obj.get("bodies")
     if not isinstance(texts, list) or not all(isinstance(t, str) for t in texts):
         raise ValueError("bodies is not a list of texts")
-    by_rank = {a.rank: a for a in rs}
+    urls = _urls(rs)
     out = []
     for row in obj["ranks"]:
         i = row.get("body") if isinstance(row, dict) else None
         if i is not None and (type(i) is not int or not 0 <= i < len(texts)):
             raise ValueError("a body index is out of range")
-        out += _records(row, ag, by_rank, texts[i] if i is not None else None)
+        out += _records(row, ag, urls, texts[i] if i is not None else None)
     return out
 
 
@@ -128,9 +152,11 @@ def parse_fr(body: str, ag: AgentAddr, rs: Sequence[WorkerAddr]) -> _FrReply:
         snap = obj.get("snap")
         if not isinstance(snap, dict) or not tag:
             raise ValueError("an unchanged reply without its tag or read times")
-        by_rank = {a.rank: a for a in rs}
-        return [r for row in obj["ranks"] for r in _records(row, ag, by_rank, None)], {}, tag, \
-            snap, stacks
+        urls = _urls(rs)
+        # An answered rank's body is "" (its dump is the held one), as in a full reply.
+        return [r for row in obj["ranks"] for r in _records(
+            row, ag, urls, "" if isinstance(row, dict) and row.get("status") == OK else None)], \
+            {}, tag, snap, stacks
     lists, raw = obj.get("lists", {}), obj.get("dumps", {})
     if not isinstance(lists, dict) or not isinstance(raw, dict):
         raise ValueError("lists or dumps is not an object")
@@ -148,8 +174,8 @@ def parse_fr(body: str, ag: AgentAddr, rs: Sequence[WorkerAddr]) -> _FrReply:
     same = obj.get("same", {})
     if not isinstance(same, dict):
         raise ValueError("same is not an object")
-    by_rank = {a.rank: a for a in rs}
-    recs = [r for row in obj["ranks"] for r in _records(row, ag, by_rank, None)]
+    urls = _urls(rs)
+    recs = [r for row in obj["ranks"] for r in _records(row, ag, urls, None)]
     dumps: dict[int, dict[str, Any]] = {}
     later: list[tuple[RankResult, Any]] = []
     for r in recs:

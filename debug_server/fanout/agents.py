@@ -33,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import operator
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -60,7 +61,7 @@ from debug_server.fanout.leanhttp import LeanClient
 from debug_server.fanout.live import LiveCollector
 from debug_server.fanout.reply import INLINE_BYTES, FrData, cut_off_loop, parse_off_loop
 from debug_server.fanout.rounds import FrRounds
-from debug_server.fanout.transport import RankResult, Registry
+from debug_server.fanout.transport import OK, RankResult, Registry
 from debug_server.protocol import agentwire, frwindow, members
 from debug_server.protocol.addrs import (
     AGENT_META_KEY,
@@ -70,6 +71,7 @@ from debug_server.protocol.addrs import (
 from debug_server.protocol.names import NATIVE, ONLY_ACTIVE, SINCE, WINDOW, WITH_STACKS
 
 logger = logging.getLogger(__name__)
+_RANK = operator.attrgetter("rank")
 
 class AgentFailed(Exception):
     """An agent that did not give a usable reply; the text is one line."""
@@ -100,6 +102,9 @@ class AgentRoute:
         self._owner: tuple[tuple[int, ...], dict[int, str], tuple[AgentAddr, ...]] = \
             ((), {}, ())
         """(ids of the aggregators found, rank -> aggregator id, the aggregators): ``plan``."""
+        self._split: tuple[Sequence[WorkerAddr], dict[str, list[WorkerAddr]],
+                           list[WorkerAddr]] | None = None
+        """(the addresses split, their ranks by aggregator id, the others): ``plan``."""
 
     def last_key(self) -> Any:
         """What the last ``fr`` window stands for: every agent's id and reply tag, where every
@@ -134,15 +139,23 @@ class AgentRoute:
             if self._owner[0] != ids:
                 self._owner = (ids, {r: ag.id for ag in found.values() for r in ag.ranks},
                                tuple(found.values()))
-            owner = self._owner[1]
-            rest = []
-            for a in addrs:
-                gid = owner.get(a.rank) if a.url is not None else None
-                if gid is None:
-                    rest.append(a)
-                else:
-                    by_agent.setdefault(gid, []).append(a)
-            addrs_left: Sequence[WorkerAddr] = rest
+                self._split = None
+            # The registry hands back the same list while the store's keys stay (``storeview``):
+            # the split by aggregator is made again only when that list or the aggregators change.
+            split = self._split
+            if split is None or split[0] is not addrs:
+                owner = self._owner[1]
+                groups: dict[str, list[WorkerAddr]] = {}
+                rest = []
+                for a in addrs:
+                    gid = owner.get(a.rank) if a.url is not None else None
+                    if gid is None:
+                        rest.append(a)
+                    else:
+                        groups.setdefault(gid, []).append(a)
+                split = self._split = (addrs, groups, rest)
+            by_agent.update(split[1])
+            addrs_left: Sequence[WorkerAddr] = split[2]
         else:
             addrs_left = addrs
         ids = {m[AGENT_META_KEY] for a in addrs_left if (m := a.meta) and isinstance(
@@ -265,16 +278,20 @@ class AgentRoute:
                   **({WITH_STACKS: "true"} if stacks is not None else {})}
         first: list[Any] = []
         tags: dict[str, str] = {}
+        snaps: dict[int, Any] = {}
+        """Ranks of "unchanged" replies: their new read times (their dumps are the held ones,
+        not yet copied: the window cut for the last page is copied instead where it is used
+        again)."""
         known = members.known_param()
         if known is None and len(plan) > 1:
             # This frontend holds no member list yet: one agent first, so the other agents'
             # replies do not each carry the world's list (2048 x 100 KB at 16384 ranks).
-            first = [await self._agent_fr(*plan[0], window, tags, stacks_got)]
+            first = [await self._agent_fr(*plan[0], window, tags, stacks_got, snaps)]
             known = members.known_param()
         direct_round = self._direct_local(direct, texts)
         *rest_got, (direct_results, dumps) = await asyncio.gather(
-            *(self._agent_fr(ag, rs, {**window, members.PARAM: known or ""}, tags, stacks_got)
-              for ag, rs in plan[len(first):]), direct_round)
+            *(self._agent_fr(ag, rs, {**window, members.PARAM: known or ""}, tags, stacks_got,
+                             snaps) for ag, rs in plan[len(first):]), direct_round)
         results = list(direct_results)
         via: dict[int, AgentAddr] = {}
         rest = _take(plan, first + rest_got, results, dumps, via)
@@ -284,7 +301,7 @@ class AgentRoute:
                 Plan(rest, [], rest)
             parts = await asyncio.gather(
                 *(self._agent_fr(ag, rs, {**window, members.PARAM: members.known_param() or ""},
-                                 tags, stacks_got) for ag, rs in below.groups))
+                                 tags, stacks_got, snaps) for ag, rs in below.groups))
             rest = list(below.direct) + _take(below.groups, parts, results, dumps, via)
             more, more_dumps = await self._direct_local(rest, texts)
             results += more
@@ -299,9 +316,14 @@ class AgentRoute:
         if key is not None and last is not None and last[0] == key and last[2].keys() == \
                 dumps.keys():
             since = dict(last[1])
-            dumps = {r: with_snap(last[2][r], d.get(SNAPSHOT_TIME_KEY)) for r, d in dumps.items()}
+            cut = last[2]
+            dumps = {r: with_snap(cut[r], snaps[r] if r in snaps else d.get(SNAPSHOT_TIME_KEY))
+                     for r, d in dumps.items()}
             self.cuts_reused += 1
         else:
+            for r, snap in snaps.items():
+                if r in dumps:
+                    dumps[r] = with_snap(dumps[r], snap)
             since = frwindow.frontier(dumps)
             again = [r for r in dumps if not frwindow.covers(dumps[r], since)]
             if again:
@@ -312,7 +334,7 @@ class AgentRoute:
             if again:
                 self._key = None
         self.asker.states.update(results)
-        return FrData(sorted(results, key=lambda r: r.rank), dumps, since)
+        return FrData(sorted(results, key=_RANK), dumps, since)
 
     async def _again(self, since: dict[str, int], again: list[int], via: Mapping[int, AgentAddr],
                      addrs: Sequence[WorkerAddr], results: list[RankResult],
@@ -396,6 +418,7 @@ class AgentRoute:
     async def _agent_fr(self, ag: AgentAddr, rs: Sequence[WorkerAddr],
                         params: Mapping[str, str], tags: dict[str, str] | None = None,
                         stacks: list[RankResult] | None = None,
+                        snaps: dict[int, Any] | None = None,
                         ) -> tuple[list[RankResult], dict[int, dict[str, Any]]] | None:
         """One agent's FR reply as records and parsed dumps; None when the agent failed (its
         ranks are then asked directly). Ranks it reports as not registered are left out.
@@ -404,7 +427,8 @@ class AgentRoute:
         The ask is conditional (``agentwire.TAG``): where this frontend holds the agent's last
         reply to the same question, it sends that reply's tag, and an agent whose ranks' windows
         did not change since (the hung case) answers with the records and read times only; the
-        held dumps are used again (shallow copies with the new ``dump_time_ns``)."""
+        held dumps are used again (shallow copies with the new ``dump_time_ns``; with ``snaps``,
+        the held dumps themselves, their new read times put in ``snaps``: the caller copies)."""
         # Not for whole rings (``_fr_plain``): holding every rank's ring would double the
         # frontend's memory for the pages that are asked least.
         conditional = agentwire.WHOLE not in params
@@ -421,8 +445,8 @@ class AgentRoute:
             return None
         recs, dumps, tag, snap, stk = reply
         if snap is not None:  # "unchanged": the held dumps again
-            if held is None or tag != held[1] or not all(
-                    r.rank in held[2] for r in recs if r.ok):
+            again = _held_again(held, tag, recs, snap, snaps)
+            if again is None:
                 # Another page replaced what this one held meanwhile: ask once more, plainly.
                 reply = await self._reply(ag, rs, agentwire.FR, params, parse_fr)
                 if reply is None or reply[3] is not None:
@@ -433,14 +457,9 @@ class AgentRoute:
             keep_stacks(stacks, stk)
             if tags is not None:
                 tags[ag.id] = tag
-            dumps = {}
-            for r in recs:
-                if r.ok:
-                    dumps[r.rank] = with_snap(held[2][r.rank], snap.get(str(r.rank)))
-                    r.body = ""
+            dumps = again
             self.agent_unchanged += 1
-            recs = [r for r in recs if r.status != NOT_REGISTERED]
-            return recs, {r.rank: dumps[r.rank] for r in recs if r.rank in dumps}
+            return _registered(recs, dumps)
         keep_stacks(stacks, stk)
         return self._held_reply(slot, question, conditional, recs, dumps, tag, tags)
 
@@ -453,8 +472,7 @@ class AgentRoute:
             self._held[slot] = (question, tag, {r: dict(d) for r, d in dumps.items()})
             if tags is not None:
                 tags[slot[0]] = tag
-        recs = [r for r in recs if r.status != NOT_REGISTERED]
-        return recs, {r.rank: dumps[r.rank] for r in recs if r.rank in dumps}
+        return _registered(recs, dumps)
 
     async def fr_plain(self, plan: Plan, *, only_active: bool, whole: bool) -> Routed[FrData]:
         params = {agentwire.WHOLE: str(whole).lower(), ONLY_ACTIVE: str(only_active).lower(),
@@ -481,9 +499,44 @@ def _take(groups: Sequence[tuple[AgentAddr, list[WorkerAddr]]], replies: Sequenc
         served = {r.rank for r in recs}
         results += recs
         dumps.update(ds)
-        via.update((r, ag) for r in served)
-        rest += [a for a in rs if a.rank not in served]
+        via.update(dict.fromkeys(served, ag))
+        if len(served) < len(rs):  # records name only ranks asked (agentreply._records)
+            rest += [a for a in rs if a.rank not in served]
     return rest
+
+
+def _held_again(held: tuple[Any, str, dict[int, dict[str, Any]]] | None, tag: str,
+                recs: list[RankResult], snap: Mapping[str, Any],
+                snaps: dict[int, Any] | None) -> dict[int, dict[str, Any]] | None:
+    """An "unchanged" reply's dumps: the held ones (``AgentRoute._agent_fr``), each with its new
+    read time (shallow copies; with ``snaps``, the held dumps themselves and the times put
+    there); None where the held reply is not the one the tag names, or lacks a rank."""
+    if held is None or tag != held[1]:
+        return None
+    kept = held[2]
+    dumps: dict[int, dict[str, Any]] = {}
+    times: dict[int, Any] = {}
+    try:
+        for r in recs:
+            if r.status == OK:  # its body is "" already (agentreply.parse_fr)
+                dumps[r.rank] = kept[r.rank]
+                times[r.rank] = snap.get(str(r.rank))
+    except KeyError:
+        return None
+    if snaps is not None:
+        snaps.update(times)
+        return dumps
+    return {r: with_snap(d, times[r]) for r, d in dumps.items()}
+
+
+def _registered(recs: list[RankResult], dumps: dict[int, dict[str, Any]],
+                ) -> tuple[list[RankResult], dict[int, dict[str, Any]]]:
+    """An agent's records and dumps less the ranks it says are not registered (it asked the
+    store before they came: they are asked directly)."""
+    if all(r.status != NOT_REGISTERED for r in recs):
+        return recs, dumps
+    recs = [r for r in recs if r.status != NOT_REGISTERED]
+    return recs, {r.rank: dumps[r.rank] for r in recs if r.rank in dumps}
 
 
 def _is_group(ag: AgentAddr) -> bool:

@@ -289,9 +289,10 @@ class RankStates:
         return OK if r.status == OK or r.http_status is not None else r.status
 
     def update(self, results: Sequence[RankResult]) -> None:
-        for r in results:
-            new = self.state(r)
-            old = self.last.get(r.rank)
+        last = self.last
+        for r in results:  # ``state`` inlined: once per rank per page
+            new = OK if r.status == OK or r.http_status is not None else r.status
+            old = last.get(r.rank)
             if old == new:
                 continue
             self.last[r.rank] = new

@@ -38,7 +38,7 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterator, KeysView, Mapping, Sequence
 from typing import Any
 
 from debug_server.analysis.ranks import format_ranks
@@ -95,14 +95,26 @@ class Departures:
 
     def seen(self, results: Sequence[RankResult]) -> None:
         """A fetch's records: a rank that answered is back; one refusing connections is gone."""
-        answered = False
-        for r in results:
-            if r.status == OK or r.http_status is not None:  # not GONE: that is our own record
+        gone = self.gone
+        # Only the records that did not answer OK, and the few ranks gone, one by one: at
+        # 131072 ranks a page's records are not looped over beyond this one filter.
+        others = [r for r in results if r.status != OK]
+        answered = len(others) < len(results)
+        back = [k for k, (_, how) in gone.items() if how.startswith("unreachable")] \
+            if gone and answered else []
+        if back:
+            ok = {r.rank for r in results if r.status == OK}
+            for rank in back:
+                if rank in ok:
+                    del gone[rank]
+                    self.reported.discard(rank)  # said again if it goes again
+        for r in others:
+            if r.http_status is not None:  # not GONE: that is our own record
                 answered = True
-                if r.rank in self.gone and self.gone[r.rank][1].startswith("unreachable"):
-                    del self.gone[r.rank]
-                    self.reported.discard(r.rank)  # said again if it goes again
-            elif r.status == UNREACHABLE and r.rank not in self.gone:
+                if r.rank in gone and gone[r.rank][1].startswith("unreachable"):
+                    del gone[r.rank]
+                    self.reported.discard(r.rank)
+            elif r.status == UNREACHABLE and r.rank not in gone:
                 self.mark(r.rank, f"unreachable since {_clock(time.time())}")
         if answered:
             self.last_answer = time.monotonic()
@@ -164,6 +176,56 @@ def _kinds(hows: Mapping[int, str]) -> str:
                      for k, rs in sorted(by.items(), key=lambda kv: min(kv[1])))
 
 
+class _FrKept(Mapping[int, tuple[dict[str, Any], str | None]]):
+    """One page's FR data as ``_Kept`` holds it: rank -> (dump, body), read from the page's
+    dumps and records as asked (a rank's body is looked up only for a rank gone since)."""
+
+    def __init__(self, data: FrData) -> None:
+        self._dumps = dict(data.dumps)  # before a gone rank's kept dump is put in
+        self._results = data.results
+        self._bodies: dict[int, str | None] | None = None
+
+    def __getitem__(self, rank: int) -> tuple[dict[str, Any], str | None]:
+        if self._bodies is None:
+            self._bodies = {r.rank: r.body for r in self._results}
+        return self._dumps[rank], self._bodies.get(rank)
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._dumps)
+
+    def __len__(self) -> int:
+        return len(self._dumps)
+
+    def keys(self) -> KeysView[int]:
+        return self._dumps.keys()
+
+
+class _Kept:
+    """Each rank's last data and when it came, at a cost per page that does not grow with the
+    ranks that keep answering: the newest page's data is held as it came (one mapping, not an
+    entry per rank), and only a rank missing from it has its older data moved apart."""
+
+    def __init__(self) -> None:
+        self._page: Mapping[int, Any] = {}
+        self._at = 0.0
+        self._older: dict[int, tuple[Any, float]] = {}
+
+    def put(self, fresh: Mapping[int, Any], now: float) -> None:
+        """``fresh``: the ranks that answered now, and their data (not changed afterwards)."""
+        for r in self._page.keys() - fresh.keys():
+            self._older[r] = (self._page[r], self._at)
+        if self._older:
+            for r in self._older.keys() & fresh.keys():
+                del self._older[r]
+        self._page, self._at = fresh, now
+
+    def get(self, rank: int) -> tuple[Any, float] | None:
+        """(its last data, ``time.monotonic()`` when it came), or None."""
+        if rank in self._page:
+            return self._page[rank], self._at
+        return self._older.get(rank)
+
+
 class KeepLast:
     """The collector, with the last data of every rank kept for when the rank is gone.
 
@@ -173,8 +235,10 @@ class KeepLast:
     def __init__(self, inner: Any, departures: Departures) -> None:
         self._inner = inner
         self.departures = departures
-        self._fr: dict[int, tuple[dict[str, Any], str | None, float]] = {}
-        self._stacks: dict[int, tuple[str, float]] = {}
+        self._fr = _Kept()
+        """rank -> (its dump, its record's body)."""
+        self._stacks = _Kept()
+        """rank -> its stacks text."""
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
@@ -182,9 +246,6 @@ class KeepLast:
     @property  # type: ignore[misc]
     def __class__(self) -> type:  # isinstance(x, Collector) holds for the wrapped collector
         return type(self._inner)
-
-    def _age(self, rank: int, kept: Mapping[int, tuple[Any, ...]]) -> float | None:
-        return time.monotonic() - kept[rank][-1] if rank in kept else None
 
     def _relabel(self, results: list[RankResult]) -> list[RankResult]:
         # A failed record of a rank known to have ended says how; one that only refuses
@@ -205,16 +266,17 @@ class KeepLast:
     def _keep_fr(self, data: FrData) -> FrData:
         self.departures.seen(data.results)
         now = time.monotonic()
-        bodies = {r.rank: r.body for r in data.results}
-        for rank, dump in data.dumps.items():
-            self._fr[rank] = (dump, bodies.get(rank), now)
+        self._fr.put(_FrKept(data), now)
+        if len(data.dumps) == len(data.results):
+            return data  # every rank sent its dump (no loop over 131072 records for none)
         for i, r in enumerate(data.results):
-            if r.rank in data.dumps or r.rank not in self._fr:
+            if r.rank in data.dumps:
                 continue
-            line = self.departures.line(r.rank, self._age(r.rank, self._fr))
-            if line is None:
+            kept = self._fr.get(r.rank)
+            line = None if kept is None else self.departures.line(r.rank, now - kept[1])
+            if kept is None or line is None:
                 continue
-            dump, body, _ = self._fr[r.rank]
+            dump, body = kept[0]
             data.dumps[r.rank] = dump
             data.results[i] = RankResult(r.rank, r.url, GONE, body or "", None, r.elapsed_s, None,
                                          note=line.split(": ", 1)[1])
@@ -223,14 +285,18 @@ class KeepLast:
     def _keep_stacks(self, results: list[RankResult]) -> list[RankResult]:
         self.departures.seen(results)
         now = time.monotonic()
+        fresh = {r.rank: r.body for r in results if r.status == OK and r.body is not None}
+        self._stacks.put(fresh, now)
+        if len(fresh) == len(results):
+            return results  # every rank answered (nothing to relabel either)
         for i, r in enumerate(results):
             if r.status == OK and r.body is not None:
-                self._stacks[r.rank] = (r.body, now)
                 continue
-            line = self.departures.line(r.rank, self._age(r.rank, self._stacks))
-            if line is None or r.rank not in self._stacks:
+            kept = self._stacks.get(r.rank)
+            line = None if kept is None else self.departures.line(r.rank, now - kept[1])
+            if kept is None or line is None:
                 continue
-            results[i] = RankResult(r.rank, r.url, GONE, f"{line}\n{self._stacks[r.rank][0]}",
+            results[i] = RankResult(r.rank, r.url, GONE, f"{line}\n{kept[0]}",
                                     None, r.elapsed_s, None, note=line.split(": ", 1)[1])
         return self._relabel(results)
 

@@ -13,14 +13,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from debug_server.fanout.reply import FrData
-from debug_server.fanout.transport import GONE, RankResult
+from debug_server.fanout.transport import OK, RankResult
 
 __all__ = ["FetchFacts", "failure_lines"]
 
 
 def failure_lines(results: Sequence[RankResult]) -> list[str]:
     """One line per rank that failed, or is gone (its kept data, aged)."""
-    return [r.line() for r in results if not r.ok or r.status == GONE]
+    return [r.line() for r in results if r.status != OK]  # not ok, or GONE
 
 
 @dataclass(frozen=True, slots=True)

@@ -103,15 +103,32 @@ class Registry(Protocol):
 
 def rank_ranges(ranks: Iterable[int]) -> list[str]:
     """``[0, 1, 2, 5]`` -> ``["0-2", "5"]`` (sorted, ranges collapsed)."""
-    rs = sorted(set(ranks))
+    return sorted_ranges(sorted(set(ranks)))
+
+
+def sorted_ranges(rs: Sequence[int]) -> list[str]:
+    """:func:`rank_ranges` of ranks already sorted and distinct, found in O(runs x log ranks)
+    steps rather than one per rank (131072 ranks in two runs cost a few dozen steps)."""
+    n = len(rs)
     parts: list[str] = []
     i = 0
-    while i < len(rs):
-        j = i
-        while j + 1 < len(rs) and rs[j + 1] == rs[j] + 1:
-            j += 1
-        parts.append(str(rs[i]) if i == j else f"{rs[i]}-{rs[j]}")
-        i = j + 1
+    while i < n:
+        first = rs[i]
+        if i + 1 == n or rs[i + 1] != first + 1:
+            parts.append(str(first))
+            i += 1
+            continue
+        # rs[k] - k never decreases (sorted, distinct): a run is where it stays rs[i] - i.
+        base = first - i
+        lo, hi = i + 1, n - 1
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if rs[mid] - mid == base:
+                lo = mid
+            else:
+                hi = mid - 1
+        parts.append(f"{first}-{rs[lo]}")
+        i = lo + 1
     return parts
 
 
