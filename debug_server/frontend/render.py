@@ -24,7 +24,7 @@ import jinja2
 from markupsafe import Markup, escape
 
 from debug_server.analysis import stackparse, tables
-from debug_server.analysis.ranks import format_rank_set
+from debug_server.analysis.ranks import format_rank_set, rank_ranges
 from debug_server.analysis.verdict import CATEGORY_MEANING
 from debug_server.fanout.transport import GONE, RankResult
 from debug_server.frontend.fetchfacts import FetchFacts
@@ -391,6 +391,15 @@ def render_fr_html(env: jinja2.Environment, result: Mapping[str, Any], fetch: Fe
 # Stacks page
 
 
+STACK_LINKS_MAX = 1024
+"""Above this many ranks a stacks group names its ranks as ranges (``stacks_model``)."""
+
+
+def _runs(ranks: Sequence[int]) -> list[tuple[int, str]]:
+    """Sorted ranks as (first rank, ``first-last``) runs."""
+    return [(int(t.split("-", 1)[0]), t) for t in rank_ranges(ranks)]
+
+
 def _stack_key(text: str) -> tuple[Any, ...]:
     # Thread idents differ on every rank; the frames are what makes two ranks "the same".
     threads = stackparse.parse_threads(text)
@@ -425,8 +434,15 @@ def stacks_model(results: Sequence[RankResult], *, path: str = "/stacks",
     """Ranks with identical stacks grouped (keyed on all frames, native ones included), the
     odd ones (smallest groups) first; ``path`` and ``native`` keep the page's links."""
     by_key: dict[tuple[Any, ...], list[RankResult]] = {}
+    keys: dict[str, tuple[Any, ...]] = {}  # a text's key, parsed once (a few texts at 131072)
     for r in results:
-        key = _stack_key(r.body or "") if r.ok else ("failed", r.status)
+        if r.ok:
+            text = r.body or ""
+            key = keys.get(text)
+            if key is None:
+                key = keys[text] = _stack_key(text)
+        else:
+            key = ("failed", r.status)
         by_key.setdefault(key, []).append(r)
     groups = []
     for key, members in by_key.items():
@@ -461,5 +477,8 @@ def stacks_model(results: Sequence[RankResult], *, path: str = "/stacks",
         g["label"] = (f"{len(g['ranks'])} ranks" if len(g["ranks"]) > 1
                       else f"rank {g['ranks'][0]}")
         g["set"] = format_rank_set(g["ranks"])
+        # A big group's ranks as ranges, each linked by its first rank (131072 links are
+        # megabytes that no one reads); a smaller one links every rank (``#rank-N``).
+        g["runs"] = _runs(g["ranks"]) if len(g["ranks"]) > STACK_LINKS_MAX else None
     return {"groups": groups, "n_ranks": len(results), "stamp": _stamp(), "path": path,
             "native": native}
