@@ -49,6 +49,16 @@ PAGES = (("fr_s", "/fr_trace"), ("overview_s", "/"), ("stacks_s", "/stacks"))
 CLOSED_URL = "http://127.0.0.1:9"  # a rank's own worker: never asked while its host answers
 
 
+WAITING_STACK = (
+    "Thread 0x00007f0000000001 (most recent call first):\n"
+    '  File "/torch/distributed/distributed_c10d.py", line 2806 in all_reduce\n'
+    '  File "/job/train.py", line 95 in step\n'
+    '  File "/job/train.py", line 120 in <module>\n'
+)
+"""Where every rank but the missing one is: in the all_reduce it never joined (the missing one
+answers ``fakefleet.STACK``: ``hang_phase`` at train.py:88)."""
+
+
 def _missing(world: int) -> int:
     return 77777 if world > 77777 else world - 1
 
@@ -74,7 +84,8 @@ def _host_bodies(world: int, host: int, full: Mapping[str, Any], missing: Mappin
     dumps = {r: {**frwindow.window(d, since), "dump_time_ns": now} for r, d in local.items()}
     url = f"{CLOSED_URL}/r"
     results = [RankResult(r, url, OK, "", None, 0.002, 200) for r in ranks]
-    stacks = [RankResult(r, url, OK, ff.STACK, None, 0.002, 200) for r in ranks]
+    stacks = [RankResult(r, url, OK, ff.STACK if r == _missing(world) else WAITING_STACK, None,
+                         0.002, 200) for r in ranks]
     health = [RankResult(r, url, OK, json.dumps({"status": "ok", "rank": r}), None, 0.001, 200)
               for r in ranks]
     fr = FrData(results, dumps, since)
@@ -318,6 +329,7 @@ def _measure(world: int, store_port: int, reps: int, pids: dict[str, list[int]],
         before = {g: ff_cpu(p) for g, p in groups.items()}
         row["first_fr_s"], body = ff.timed_get(f"{base}/fr_trace?format=json")
         row["first_fr_cpu"] = {g: ff_cpu(p) - before[g] for g, p in groups.items()}
+        row["rss_first_mb"] = ff.status_kb(proc.pid, "VmHWM") / 1024
         fr = json.loads(body)
         row["verdict"] = fr["verdict"]
         row["json_mb"] = len(body) / 1e6
@@ -373,9 +385,12 @@ def ff_cpu(pids: list[int]) -> float:
 
 
 def _stacks_apart(html: bytes, world: int) -> bool:
-    """The stacks page shows the missing rank apart from the others (its own group)."""
-    text = re.sub(rb"<[^>]+>", b" ", html).decode(errors="replace")
-    return str(_missing(world)) in text
+    """The stacks page shows the missing rank apart from the others: a group of its own, the
+    first (odd ones first), at ``hang_phase``."""
+    h2 = re.findall(r"<h2>(.*?)</h2>", html.decode(errors="replace"))
+    heads = [m.groups() for h in h2 if (m := re.match(r"(rank \d+|\d+ ranks): (.*)", h))]
+    return bool(heads) and heads[0][0] == f"rank {_missing(world)}" and \
+        "hang_phase" in heads[0][1] and len(heads) == 2
 
 
 def bench(world: int, reps: int, helpers: int, store_port: int, cold: bool,
@@ -442,7 +457,8 @@ def _print(row: dict[str, Any]) -> None:
         print(f"  {'/ (held)':>10} {row['overview_held_s']:6.2f} s   CPU s/page "
               + ", ".join(f"{k} {v:.2f}" for k, v in c.items())
               + f"   ({row['overview_health']})")
-    print(f"  frontend RSS peak {row['rss_mb']:.0f} MB; /stacks shows rank "
+    print(f"  frontend RSS peak {row['rss_mb']:.0f} MB (after the first page "
+          f"{row['rss_first_mb']:.0f} MB); /stacks shows rank "
           f"{_missing(row['ranks'])} apart: {row['stacks_apart']}")
 
 

@@ -83,8 +83,7 @@ def _records(row: Any, ag: AgentAddr, urls: Mapping[int, str | None],
     note = row.get("note") if isinstance(row.get("note"), str) else None
     via = f"via agent {ag.id}"
     note = f"{note}; {via}" if note else via
-    elapsed = row.get("elapsed_s")
-    elapsed = float(elapsed) if isinstance(elapsed, int | float) else 0.0
+    elapsed = _elapsed(row)
     code = row.get("http_status")
     code = code if type(code) is int else None
     error = row.get("error") if isinstance(row.get("error"), str) else None
@@ -93,6 +92,58 @@ def _records(row: Any, ag: AgentAddr, urls: Mapping[int, str | None],
     proc = proc if isinstance(proc, dict) else None
     return [RankResult(r, urls[r], status, body, error, elapsed, code, note, 0, None, proc)
             for r in ranks]
+
+
+_HELD: dict[tuple[str, str], tuple[Mapping[int, str | None],
+                                   dict[tuple[Any, ...], list[RankResult]]]] = {}
+"""(agent id, part) -> (the URL map its records were made with, each OK row's records of its
+last reply): ``_held_rows``."""
+_HELD_MAX = 65536
+
+
+def _row_key(row: Any, body: str | None) -> tuple[Any, ...] | None:
+    """What makes an answered row's records, but for its reply time; None for any other row
+    (a failed rank's record is made anew: its error may be relabelled on the way)."""
+    if not isinstance(row, dict) or row.get("status") != OK or "process" in row:
+        return None
+    return (row.get("rank"), row.get("ranks"), row.get("note"), row.get("error"),
+            row.get("http_status"), body)
+
+
+def _held_rows(rows: Sequence[Any], ag: AgentAddr, urls: Mapping[int, str | None], part: str,
+               body_of: Any) -> list[RankResult]:
+    """Every row's records, where a row reads as it did in the agent's last reply of this
+    ``part`` the same record objects again, with this reply's time: the hung case's
+    unchanged replies rebuild no record (131072 records a page at the frontend, each made
+    and freed). The records of answered ranks are not changed on the way (only a failed
+    rank's are: ``KeepLast._relabel``; those are made anew)."""
+    held = _HELD.get((ag.id, part))
+    old = held[1] if held is not None and held[0] is urls else {}
+    new: dict[tuple[Any, ...], list[RankResult]] = {}
+    out: list[RankResult] = []
+    for row in rows:
+        body = body_of(row)
+        key = _row_key(row, body)
+        recs = old.get(key) if key is not None else None
+        if recs is None:
+            recs = _records(row, ag, urls, body)
+        else:
+            elapsed = _elapsed(row)
+            if recs[0].elapsed_s != elapsed:
+                for r in recs:
+                    r.elapsed_s = elapsed
+        if key is not None:
+            new[key] = recs
+        out += recs
+    if len(_HELD) >= _HELD_MAX:
+        _HELD.clear()
+    _HELD[(ag.id, part)] = (urls, new)
+    return out
+
+
+def _elapsed(row: Mapping[str, Any]) -> float:
+    elapsed = row.get("elapsed_s")
+    return float(elapsed) if isinstance(elapsed, int | float) else 0.0
 
 
 def _load(body: str) -> dict[str, Any]:
@@ -108,20 +159,28 @@ def parse_grouped(body: str, ag: AgentAddr,
     return _grouped_records(_load(body), ag, rs)
 
 
-def _grouped_records(obj: dict[str, Any], ag: AgentAddr,
-                     rs: Sequence[WorkerAddr]) -> list[RankResult]:
+def _grouped_records(obj: dict[str, Any], ag: AgentAddr, rs: Sequence[WorkerAddr],
+                     part: str | None = None) -> list[RankResult]:
+    """Records whose bodies are shared by index; with ``part``, answered rows that read as in
+    the agent's last reply of that part give the same records again (``_held_rows``)."""
     if not isinstance(obj.get("ranks"), list):
         raise ValueError("not an agent reply (no ranks list)")
     texts = obj.get("bodies")
     if not isinstance(texts, list) or not all(isinstance(t, str) for t in texts):
         raise ValueError("bodies is not a list of texts")
-    urls = _urls(rs)
-    out = []
-    for row in obj["ranks"]:
+
+    def body_of(row: Any) -> str | None:
         i = row.get("body") if isinstance(row, dict) else None
         if i is not None and (type(i) is not int or not 0 <= i < len(texts)):
             raise ValueError("a body index is out of range")
-        out += _records(row, ag, urls, texts[i] if i is not None else None)
+        return texts[i] if i is not None else None
+
+    urls = _urls(rs)
+    if part is not None:
+        return _held_rows(obj["ranks"], ag, urls, part, body_of)
+    out = []
+    for row in obj["ranks"]:
+        out += _records(row, ag, urls, body_of(row))
     return out
 
 
@@ -147,16 +206,15 @@ def parse_fr(body: str, ag: AgentAddr, rs: Sequence[WorkerAddr]) -> _FrReply:
     part = obj.get("stacks")
     if part is not None and not isinstance(part, dict):
         raise ValueError("stacks is not an object")
-    stacks = _grouped_records(part, ag, rs) if part is not None else None
+    stacks = _grouped_records(part, ag, rs, "stacks") if part is not None else None
     if obj.get("unchanged") is True:
         snap = obj.get("snap")
         if not isinstance(snap, dict) or not tag:
             raise ValueError("an unchanged reply without its tag or read times")
-        urls = _urls(rs)
         # An answered rank's body is "" (its dump is the held one), as in a full reply.
-        return [r for row in obj["ranks"] for r in _records(
-            row, ag, urls, "" if isinstance(row, dict) and row.get("status") == OK else None)], \
-            {}, tag, snap, stacks
+        recs = _held_rows(obj["ranks"], ag, _urls(rs), "fr", lambda row: "" if isinstance(
+            row, dict) and row.get("status") == OK else None)
+        return recs, {}, tag, snap, stacks
     lists, raw = obj.get("lists", {}), obj.get("dumps", {})
     if not isinstance(lists, dict) or not isinstance(raw, dict):
         raise ValueError("lists or dumps is not an object")

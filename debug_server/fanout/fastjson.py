@@ -19,7 +19,7 @@ try:
 except ImportError:  # running from a source tree without it (e.g. a GPU image): json alone
     orjson = None  # type: ignore[assignment]
 
-__all__ = ["FAST", "dumps", "loads"]
+__all__ = ["FAST", "dumps", "dumps_bytes", "loads"]
 
 FAST = orjson is not None
 """Whether ``orjson`` is in use."""
@@ -44,3 +44,14 @@ def dumps(obj: Any, default: Callable[[Any], Any] | None = None) -> str:
         except TypeError:  # orjson.JSONEncodeError: non-str keys, big ints; json writes them
             pass
     return json.dumps(obj, default=default, separators=(",", ":"))
+
+
+def dumps_bytes(obj: Any, default: Callable[[Any], Any] | None = None) -> bytes:
+    """:func:`dumps` as UTF-8 bytes: a big page's JSON (43 MB at 131072 ranks) goes out as
+    ``orjson`` made it, not decoded to text and encoded again (two more copies at its peak)."""
+    if orjson is not None:
+        try:
+            return orjson.dumps(obj, default=default)
+        except TypeError:
+            pass
+    return json.dumps(obj, default=default, separators=(",", ":")).encode()

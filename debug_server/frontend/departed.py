@@ -177,18 +177,16 @@ def _kinds(hows: Mapping[int, str]) -> str:
 
 
 class _FrKept(Mapping[int, tuple[dict[str, Any], str | None]]):
-    """One page's FR data as ``_Kept`` holds it: rank -> (dump, body), read from the page's
-    dumps and records as asked (a rank's body is looked up only for a rank gone since)."""
+    """One page's FR data as ``_Kept`` holds it: rank -> (dump, body), from the page's dumps
+    and the few records whose body is not empty."""
 
     def __init__(self, data: FrData) -> None:
         self._dumps = dict(data.dumps)  # before a gone rank's kept dump is put in
-        self._results = data.results
-        self._bodies: dict[int, str | None] | None = None
+        # A rank's body once its dump is parsed is "" (fanout.reply): only others are held.
+        self._bodies = {r.rank: r.body for r in data.results if r.body}
 
     def __getitem__(self, rank: int) -> tuple[dict[str, Any], str | None]:
-        if self._bodies is None:
-            self._bodies = {r.rank: r.body for r in self._results}
-        return self._dumps[rank], self._bodies.get(rank)
+        return self._dumps[rank], self._bodies.get(rank, "")
 
     def __iter__(self) -> Iterator[int]:
         return iter(self._dumps)

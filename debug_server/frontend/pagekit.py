@@ -130,7 +130,8 @@ def negotiate(request: web.Request, fmt: str | None) -> str:
 
 def respond(fmt: str, body: str | Any) -> web.Response:
     if fmt == "json":
-        return web.Response(text=fastjson.dumps(body, default=str), content_type="application/json")
+        return web.Response(body=fastjson.dumps_bytes(body, default=str),
+                            content_type="application/json", charset="utf-8")
     if fmt == "html":
         return web.Response(text=body, content_type="text/html")
     return web.Response(text=body, content_type="text/plain")
