@@ -342,6 +342,7 @@ def _measure(world: int, store_port: int, reps: int, pids: dict[str, list[int]],
                 lambda path=path: ff.timed_get(f"{base}{path}", "text/html"), reps)
             row[key + "_cpu"] = {g: (ff_cpu(p) - before[g]) / reps for g, p in groups.items()}
             row[key + "_bytes"] = {k: (_sent(v) - sent0[k]) / reps for k, v in side.items()}
+            row[key + "_hwm_mb"] = ff.status_kb(proc.pid, "VmHWM") / 1024
             if spy is not None:
                 spy.send_signal(signal.SIGINT)
                 spy.wait(30)
@@ -352,9 +353,13 @@ def _measure(world: int, store_port: int, reps: int, pids: dict[str, list[int]],
             # column from the hang watch's last poll (``health_held``), not a fan-out of its own.
             poll_s = _poll_interval(world)
             time.sleep(max(0.0, started + poll_s + POLL_SETTLE_S - time.monotonic()))
+            spy = _profile(proc.pid, "overview_held_s")
             before = {g: ff_cpu(p) for g, p in groups.items()}
             row["overview_held_s"], body = ff.median_of(
                 lambda: ff.timed_get(f"{base}/", "text/html"), reps)
+            if spy is not None:
+                spy.send_signal(signal.SIGINT)
+                spy.wait(30)
             row["overview_held_cpu"] = {g: (ff_cpu(p) - before[g]) / reps
                                         for g, p in groups.items()}
             m = re.search(rb"the hang watch&#39;s poll of (\d+) s ago", body)
@@ -451,7 +456,8 @@ def _print(row: dict[str, Any]) -> None:
         c, b = row[key + "_cpu"], row[key + "_bytes"]
         print(f"  {path:>10} {row[key]:6.2f} s   CPU s/page "
               + ", ".join(f"{k} {v:.2f}" for k, v in c.items())
-              + "   bytes/page " + ", ".join(f"{k} {v / 1e6:.1f} MB" for k, v in b.items()))
+              + "   bytes/page " + ", ".join(f"{k} {v / 1e6:.1f} MB" for k, v in b.items())
+              + f"   RSS peak so far {row[key + '_hwm_mb']:.0f} MB")
     if "overview_held_s" in row:
         c = row["overview_held_cpu"]
         print(f"  {'/ (held)':>10} {row['overview_held_s']:6.2f} s   CPU s/page "

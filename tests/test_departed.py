@@ -34,9 +34,14 @@ class Fleet:
                               error=f"unreachable after 0.0 s (rank {rank})")
         return RankResult(rank, f"u{rank}", OK, body)
 
+    page = 0
+    """Put in each fetched dump ("page"): which fetch it came from."""
+
     async def fr(self, **_: Any) -> FrData:
         results = [self._rec(r, '{"entries": []}') for r in range(2)]
-        return FrData(results, {r.rank: {"entries": [], "rank": r.rank} for r in results if r.ok})
+        return FrData(results, {r.rank: {"entries": [], "rank": r.rank,
+                                         **({"page": self.page} if self.page else {})}
+                                for r in results if r.ok})
 
     async def stacks(self, addrs: Any = None, **_: Any) -> list[RankResult]:
         return [self._rec(r, STACK) for r in range(2)]
@@ -64,6 +69,25 @@ async def test_a_rank_that_became_unreachable_keeps_its_last_data_marked_gone() 
     # Its health record keeps its own line: unreachable is a guess, not a known end.
     assert (await keep.fetch("h"))[1].error == "unreachable after 0.0 s (rank 1)"
     assert keep.registry == "the registry"  # everything else passes through
+
+
+async def test_a_rank_gone_for_many_pages_keeps_the_data_of_the_last_page_it_answered() -> None:
+    fleet = Fleet()
+    keep = departed.KeepLast(fleet, departed.Departures())
+    for page, down in ((1, set()), (2, {1}), (3, {1}), (4, set()), (5, {1}), (6, {0, 1})):
+        fleet.page, fleet.down = page, set(down)
+        fr = await keep.fr()
+        stacks = await keep.stacks()
+        if page in (2, 3):  # rank 1 last answered on page 1
+            assert fr.dumps[1]["page"] == 1 and fr.results[1].status == GONE
+            assert stacks[1].status == GONE and stacks[1].body.endswith(STACK)
+        if page == 4:
+            assert fr.dumps[1]["page"] == 4 and fr.results[1].status == OK
+        if page == 5:  # back on page 4, gone again since: page 4's data
+            assert fr.dumps[1]["page"] == 4 and fr.results[1].status == GONE
+        if page == 6:  # both gone: each keeps the data of its own last page
+            assert (fr.dumps[0]["page"], fr.dumps[1]["page"]) == (5, 4)
+            assert [r.status for r in fr.results] == [GONE, GONE]
 
 
 async def test_a_rank_known_to_have_ended_says_how_on_every_record() -> None:

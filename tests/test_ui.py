@@ -122,6 +122,28 @@ async def test_stacks_groups_identical_ranks_odd_one_first(client: Any) -> None:
     assert "/job/train.py:88 in hang_phase" in html and "/job/train.py:120 in &lt;module&gt;" in html
 
 
+def test_a_big_stacks_group_names_its_ranks_as_linked_ranges() -> None:
+    """Above STACK_LINKS_MAX ranks a group's ranks are ranges, each linked by its first rank
+    (131072 links are megabytes no one reads); the odd rank keeps its own link."""
+    from debug_server.frontend.render import STACK_LINKS_MAX, stacks_model
+
+    world = STACK_LINKS_MAX + 200
+    odd = 700
+    results = [RankResult(r, f"u{r}", "ok", MAIN_STACK if r == odd else IN_ALL_REDUCE)
+               for r in range(world)]
+    model = stacks_model(results)
+    html = load_templates().get_template("stacks.html").render(title="Stacks", failures=[],
+                                                               **model)
+    heads = re.findall(r"<h2>(.*?)</h2>", html)
+    assert heads == [f"rank {odd}: hang_phase at train.py:88 (not in a collective)",
+                     f"{world - 1} ranks: all_reduce at train.py:95"]
+    assert f'<a class="rk" id="rank-0" href="#rank-0">0-{odd - 1}</a>, ' \
+           f'<a class="rk" id="rank-{odd + 1}" href="#rank-{odd + 1}">{odd + 1}-{world - 1}</a>' \
+        in html
+    assert f'id="rank-{odd}" href="#rank-{odd}">{odd}</a>' in html
+    assert html.count('class="rk"') == 3
+
+
 async def test_trace_download_is_an_attachment_with_the_stuck_op_in_flight(client: Any) -> None:
     resp = await client.get("/fr_trace/trace.json")
     assert resp.status == 200 and resp.content_type == "application/json"

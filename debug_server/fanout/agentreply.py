@@ -118,7 +118,8 @@ def _held_rows(rows: Sequence[Any], ag: AgentAddr, urls: Mapping[int, str | None
     and freed). The records of answered ranks are not changed on the way (only a failed
     rank's are: ``KeepLast._relabel``; those are made anew)."""
     held = _HELD.get((ag.id, part))
-    old = held[1] if held is not None and held[0] is urls else {}
+    # The same URLs (an aggregator's lists of its hosts' ranks are made per ask: compared)
+    old = held[1] if held is not None and (held[0] is urls or held[0] == urls) else {}
     new: dict[tuple[Any, ...], list[RankResult]] = {}
     out: list[RankResult] = []
     for row in rows:

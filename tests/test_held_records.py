@@ -1,0 +1,87 @@
+"""An agent's unchanged replies give the frontend the same rank records again (issue 41: at
+131072 ranks no record is made and freed per rank per page), never a stale one."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from debug_server.fanout.agentreply import AgentAddr, parse_fr
+from debug_server.fanout.transport import OK, RankResult
+from debug_server.protocol.addrs import WorkerAddr
+
+AG = AgentAddr("agg-0", "http://agg", frozenset(range(4)))
+ADDRS = [WorkerAddr(r, f"http://w{r}") for r in range(4)]
+STACK = 'Thread 0x1 (most recent call first):\n  File "/job/train.py", line 7 in step\n'
+
+
+def _reply(rows: list[dict[str, Any]], stack_rows: list[dict[str, Any]] | None = None,
+           stack: str = STACK) -> str:
+    return json.dumps({
+        "tag": "t1", "unchanged": True, "ranks": rows,
+        "snap": {str(r): 1_000 + r for r in range(4)},
+        "stacks": {"ranks": stack_rows if stack_rows is not None else rows_with_body(rows),
+                   "bodies": [stack]}})
+
+
+def rows_with_body(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [{**r, "body": 0} if r["status"] == OK else r for r in rows]
+
+
+def _parse(body: str, addrs: list[WorkerAddr] = ADDRS) -> tuple[list[RankResult],
+                                                                  list[RankResult]]:
+    recs, dumps, tag, snap, stacks = parse_fr(body, AG, addrs)
+    assert tag == "t1" and dumps == {} and snap is not None and stacks is not None
+    return recs, stacks
+
+
+def _row(ranks: str, elapsed: float = 0.1, **kw: Any) -> dict[str, Any]:
+    return {"ranks": ranks, "status": OK, "elapsed_s": elapsed, "http_status": 200,
+            "error": None, **kw}
+
+
+def test_an_unchanged_row_gives_the_same_records_with_the_new_reply_time() -> None:
+    first, first_stacks = _parse(_reply([_row("0-3", 0.1)]))
+    again, again_stacks = _parse(_reply([_row("0-3", 0.4)]))
+    assert [id(r) for r in again] == [id(r) for r in first]
+    assert [id(r) for r in again_stacks] == [id(r) for r in first_stacks]
+    assert [r.elapsed_s for r in again] == [0.4] * 4
+    assert [(r.rank, r.url, r.status, r.body) for r in again] == \
+        [(r, f"http://w{r}", OK, "") for r in range(4)]
+    assert all(r.body == STACK for r in again_stacks)
+    assert all(r.note == "via agent agg-0" for r in again)
+
+
+def test_a_row_that_reads_otherwise_gives_new_records() -> None:
+    first, first_stacks = _parse(_reply([_row("0-3")]))
+    # Another note, other ranks in the row, another stack text: new records each.
+    noted, _ = _parse(_reply([_row("0-3", note="via its host's agent")]))
+    assert not {id(r) for r in noted} & {id(r) for r in first}
+    assert noted[0].note == "via its host's agent; via agent agg-0"
+    split, _ = _parse(_reply([_row("0-1", note="via its host's agent"),
+                              _row("2-3", note="via its host's agent")]))
+    assert not {id(r) for r in split} & {id(r) for r in noted}
+    _, other_stacks = _parse(_reply([_row("0-1", note="via its host's agent"),
+                                     _row("2-3", note="via its host's agent")], stack="x\n"))
+    assert not {id(r) for r in other_stacks} & {id(r) for r in first_stacks}
+    assert all(r.body == "x\n" for r in other_stacks)
+
+
+def test_a_failed_row_is_made_anew_every_time() -> None:
+    failed = {"ranks": "2-3", "status": "timed out", "elapsed_s": 2.0, "http_status": None,
+              "error": "timed out after 2.0 s"}
+    first, _ = _parse(_reply([_row("0-1"), failed]))
+    first[2].error = "relabelled by a page"  # as KeepLast._relabel does to a failed record
+    again, _ = _parse(_reply([_row("0-1"), failed]))
+    assert [id(r) for r in again[:2]] == [id(r) for r in first[:2]]
+    assert again[2] is not first[2] and again[2].error == "timed out after 2.0 s"
+
+
+def test_new_addresses_give_new_records() -> None:
+    first, _ = _parse(_reply([_row("0-3")]))
+    moved = [WorkerAddr(r, f"http://moved{r}") for r in range(4)]
+    again, _ = _parse(_reply([_row("0-3")]), moved)
+    assert again[0] is not first[0] and again[0].url == "http://moved0"
+    # The same addresses in a new list (an aggregator makes its lists per ask): reused.
+    same = [WorkerAddr(r, f"http://moved{r}") for r in range(4)]
+    assert _parse(_reply([_row("0-3")]), same)[0][0] is again[0]
