@@ -22,7 +22,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from debug_server.fanout.transport import RankResult
+from debug_server.fanout.transport import GONE, OK, RankResult
 from debug_server.frontend.hangreport import HangWatch, RankHealth
 
 __all__ = ["MAX_AGE_POLLS", "HeldHealth", "held_health"]
@@ -52,13 +52,15 @@ class HeldHealth:
         line a fresh health fetch would give it, from that record, so a rank that died after
         the poll never reads as healthy.
         """
-        held = {h.rank: h.text() for h in self.health}
-        out: dict[int, str] = {}
+        held = _held_texts(self.health)
+        ranks = {r.rank for r in reach}
+        # Every rank of the poll and no other (the usual case): the poll's texts as they are,
+        # less the ranks that do not answer now; else rank by rank.
+        out = dict(held) if ranks == held.keys() else {
+            r: held.get(r, "health unknown (not in the hang watch's last poll)") for r in ranks}
         for r in reach:
-            if not r.ok and r.http_status is None:
+            if r.status != OK and r.status != GONE and r.http_status is None:
                 out[r.rank] = f"health unknown ({r.error or r.status})"
-            else:
-                out[r.rank] = held.get(r.rank, "health unknown (not in the hang watch's last poll)")
         return out
 
     def note(self) -> str:
@@ -66,6 +68,18 @@ class HeldHealth:
         return (f"Health column: the hang watch's poll of {self.age_s:.0f} s ago (at this job size "
                 f"it polls every {self.interval_s:.0f} s instead of asking every rank per page); "
                 "reachability, the verdict and everything else on this page are fresh.")
+
+
+_TEXTS: list[tuple[Sequence[RankHealth], dict[int, str]]] = []
+"""The last poll's texts, made once per poll (not per overview: 131072 texts a page)."""
+
+
+def _held_texts(health: Sequence[RankHealth]) -> dict[int, str]:
+    if _TEXTS and _TEXTS[0][0] is health:
+        return _TEXTS[0][1]
+    texts = {h.rank: h.text() for h in health}
+    _TEXTS[:] = [(health, texts)]
+    return texts
 
 
 def held_health(watch: HangWatch | None, now: float | None = None) -> HeldHealth | None:
