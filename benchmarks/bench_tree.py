@@ -36,6 +36,7 @@ import os
 import re
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -327,6 +328,7 @@ def _measure(world: int, store_port: int, reps: int, pids: dict[str, list[int]],
     try:
         groups = {"frontend": [proc.pid], **pids}
         before = {g: ff_cpu(p) for g, p in groups.items()}
+        _trace("first /fr_trace")
         row["first_fr_s"], body = ff.timed_get(f"{base}/fr_trace?format=json")
         row["first_fr_cpu"] = {g: ff_cpu(p) - before[g] for g, p in groups.items()}
         row["rss_first_mb"] = ff.status_kb(proc.pid, "VmHWM") / 1024
@@ -335,6 +337,7 @@ def _measure(world: int, store_port: int, reps: int, pids: dict[str, list[int]],
         row["json_mb"] = len(body) / 1e6
         row["via_agg"] = sum(1 for r in fr["ranks"] if "via agent agg-" in (r.get("note") or ""))
         for key, path in PAGES:
+            _trace(path)
             spy = _profile(proc.pid, key)
             before = {g: ff_cpu(p) for g, p in groups.items()}
             sent0 = {k: _sent(v) for k, v in side.items()}
@@ -353,6 +356,7 @@ def _measure(world: int, store_port: int, reps: int, pids: dict[str, list[int]],
             # column from the hang watch's last poll (``health_held``), not a fan-out of its own.
             poll_s = _poll_interval(world)
             time.sleep(max(0.0, started + poll_s + POLL_SETTLE_S - time.monotonic()))
+            _trace("/ (held)")
             spy = _profile(proc.pid, "overview_held_s")
             before = {g: ff_cpu(p) for g, p in groups.items()}
             row["overview_held_s"], body = ff.median_of(
@@ -364,10 +368,18 @@ def _measure(world: int, store_port: int, reps: int, pids: dict[str, list[int]],
                                         for g, p in groups.items()}
             m = re.search(rb"the hang watch&#39;s poll of (\d+) s ago", body)
             row["overview_health"] = f"held poll, {int(m.group(1))} s old" if m else "fetched"
+        _trace("done")
         row["rss_mb"] = ff.status_kb(proc.pid, "VmHWM") / 1024
         return row
     finally:
         ff.end_process(proc)
+
+
+def _trace(what: str) -> None:
+    """``BENCH_TRACE=1``: when each phase starts, on stderr (to line up with samples taken
+    of the frontend meanwhile)."""
+    if os.environ.get("BENCH_TRACE"):
+        print(f"{time.strftime('%H:%M:%S')} {what}", file=sys.stderr, flush=True)
 
 
 def _profile(pid: int, key: str) -> subprocess.Popen[bytes] | None:

@@ -467,9 +467,11 @@ class AgentRoute:
                     recs: list[RankResult], dumps: dict[int, dict[str, Any]], tag: str,
                     tags: dict[str, str] | None = None,
                     ) -> tuple[list[RankResult], dict[int, dict[str, Any]]]:
-        """A full ``agent_fr`` reply, held (shallow copies) for the next conditional ask."""
+        """A full ``agent_fr`` reply, held for the next conditional ask."""
         if tag and conditional:
-            self._held[slot] = (question, tag, {r: dict(d) for r, d in dumps.items()})
+            # The parsed dumps themselves (no dump is changed in place after its reply is
+            # parsed: a page's read times and cuts are new dicts): 131072 copies are ~50 MB.
+            self._held[slot] = (question, tag, dict(dumps))
             if tags is not None:
                 tags[slot[0]] = tag
         return _registered(recs, dumps)

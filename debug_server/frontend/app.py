@@ -283,8 +283,8 @@ async def index(request: web.Request) -> web.Response:
     if LAST_CYCLE in request.app:  # the job's window: /metrics' newest cycle
         request.app[LAST_CYCLE].put_page(fr, result, started)
     if fmt == "html":  # the ranks table (render.overview_model) has its own rows
-        model = render.overview_model(result, stack_res, texts, collector.world_size,
-                                     held.note() if held else "")
+        model = await _off_loop(render.overview_model, result, stack_res, texts,
+                                collector.world_size, held.note() if held else "")
         html = await _off_loop(lambda: request.app[TEMPLATES].get_template("index.html").render(
             title="Overview", failures=[], slow=_slow(request.app, result), **model))
         return _respond(fmt, html)

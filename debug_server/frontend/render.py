@@ -27,6 +27,7 @@ from debug_server.analysis import stackparse, tables
 from debug_server.analysis.ranks import format_rank_set, rank_ranges
 from debug_server.analysis.verdict import CATEGORY_MEANING
 from debug_server.fanout.transport import GONE, RankResult
+from debug_server.fanout.transport import OK as ANSWERED
 from debug_server.frontend.fetchfacts import FetchFacts
 from debug_server.frontend.lanes import lanes_view
 from debug_server.protocol.addrs import NOT_REGISTERED
@@ -224,6 +225,24 @@ def _seq(n: int) -> str:
     return "-" if n < 0 else str(n)
 
 
+def _at(at: Mapping[str, Any] | None) -> str:
+    return f"; at {at['summary']}" if at else ""
+
+
+def _not_ok(rec: RankResult | None, h: str, at: Mapping[str, Any] | None,
+            behind: Sequence[str] | None) -> tuple[str, str]:
+    """The state and detail of a rank that is not plainly OK on the overview."""
+    if rec is None or rec.status == NOT_REGISTERED:
+        return UNREGISTERED, (rec.error or rec.status) if rec else "no record"
+    if not rec.ok or rec.status == GONE:  # gone: its note says how, and how old its data is
+        return UNREACHABLE, rec.error or rec.note or rec.status
+    if behind is not None:
+        return BEHIND, f"behind on {', '.join(behind)}{_at(at)}"
+    if h.startswith("UNHEALTHY"):
+        return UNHEALTHY, f"{h}{_at(at)}"
+    return OK, f"{h or 'ok'}{_at(at)}"
+
+
 def overview_model(result: Mapping[str, Any], stacks: Sequence[RankResult],
                    health: Mapping[int, str], world_size: int,
                    health_note: str = "") -> dict[str, Any]:
@@ -245,21 +264,20 @@ def overview_model(result: Mapping[str, Any], stacks: Sequence[RankResult],
     more_problems = 0
     runs: list[list[Any]] = []
     counts = dict.fromkeys(RANK_STATES, 0)
+    # A healthy rank's detail by (health text, stack group): made once per pair, not per rank.
+    ok_detail: dict[tuple[str, int], str] = {}
     for rank in range(world_size):
         rec = reach.get(rank)
         h = health.get(rank, "")
         at = pos.get(rank)
-        where = f"; at {at['summary']}" if at else ""
-        if rec is None or rec.status == NOT_REGISTERED:
-            state, detail = UNREGISTERED, (rec.error or rec.status) if rec else "no record"
-        elif not rec.ok or rec.status == GONE:  # gone: its note says how, and how old its data is
-            state, detail = UNREACHABLE, rec.error or rec.note or rec.status
-        elif rank in behind:
-            state, detail = BEHIND, f"behind on {', '.join(behind[rank])}{where}"
-        elif h.startswith("UNHEALTHY"):
-            state, detail = UNHEALTHY, f"{h}{where}"
+        if rec is not None and rec.status == ANSWERED and rank not in behind and \
+                not h.startswith("UNHEALTHY"):
+            state = OK
+            detail = ok_detail.get((h, id(at)))
+            if detail is None:
+                detail = ok_detail[(h, id(at))] = f"{h or 'ok'}{_at(at)}"
         else:
-            state, detail = OK, f"{h or 'ok'}{where}"
+            state, detail = _not_ok(rec, h, at, behind.get(rank))
         if state != OK and rec is not None and rec.process is not None:
             detail += f"; process {procstate.describe(rec.process)}"
         counts[state] += 1
