@@ -91,6 +91,9 @@ for th in threads:
     th.start()
 for th in threads:
     th.join()
+# Ended as a job should: a plain return leaves gloo's threads to the interpreter's exit, which
+# aborts at random ("terminate called without an active exception"), with or without us.
+dist.destroy_process_group()
 print("DONE", flush=True)
 """
 
