@@ -92,7 +92,11 @@ def test_pages_outlive_rank_0_and_the_frontend_exits_once_the_job_is_gone(tmp_pa
         while not _missing_rank_2(base):
             assert time.monotonic() < deadline, _json(f"{base}/fr_trace?format=json")
             time.sleep(0.5)
-        assert _json(f"{base}/?format=json")["reachable"] == 3
+        # Every rank reachable (a loaded box may time one rank's stacks out on one page: the
+        # claim is that all three answer, not that each page's fetch beats the load).
+        while (overview := _json(f"{base}/?format=json"))["reachable"] != 3:
+            assert time.monotonic() < deadline, overview["ranks"]
+            time.sleep(0.5)
 
         os.kill(rank0, signal.SIGKILL)  # the OOM killer; the store it hosted goes with it
         killed_at, killed_wall = time.monotonic(), time.time()
