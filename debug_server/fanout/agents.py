@@ -278,10 +278,9 @@ class AgentRoute:
                   **({WITH_STACKS: "true"} if stacks is not None else {})}
         first: list[Any] = []
         tags: dict[str, str] = {}
+        # Ranks of "unchanged" replies -> their new read times (their dumps are the held ones,
+        # not yet copied: where the last cut is used again, that is what gets copied).
         snaps: dict[int, Any] = {}
-        """Ranks of "unchanged" replies: their new read times (their dumps are the held ones,
-        not yet copied: the window cut for the last page is copied instead where it is used
-        again)."""
         known = members.known_param()
         if known is None and len(plan) > 1:
             # This frontend holds no member list yet: one agent first, so the other agents'

@@ -66,6 +66,7 @@ def _runs_table(runs: Sequence[list[Any]], cells: list[dict[str, Any]]) -> str:
         classes.append(_ROW_CLASS.get(state, ""))
     return html_table(["ranks", "state", "worker", "reachability", "health"], rows, classes)
 
+# Grid states (a record's own status "ok" is ANSWERED here)
 OK, BEHIND, UNREACHABLE, UNHEALTHY, UNREGISTERED = (
     "ok", "behind", "unreachable", "unhealthy", "not registered")
 RANK_STATES = (BEHIND, UNHEALTHY, UNREACHABLE, UNREGISTERED, OK)
