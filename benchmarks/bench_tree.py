@@ -87,12 +87,37 @@ def _host_bodies(world: int, host: int, full: Mapping[str, Any], missing: Mappin
     results = [RankResult(r, url, OK, "", None, 0.002, 200) for r in ranks]
     stacks = [RankResult(r, url, OK, ff.STACK if r == _missing(world) else WAITING_STACK, None,
                          0.002, 200) for r in ranks]
-    health = [RankResult(r, url, OK, json.dumps({"status": "ok", "rank": r}), None, 0.001, 200)
-              for r in ranks]
+    health = list(ranks)  # answered per request (``_health_rows``): ages grow between polls
     fr = FrData(results, dumps, since)
     tag = f"fh{host}-{world}"
     return {"fr": fr, "results": results, "stacks": stacks, "tag": tag, "health": health,
             "parts": {}}
+
+
+HANG_T0 = time.time() - 120.0
+"""When the other ranks entered the all_reduce the missing rank never joins (a hang of 2 min
+when the bench starts): each a few µs apart (``_health_rows``)."""
+
+
+def _health_rows(world: int, ranks: list[int]) -> list[Any]:
+    """The ranks' health replies now, as a real job's ``torchcomms_health_check`` gives them: the
+    missing rank healthy with nothing in flight, every other one stalled in ``all_reduce``
+    #1999 with its own age (ms apart: one reply text per rank, as in a real job)."""
+    from debug_server.fanout.transport import OK, RankResult
+
+    now, gone = time.time(), _missing(world)
+    out = []
+    for r in ranks:
+        if r == gone:
+            h: dict[str, Any] = {"healthy": True, "stalled_op": None, "in_flight": 0,
+                                 "oldest_in_flight_s": None}
+        else:
+            age = round(now - HANG_T0 - (r % 4096) * 37e-6, 3)
+            h = {"healthy": False, "stalled_op": {"group": "main_comm", "seq": 1999,
+                                                  "op": "all_reduce", "age_s": age},
+                 "in_flight": 1, "oldest_in_flight_s": age}
+        out.append(RankResult(r, f"{CLOSED_URL}/r", OK, json.dumps(h), None, 0.001, 200))
+    return out
 
 
 def _host_app(world: int, first: int, last: int) -> Any:
@@ -108,6 +133,9 @@ def _host_app(world: int, first: int, last: int) -> Any:
 
     def grouped_body(h: int, kind: str) -> bytes:
         body = grouped.get((h, kind))
+        if kind == "health":  # a reply of its own each poll, as ages grow
+            rows, texts = hostreply.records(_health_rows(world, hosts[h][kind]), with_body=True)
+            return json.dumps({"host": f"fh{h}", "ranks": rows, "bodies": texts}).encode()
         if body is None:
             rows, texts = hostreply.records(hosts[h][kind], with_body=True)
             body = grouped[(h, kind)] = json.dumps(
@@ -346,6 +374,7 @@ def _measure(world: int, store_port: int, reps: int, pids: dict[str, list[int]],
             row[key + "_cpu"] = {g: (ff_cpu(p) - before[g]) / reps for g, p in groups.items()}
             row[key + "_bytes"] = {k: (_sent(v) - sent0[k]) / reps for k, v in side.items()}
             row[key + "_hwm_mb"] = ff.status_kb(proc.pid, "VmHWM") / 1024
+            row[key + "_page_kb"] = len(body) / 1024
             if spy is not None:
                 spy.send_signal(signal.SIGINT)
                 spy.wait(30)
@@ -368,6 +397,7 @@ def _measure(world: int, store_port: int, reps: int, pids: dict[str, list[int]],
                                         for g, p in groups.items()}
             m = re.search(rb"the hang watch&#39;s poll of (\d+) s ago", body)
             row["overview_health"] = f"held poll, {int(m.group(1))} s old" if m else "fetched"
+            row["overview_held_page_kb"] = len(body) / 1024
         _trace("done")
         row["rss_mb"] = ff.status_kb(proc.pid, "VmHWM") / 1024
         return row
@@ -469,12 +499,12 @@ def _print(row: dict[str, Any]) -> None:
         print(f"  {path:>10} {row[key]:6.2f} s   CPU s/page "
               + ", ".join(f"{k} {v:.2f}" for k, v in c.items())
               + "   bytes/page " + ", ".join(f"{k} {v / 1e6:.1f} MB" for k, v in b.items())
-              + f"   RSS peak so far {row[key + '_hwm_mb']:.0f} MB")
+              + f"   RSS peak so far {row[key + '_hwm_mb']:.0f} MB; page {row[key + '_page_kb']:.0f} KB")
     if "overview_held_s" in row:
         c = row["overview_held_cpu"]
         print(f"  {'/ (held)':>10} {row['overview_held_s']:6.2f} s   CPU s/page "
               + ", ".join(f"{k} {v:.2f}" for k, v in c.items())
-              + f"   ({row['overview_health']})")
+              + f"   ({row['overview_health']}; page {row['overview_held_page_kb']:.0f} KB)")
     print(f"  frontend RSS peak {row['rss_mb']:.0f} MB (after the first page "
           f"{row['rss_first_mb']:.0f} MB); /stacks shows rank "
           f"{_missing(row['ranks'])} apart: {row['stacks_apart']}")

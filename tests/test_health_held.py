@@ -87,7 +87,7 @@ def test_a_rank_unreachable_now_reads_unreachable_whatever_the_held_poll_said() 
     reach = [RankResult(0, "u0", OK, "stacks"), RankResult(1, "u1", OK, "stacks"),
              RankResult(2, "u2", UNREACHABLE, error="unreachable after 0.0 s (refused)"),
              RankResult(3, "u3", OK, "stacks")]
-    assert held.texts(reach) == {
+    assert held.texts(reach, 4) == {
         0: "UNHEALTHY: main_comm seq 4 all_reduce in flight for 30.0 s",
         1: "healthy",
         2: "health unknown (unreachable after 0.0 s (refused))",

@@ -274,10 +274,10 @@ async def index(request: web.Request) -> web.Response:
     if held is None:
         health, (fr, stack_res) = await asyncio.gather(
             collector.fetch(HEALTH_HANDLER, None, addrs), collector.fr_stacks(addrs))
-        texts = {h.rank: h.text() for h in parse_health(health)}
+        texts = health_held.column_texts(parse_health(health), collector.world_size)
     else:
         fr, stack_res = await collector.fr_stacks(addrs)
-        health, texts = stack_res, held.texts(stack_res)
+        health, texts = stack_res, held.texts(stack_res, collector.world_size)
     result = await _off_loop(analyze_fr, fr, stack_res, collector.world_size,
                              collector.digest_memo)
     if LAST_CYCLE in request.app:  # the job's window: /metrics' newest cycle

@@ -29,6 +29,14 @@ from debug_server.analysis.verdict import category_line
 from debug_server.fanout.collector import Collector
 from debug_server.fanout.pagefirst import poll_forever
 from debug_server.fanout.transport import TIMED_OUT, RankResult
+from debug_server.frontend.dumplists import (
+    MAX_ROWS,
+    PER_RANK_LISTING_MAX,
+    capped,
+    grouped_sections,
+    ranks_head,
+    ranks_text,
+)
 from debug_server.frontend.dumps import (
     DUMP_FILE_HANDLER,
     HANG_REPORT_PREFIX,
@@ -66,42 +74,148 @@ class RankHealth:
     healthy: bool | None
     """None when unknown (no answer, or a worker without a health check)."""
     stalled_op: dict[str, Any] | None = None
+    """The stalled op (``group``, ``seq``, ``op``); its ``age_s`` may be another rank's
+    (``parse_health`` shares it between ranks alike): this rank's is :attr:`op_age_s`."""
     info: dict[str, Any] = field(default_factory=dict)
-    """The whole health reply (``in_flight``, ``oldest_in_flight_s``...)."""
+    """The whole health reply (``in_flight``...), shared like ``stalled_op``: this rank's
+    ``oldest_in_flight_s`` is :attr:`oldest_s`."""
     error: str | None = None
+    op_age_s: float | None = None
+    """This rank's stalled op's age (from ``stalled_op`` when not given)."""
+    oldest_s: float | None = None
+    """This rank's oldest op in flight's age (from ``info`` when not given)."""
+
+    def __post_init__(self) -> None:
+        if self.op_age_s is None and self.stalled_op:
+            self.op_age_s = _num(self.stalled_op.get("age_s"))
+        if self.oldest_s is None and self.info:
+            self.oldest_s = _num(self.info.get("oldest_in_flight_s"))
+
+    def op_now(self) -> dict[str, Any] | None:
+        """The stalled op with this rank's own age."""
+        op = self.stalled_op
+        if op is None or op.get("age_s") == self.op_age_s:
+            return op
+        return {**op, "age_s": self.op_age_s}
 
     def text(self) -> str:
         """This rank's health in words: the overview's health column, the hang report's line."""
+        return kind_text(self.kind(), self.age())
+
+    def kind(self) -> HealthKind:
+        """This rank's health in words less its age: ranks of one kind read alike but for it."""
         if self.healthy is None:
-            return f"health unknown ({self.error or 'no answer'})"
+            return (f"health unknown ({self.error or 'no answer'})", "", "", "")
         if self.healthy:
-            return "healthy" + _in_flight(self.info)
+            n = self.info.get("in_flight")
+            if not isinstance(n, int) or n <= 0:
+                return ("healthy", "", "", "")
+            return (f"healthy ({n} op{'s' if n != 1 else ''} in flight", ", oldest {} s", ".0f",
+                    ")")
         op = self.stalled_op
         if op:
-            age = op.get("age_s")
-            age_s = f" in flight for {age:.1f} s" if isinstance(age, int | float) else ""
-            return f"UNHEALTHY: {op.get('group')} seq {op.get('seq')} {op.get('op')}{age_s}"
-        return f"UNHEALTHY: {self.error or 'stalled'}"
+            return (f"UNHEALTHY: {op.get('group')} seq {op.get('seq')} {op.get('op')}",
+                    " in flight for {} s", ".1f", "")
+        return (f"UNHEALTHY: {self.error or 'stalled'}", "", "", "")
+
+    def age(self) -> float | None:
+        """The age in this rank's words: its stalled op's, else its oldest op in flight's."""
+        if self.healthy is None:
+            return None
+        return self.op_age_s if self.healthy is False else self.oldest_s
 
     def line(self) -> str:
         return f"rank {self.rank}: {self.text()}"
 
 
-def _in_flight(info: Mapping[str, Any]) -> str:
-    n, oldest = info.get("in_flight"), info.get("oldest_in_flight_s")
-    if not isinstance(n, int) or n <= 0:
-        return ""
-    age = f", oldest {oldest:.0f} s" if isinstance(oldest, int | float) else ""
-    return f" ({n} op{'s' if n != 1 else ''} in flight{age})"
+def _num(v: Any) -> float | None:
+    return float(v) if isinstance(v, int | float) and not isinstance(v, bool) else None
+
+
+HealthKind = tuple[str, str, str, str]
+"""A health text less its age: (words, the age's words with ``{}`` for it, the age's format,
+words after the age)."""
+
+
+def kind_text(kind: HealthKind, lo: float | None, hi: float | None = None) -> str:
+    """The words of ``kind`` with an age, or with the range of ages ``lo``-``hi`` of ranks alike."""
+    head, around, fmt, tail = kind
+    if lo is None or not around:
+        return head + tail
+    low, high = format(lo, fmt), format(lo if hi is None else hi, fmt)
+    return head + around.format(low if low == high else f"{low}-{high}") + tail
+
+
+@dataclass(slots=True)
+class HealthClass:
+    """Ranks whose health reads alike but for its age, with the range of their ages."""
+
+    kind: HealthKind
+    ranks: list[int]
+    lo: float | None = None
+    hi: float | None = None
+
+    def text(self) -> str:
+        return kind_text(self.kind, self.lo, self.hi)
+
+
+def health_classes(health: Iterable[RankHealth]) -> list[HealthClass]:
+    """``health`` by kind, in the order kinds first come (ranks in the order they come)."""
+    out: dict[HealthKind, HealthClass] = {}
+    for h in health:
+        kind, age = h.kind(), h.age()
+        c = out.get(kind)
+        if c is None:
+            c = out[kind] = HealthClass(kind, [])
+        c.ranks.append(h.rank)
+        if age is not None:
+            c.lo = age if c.lo is None or age < c.lo else c.lo
+            c.hi = age if c.hi is None or age > c.hi else c.hi
+    return list(out.values())
+
+
+def class_texts(health: Iterable[RankHealth]) -> dict[int, str]:
+    """Each rank's health as its class's words (one text per class; ages as their range):
+    the overview's health column where ranks alike share one row (``render.CELLS_MAX``)."""
+    out: dict[int, str] = {}
+    for c in health_classes(health):
+        out.update(dict.fromkeys(c.ranks, c.text()))
+    return out
+
+
+def health_lines(health: Sequence[RankHealth], grouped: bool | None = None) -> list[str]:
+    """``rank N: <health>`` per rank; above ``PER_RANK_LISTING_MAX`` ranks (or ``grouped``),
+    ranks alike in one line, ``ranks 0-77776, 77778-131071: UNHEALTHY: ... in flight for
+    120.0-136.5 s`` (a rank alone keeps its own line), at most ``MAX_ROWS`` lines."""
+    if grouped is None:
+        grouped = len(health) > PER_RANK_LISTING_MAX
+    if not grouped:
+        return [h.line() for h in health]
+    by_rank = {h.rank: h for h in health}
+    rows = [(c.ranks, by_rank[c.ranks[0]].line() if len(c.ranks) == 1 else
+             f"{ranks_head(c.ranks, 'rank')} ({len(c.ranks)} ranks): {c.text()}")
+            for c in health_classes(health)]
+    rows.sort(key=lambda row: row[0][0])
+    return capped(rows)
+
+
+_AGES = ("stalled_op", "oldest_in_flight_s")
+"""The keys of a health reply that differ between ranks stalled in one op (``parse_health``)."""
 
 
 def parse_health(results: Sequence[RankResult]) -> list[RankHealth]:
-    """Health replies as records; a missing or malformed reply is ``healthy=None``."""
+    """Health replies as records; a missing or malformed reply is ``healthy=None``.
+
+    Replies that differ only in their ages (131071 ranks stalled in one op, polled ms apart)
+    share one ``info`` and one ``stalled_op`` dict, each record keeping its own ages
+    (``op_age_s``, ``oldest_s``): the held poll is one small record per rank, not three dicts.
+    """
     out = []
     # Through agents, ranks with the same reply share one body text (``agent_fetch``): each
     # distinct text is parsed once (16384 small parses were ~40 ms of the overview's loop).
     # The parsed dicts are shared between records and only read (``info``).
     parsed: dict[str, Any] = {}
+    shapes: dict[Any, tuple[dict[str, Any], dict[str, Any] | None]] = {}
     for r in results:
         if r.http_status == 404:  # a worker without the handler (torch's own, or the viewer's)
             out.append(RankHealth(r.rank, False, None, error=NO_HEALTH_CHECK))
@@ -119,8 +233,17 @@ def parse_health(results: Sequence[RankResult]) -> list[RankHealth]:
             out.append(RankHealth(r.rank, False, None, error="health reply is not understood"))
             continue
         op = h.get("stalled_op")
-        out.append(RankHealth(r.rank, True, h["healthy"], op if isinstance(op, dict) else None,
-                              info=h))
+        op = op if isinstance(op, dict) else None
+        age = _num(op.get("age_s")) if op is not None else None
+        oldest = _num(h.get("oldest_in_flight_s"))
+        try:  # the reply less its ages; an unhashable value (a list...) is shared with none
+            shape: Any = (tuple(kv for kv in h.items() if kv[0] not in _AGES),
+                          tuple(kv for kv in op.items() if kv[0] != "age_s") if op else None)
+            hash(shape)
+        except TypeError:
+            shape = None
+        first = shapes.setdefault(shape, (h, op)) if shape is not None else (h, op)
+        out.append(RankHealth(r.rank, True, h["healthy"], first[1], first[0], None, age, oldest))
     return out
 
 
@@ -144,8 +267,8 @@ class HangReport:
             "stamp": self.stamp,
             "time_unix": round(self.time_unix, 3),
             "time_iso": _iso(self.time_unix),
-            "trigger": [_health_json(h) for h in self.trigger],
-            "health": [_health_json(h) for h in self.health],
+            "trigger": health_json(self.trigger, len(self.health) > PER_RANK_LISTING_MAX),
+            "health": health_json(self.health),
             "verdict": self.result.get("verdict", ""),
             **({"slow_before": self.slow_before} if self.slow_before else {}),
             **({"category": self.result["category"], "next_step": self.result.get("next_step")}
@@ -157,9 +280,41 @@ class HangReport:
 
 
 def _health_json(h: RankHealth) -> dict[str, Any]:
-    return {"rank": h.rank, "healthy": h.healthy, "stalled_op": h.stalled_op,
-            "in_flight": h.info.get("in_flight"),
-            "oldest_in_flight_s": h.info.get("oldest_in_flight_s"), "error": h.error}
+    return {"rank": h.rank, "healthy": h.healthy, "stalled_op": h.op_now(),
+            "in_flight": h.info.get("in_flight"), "oldest_in_flight_s": h.oldest_s,
+            "error": h.error}
+
+
+def health_json(health: Sequence[RankHealth], grouped: bool | None = None
+                ) -> list[dict[str, Any]]:
+    """The report's ``health`` (and ``trigger``) entries: one per rank; above
+    ``PER_RANK_LISTING_MAX`` ranks (or ``grouped``), one per class of ranks alike
+    (``health_classes``) with ``ranks`` (range text), ``count``, the first rank's fields less
+    its ages and ``age_s``: [lowest, highest]; a rank alone keeps its own entry. At most
+    ``MAX_ROWS`` entries; a last one with ``left_out: true`` names the ranks of the rest."""
+    if grouped is None:
+        grouped = len(health) > PER_RANK_LISTING_MAX
+    if not grouped:
+        return [_health_json(h) for h in health]
+    by_rank = {h.rank: h for h in health}
+    rows: list[tuple[list[int], dict[str, Any]]] = []
+    for c in sorted(health_classes(health), key=lambda c: c.ranks[0]):
+        first = by_rank[c.ranks[0]]
+        if len(c.ranks) == 1:
+            rows.append((c.ranks, _health_json(first)))
+            continue
+        op = first.stalled_op
+        rows.append((c.ranks, {
+            "ranks": ranks_text(c.ranks), "count": len(c.ranks), "healthy": first.healthy,
+            "text": c.text(),
+            "stalled_op": {k: v for k, v in op.items() if k != "age_s"} if op else op,
+            "in_flight": first.info.get("in_flight"), "age_s": [c.lo, c.hi],
+            "error": first.error}))
+    out = [e for _, e in rows[:MAX_ROWS]]
+    if len(rows) > MAX_ROWS:
+        rest = sorted(r for ranks, _ in rows[MAX_ROWS:] for r in ranks)
+        out.append({"ranks": ranks_text(rest), "count": len(rest), "left_out": True})
+    return out
 
 
 def _iso(t: float) -> str:
@@ -200,13 +355,18 @@ def culprits_of(result: Mapping[str, Any], stacks: Mapping[int, str]) -> list[di
     return rows
 
 
-def render_text(rep: HangReport, fetch: FetchFacts, stacks: Mapping[int, str],
+def render_text(rep: HangReport, fetch: FetchFacts, stacks: Sequence[RankResult],
                 dumped: Sequence[RankResult] | None) -> str:
-    """The ``.txt`` report: trigger, verdict, culprits with their stacks, then the FR tables."""
+    """The ``.txt`` report: trigger, verdict, culprits with their stacks, then the FR tables.
+
+    Bounded at any job size: above ``PER_RANK_LISTING_MAX`` ranks, ranks whose health reads
+    alike share one line (``health_lines``), culprit lines stop at ``MAX_ROWS`` and the stacks
+    of the ranks shown are sections of ranks alike (``dumplists.grouped_sections``)."""
     lines = [f"=== Hang report {rep.stamp} ===",
              f"Written: {_iso(rep.time_unix)} (unix {rep.time_unix:.3f})",
-             "Trigger: " + "; ".join(h.line() for h in rep.trigger), "",
-             "=== Health ===", *(h.line() for h in rep.health), "",
+             "Trigger: " + "; ".join(health_lines(rep.trigger, len(rep.health) >
+                                                  PER_RANK_LISTING_MAX)), "",
+             "=== Health ===", *health_lines(rep.health), "",
              "=== Verdict ===", rep.result.get("verdict", "") or "(no verdict)",
              *([rep.slow_before] if rep.slow_before else [])]
     if rep.result.get("category"):
@@ -215,21 +375,28 @@ def render_text(rep: HangReport, fetch: FetchFacts, stacks: Mapping[int, str],
     lines.append("=== Culprits ===")
     if not rep.culprits:
         lines.append("(the analyzer found no culprit rank; see the stacks and tables below)")
+    rows = []
     for c in rep.culprits:
         w = c["where"]
         at = (f"{w['file']}:{w['line']} in {w['function']} ({w['summary']})" if w
               else "stack unavailable")
         proc = procstate.describe(c.get("process"))
-        lines.append(f"rank {c['rank']}: {c['kind']} {c.get('group_label') or c['group']} "
-                     f"seq {c['seq']} {c['op']}; "
-                     f"now at {at}" + (f"; process {proc}" if proc else ""))
+        rows.append(([c["rank"]], f"rank {c['rank']}: {c['kind']} "
+                     f"{c.get('group_label') or c['group']} seq {c['seq']} {c['op']}; "
+                     f"now at {at}" + (f"; process {proc}" if proc else "")))
+    lines += capped(rows)
     shown = sorted({c["rank"] for c in rep.culprits} | {h.rank for h in rep.trigger})
-    procs = {c["rank"]: c.get("process") for c in rep.culprits}
-    for rank in shown:
-        lines += ["", f"=== Rank {rank} stacks ==="]
-        if procs.get(rank):
-            lines.append(f"Process: {procstate.describe(procs[rank])}")
-        lines.append((stacks.get(rank) or "(unavailable)").rstrip("\n"))
+    if len(shown) > PER_RANK_LISTING_MAX:
+        by_rank = {r.rank: r for r in stacks}
+        lines += ["", grouped_sections([by_rank[r] for r in shown if r in by_rank], []).rstrip("\n")]
+    else:
+        texts = {r.rank: r.body for r in stacks if r.ok and r.body is not None}
+        procs = {c["rank"]: c.get("process") for c in rep.culprits}
+        for rank in shown:
+            lines += ["", f"=== Rank {rank} stacks ==="]
+            if procs.get(rank):
+                lines.append(f"Process: {procstate.describe(procs[rank])}")
+            lines.append((texts.get(rank) or "(unavailable)").rstrip("\n"))
     lines += ["", "=== Flight recorder ===", fr_trace_text(rep.result, fetch, dumped).rstrip("\n")]
     return "\n".join(lines) + "\n"
 
@@ -278,12 +445,17 @@ class HangWatch:
         """One health poll; returns the report when this poll wrote one."""
         addrs = await self.collector.registry.lookup()
         results = await self.collector.fetch(HEALTH_HANDLER, None, addrs)
-        health = parse_health(results)
+        # Off the loop: 131072 replies take a few hundred ms to read, which pages would wait.
+        health = await asyncio.get_running_loop().run_in_executor(None, parse_health, results)
+        # Timeouts in a row, kept for the ranks that time out only (not a count per rank).
+        timeouts, self._timeouts = self._timeouts, {}
         for r, h in zip(results, health, strict=True):
-            self._timeouts[r.rank] = self._timeouts.get(r.rank, 0) + 1 if r.status == TIMED_OUT else 0
-            if self._timeouts[r.rank] >= self.unresponsive_polls:
+            if r.status != TIMED_OUT:
+                continue
+            n = self._timeouts[r.rank] = timeouts.get(r.rank, 0) + 1
+            if n >= self.unresponsive_polls:
                 h.healthy = False
-                h.error = f"health check timed out {self._timeouts[r.rank]} times in a row"
+                h.error = f"health check timed out {n} times in a row"
         self.last = health
         self.last_at = time.monotonic()
         if self.cycle is not None:
@@ -298,7 +470,7 @@ class HangWatch:
             return None
         self.unhealthy = True
         logger.error("debug_server: job unhealthy: %s; writing hang report",
-                     "; ".join(h.line() for h in bad))
+                     "; ".join(health_lines(bad, len(health) > PER_RANK_LISTING_MAX)))
         return await self.write_report(bad, health, addrs)
 
     async def write_report(self, trigger: list[RankHealth], health: list[RankHealth],
@@ -324,7 +496,7 @@ class HangWatch:
         if self.before_hang is not None:
             rep.slow_before = self.before_hang({c["rank"] for c in rep.culprits})
         fetch = FetchFacts.of(fr)
-        rep.text = await loop.run_in_executor(None, render_text, rep, fetch, stack_texts, dumped)
+        rep.text = await loop.run_in_executor(None, render_text, rep, fetch, stacks, dumped)
         logger.error("debug_server: hang verdict: %s", result.get("verdict", ""))
         if self.dir is None:
             self.reports.append(stamp)
@@ -350,4 +522,5 @@ def report_stamp(now: float) -> str:
     return time.strftime(STAMP_FORMAT, time.localtime(now))
 
 
-__all__ = ["HangReport", "HangWatch", "RankHealth", "culprits_of", "parse_health"]
+__all__ = ["HangReport", "HangWatch", "HealthClass", "RankHealth", "class_texts", "culprits_of",
+           "health_classes", "health_json", "health_lines", "kind_text", "parse_health"]

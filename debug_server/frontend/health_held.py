@@ -23,9 +23,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from debug_server.fanout.transport import GONE, OK, RankResult
-from debug_server.frontend.hangreport import HangWatch, RankHealth
+from debug_server.frontend.hangreport import HangWatch, RankHealth, class_texts
+from debug_server.frontend.render import CELLS_MAX
 
-__all__ = ["MAX_AGE_POLLS", "HeldHealth", "held_health"]
+__all__ = ["MAX_AGE_POLLS", "HeldHealth", "column_texts", "held_health"]
 
 MAX_AGE_POLLS = 2.0
 """A held poll is used while it is younger than this many of the watch's poll intervals (the
@@ -44,7 +45,7 @@ class HeldHealth:
     interval_s: float
     """The watch's poll interval at this job size."""
 
-    def texts(self, reach: Sequence[RankResult]) -> dict[int, str]:
+    def texts(self, reach: Sequence[RankResult], world_size: int) -> dict[int, str]:
         """Each rank's health line: the held one, unless the rank does not answer now.
 
         ``reach``: this page's fresh records of every rank (its stacks fetch). A rank whose
@@ -52,7 +53,7 @@ class HeldHealth:
         line a fresh health fetch would give it, from that record, so a rank that died after
         the poll never reads as healthy.
         """
-        held = _held_texts(self.health)
+        held = _held_texts(self.health, world_size)
         ranks = {r.rank for r in reach}
         # Every rank of the poll and no other (the usual case): the poll's texts as they are,
         # less the ranks that do not answer now; else rank by rank.
@@ -70,15 +71,25 @@ class HeldHealth:
                 "reachability, the verdict and everything else on this page are fresh.")
 
 
-_TEXTS: list[tuple[Sequence[RankHealth], dict[int, str]]] = []
+def column_texts(health: Sequence[RankHealth], world_size: int) -> dict[int, str]:
+    """The overview's health column: each rank's health line; above ``render.CELLS_MAX`` ranks
+    (where the overview shows runs of ranks alike, not ranks) the line of its class of ranks
+    alike (``hangreport.class_texts``: ages as the class's range), so ranks stalled in one op
+    polled a few ms apart read alike and form one run, not one row each."""
+    if world_size > CELLS_MAX:
+        return class_texts(health)
+    return {h.rank: h.text() for h in health}
+
+
+_TEXTS: list[tuple[Sequence[RankHealth], int, dict[int, str]]] = []
 """The last poll's texts, made once per poll (not per overview: 131072 texts a page)."""
 
 
-def _held_texts(health: Sequence[RankHealth]) -> dict[int, str]:
-    if _TEXTS and _TEXTS[0][0] is health:
-        return _TEXTS[0][1]
-    texts = {h.rank: h.text() for h in health}
-    _TEXTS[:] = [(health, texts)]
+def _held_texts(health: Sequence[RankHealth], world_size: int) -> dict[int, str]:
+    if _TEXTS and _TEXTS[0][0] is health and _TEXTS[0][1] == world_size:
+        return _TEXTS[0][2]
+    texts = column_texts(health, world_size)
+    _TEXTS[:] = [(health, world_size, texts)]
     return texts
 
 

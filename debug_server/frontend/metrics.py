@@ -149,7 +149,7 @@ class CycleCollector(PromCollector):
                 healthy.add_metric([rank], 1 if h.healthy else 0)
             if h.answered:
                 in_flight.add_metric([rank], _num(h.info.get("in_flight")))
-                oldest.add_metric([rank], _num(h.info.get("oldest_in_flight_s")))
+                oldest.add_metric([rank], _num(h.oldest_s))
             op = h.stalled_op
             if op and isinstance(op.get("seq"), int):
                 stalled.add_metric([rank, str(op.get("group")), str(op.get("op"))], op["seq"])

@@ -265,18 +265,18 @@ def overview_model(result: Mapping[str, Any], stacks: Sequence[RankResult],
     more_problems = 0
     runs: list[list[Any]] = []
     counts = dict.fromkeys(RANK_STATES, 0)
-    # A healthy rank's detail by (health text, stack group): made once per pair, not per rank.
-    ok_detail: dict[tuple[str, int], str] = {}
+    # An answering rank's state and detail by (health text, stack group): made once per pair,
+    # not per rank (131071 ranks stalled in one op, or healthy at one place, are one pair).
+    answered: dict[tuple[str, int], tuple[str, str]] = {}
     for rank in range(world_size):
         rec = reach.get(rank)
         h = health.get(rank, "")
         at = pos.get(rank)
-        if rec is not None and rec.status == ANSWERED and rank not in behind and \
-                not h.startswith("UNHEALTHY"):
-            state = OK
-            detail = ok_detail.get((h, id(at)))
-            if detail is None:
-                detail = ok_detail[(h, id(at))] = f"{h or 'ok'}{_at(at)}"
+        if rec is not None and rec.status == ANSWERED and rank not in behind:
+            got = answered.get((h, id(at)))
+            if got is None:
+                got = answered[(h, id(at))] = _not_ok(rec, h, at, None)
+            state, detail = got
         else:
             state, detail = _not_ok(rec, h, at, behind.get(rank))
         if state != OK and rec is not None and rec.process is not None:
