@@ -8,8 +8,11 @@ shared the way the fan-out shares it; rank 77777, or world-1, never issues the l
 and sleeps; ranks 100-199 were unreachable), then each file the dumper writes, built by
 ``frontend.dumps``' builders: ``fr_snapshot`` (classes, ``snapshot.encode``; before: one dump per
 rank, ``snapshot.encode_per_rank``), ``stacks`` (``stacks_file``; before: ``stacks_report``, a
-section per rank) and the "Dump File" section (``dump_file_lines`` grouped; before: per rank).
-Printed: bytes and seconds of each, and the seconds to read the snapshot back (``expand``).
+section per rank), the "Dump File" section (``dump_file_lines`` grouped; before: per rank) and
+the hang report the hang watch writes (``hangreport.render_text`` and its JSON, every rank but
+the odd one stalled in the all_reduce with its own age; before: its health listing per rank,
+``health_lines``/``health_json`` ungrouped, alone). Printed: bytes and seconds of each, and the
+seconds to read the snapshot back (``expand``).
 """
 
 from __future__ import annotations
@@ -24,7 +27,8 @@ from fakefleet import rank_dumps
 from debug_server.fanout.reply import FrData, cut_all
 from debug_server.fanout.transport import OK, UNREACHABLE, RankResult
 from debug_server.frontend import dumps as dumper
-from debug_server.frontend import snapshot
+from debug_server.frontend import hangreport, snapshot
+from debug_server.frontend.fetchfacts import FetchFacts
 from debug_server.protocol import frwindow
 
 T0 = 1_800_000_000_000_000_000
@@ -102,6 +106,42 @@ def run_size(world: int, before: bool = True) -> None:
     print(_row("stacks", old, _timed(lambda: dumper.stacks_file(stacks))))
     old = _timed(lambda: dumper.dump_file_lines(pickles, grouped=False)) if before else None
     print(_row("Dump File", old, _timed(lambda: dumper.dump_file_lines(pickles))))
+    health = _health(stacks, odd)
+    old = _timed(lambda: [*hangreport.health_lines(health, grouped=False),
+                          json.dumps(hangreport.health_json(health, grouped=False))]
+                 ) if before else None
+    print(_row("hang report", old, _timed(lambda: _report(fr, stacks, pickles, health))))
+
+
+def _health(stacks: list[RankResult], odd: int) -> list[hangreport.RankHealth]:
+    """A hang polled: the odd rank healthy, the unreachable ones unknown, every other stalled in
+    all_reduce #1999 with its own age (ms apart)."""
+    out = []
+    for r in stacks:
+        if not r.ok:
+            out.append(hangreport.RankHealth(r.rank, False, None, error=r.error))
+        elif r.rank == odd:
+            out.append(hangreport.RankHealth(r.rank, True, True, None, {"in_flight": 0}))
+        else:
+            age = round(120 + r.rank * 37e-6, 3)
+            op = {"group": "main_comm", "seq": 1999, "op": "all_reduce", "age_s": age}
+            out.append(hangreport.RankHealth(r.rank, True, False, op, {"in_flight": 1}))
+    return out
+
+
+def _report(fr: FrData, stacks: list[RankResult], pickles: list[RankResult],
+            health: list[hangreport.RankHealth]) -> list[str]:
+    """The hang report's two files (``HangWatch.write_report``'s, less the fetch)."""
+    result = dumper.analyze_fr(fr, stacks, len(stacks))
+    texts = {r.rank: r.body for r in stacks if r.ok and r.body is not None}
+    rep = hangreport.HangReport("20261128_000000", time.time(), [h for h in health if h.healthy
+                                is False], health, result,
+                                hangreport.culprits_of(result, texts))
+    fetch = FetchFacts.of(fr)
+    rep.text = hangreport.render_text(rep, fetch, stacks, pickles)
+    return [rep.text, json.dumps({**rep.to_json(), "fr_window": fetch.window,
+                                  "dump_files": dumper.dump_file_lines(pickles)}, default=str,
+                                 indent=1)]
 
 
 def main() -> None:

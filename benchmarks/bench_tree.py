@@ -37,6 +37,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -356,6 +357,7 @@ def _measure(world: int, store_port: int, reps: int, pids: dict[str, list[int]],
     try:
         groups = {"frontend": [proc.pid], **pids}
         before = {g: ff_cpu(p) for g, p in groups.items()}
+        _rss_samples(proc)
         _trace("first /fr_trace")
         row["first_fr_s"], body = ff.timed_get(f"{base}/fr_trace?format=json")
         row["first_fr_cpu"] = {g: ff_cpu(p) - before[g] for g, p in groups.items()}
@@ -410,6 +412,27 @@ def _trace(what: str) -> None:
     of the frontend meanwhile)."""
     if os.environ.get("BENCH_TRACE"):
         print(f"{time.strftime('%H:%M:%S')} {what}", file=sys.stderr, flush=True)
+
+
+def _rss_samples(proc: subprocess.Popen[bytes]) -> None:
+    """``BENCH_TRACE=1``: the frontend's resident and peak MB each second they move by 16 MB
+    or more, on stderr (which page or poll holds what)."""
+    if not os.environ.get("BENCH_TRACE"):
+        return
+
+    def sample() -> None:
+        last = 0
+        while proc.poll() is None:
+            try:
+                rss, hwm = ff.status_kb(proc.pid) // 1024, ff.status_kb(proc.pid, "VmHWM") // 1024
+            except OSError:
+                return
+            if abs(rss - last) >= 16:
+                _trace(f"  RSS {rss} MB (peak {hwm} MB)")
+                last = rss
+            time.sleep(1.0)
+
+    threading.Thread(target=sample, daemon=True).start()
 
 
 def _profile(pid: int, key: str) -> subprocess.Popen[bytes] | None:

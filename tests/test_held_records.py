@@ -85,3 +85,23 @@ def test_new_addresses_give_new_records() -> None:
     # The same addresses in a new list (an aggregator makes its lists per ask): reused.
     same = [WorkerAddr(r, f"http://moved{r}") for r in range(4)]
     assert _parse(_reply([_row("0-3")]), same)[0][0] is again[0]
+
+
+def test_held_lists_stay_within_their_rank_budget() -> None:
+    """A value held per list keeps its list alive: lists no longer handed out (a new read of
+    the registry, a new split) leave as new ones come (they had piled up to 8192 lists)."""
+    from debug_server.fanout.agentreply import _PerList
+
+    made: list[int] = []
+    memo = _PerList(lambda rs: made.append(len(rs)) or len(rs), max_ranks=4096)
+    lists = [[WorkerAddr(r, f"u{r}") for r in range(i * 1024, (i + 1) * 1024)] for i in range(10)]
+    for rs in lists:
+        assert memo(rs) == 1024
+    assert memo(lists[-1]) == 1024 and len(made) == 10  # the newest is held
+    assert memo._ranks <= 4096 and len(memo._held) == 4
+    memo(lists[0])  # gone: made again
+    assert len(made) == 11
+    small = [WorkerAddr(0, "u0")]
+    memo(small)
+    memo(small)
+    assert len(made) == 13  # a host's few ranks are not held

@@ -11,6 +11,7 @@ its ranks asked directly: ``agents.AgentRoute``).
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -41,22 +42,30 @@ def keep_stacks(into: list[RankResult] | None, got: list[RankResult] | None) -> 
 class _PerList:
     """A value made from a ranks list, held by the list's identity: a route's plan hands the
     same lists page after page (``agents.AgentRoute.plan``), each read several times a page.
-    Lists of a host's few ranks are not held (they cost less to redo than to hold)."""
+    Lists of a host's few ranks are not held (they cost less to redo than to hold).
 
-    def __init__(self, make: Any, max_lists: int = 8192) -> None:
+    Held least recently used first out, within ``max_ranks`` ranks in all: a held value holds
+    its list alive, so lists that are no longer handed out (a new read of the registry, a new
+    split) go as new ones come, never piling up (they had: 3075 lists of 1024 ranks, one set
+    per read of the registry, at 131072 ranks)."""
+
+    def __init__(self, make: Any, max_ranks: int = 1 << 18) -> None:
         self._make = make
-        self._held: dict[int, tuple[Sequence[WorkerAddr], Any]] = {}
-        self._max = max_lists
+        self._held: OrderedDict[int, tuple[Sequence[WorkerAddr], Any]] = OrderedDict()
+        self._ranks = 0
+        self._max = max_ranks
 
     def __call__(self, rs: Sequence[WorkerAddr]) -> Any:
-        held = self._held.get(id(rs))
-        if held is not None and held[0] is rs:
+        held = self._held.get(id(rs))  # a held list is alive: its id is no other list's
+        if held is not None:
+            self._held.move_to_end(id(rs))
             return held[1]
         value = self._make(rs)
         if len(rs) >= 64:
-            if len(self._held) >= self._max:
-                self._held.clear()
             self._held[id(rs)] = (rs, value)
+            self._ranks += len(rs)
+            while self._ranks > self._max and len(self._held) > 1:
+                self._ranks -= len(self._held.popitem(last=False)[1][0])
         return value
 
 

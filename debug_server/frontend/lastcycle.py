@@ -64,13 +64,14 @@ class FrPart:
             status = dump.get("pg_status") if isinstance(dump, Mapping) else None
             if not isinstance(status, Mapping):
                 continue
+            label = str(rank)  # one text per rank for all its rows (131072 ranks x 3 keys)
             for group, st in sorted(status.items()):
                 if not isinstance(st, Mapping):
                     continue
                 for key in SEQ_KEYS:
                     v = st.get(key)
                     if isinstance(v, int) and not isinstance(v, bool):
-                        rows[key].append((str(rank), str(group), v))
+                        rows[key].append((label, str(group), v))
         findings = tuple(f for f in result.get("findings", [])
                          if f.get("severity", "error") == "error")
         now = time.monotonic()
