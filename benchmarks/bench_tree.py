@@ -34,9 +34,11 @@ import datetime
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Mapping
@@ -51,14 +53,67 @@ PAGES = (("fr_s", "/fr_trace"), ("overview_s", "/"), ("stacks_s", "/stacks"))
 CLOSED_URL = "http://127.0.0.1:9"  # a rank's own worker: never asked while its host answers
 
 
-WAITING_STACK = (
-    "Thread 0x00007f0000000001 (most recent call first):\n"
-    '  File "/torch/distributed/distributed_c10d.py", line 2806 in all_reduce\n'
-    '  File "/job/train.py", line 95 in step\n'
-    '  File "/job/train.py", line 120 in <module>\n'
+_THREADS = (
+    "Current thread 0x{t1} (most recent call first):\n"
+    '  File "/opt/debug_server/stacks.py", line 37 in capture_stacks\n'
+    "    faulthandler.dump_traceback(file=f, all_threads=True)\n"
+    '  File "/opt/debug_server/rank/worker.py", line 212 in stacks\n'
+    "    return capture_stacks()\n"
+    '  File "/usr/lib/python3.11/asyncio/events.py", line 80 in _run\n'
+    "    self._context.run(self._callback, *self._args)\n"
+    '  File "/usr/lib/python3.11/asyncio/base_events.py", line 1922 in _run_once\n'
+    "    handle._run()\n"
+    '  File "/usr/lib/python3.11/threading.py", line 975 in run\n'
+    "    self._target(*self._args, **self._kwargs)\n"
+    '  File "/usr/lib/python3.11/threading.py", line 1038 in _bootstrap_inner\n'
+    "    self.run()\n"
+    '  File "/usr/lib/python3.11/threading.py", line 995 in _bootstrap\n'
+    "    self._bootstrap_inner()\n"
+    "\n"
+    "Thread 0x{t2} (most recent call first):\n"
+    '  File "/usr/lib/python3.11/threading.py", line 324 in wait\n'
+    "    gotit = waiter.acquire(True, timeout)\n"
+    '  File "/usr/lib/python3.11/threading.py", line 622 in wait\n'
+    "    signaled = self._cond.wait(timeout)\n"
+    '  File "/opt/debug_server/recording/comms.py", line 301 in _watch\n'
+    "    self._wake.wait(self.interval)\n"
+    '  File "/usr/lib/python3.11/threading.py", line 975 in run\n'
+    "    self._target(*self._args, **self._kwargs)\n"
+    '  File "/usr/lib/python3.11/threading.py", line 1038 in _bootstrap_inner\n'
+    "    self.run()\n"
+    '  File "/usr/lib/python3.11/threading.py", line 995 in _bootstrap\n'
+    "    self._bootstrap_inner()\n"
+    "\n"
+    "Thread 0x{t0} (most recent call first):\n"
 )
-"""Where every rank but the missing one is: in the all_reduce it never joined (the missing one
-answers ``fakefleet.STACK``: ``hang_phase`` at train.py:88)."""
+WAITING_STACK = _THREADS + (
+    '  File "/torch/distributed/distributed_c10d.py", line 2806 in all_reduce\n'
+    "    work = group.allreduce([tensor], opts)\n"
+    '  File "/torch/distributed/c10d_logger.py", line 81 in wrapper\n'
+    "    return func(*args, **kwargs)\n"
+    '  File "/job/train.py", line 95 in step\n'
+    "    dist.all_reduce(grad)\n"
+    '  File "/job/train.py", line 120 in <module>\n'
+    "    step(model)\n"
+)
+"""Where every rank but the missing one is: in the all_reduce it never joined, as a rank's worker
+answers (faulthandler's text with source lines: the worker's own thread that dumped, a watchdog
+thread, the main thread), each rank with its own thread ids (``_stack``)."""
+MISSING_STACK = _THREADS + (
+    '  File "/job/train.py", line 88 in hang_phase\n'
+    "    time.sleep(3600)\n"
+    '  File "/job/train.py", line 120 in <module>\n'
+    "    step(model)\n"
+)
+"""The missing rank's: ``hang_phase`` at train.py:88."""
+
+
+def _stack(world: int, rank: int) -> str:
+    """Rank ``rank``'s stacks text: its own thread ids, as each process has (so no two ranks'
+    texts are equal; ranks alike differ only in their ids)."""
+    base = 0x7F0000000000 + rank * 0x100000
+    ids = {f"t{i}": f"{base + i * 0x1000:016x}" for i in range(3)}
+    return (MISSING_STACK if rank == _missing(world) else WAITING_STACK).format(**ids)
 
 
 def _missing(world: int) -> int:
@@ -86,7 +141,7 @@ def _host_bodies(world: int, host: int, full: Mapping[str, Any], missing: Mappin
     dumps = {r: {**frwindow.window(d, since), "dump_time_ns": now} for r, d in local.items()}
     url = f"{CLOSED_URL}/r"
     results = [RankResult(r, url, OK, "", None, 0.002, 200) for r in ranks]
-    stacks = [RankResult(r, url, OK, ff.STACK if r == _missing(world) else WAITING_STACK, None,
+    stacks = [RankResult(r, url, OK, _stack(world, r), None,
                          0.002, 200) for r in ranks]
     health = list(ranks)  # answered per request (``_health_rows``): ages grow between polls
     fr = FrData(results, dumps, since)
@@ -351,8 +406,13 @@ def _measure(world: int, store_port: int, reps: int, pids: dict[str, list[int]],
         finally:
             ff.end_process(proc)
     started = time.monotonic()
+    # With a dump dir, for the hang report the watch writes at its first poll of the hung job
+    # (the periodic dumps are left out: their first cycle is an hour away).
+    report_dir = tempfile.mkdtemp(prefix="bench_tree_")
     proc, port = ff.start_frontend(store=("127.0.0.1", store_port), world_size=world,
-                                   fetch_timeout=120.0)
+                                   fetch_timeout=120.0, dump_dir=report_dir,
+                                   dump_interval=3600.0)
+    ready_at = time.time()
     base = f"http://127.0.0.1:{port}"
     try:
         groups = {"frontend": [proc.pid], **pids}
@@ -387,6 +447,10 @@ def _measure(world: int, store_port: int, reps: int, pids: dict[str, list[int]],
             # column from the hang watch's last poll (``health_held``), not a fan-out of its own.
             poll_s = _poll_interval(world)
             time.sleep(max(0.0, started + poll_s + POLL_SETTLE_S - time.monotonic()))
+            # The watch's first poll finds the job hung and writes its one hang report: the
+            # held pages are timed after it (a report is once per stall, pages are every day).
+            row.update(_hang_report(report_dir, ready_at + poll_s, world))
+            time.sleep(POLL_SETTLE_S / 4)
             _trace("/ (held)")
             spy = _profile(proc.pid, "overview_held_s")
             before = {g: ff_cpu(p) for g, p in groups.items()}
@@ -405,6 +469,29 @@ def _measure(world: int, store_port: int, reps: int, pids: dict[str, list[int]],
         return row
     finally:
         ff.end_process(proc)
+        shutil.rmtree(report_dir, ignore_errors=True)
+
+
+REPORT_WAIT_S = 240.0
+
+
+def _hang_report(report_dir: str, due: float, world: int) -> dict[str, Any]:
+    """The hang report of the watch's first poll: seconds from that poll being due to its
+    ``.txt`` (bounded wait), both files' sizes, and whether it names the missing rank."""
+    _trace("waiting for the hang report")
+    deadline = time.monotonic() + REPORT_WAIT_S
+    while time.monotonic() < deadline:
+        txt = [f for f in os.listdir(report_dir) if f.startswith("hang_report_")
+               and f.endswith(".txt")]
+        if txt:
+            path = os.path.join(report_dir, txt[0])
+            text = open(path).read()
+            size_json = os.path.getsize(path[:-4] + ".json")
+            return {"report_s": os.path.getmtime(path) - due, "report_kb": len(text) / 1024,
+                    "report_json_kb": size_json / 1024,
+                    "report_names": f"rank {_missing(world)}: missing_ranks" in text}
+        time.sleep(0.5)
+    return {"report_s": None}
 
 
 def _trace(what: str) -> None:
@@ -425,7 +512,7 @@ def _rss_samples(proc: subprocess.Popen[bytes]) -> None:
         while proc.poll() is None:
             try:
                 rss, hwm = ff.status_kb(proc.pid) // 1024, ff.status_kb(proc.pid, "VmHWM") // 1024
-            except OSError:
+            except (OSError, RuntimeError):  # the frontend ended
                 return
             if abs(rss - last) >= 16:
                 _trace(f"  RSS {rss} MB (peak {hwm} MB)")
@@ -456,11 +543,11 @@ def ff_cpu(pids: list[int]) -> float:
 
 def _stacks_apart(html: bytes, world: int) -> bool:
     """The stacks page shows the missing rank apart from the others: a group of its own, the
-    first (odd ones first), at ``hang_phase``."""
+    first (odd ones first), at train.py:88 (``hang_phase``)."""
     h2 = re.findall(r"<h2>(.*?)</h2>", html.decode(errors="replace"))
     heads = [m.groups() for h in h2 if (m := re.match(r"(rank \d+|\d+ ranks): (.*)", h))]
     return bool(heads) and heads[0][0] == f"rank {_missing(world)}" and \
-        "hang_phase" in heads[0][1] and len(heads) == 2
+        "train.py:88" in heads[0][1] and len(heads) == 2
 
 
 def bench(world: int, reps: int, helpers: int, store_port: int, cold: bool,
@@ -528,6 +615,12 @@ def _print(row: dict[str, Any]) -> None:
         print(f"  {'/ (held)':>10} {row['overview_held_s']:6.2f} s   CPU s/page "
               + ", ".join(f"{k} {v:.2f}" for k, v in c.items())
               + f"   ({row['overview_health']}; page {row['overview_held_page_kb']:.0f} KB)")
+    if row.get("report_s") is not None:
+        print(f"  hang report: written {row['report_s']:.1f} s after the watch's first poll was "
+              f"due; .txt {row['report_kb']:.0f} KB, .json {row['report_json_kb']:.0f} KB; "
+              f"names rank {_missing(row['ranks'])} as missing: {row['report_names']}")
+    elif "report_s" in row:
+        print(f"  hang report: none within {REPORT_WAIT_S:.0f} s of the first poll")
     print(f"  frontend RSS peak {row['rss_mb']:.0f} MB (after the first page "
           f"{row['rss_first_mb']:.0f} MB); /stacks shows rank "
           f"{_missing(row['ranks'])} apart: {row['stacks_apart']}")

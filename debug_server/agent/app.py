@@ -191,6 +191,7 @@ async def _agent_fr(request: web.Request, q: Mapping[str, str]) -> web.Response:
         tag = hostreply.group_tag(q, fr.results, collector.route.last_key())
         hostreply.fold_notes(fr.results)
         hostreply.fold_notes(stacks)
+        hostreply.fold_stacks(stacks)
         if tag and q.get(TAG) == tag:
             return web.Response(text=hostreply.unchanged_reply(
                 request.app[HOST_ID], fr.results, tag, stacks, hostreply.dump_times(fr.dumps)),
@@ -261,6 +262,7 @@ async def _agent_stacks(request: web.Request, q: Mapping[str, str]) -> web.Respo
                                                   every=_flag(q, EVERY))
     if request.app[COLLECTOR].route is not None:
         hostreply.fold_notes(results)
+        hostreply.fold_stacks(results)
     rows, texts = hostreply.records(results, with_body=True)
     return web.json_response({"host": request.app[HOST_ID], RANKS: rows, "bodies": texts})
 

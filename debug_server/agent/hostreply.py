@@ -20,7 +20,7 @@ from debug_server.fanout import fastjson
 from debug_server.fanout.reply import FrData
 from debug_server.fanout.transport import RankResult
 from debug_server.protocol import addrs, members
-from debug_server.protocol.agentwire import TAG
+from debug_server.protocol.agentwire import TAG, stack_class
 from debug_server.protocol.names import WITH_STACKS
 
 
@@ -188,6 +188,23 @@ def fold_notes(results: Sequence[RankResult] | None) -> None:
             r.note = _HOST_NOTE.sub(HOST_NOTE, r.note)
 
 
+def fold_stacks(results: Sequence[RankResult] | None) -> None:
+    """An aggregator's records of its ranks' stacks: a text that reads as an earlier rank's but
+    for thread ids (``agentwire.stack_class``) becomes that rank's text object, so its ~1024
+    ranks waiting at one line are one row and one text on the way up, not one each (each
+    process prints its own thread ids). A rank's own ids are then its host agent's to show."""
+    first: dict[str, str] = {}
+    seen: dict[int, str] = {}
+    for r in results or ():
+        body = r.body
+        if not r.ok or body is None:
+            continue
+        shared = seen.get(id(body))
+        if shared is None:
+            shared = seen[id(body)] = first.setdefault(stack_class(body), body)
+        r.body = shared
+
+
 def dump_times(dumps: Mapping[int, Mapping[str, Any]]) -> dict[str, int | None]:
     """Each rank's read time from its parsed dump (an aggregator's ranks' bodies are parsed)."""
     return {str(r): t if type(t := d.get(SNAPSHOT_TIME_KEY)) is int else None
@@ -256,6 +273,6 @@ def with_part(host: str, results: Sequence[RankResult], tag: str, part: str,
     return head[:-1] + "," + part[1:]
 
 
-__all__ = ["HOST_NOTE", "data_part", "dump_times", "fold_notes", "fr_tag", "group_tag", "read_times", "records",
+__all__ = ["HOST_NOTE", "data_part", "dump_times", "fold_notes", "fold_stacks", "fr_tag", "group_tag", "read_times", "records",
            "share_frames", "share_lists", "share_same", "signatures", "stacks_part",
            "unchanged_reply", "with_part"]

@@ -6,6 +6,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from debug_server.analysis import stackparse
+from debug_server.protocol.agentwire import stack_class
 
 __all__ = ["group_stacks", "stack_groups"]
 
@@ -24,13 +25,18 @@ def group_stacks(
     stacks: Mapping[int, str], notes: list[str]
 ) -> tuple[list[dict[str, Any]], dict[int, stackparse.Position]]:
     """:func:`stack_groups` and each rank's position; an unparseable text becomes a note."""
-    # Ranks by text first (at 131072 ranks a few distinct texts): each text parsed once, each
-    # rank's position put in by class, not one lookup chain per rank.
+    # Ranks by text first, less thread ids (each process prints its own: 131072 texts, a few
+    # classes): each class parsed once, each rank's position put in by class, not one lookup
+    # chain per rank. Ranks alike share one text object on the way up: made a class once.
     by_text: dict[str, list[int]] = {}
+    class_of: dict[int, str] = {}
     for r, text in stacks.items():
-        rs = by_text.get(text)
+        key = class_of.get(id(text))
+        if key is None:
+            key = class_of[id(text)] = stack_class(text)
+        rs = by_text.get(key)
         if rs is None:
-            by_text[text] = [r]
+            by_text[key] = [r]
         else:
             rs.append(r)
     by_summary: dict[tuple[str, bool], list[int]] = {}

@@ -8,12 +8,12 @@ answer with the ranks that gave it, a rank alone in today's per-rank form, and a
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from debug_server.analysis.ranks import format_ranks
 from debug_server.fanout.transport import GONE, RankResult
+from debug_server.protocol.agentwire import stack_class
 from debug_server.readers import procstate
 
 __all__ = ["MAX_ROWS", "MAX_STACKS_FILE_CHARS", "PER_RANK_LISTING_MAX", "capped", "failure_rows", "ranks_text",
@@ -27,7 +27,6 @@ MAX_ROWS = 200
 MAX_STACKS_FILE_CHARS = 512 * 1024
 """``stacks_<ts>.txt`` keeps within this (sections past it are counted and their ranks named)."""
 _RANKS_TEXT_CHARS = 2000
-_THREAD_ID = re.compile(r"\b([Tt]hread) (0x[0-9a-fA-F]+|\d+)\b")
 
 
 def ranks_text(ranks: Sequence[int]) -> str:
@@ -100,7 +99,7 @@ def _stack_key(r: RankResult, memo: dict[int, str]) -> tuple[Any, ...]:
     body = r.body or ""
     norm = memo.get(id(body))
     if norm is None:  # ranks alike share one text object (the fan-out's): normalized once
-        norm = memo[id(body)] = _THREAD_ID.sub(r"\1 <id>", body.rstrip("\n"))
+        norm = memo[id(body)] = stack_class(body)
     state = r.process.get("state") if isinstance(r.process, Mapping) else None
     return ("ok", norm, r.note if r.status == GONE else None, state, r.process is not None)
 

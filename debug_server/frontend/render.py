@@ -31,6 +31,7 @@ from debug_server.fanout.transport import OK as ANSWERED
 from debug_server.frontend.fetchfacts import FetchFacts
 from debug_server.frontend.lanes import lanes_view
 from debug_server.protocol.addrs import NOT_REGISTERED
+from debug_server.protocol.agentwire import stack_class
 from debug_server.readers import procstate
 
 logger = logging.getLogger(__name__)
@@ -453,13 +454,19 @@ def stacks_model(results: Sequence[RankResult], *, path: str = "/stacks",
     """Ranks with identical stacks grouped (keyed on all frames, native ones included), the
     odd ones (smallest groups) first; ``path`` and ``native`` keep the page's links."""
     by_key: dict[tuple[Any, ...], list[RankResult]] = {}
-    keys: dict[str, tuple[Any, ...]] = {}  # a text's key, parsed once (a few texts at 131072)
+    # A text's key, parsed once per class of texts alike but for thread ids (131072 texts, a
+    # few classes); ranks alike share one text object on the way up: made a class once.
+    keys: dict[str, tuple[Any, ...]] = {}
+    class_of: dict[int, str] = {}
     for r in results:
         if r.ok:
             text = r.body or ""
-            key = keys.get(text)
+            cls = class_of.get(id(text))
+            if cls is None:
+                cls = class_of[id(text)] = stack_class(text)
+            key = keys.get(cls)
             if key is None:
-                key = keys[text] = _stack_key(text)
+                key = keys[cls] = _stack_key(text)
         else:
             key = ("failed", r.status)
         by_key.setdefault(key, []).append(r)
