@@ -14,7 +14,11 @@ the real agent's reply code (``agent.hostreply``) from 8 fake ranks' windows (20
 "unchanged" reply. So the fake host's own work per page (its agent asking 8 ranks: ~15-40 ms on
 its own host, in parallel with every other host) is not on this box; one host agent's page is
 timed apart (``bench_agents.py``). Rank 77777 (else the last rank) never issued the newest
-all_reduce.
+all_reduce. What the fake ranks answer is what a real hung job's ranks answer: each its own
+stack text (its own thread ids; three threads with source lines, 1.8 KB), and health stalled in
+that all_reduce with its own age (ms apart), the missing rank healthy; so the hang watch's first
+poll writes a hang report (into a dump dir of the bench's), which the bench waits for, times
+and checks before it times the overview from that poll (``--wait-poll``).
 
     python benchmarks/bench_tree.py --ranks 4096 16384 65536 131072 --reps 3
 

@@ -192,3 +192,15 @@ def test_loopback_is_the_last_resort_and_says_so(monkeypatch: Any) -> None:
     monkeypatch.setattr(discovery, "interface_addresses", lambda: ["127.0.0.1"])
     adv = advertise(None, "master", 29500)
     assert (adv.host, adv.reachable) == ("127.0.0.1", False)
+
+
+def test_sidecars_read_as_one_array_or_each_on_its_own() -> None:
+    from debug_server.protocol.addrs import meta_dict, meta_dicts
+
+    raws = {0: b'{"restart": 0, "pid": 5}', 3: b'{"restart": 0, "pid": 6}', 7: b"[1]"}
+    assert meta_dicts(raws) == {0: {"restart": 0, "pid": 5}, 3: {"restart": 0, "pid": 6}, 7: None}
+    # One value that is not JSON, or that reads as two items: each value on its own.
+    for bad in (b"{oops", b'{"a": 1}, {"b": 2}', b""):
+        got = meta_dicts({**raws, 9: bad})
+        assert got == {**meta_dicts(raws), 9: meta_dict(bad)} and got[9] is None
+    assert meta_dicts({}) == {}

@@ -24,7 +24,7 @@ from debug_server.protocol.addrs import (
     NOT_REGISTERED,
     PREFIX,
     WorkerAddr,
-    meta_dict,
+    meta_dicts,
     meta_key,
     stale_reason,
     url_key,
@@ -103,13 +103,14 @@ def lookup_workers(store: dist.Store, world_size: int, restart_count: int) -> li
         store, [meta_key(r) for r in present_ranks]), strict=True) if here]
     got_urls = _multi_get(store, present_ranks, url_key)
     got_metas = _multi_get(store, with_meta, meta_key)
+    metas = meta_dicts(got_metas)
     out: list[WorkerAddr] = []
     for rank in range(world_size):
         if rank not in got_urls:
             out.append(WorkerAddr(rank, None, NOT_REGISTERED))
             continue
         raw = got_metas.get(rank)
-        meta = meta_dict(raw)
+        meta = metas.get(rank)
         # Parsed once: a sidecar of this restart is fine as it is (the usual case).
         stale = None if meta is not None and type(meta.get("restart")) is int and \
             meta["restart"] == restart_count else stale_reason(raw, restart_count)
