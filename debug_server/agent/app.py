@@ -190,7 +190,6 @@ async def _agent_fr(request: web.Request, q: Mapping[str, str]) -> web.Response:
             fr = await collector.fr(addrs=addrs)
         tag = hostreply.group_tag(q, fr.results, collector.route.last_key())
         hostreply.fold_notes(fr.results)
-        hostreply.fold_notes(stacks)
         hostreply.fold_stacks(stacks)
         if tag and q.get(TAG) == tag:
             return web.Response(text=hostreply.unchanged_reply(
@@ -261,7 +260,6 @@ async def _agent_stacks(request: web.Request, q: Mapping[str, str]) -> web.Respo
     results = await request.app[COLLECTOR].stacks(addrs, native=_flag(q, NATIVE),
                                                   every=_flag(q, EVERY))
     if request.app[COLLECTOR].route is not None:
-        hostreply.fold_notes(results)
         hostreply.fold_stacks(results)
     rows, texts = hostreply.records(results, with_body=True)
     return web.json_response({"host": request.app[HOST_ID], RANKS: rows, "bodies": texts})

@@ -189,10 +189,12 @@ def fold_notes(results: Sequence[RankResult] | None) -> None:
 
 
 def fold_stacks(results: Sequence[RankResult] | None) -> None:
-    """An aggregator's records of its ranks' stacks: a text that reads as an earlier rank's but
-    for thread ids (``agentwire.stack_class``) becomes that rank's text object, so its ~1024
-    ranks waiting at one line are one row and one text on the way up, not one each (each
-    process prints its own thread ids). A rank's own ids are then its host agent's to show."""
+    """An aggregator's records of its ranks' stacks: their notes folded (``fold_notes``), and a
+    text that reads as an earlier rank's but for thread ids (``agentwire.stack_class``) becomes
+    that rank's text object, so its ~1024 ranks waiting at one line are one row and one text on
+    the way up, not one each (each process prints its own thread ids). A rank's own ids are
+    then its host agent's to show."""
+    fold_notes(results)
     first: dict[str, str] = {}
     seen: dict[int, str] = {}
     for r in results or ():
