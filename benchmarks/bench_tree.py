@@ -57,6 +57,15 @@ PAGES = (("fr_s", "/fr_trace"), ("overview_s", "/"), ("stacks_s", "/stacks"))
 CLOSED_URL = "http://127.0.0.1:9"  # a rank's own worker: never asked while its host answers
 
 
+_BOOTSTRAP = (
+    '  File "/usr/lib/python3.11/threading.py", line 975 in run\n'
+    "    self._target(*self._args, **self._kwargs)\n"
+    '  File "/usr/lib/python3.11/threading.py", line 1038 in _bootstrap_inner\n'
+    "    self.run()\n"
+    '  File "/usr/lib/python3.11/threading.py", line 995 in _bootstrap\n'
+    "    self._bootstrap_inner()\n"
+)
+"""The outer frames of every thread a rank's Python started (``threading``)."""
 _THREADS = (
     "Current thread 0x{t1} (most recent call first):\n"
     '  File "/opt/debug_server/stacks.py", line 37 in capture_stacks\n'
@@ -67,12 +76,7 @@ _THREADS = (
     "    self._context.run(self._callback, *self._args)\n"
     '  File "/usr/lib/python3.11/asyncio/base_events.py", line 1922 in _run_once\n'
     "    handle._run()\n"
-    '  File "/usr/lib/python3.11/threading.py", line 975 in run\n'
-    "    self._target(*self._args, **self._kwargs)\n"
-    '  File "/usr/lib/python3.11/threading.py", line 1038 in _bootstrap_inner\n'
-    "    self.run()\n"
-    '  File "/usr/lib/python3.11/threading.py", line 995 in _bootstrap\n'
-    "    self._bootstrap_inner()\n"
+    + _BOOTSTRAP +
     "\n"
     "Thread 0x{t2} (most recent call first):\n"
     '  File "/usr/lib/python3.11/threading.py", line 324 in wait\n'
@@ -81,12 +85,7 @@ _THREADS = (
     "    signaled = self._cond.wait(timeout)\n"
     '  File "/opt/debug_server/recording/comms.py", line 301 in _watch\n'
     "    self._wake.wait(self.interval)\n"
-    '  File "/usr/lib/python3.11/threading.py", line 975 in run\n'
-    "    self._target(*self._args, **self._kwargs)\n"
-    '  File "/usr/lib/python3.11/threading.py", line 1038 in _bootstrap_inner\n'
-    "    self.run()\n"
-    '  File "/usr/lib/python3.11/threading.py", line 995 in _bootstrap\n'
-    "    self._bootstrap_inner()\n"
+    + _BOOTSTRAP +
     "\n"
     "Thread 0x{t0} (most recent call first):\n"
 )
