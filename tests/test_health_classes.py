@@ -176,3 +176,21 @@ def test_replies_alike_but_for_their_ages_share_their_dicts_and_keep_their_own_a
     assert health_json(got[:4])[3]["oldest_in_flight_s"] == 120.003
     # A reply with an unhashable value is its own, and still read.
     assert got[4].healthy is False and got[4].info == {"healthy": False, "x": [1]}
+
+
+def test_a_reply_without_an_age_does_not_take_the_age_of_one_it_shares_dicts_with() -> None:
+    bodies = ['{"healthy": true, "in_flight": 2, "oldest_in_flight_s": 3.2}',
+              '{"healthy": true, "in_flight": 2}',
+              '{"healthy": false, "in_flight": 1, "stalled_op": {"group": "g", "seq": 7, '
+              '"op": "all_reduce", "age_s": 61.5}}',
+              '{"healthy": false, "in_flight": 1, "stalled_op": {"group": "g", "seq": 7, '
+              '"op": "all_reduce"}}']
+    got = parse_health([RankResult(r, f"http://h:{r}", OK, b) for r, b in enumerate(bodies)])
+    assert got[0].info is got[1].info and got[2].stalled_op is got[3].stalled_op
+    assert [(h.op_age_s, h.oldest_s) for h in got] == [(None, 3.2), (None, None), (61.5, None),
+                                                        (None, None)]
+    assert [h.text() for h in got] == [
+        "healthy (2 ops in flight, oldest 3 s)", "healthy (2 ops in flight)",
+        "UNHEALTHY: g seq 7 all_reduce in flight for 61.5 s", "UNHEALTHY: g seq 7 all_reduce"]
+    assert health_json(got)[3]["stalled_op"] == {"group": "g", "seq": 7, "op": "all_reduce",
+                                                 "age_s": None}

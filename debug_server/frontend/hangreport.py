@@ -243,7 +243,10 @@ def parse_health(results: Sequence[RankResult]) -> list[RankHealth]:
         except TypeError:
             shape = None
         first = shapes.setdefault(shape, (h, op)) if shape is not None else (h, op)
-        out.append(RankHealth(r.rank, True, h["healthy"], first[1], first[0], None, age, oldest))
+        rec = RankHealth(r.rank, True, h["healthy"], first[1], first[0])
+        # Its own ages, None ones too: the shared dicts' are the first such rank's.
+        rec.op_age_s, rec.oldest_s = age, oldest
+        out.append(rec)
     return out
 
 

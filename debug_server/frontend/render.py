@@ -231,9 +231,9 @@ def _at(at: Mapping[str, Any] | None) -> str:
     return f"; at {at['summary']}" if at else ""
 
 
-def _not_ok(rec: RankResult | None, h: str, at: Mapping[str, Any] | None,
+def _state(rec: RankResult | None, h: str, at: Mapping[str, Any] | None,
             behind: Sequence[str] | None) -> tuple[str, str]:
-    """The state and detail of a rank that is not plainly OK on the overview."""
+    """A rank's state and detail on the overview (``behind``: its groups where it is behind)."""
     if rec is None or rec.status == NOT_REGISTERED:
         return UNREGISTERED, (rec.error or rec.status) if rec else "no record"
     if not rec.ok or rec.status == GONE:  # gone: its note says how, and how old its data is
@@ -276,10 +276,10 @@ def overview_model(result: Mapping[str, Any], stacks: Sequence[RankResult],
         if rec is not None and rec.status == ANSWERED and rank not in behind:
             got = answered.get((h, id(at)))
             if got is None:
-                got = answered[(h, id(at))] = _not_ok(rec, h, at, None)
+                got = answered[(h, id(at))] = _state(rec, h, at, None)
             state, detail = got
         else:
-            state, detail = _not_ok(rec, h, at, behind.get(rank))
+            state, detail = _state(rec, h, at, behind.get(rank))
         if state != OK and rec is not None and rec.process is not None:
             detail += f"; process {procstate.describe(rec.process)}"
         counts[state] += 1

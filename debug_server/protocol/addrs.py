@@ -81,7 +81,9 @@ def meta_dict(raw: bytes | None) -> dict[str, Any] | None:
 def meta_dicts(raws: Mapping[int, bytes]) -> dict[int, dict[str, Any] | None]:
     """:func:`meta_dict` of many ranks' values, read as one JSON array where they make one of
     as many items (one parse: 131072 sidecars in 0.18 s, not 0.57 s, and their keys' texts
-    shared); else, a value that is not one JSON item, each on its own."""
+    shared); else, a value that is not one JSON item, each on its own. (Values made to read as
+    two items where two others read as one would shift sidecars between ranks: only a writer
+    of the store can make them, who can as well register any worker.)"""
     if raws:
         try:
             got = json.loads(b"[" + b",".join(raws.values()) + b"]")
