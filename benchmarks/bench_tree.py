@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import datetime
 import json
 import os
@@ -130,6 +131,7 @@ def _missing(world: int) -> int:
 def _host_bodies(world: int, host: int, full: Mapping[str, Any], missing: Mapping[str, Any],
                  ) -> dict[str, Any]:
     """One host's replies, made by the agent's own reply code (``hostreply``)."""
+    from debug_server.agent import hostreply
     from debug_server.fanout.reply import FrData
     from debug_server.fanout.transport import OK, RankResult
     from debug_server.protocol import frwindow
@@ -146,11 +148,14 @@ def _host_bodies(world: int, host: int, full: Mapping[str, Any], missing: Mappin
     results = [RankResult(r, url, OK, "", None, 0.002, 200) for r in ranks]
     stacks = [RankResult(r, url, OK, _stack(world, r), None,
                          0.002, 200) for r in ranks]
+    # What a host agent sends an aggregator, which asks for stacks by class (agentwire.CLASSES)
+    classes = [dataclasses.replace(r) for r in stacks]
+    hostreply.fold_stacks(classes)
     health = list(ranks)  # answered per request (``_health_rows``): ages grow between polls
     fr = FrData(results, dumps, since)
     tag = f"fh{host}-{world}"
-    return {"fr": fr, "results": results, "stacks": stacks, "tag": tag, "health": health,
-            "parts": {}}
+    return {"fr": fr, "results": results, "stacks": stacks, "classes": classes, "tag": tag,
+            "health": health, "parts": {}}
 
 
 HANG_T0 = time.time() - 120.0
@@ -183,7 +188,7 @@ def _host_app(world: int, first: int, last: int) -> Any:
     from aiohttp import web
 
     from debug_server.agent import hostreply
-    from debug_server.protocol import frwindow, members
+    from debug_server.protocol import agentwire, frwindow, members
 
     full, missing = (frwindow.local_window(d) for d in ff.rank_dumps(world))
     hosts = {h: _host_bodies(world, h, full, missing) for h in range(first, last)}
@@ -208,8 +213,9 @@ def _host_app(world: int, first: int, last: int) -> Any:
         b = hosts.get(h)
         if b is None:
             raise web.HTTPNotFound()
+        classes = q.get(agentwire.CLASSES) == "true"
         if name == "agent_fr":
-            stacks = b["stacks"] if q.get("stacks") == "true" else None
+            stacks = b["classes" if classes else "stacks"] if q.get("stacks") == "true" else None
             if q.get("tag") == b["tag"]:
                 t = time.time_ns()
                 for r in b["results"]:
@@ -225,7 +231,7 @@ def _host_app(world: int, first: int, last: int) -> Any:
                                            hostreply.dump_times(b["fr"].dumps))
             body = text.encode()
         elif name == "agent_stacks":
-            body = grouped_body(h, "stacks")
+            body = grouped_body(h, "classes" if classes else "stacks")
         elif name == "agent_fetch":
             body = grouped_body(h, "health")
         else:
@@ -312,7 +318,7 @@ async def _serve_groups(first: int, last: int, world: int, store_port: int) -> N
                                       TREE_HOSTS, timeout=30.0)
         directory = AgentDirectory("127.0.0.1", store_port, 0, timeout=30.0, tree=False)
         app = make_agent_app(registry, tree.group_id(g), fetch_timeout=120.0,
-                             max_concurrency=TREE_HOSTS, route=agent_route(directory))
+                             max_concurrency=TREE_HOSTS, route=agent_route(directory, classes=True))
         app.middlewares.append(count)
         apps.append(app)
         registries.append(registry)
@@ -433,7 +439,7 @@ def _measure(world: int, store_port: int, reps: int, pids: dict[str, list[int]],
         row["via_agg"] = sum(1 for r in fr["ranks"] if "via agent agg-" in (r.get("note") or ""))
         for key, path in PAGES:
             _trace(path)
-            spy = _profile(proc.pid, key)
+            spy = _profile(groups, key)
             before = {g: ff_cpu(p) for g, p in groups.items()}
             sent0 = {k: _sent(v) for k, v in side.items()}
             row[key], body = ff.median_of(
@@ -457,7 +463,7 @@ def _measure(world: int, store_port: int, reps: int, pids: dict[str, list[int]],
             row.update(_hang_report(report_dir, ready_at + poll_s, world))
             time.sleep(POLL_SETTLE_S / 4)
             _trace("/ (held)")
-            spy = _profile(proc.pid, "overview_held_s")
+            spy = _profile(groups, "overview_held_s")
             before = {g: ff_cpu(p) for g, p in groups.items()}
             row["overview_held_s"], body = ff.median_of(
                 lambda: ff.timed_get(f"{base}/", "text/html"), reps)
@@ -527,12 +533,14 @@ def _rss_samples(proc: subprocess.Popen[bytes]) -> None:
     threading.Thread(target=sample, daemon=True).start()
 
 
-def _profile(pid: int, key: str) -> subprocess.Popen[bytes] | None:
+def _profile(groups: dict[str, list[int]], key: str) -> subprocess.Popen[bytes] | None:
     """``BENCH_PROFILE=<dir>``: py-spy's raw stacks of the frontend during one kind of page
-    (``BENCH_PROFILE_GIL=1``: of the thread holding the GIL only)."""
+    (``BENCH_PROFILE_GIL=1``: of the thread holding the GIL only; ``BENCH_PROFILE_OF=aggregators``
+    or ``fake hosts``: of that level's first helper process instead)."""
     out = os.environ.get("BENCH_PROFILE")
     if not out:
         return None
+    pid = groups[os.environ.get("BENCH_PROFILE_OF", "frontend")][0]
     # BENCH_PROFILE_GIL=1: only the thread holding the GIL (where the CPU goes, not who waits).
     gil = ["--gil"] if os.environ.get("BENCH_PROFILE_GIL") else []
     spy = subprocess.Popen(["py-spy", "record", "-p", str(pid), "-r", "200", "--format", "raw",

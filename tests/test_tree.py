@@ -112,6 +112,30 @@ def test_stacks_come_up_the_tree_and_show_rank_5_asleep(job: dict[str, Any]) -> 
     assert f"line {HANG_LINE} in <module>" in ranks[STUCK]["stacks"], ranks[STUCK]["stacks"]
 
 
+def test_a_host_agent_sends_stacks_by_class_where_its_aggregator_asks_so(
+        job: dict[str, Any]) -> None:
+    """Asked as an aggregator asks (``agentwire.CLASSES``), a host agent sends its two ranks
+    waiting in all_reduce as one text (their thread ids differ); asked as a frontend asks, each
+    rank's own text. Both ways, on both routes that carry stacks."""
+    from httpget import post
+
+    from debug_server.protocol import agentwire
+
+    host = _store_json(job["store_port"], [f"agent/{_host(0)}"])[f"agent/{_host(0)}"]
+    base = f"{host['url'].rstrip('/')}/handler"
+    asks = {agentwire.STACKS: "", agentwire.FR: "&stacks=true"}
+    for route, more in asks.items():
+        texts = {}
+        for classes in ("", f"&{agentwire.CLASSES}=true"):
+            status, body = post(f"{base}/{route}?ranks=0-1{more}{classes}")
+            assert status == 200, body
+            obj = json.loads(body)
+            texts[classes] = (obj["stacks"] if route == agentwire.FR else obj)["bodies"]
+        own, folded = texts[""], texts[f"&{agentwire.CLASSES}=true"]
+        assert len(own) == 2 and own[0] != own[1], (route, own)
+        assert folded == own[:1], (route, folded)
+
+
 def test_a_dead_aggregator_is_bypassed_through_its_host_agents(job: dict[str, Any]) -> None:
     """Last in the module: the aggregator of rank 5's group (and its host's agent, the same
     process) killed; rank 5's host agent still answers for it, the others of that host

@@ -66,6 +66,7 @@ from debug_server.fanout.transport import MAX_BODY_BYTES, RankResult
 from debug_server.protocol import frwindow, members
 from debug_server.protocol.addrs import WorkerAddr, parse_ranks
 from debug_server.protocol.agentwire import (
+    CLASSES,
     EVERY,
     FETCH,
     FETCHABLE,
@@ -154,7 +155,7 @@ def _fr_reply(app: web.Application, fr: FrData, known: frozenset[str], tag: str,
 
 async def _agent_fr(request: web.Request, q: Mapping[str, str]) -> web.Response:
     _only(q, {RANKS, WINDOW, SINCE, WHOLE, ONLY_ACTIVE, members.PARAM, TAG,
-              WITH_STACKS})
+              WITH_STACKS, CLASSES})
     want_stacks = _flag(q, WITH_STACKS)
     if want_stacks and (SINCE in q or _flag(q, WHOLE) or _flag(q, ONLY_ACTIVE)):
         raise BadParam(f"bad parameter {WITH_STACKS}=true: only with the default window "
@@ -227,20 +228,20 @@ async def _agent_fr(request: web.Request, q: Mapping[str, str]) -> web.Response:
                        if texts is not None else None)
         tag = hostreply.fr_tag(q, first)
         if q.get(TAG) == tag:
-            stacks = await stacks_read if stacks_read is not None else None
+            stacks = await _read_stacks(stacks_read, q)
             return web.Response(text=hostreply.unchanged_reply(request.app[HOST_ID], first, tag, stacks),
                                 content_type="application/json")
         part = request.app[LAST_FULL].get(tag)
         if part is not None:
             # Another asker (a restarted or attached frontend) of data this agent sent whole
             # already: the same data part, this ask's records and read times.
-            stacks = await stacks_read if stacks_read is not None else None
+            stacks = await _read_stacks(stacks_read, q)
             request.app[COUNTS][FROM_LAST] = request.app[COUNTS].get(FROM_LAST, 0) + 1
             return web.Response(text=hostreply.with_part(request.app[HOST_ID], first, tag, part,
                                                          stacks, hostreply.read_times(first)),
                                 content_type="application/json")
         fr = await collector.complete(addrs, first)
-        stacks = await stacks_read if stacks_read is not None else None
+        stacks = await _read_stacks(stacks_read, q)
         keep = True
     if tag is None:
         tag = hostreply.fr_tag(q, fr.results)
@@ -254,12 +255,22 @@ async def _agent_fr(request: web.Request, q: Mapping[str, str]) -> web.Response:
     return web.Response(text=body, content_type="application/json")
 
 
+async def _read_stacks(task: asyncio.Future[list[RankResult]] | None, q: Mapping[str, str],
+                       ) -> list[RankResult] | None:
+    """A host's ranks' stacks, read alongside their FR; by class where the asker (an
+    aggregator) asks so (``agentwire.CLASSES``)."""
+    stacks = await task if task is not None else None
+    if _flag(q, CLASSES):
+        hostreply.fold_stacks(stacks)
+    return stacks
+
+
 async def _agent_stacks(request: web.Request, q: Mapping[str, str]) -> web.Response:
-    _only(q, {RANKS, NATIVE, EVERY})
+    _only(q, {RANKS, NATIVE, EVERY, CLASSES})
     addrs = await _addrs(request, q)
     results = await request.app[COLLECTOR].stacks(addrs, native=_flag(q, NATIVE),
                                                   every=_flag(q, EVERY))
-    if request.app[COLLECTOR].route is not None:
+    if request.app[COLLECTOR].route is not None or _flag(q, CLASSES):
         hostreply.fold_stacks(results)
     rows, texts = hostreply.records(results, with_body=True)
     return web.json_response({"host": request.app[HOST_ID], RANKS: rows, "bodies": texts})

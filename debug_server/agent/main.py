@@ -115,7 +115,7 @@ async def _serve_group(args: argparse.Namespace, group: int, first: int,
                                timeout=min(5.0, args.fetch_timeout), tree=False)
     app = make_agent_app(registry, tree.group_id(group), fetch_timeout=args.fetch_timeout,
                          max_concurrency=args.max_concurrency, token=token,
-                         route=agent_route(directory))
+                         route=agent_route(directory, classes=True))
     runner = web.AppRunner(app, handle_signals=False, shutdown_timeout=2.0, access_log=None)
     await runner.setup()
     port = await start_sites(runner, args.host, 0)

@@ -82,8 +82,12 @@ class AgentRoute:
     on the collector's asker and FR rounds; every answer is what the collector's direct methods
     give for the same ranks, less the ranks it left."""
 
-    def __init__(self, agents: AgentDirectory, asker: Asker, rounds: FrRounds) -> None:
+    def __init__(self, agents: AgentDirectory, asker: Asker, rounds: FrRounds,
+                 classes: bool = False) -> None:
         self.agents = agents
+        self.classes = {agentwire.CLASSES: "true"} if classes else {}
+        """An aggregator's route (``agent_route(classes=True)``): its host agents send their
+        ranks' stacks by class (``agentwire.CLASSES``), as it passes them up anyway."""
         self.asker = asker
         self.rounds = rounds
         self._down: dict[str, float] = {}
@@ -229,7 +233,7 @@ class AgentRoute:
     async def stacks(self, plan: Plan, *, native: bool, every: bool,
                      ) -> Routed[list[RankResult]]:
         params = {NATIVE: str(native).lower(),
-                  agentwire.EVERY: str(every or native).lower()}
+                  agentwire.EVERY: str(every or native).lower(), **self.classes}
         return await self._grouped(agentwire.STACKS, params, plan)
 
     async def _grouped(self, handler: str, params: Mapping[str, str], plan: Plan,
@@ -275,7 +279,7 @@ class AgentRoute:
         addrs = [a for _, rs in plan for a in rs] + list(direct)
         # Round 1: agents cut at their host's frontier, direct ranks at their own.
         window = {WINDOW: str(frwindow.LOCAL_SLACK),
-                  **({WITH_STACKS: "true"} if stacks is not None else {})}
+                  **({WITH_STACKS: "true", **self.classes} if stacks is not None else {})}
         first: list[Any] = []
         tags: dict[str, str] = {}
         # Ranks of "unchanged" replies -> their new read times (their dumps are the held ones,
@@ -434,7 +438,8 @@ class AgentRoute:
         slot = (ag.id, SINCE if SINCE in params else "local")
         # The FR part does not depend on stacks=true: both asks share what is held.
         question = (ranks_param(rs), tuple(sorted((k, v) for k, v in params.items()
-                                             if k not in (members.PARAM, WITH_STACKS))))
+                                             if k not in (members.PARAM, WITH_STACKS,
+                                                          agentwire.CLASSES))))
         held = self._held.get(slot) if conditional else None
         if held is not None and held[0] != question:
             held = None
@@ -544,10 +549,11 @@ def _is_group(ag: AgentAddr) -> bool:
     return ag.id.startswith(GROUP_ID_PREFIX)
 
 
-def agent_route(agents: AgentDirectory) -> Callable[[Asker, FrRounds], AgentRoute]:
+def agent_route(agents: AgentDirectory, classes: bool = False,
+                ) -> Callable[[Asker, FrRounds], AgentRoute]:
     """The route through ``agents`` for a ``LiveCollector(route=)``: built on its asker and
-    FR rounds."""
-    return lambda asker, rounds: AgentRoute(agents, asker, rounds)
+    FR rounds; ``classes``: an aggregator's, asking its host agents for stacks by class."""
+    return lambda asker, rounds: AgentRoute(agents, asker, rounds, classes)
 
 
 def collector_for(session: aiohttp.ClientSession, registry: Registry, *, timeout: float,

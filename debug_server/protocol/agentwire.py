@@ -27,6 +27,12 @@ HANDLER = "handler"
 EVERY = "every"
 """``agent_stacks``: py-spy for every rank, not only the stuck ones (with ``native``:
 ``names.NATIVE``, py-spy ``--native`` for every rank)."""
+CLASSES = "classes"
+"""``agent_stacks`` and ``agent_fr?stacks=true`` (an aggregator's ask of its host agents): the
+ranks' stacks by class, a text that reads as an earlier rank's but for thread ids going as that
+rank's text (``hostreply.fold_stacks``), so a host's ranks at one line send one text, not one
+each. The aggregator folds its ranks so anyway on the way up; a frontend that asks a host agent
+itself does not send it, and sees each rank's own thread ids."""
 FETCHABLE = frozenset({PING_HANDLER, HEALTH_HANDLER, DUMP_FILE_HANDLER})
 """Worker handlers ``agent_fetch`` relays (no parameters; the frontend asks the rest directly)."""
 
