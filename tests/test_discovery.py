@@ -106,6 +106,7 @@ async def test_a_read_again_of_unchanged_keys_gives_the_same_objects(tcp_store: 
     from debug_server.readers import storeview
 
     monkeypatch.setattr(storeview, "REREAD_S", 0.0)  # every lookup reads every key again
+    monkeypatch.setattr(storeview, "REREAD_RANKS_PER_S", 1e9)
     store = store_client("127.0.0.1", tcp_store.port, 5)
     for r in range(3):
         register_worker(store, make_job(r, 3, tcp_store.port), f"http://h:{r}")
@@ -119,6 +120,31 @@ async def test_a_read_again_of_unchanged_keys_gives_the_same_objects(tcp_store: 
         assert moved is not first and [a.url for a in moved] == [
             "http://h:0", "http://h:1", "http://moved:2"]
         assert moved[0] is first[0] and moved[1] is first[1] and moved[2] is not first[2]
+    finally:
+        registry.close()
+
+
+async def test_a_big_job_reads_unchanged_keys_again_less_often(tcp_store: Any,
+                                                               monkeypatch: Any) -> None:
+    """Above ``REREAD_S x REREAD_RANKS_PER_S`` ranks the read again is rationed (a read of
+    131072 ranks' keys costs the frontend 0.5 s of CPU): a rank that registered again over its
+    own keys is found at the next read after ``reread_s``, not before."""
+    from debug_server.readers import storeview
+
+    assert storeview.reread_s(4096) == storeview.REREAD_S == 30.0
+    assert storeview.reread_s(131072) == 128.0
+    monkeypatch.setattr(storeview, "REREAD_S", 0.0)
+    monkeypatch.setattr(storeview, "REREAD_RANKS_PER_S", 3 / 3600)  # 3 ranks: an hour
+    store = store_client("127.0.0.1", tcp_store.port, 5)
+    for r in range(3):
+        register_worker(store, make_job(r, 3, tcp_store.port), f"http://h:{r}")
+    registry = StoreRegistry("127.0.0.1", tcp_store.port, world_size=3, restart_count=0, timeout=2)
+    try:
+        first = await registry.lookup()
+        register_worker(store, make_job(2, 3, tcp_store.port), "http://moved:2")
+        assert await registry.lookup() is first  # same key count, within the hour
+        monkeypatch.setattr(storeview, "REREAD_RANKS_PER_S", 1e9)  # now: REREAD_S (0 s)
+        assert [a.url for a in await registry.lookup()][2] == "http://moved:2"
     finally:
         registry.close()
 

@@ -199,7 +199,17 @@ def _settle(fut: asyncio.Future[Any], out: Any, err: BaseException | None) -> No
 
 REREAD_S = 30.0
 """How long the frontend trusts its last read of every rank's keys while the store's key count
-stays the same (``StoreRegistry``)."""
+stays the same (``StoreRegistry``), at least (``reread_s``)."""
+REREAD_RANKS_PER_S = 1024.0
+"""Above ``REREAD_S x`` this many ranks, the read again is rationed like the watches' polls: a
+read of every rank's keys costs the frontend 0.5 s of CPU at 131072 ranks, landing inside
+whatever page is in flight; every 30 s that was 0.18 s of each page's CPU."""
+
+
+def reread_s(world_size: int) -> float:
+    """Seconds between reads again of unchanged keys: ``REREAD_S``, 128 s at 131072 ranks (a
+    rank that registered again over its own keys is found that much later)."""
+    return max(REREAD_S, world_size / REREAD_RANKS_PER_S)
 
 
 class StoreRegistry:
@@ -291,17 +301,17 @@ class StoreRegistry:
             store = self._client()
             # Every rank's two keys, read and parsed, cost a page 0.2 s at 16384 ranks and
             # more than a second at 131072: read again only when a key came (a rank, an agent,
-            # the tree registered) or the last read is REREAD_S old (a rank that registered
+            # the tree registered) or the last read is reread_s() old (a rank that registered
             # again over its own keys).
             keys = store.num_keys()
             now = time.monotonic()
             if self._last is not None and keys == self._keys and \
-                    now - self._read_at < REREAD_S and self._complete:
+                    now - self._read_at < reread_s(self.world_size) and self._complete:
                 self.store_ok_at = now
                 return self._last
             out = same_as_before(self._last, lookup_workers(store, self.world_size,
                                                             self._restart))
-            self._keys, self._read_at = keys, time.monotonic()  # REREAD_S from the read's end
+            self._keys, self._read_at = keys, time.monotonic()  # reread_s from the read's end
             self._complete = all(a.url is not None for a in out)
         except Exception as e:
             self._store = None
