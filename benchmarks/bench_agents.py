@@ -100,9 +100,9 @@ def _measure(world: int, store_port: int, reps: int, idle_s: float,
             before = {g: _cpu(p) for g, p in groups.items()}
             row[key], body = ff.median_of(lambda path=path: ff.timed_get(f"{base}{path}", "text/html"), reps)
             if path == "/":
-                m = re.search(rb"the hang watch&#39;s poll of (\d+) s ago", body)
-                row["overview_health"] = (f"held poll, {int(m.group(1))} s old" if m
-                                          else "fetched per page")
+                m = re.search(rb"Health column: (.*?) of (\d+) s ago", body)
+                row["overview_health"] = (f"held: {m.group(1).decode().replace('&#39;', chr(39))}"
+                                          f", {int(m.group(2))} s old" if m else "fetched per page")
             # CPU seconds per page of each kind of process: on this box fakes, agents and the
             # frontend share 2 cores, so wall time includes work a real job spreads over hosts.
             row[key + "_cpu"] = {g: (_cpu(p) - before[g]) / reps for g, p in groups.items()}

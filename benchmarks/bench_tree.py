@@ -442,8 +442,11 @@ def _measure(world: int, store_port: int, reps: int, pids: dict[str, list[int]],
             spy = _profile(groups, key)
             before = {g: ff_cpu(p) for g, p in groups.items()}
             sent0 = {k: _sent(v) for k, v in side.items()}
+            times: list[float] = []
             row[key], body = ff.median_of(
-                lambda path=path: ff.timed_get(f"{base}{path}", "text/html"), reps)
+                lambda path=path, times=times: _kept(times, ff.timed_get(f"{base}{path}",
+                                                                         "text/html")), reps)
+            row[key + "_reps"] = times
             row[key + "_cpu"] = {g: (ff_cpu(p) - before[g]) / reps for g, p in groups.items()}
             row[key + "_bytes"] = {k: (_sent(v) - sent0[k]) / reps for k, v in side.items()}
             row[key + "_hwm_mb"] = ff.status_kb(proc.pid, "VmHWM") / 1024
@@ -472,8 +475,9 @@ def _measure(world: int, store_port: int, reps: int, pids: dict[str, list[int]],
                 spy.wait(30)
             row["overview_held_cpu"] = {g: (ff_cpu(p) - before[g]) / reps
                                         for g, p in groups.items()}
-            m = re.search(rb"the hang watch&#39;s poll of (\d+) s ago", body)
-            row["overview_health"] = f"held poll, {int(m.group(1))} s old" if m else "fetched"
+            m = re.search(rb"Health column: (.*?) of (\d+) s ago", body)
+            row["overview_health"] = (f"held: {m.group(1).decode().replace('&#39;', chr(39))}, "
+                                      f"{int(m.group(2))} s old" if m else "fetched")
             row["overview_held_page_kb"] = len(body) / 1024
         _trace("done")
         row["rss_mb"] = ff.status_kb(proc.pid, "VmHWM") / 1024
@@ -484,6 +488,11 @@ def _measure(world: int, store_port: int, reps: int, pids: dict[str, list[int]],
 
 
 REPORT_WAIT_S = 240.0
+
+
+def _kept(times: list[float], got: tuple[float, Any]) -> tuple[float, Any]:
+    times.append(got[0])
+    return got
 
 
 def _hang_report(report_dir: str, due: float, world: int) -> dict[str, Any]:
@@ -622,7 +631,8 @@ def _print(row: dict[str, Any]) -> None:
         print(f"  {path:>10} {row[key]:6.2f} s   CPU s/page "
               + ", ".join(f"{k} {v:.2f}" for k, v in c.items())
               + "   bytes/page " + ", ".join(f"{k} {v / 1e6:.1f} MB" for k, v in b.items())
-              + f"   RSS peak so far {row[key + '_hwm_mb']:.0f} MB; page {row[key + '_page_kb']:.0f} KB")
+              + f"   RSS peak so far {row[key + '_hwm_mb']:.0f} MB; page {row[key + '_page_kb']:.0f} KB"
+              + "; each: " + ", ".join(f"{t:.2f}" for t in row[key + "_reps"]))
     if "overview_held_s" in row:
         c = row["overview_held_cpu"]
         print(f"  {'/ (held)':>10} {row['overview_held_s']:6.2f} s   CPU s/page "

@@ -51,7 +51,7 @@ def test_a_young_poll_of_a_watch_that_rations_its_polls_is_held_with_its_age() -
     held = held_health(watch, now=110.0)
     assert held is not None and (held.age_s, held.interval_s) == (10.0, 32.0)
     assert held.note().startswith("Health column: the hang watch's poll of 10 s ago (at this job "
-                                  "size it polls every 32 s")
+                                  "size the hang watch polls every 32 s")
 
 
 def test_a_poll_older_than_the_bound_is_not_held() -> None:
@@ -131,3 +131,24 @@ async def test_overview_with_a_held_poll_shows_a_dead_rank_dead(held_client: Any
     assert dead["status"] == "unreachable" and body["reachable"] == 2
     assert dead["health"].startswith("health unknown (unreachable after ")
     assert "Rank 1 never joined all_reduce #4" in body["verdict"]
+
+
+async def test_an_overview_that_read_every_rank_s_health_lends_it_to_the_next_ones(
+        aiohttp_client: Any, fake_job: Any) -> None:
+    """Where the watch rations its polls and none is young enough, the overview asks every rank
+    for its health, and holds that read as the watch's last (``HangWatch.hold``): the next
+    overview shows it with its age and who read it, and asks no rank for its health."""
+    urls = await fake_job(synthetic.hang_job(2, n_entries=5, missing_rank=1))
+    client = await aiohttp_client(make_frontend_app(ServerConfig(port=0, fetch_timeout=2.0),
+                                                    StaticRegistry(urls)))
+    watch = client.app[HANG_WATCH]
+    watch.poll_interval = lambda: 40.0  # rationed; its own first poll is 40 s away
+    first = await (await client.get("/?format=json")).json()
+    assert "health_age_s" not in first and watch.last_by == "an overview's read of every rank"
+    assert [r["health"] for r in first["ranks"]] == ["healthy", "healthy"]
+    watch.last[0] = RankHealth(0, True, False, STALLED)  # what the held read says, not a worker
+    again = await (await client.get("/", headers={"Accept": CURL})).text()
+    assert again.splitlines()[2].startswith(
+        "Health column: an overview's read of every rank of 0 s ago (at this job size the hang "
+        "watch polls every 40 s"), again
+    assert "rank 0: ok, UNHEALTHY: main_comm seq 4 all_reduce in flight for 30.0 s" in again

@@ -78,3 +78,28 @@ def test_the_class_is_the_thread_id_substitution_exactly() -> None:
                  "Thread  0x1", "Thread 99", "hread 5", "T hread 5", "Thread 0x", "éThread 5",
                  " Thread 0xAbC\nThread 7\n\n", ""]:
         assert stack_class(text) == ref.sub(r"\1 <id>", text.rstrip("\n")), text
+
+
+def test_the_banner_places_ranks_by_group_as_it_does_rank_by_rank(monkeypatch: Any) -> None:
+    """``render._where`` over many sorted ranks goes by stack group (set intersections), and
+    must say what the rank-by-rank way says: the same positions, ranks and order."""
+    import random
+
+    rnd = random.Random(41)
+    for trial in range(60):
+        world = rnd.choice([300, 1000, 5000])
+        summaries = [f"f{i} at train.py:{80 + i}" for i in range(rnd.randint(1, 5))]
+        groups: list[dict[str, Any]] = [
+            {"summary": rnd.choice(summaries), "in_collective": rnd.random() < 0.5, "ranks": []}
+            for _ in range(rnd.randint(1, 6))]
+        for r in range(world):
+            if rnd.random() < 0.97:
+                rnd.choice(groups)["ranks"].append(r)
+        result = {"stack_groups": groups}
+        pos = render._positions(result)
+        ranks = sorted(rnd.sample(range(world + 10), rnd.randint(257, world)))
+        fast = render._where(ranks, pos)
+        monkeypatch.setattr(render, "BY_GROUP_ABOVE", 10 ** 9)
+        slow = render._where(ranks, pos)
+        monkeypatch.undo()
+        assert fast == slow, trial

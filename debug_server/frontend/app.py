@@ -44,7 +44,7 @@ from debug_server.errors import first_line
 from debug_server.fanout import agents
 from debug_server.fanout.leanhttp import LeanClient
 from debug_server.fanout.pagefirst import in_background
-from debug_server.fanout.transport import GONE, MAX_BODY_BYTES, RankResult, Registry, settle_gc
+from debug_server.fanout.transport import MAX_BODY_BYTES, OK, RankResult, Registry, settle_gc
 from debug_server.frontend import (
     attach,
     departed,
@@ -274,7 +274,10 @@ async def index(request: web.Request) -> web.Response:
     if held is None:
         health, (fr, stack_res) = await asyncio.gather(
             collector.fetch(HEALTH_HANDLER, None, addrs), collector.fr_stacks(addrs))
-        texts = health_held.column_texts(parse_health(health), collector.world_size)
+        parsed = await _off_loop(parse_health, health)
+        if HANG_WATCH in request.app:  # the next overviews show it while young (health_held)
+            request.app[HANG_WATCH].hold(health, parsed)
+        texts = health_held.column_texts(parsed, collector.world_size)
     else:
         fr, stack_res = await collector.fr_stacks(addrs)
         health, texts = stack_res, held.texts(stack_res, collector.world_size)
@@ -293,7 +296,7 @@ async def index(request: web.Request) -> web.Response:
              "line": reach[r.rank].line(), "health": texts[r.rank],
              **({"process": reach[r.rank].process} if reach[r.rank].process else {})}
             for r in health]
-    reachable = sum(1 for r in stack_res if r.ok and r.status != GONE)
+    reachable = sum(1 for r in stack_res if r.status == OK)  # answered now (not GONE)
     verdict = result.get("verdict", "")
     if fmt == "json":
         return _respond(fmt, {"world_size": collector.world_size, "reachable": reachable,

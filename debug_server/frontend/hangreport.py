@@ -404,6 +404,11 @@ def render_text(rep: HangReport, fetch: FetchFacts, stacks: Sequence[RankResult]
     return "\n".join(lines) + "\n"
 
 
+POLLED = "the hang watch's poll"
+PAGE_READ = "an overview's read of every rank"
+"""Who read the watch's last health (``HangWatch.last_by``), as the overview names it."""
+
+
 class HangWatch:
     """Polls health; on the job's first unhealthy rank, writes one hang report."""
 
@@ -425,10 +430,22 @@ class HangWatch:
         self.last: list[RankHealth] = []
         self.last_at: float | None = None
         """``time.monotonic()`` when ``last`` came in (the overview may use it: ``health_held``)."""
+        self.last_by = POLLED
+        """Who read ``last``: this watch's poll, or an overview's own fetch (``hold``)."""
         self._timeouts: dict[int, int] = {}
         self.before_hang: Callable[[Iterable[int]], str] | None = None
         """Given the culprit ranks, who had been slow before the hang and for how long
         (``frontend.stragglers.StragglerWatch.before_hang``); the report adds it to its verdict."""
+
+    def hold(self, results: list[RankResult], health: list[RankHealth]) -> None:
+        """A page's own read of every rank's health (the overview's, where no poll is young
+        enough to show), held as the last poll: the next overviews show it while it is young
+        (``health_held``) instead of each asking every rank again (131072 health requests per
+        reload at 131072 ranks, 2.5 s of the overview there). Only the watch's own polls write
+        reports; ``/metrics`` takes the fresher health too."""
+        self.last, self.last_at, self.last_by = health, time.monotonic(), PAGE_READ
+        if self.cycle is not None:
+            self.cycle.put_health(HealthPart.of(results, health))
 
     def poll_interval(self) -> float:
         """Seconds between polls: ``interval``, longer where the job is too big for it."""
@@ -459,8 +476,7 @@ class HangWatch:
             if n >= self.unresponsive_polls:
                 h.healthy = False
                 h.error = f"health check timed out {n} times in a row"
-        self.last = health
-        self.last_at = time.monotonic()
+        self.last, self.last_at, self.last_by = health, time.monotonic(), POLLED
         if self.cycle is not None:
             self.cycle.put_health(HealthPart.of(results, health))
         bad = [h for h in health if h.healthy is False]
@@ -525,5 +541,6 @@ def report_stamp(now: float) -> str:
     return time.strftime(STAMP_FORMAT, time.localtime(now))
 
 
-__all__ = ["HangReport", "HangWatch", "HealthClass", "RankHealth", "class_texts", "culprits_of",
+__all__ = ["PAGE_READ", "POLLED", "HangReport", "HangWatch", "HealthClass", "RankHealth",
+           "class_texts", "culprits_of",
            "health_classes", "health_json", "health_lines", "kind_text", "parse_health"]

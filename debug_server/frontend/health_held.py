@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from debug_server.fanout.transport import GONE, OK, RankResult
-from debug_server.frontend.hangreport import HangWatch, RankHealth, class_texts
+from debug_server.frontend.hangreport import POLLED, HangWatch, RankHealth, class_texts
 from debug_server.frontend.render import CELLS_MAX
 
 __all__ = ["MAX_AGE_POLLS", "HeldHealth", "column_texts", "held_health"]
@@ -44,6 +44,8 @@ class HeldHealth:
     """Seconds since that poll's replies came in."""
     interval_s: float
     """The watch's poll interval at this job size."""
+    by: str = POLLED
+    """Who read it: the watch's poll or an overview (``HangWatch.hold``)."""
 
     def texts(self, reach: Sequence[RankResult], world_size: int) -> dict[int, str]:
         """Each rank's health line: the held one, unless the rank does not answer now.
@@ -66,9 +68,9 @@ class HeldHealth:
 
     def note(self) -> str:
         """What the page says about the health column."""
-        return (f"Health column: the hang watch's poll of {self.age_s:.0f} s ago (at this job size "
-                f"it polls every {self.interval_s:.0f} s instead of asking every rank per page); "
-                "reachability, the verdict and everything else on this page are fresh.")
+        return (f"Health column: {self.by} of {self.age_s:.0f} s ago (at this job size the hang "
+                f"watch polls every {self.interval_s:.0f} s, and pages do not ask every rank each "
+                "time); reachability, the verdict and everything else on this page are fresh.")
 
 
 def column_texts(health: Sequence[RankHealth], world_size: int) -> dict[int, str]:
@@ -104,4 +106,4 @@ def held_health(watch: HangWatch | None, now: float | None = None) -> HeldHealth
     age = (time.monotonic() if now is None else now) - watch.last_at
     if not 0 <= age <= MAX_AGE_POLLS * interval:
         return None
-    return HeldHealth(watch.last, age, interval)
+    return HeldHealth(watch.last, age, interval, watch.last_by)
