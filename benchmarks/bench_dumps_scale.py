@@ -139,9 +139,7 @@ def _report(fr: FrData, stacks: list[RankResult], pickles: list[RankResult],
                                 hangreport.culprits_of(result, texts))
     fetch = FetchFacts.of(fr)
     rep.text = hangreport.render_text(rep, fetch, stacks, pickles)
-    return [rep.text, json.dumps({**rep.to_json(), "fr_window": fetch.window,
-                                  "dump_files": dumper.dump_file_lines(pickles)}, default=str,
-                                 indent=1)]
+    return [rep.text, hangreport.report_json(rep, fetch, pickles)]
 
 
 def main() -> None:

@@ -228,3 +228,36 @@ def test_stacks_report_groups_identical_ranks_odd_one_first() -> None:
     assert head[1] == "1 rank (5): hang_phase at train.py:66  (not in a collective)"
     assert head[2] == "7 ranks (0-4, 6-7): step at train.py:138  (not in a collective)"
     assert "=== Rank 8 ===\nrank 8: not registered" in text
+
+
+async def test_a_big_job_s_dump_cycles_come_less_often_and_not_at_start(tmp_path: Path,
+                                                                        monkeypatch: Any) -> None:
+    """Above ``interval x DUMP_RANKS_PER_S`` ranks a cycle (a whole-job fan-out) comes every
+    ``world / DUMP_RANKS_PER_S`` s, the first one too: not 1 s after start, beside a new
+    frontend's first pages. A small job keeps its first cycle soon after start."""
+
+    class _Job:
+        def __init__(self, world_size: int) -> None:
+            self.world_size = world_size
+
+    sleeps: list[float] = []
+    cycles: list[int] = []
+
+    async def sleep(s: float) -> None:
+        sleeps.append(s)
+        if len(sleeps) > 2:
+            raise asyncio.CancelledError
+
+    async def cycle() -> list[str]:
+        cycles.append(1)
+        return []
+
+    monkeypatch.setattr(dumps_mod.asyncio, "sleep", sleep)
+    for world, want in ((131072, [256.0, 256.0]), (8, [1.0, 60.0])):
+        sleeps.clear()
+        dumper = Dumper(_Job(world), str(tmp_path / "d"), interval=60)  # type: ignore[arg-type]
+        monkeypatch.setattr(dumper, "run_cycle", cycle)
+        assert dumper.interval_s() == max(60.0, world / dumps_mod.DUMP_RANKS_PER_S)
+        with pytest.raises(asyncio.CancelledError):
+            await dumper.run_forever()
+        assert [round(s) for s in sleeps[:2]] == want, (world, sleeps)

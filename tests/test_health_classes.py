@@ -163,6 +163,18 @@ async def test_a_big_jobs_hang_report_is_bounded_and_names_the_missing_rank() ->
     assert len(rep.text) < 64 * 1024
     assert [e.get("rank", e.get("ranks")) for e in rep.to_json()["health"]] == \
         ["0-776, 778-2047", 777]
+    # Its .json: compact at this size (json's indented text was 28 MB and seconds at 131072
+    # ranks), the same document as a small job's indented one.
+    from debug_server.frontend.fetchfacts import FetchFacts
+    from debug_server.frontend.hangreport import report_json
+
+    fr, _ = await _Fleet(world, missing).fr_stacks()
+    body = report_json(rep, FetchFacts.of(fr), None)
+    assert "\n" not in body and json.loads(body)["verdict"] == rep.result["verdict"]
+    small = await HangWatch(_Fleet(8, 3), None, interval=1.0).poll()  # type: ignore[arg-type]
+    assert small is not None
+    text = report_json(small, FetchFacts.of((await _Fleet(8, 3).fr_stacks())[0]), None)
+    assert text.startswith('{\n "version"') and json.loads(text)["verdict"] == small.result["verdict"]
 
 
 def test_replies_alike_but_for_their_ages_share_their_dicts_and_keep_their_own_ages() -> None:

@@ -26,6 +26,7 @@ from typing import Any
 
 from debug_server.analysis import stackparse
 from debug_server.analysis.verdict import category_line
+from debug_server.fanout import fastjson
 from debug_server.fanout.collector import Collector
 from debug_server.fanout.pagefirst import poll_forever
 from debug_server.fanout.transport import TIMED_OUT, RankResult
@@ -529,12 +530,20 @@ class HangWatch:
     def _write_files(d: DumpDir, rep: HangReport, fetch: FetchFacts,
                      dumped: list[RankResult] | None) -> str:
         d.create()
-        body = json.dumps({**rep.to_json(), "fr_window": fetch.window,
-                           "dump_files": dump_file_lines(dumped or [])},
-                          default=str, indent=1)
         # JSON first: a reader that waits for the .txt then finds both.
-        d.write(f"{HANG_REPORT_PREFIX}_{rep.stamp}.json", body + "\n")
+        d.write(f"{HANG_REPORT_PREFIX}_{rep.stamp}.json", report_json(rep, fetch, dumped) + "\n")
         return d.write(f"{HANG_REPORT_PREFIX}_{rep.stamp}.txt", rep.text)
+
+
+def report_json(rep: HangReport, fetch: FetchFacts, dumped: list[RankResult] | None) -> str:
+    """The report's ``.json``: indented for a small job's reader; compact above
+    ``PER_RANK_LISTING_MAX`` ranks, where the ``.txt`` is what a person reads (at 131072 ranks
+    the indented text, every rank list one number a line, was 28 MB, made by ``json``'s
+    pure-Python encoder in seconds, its pieces the frontend's peak memory: +170 MB)."""
+    doc = {**rep.to_json(), "fr_window": fetch.window, "dump_files": dump_file_lines(dumped or [])}
+    if len(rep.health) <= PER_RANK_LISTING_MAX:
+        return json.dumps(doc, default=str, indent=1)
+    return fastjson.dumps(doc, default=str)
 
 
 def report_stamp(now: float) -> str:
@@ -542,5 +551,5 @@ def report_stamp(now: float) -> str:
 
 
 __all__ = ["PAGE_READ", "POLLED", "HangReport", "HangWatch", "HealthClass", "RankHealth",
-           "class_texts", "culprits_of",
+           "class_texts", "culprits_of", "report_json",
            "health_classes", "health_json", "health_lines", "kind_text", "parse_health"]
