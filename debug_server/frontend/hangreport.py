@@ -130,6 +130,9 @@ class RankHealth:
 
 
 def _num(v: Any) -> float | None:
+    t = type(v)
+    if t is float:  # the usual case first: once or twice a rank per poll
+        return v  # type: ignore[no-any-return]
     return float(v) if isinstance(v, int | float) and not isinstance(v, bool) else None
 
 
@@ -238,15 +241,22 @@ def parse_health(results: Sequence[RankResult]) -> list[RankHealth]:
         age = _num(op.get("age_s")) if op is not None else None
         oldest = _num(h.get("oldest_in_flight_s"))
         try:  # the reply less its ages; an unhashable value (a list...) is shared with none
-            shape: Any = (tuple(kv for kv in h.items() if kv[0] not in _AGES),
-                          tuple(kv for kv in op.items() if kv[0] != "age_s") if op else None)
+            rest = h.copy()  # copies and pops: C loops, not a generator a rank
+            for k in _AGES:
+                rest.pop(k, None)
+            if op:
+                op_rest = op.copy()
+                op_rest.pop("age_s", None)
+            shape: Any = (tuple(rest.items()), tuple(op_rest.items()) if op else None)
             hash(shape)
         except TypeError:
             shape = None
         first = shapes.setdefault(shape, (h, op)) if shape is not None else (h, op)
-        rec = RankHealth(r.rank, True, h["healthy"], first[1], first[0])
-        # Its own ages, None ones too: the shared dicts' are the first such rank's.
-        rec.op_age_s, rec.oldest_s = age, oldest
+        rec = RankHealth(r.rank, True, h["healthy"], first[1], first[0], None, age, oldest)
+        # Its own ages, None ones too (where __post_init__ took the shared dicts': the first
+        # such rank's).
+        if age is None or oldest is None:
+            rec.op_age_s, rec.oldest_s = age, oldest
         out.append(rec)
     return out
 
