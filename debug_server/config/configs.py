@@ -34,7 +34,8 @@ class ServerConfig:
     dump_dir: str | None = None
     """Directory of periodic dumps; None disables the dumper."""
     dump_interval: float = 60.0
-    """Seconds between dump cycles (the first comes shortly after start)."""
+    """Seconds between dump cycles (the first comes shortly after start); above 512 ranks per
+    second of it, one second per 512 ranks, the first cycle too (256 s at 131072 ranks)."""
     enabled_dumps: frozenset[str] = ALL_DUMPS
     """Which dumps each cycle writes: fr_trace, stacks, per_rank, snapshot."""
     fetch_timeout: float = 5.0

@@ -243,9 +243,9 @@ def start_debug_server(
         dump_dir: Where the frontend writes periodic dumps; None (default) disables them. When
             set and ``TORCHCOMM_FR_DUMP_TEMP_FILE`` is not, every rank's pickle goes to
             ``<dump_dir>/per_rank/rank_<N>``, next to the reports.
-        dump_interval: Seconds between dump cycles (default 60); the first cycle runs about a
-            second after start so short runs get dumps too. (``/metrics`` comes from the last
-            dump cycle's analysis, else from the frontend's own FR fetch every 15 s.)
+        dump_interval: Seconds between dump cycles (default 60; above 512 ranks per second
+            of it, ``world_size / 512``); the first runs about a second after start.
+            (``/metrics``: the last cycle's analysis, else the frontend's own every 15 s.)
         enabled_dumps: Which dumps a cycle writes, a subset of ``{"fr_trace", "stacks",
             "per_rank", "snapshot"}``; None (default) means all.
         fetch_timeout: Seconds the frontend waits for one rank before reporting it as timed
