@@ -98,6 +98,14 @@ async def test_store_registry_lookup_is_async_and_bounded(tcp_store: Any) -> Non
         registry.close()
 
 
+def _three_ranks(port: int) -> tuple[Any, StoreRegistry]:
+    """A store with 3 ranks registered (at http://h:<rank>) and a registry over it."""
+    store = store_client("127.0.0.1", port, 5)
+    for r in range(3):
+        register_worker(store, make_job(r, 3, port), f"http://h:{r}")
+    return store, StoreRegistry("127.0.0.1", port, world_size=3, restart_count=0, timeout=2)
+
+
 async def test_a_read_again_of_unchanged_keys_gives_the_same_objects(tcp_store: Any,
                                                                       monkeypatch: Any) -> None:
     """Every REREAD_S the registry reads every rank's keys again: what did not change comes
@@ -107,10 +115,7 @@ async def test_a_read_again_of_unchanged_keys_gives_the_same_objects(tcp_store: 
 
     monkeypatch.setattr(storeview, "REREAD_S", 0.0)  # every lookup reads every key again
     monkeypatch.setattr(storeview, "REREAD_RANKS_PER_S", 1e9)
-    store = store_client("127.0.0.1", tcp_store.port, 5)
-    for r in range(3):
-        register_worker(store, make_job(r, 3, tcp_store.port), f"http://h:{r}")
-    registry = StoreRegistry("127.0.0.1", tcp_store.port, world_size=3, restart_count=0, timeout=2)
+    store, registry = _three_ranks(tcp_store.port)
     try:
         first = await registry.lookup()
         again = await registry.lookup()
@@ -135,10 +140,7 @@ async def test_a_big_job_reads_unchanged_keys_again_less_often(tcp_store: Any,
     assert storeview.reread_s(131072) == 128.0
     monkeypatch.setattr(storeview, "REREAD_S", 0.0)
     monkeypatch.setattr(storeview, "REREAD_RANKS_PER_S", 3 / 3600)  # 3 ranks: an hour
-    store = store_client("127.0.0.1", tcp_store.port, 5)
-    for r in range(3):
-        register_worker(store, make_job(r, 3, tcp_store.port), f"http://h:{r}")
-    registry = StoreRegistry("127.0.0.1", tcp_store.port, world_size=3, restart_count=0, timeout=2)
+    store, registry = _three_ranks(tcp_store.port)
     try:
         first = await registry.lookup()
         register_worker(store, make_job(2, 3, tcp_store.port), "http://moved:2")
