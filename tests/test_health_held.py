@@ -152,3 +152,8 @@ async def test_an_overview_that_read_every_rank_s_health_lends_it_to_the_next_on
         "Health column: an overview's read of every rank of 0 s ago (at this job size the hang "
         "watch polls every 40 s"), again
     assert "rank 0: ok, UNHEALTHY: main_comm seq 4 all_reduce in flight for 30.0 s" in again
+    # A read asked before the watch's last poll came in does not replace that poll.
+    _poll(watch, time.monotonic())
+    polled, at = watch.last, watch.last_at
+    watch.hold([], [], asked_at=time.monotonic() - 1.0)
+    assert watch.last is polled and watch.last_at == at

@@ -276,7 +276,7 @@ async def index(request: web.Request) -> web.Response:
             collector.fetch(HEALTH_HANDLER, None, addrs), collector.fr_stacks(addrs))
         parsed = await _off_loop(parse_health, health)
         if HANG_WATCH in request.app:  # the next overviews show it while young (health_held)
-            request.app[HANG_WATCH].hold(health, parsed)
+            request.app[HANG_WATCH].hold(health, parsed, started)
         texts = health_held.column_texts(parsed, collector.world_size)
     else:
         fr, stack_res = await collector.fr_stacks(addrs)

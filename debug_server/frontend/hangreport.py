@@ -448,12 +448,15 @@ class HangWatch:
         """Given the culprit ranks, who had been slow before the hang and for how long
         (``frontend.stragglers.StragglerWatch.before_hang``); the report adds it to its verdict."""
 
-    def hold(self, results: list[RankResult], health: list[RankHealth]) -> None:
+    def hold(self, results: list[RankResult], health: list[RankHealth], asked_at: float) -> None:
         """A page's own read of every rank's health (the overview's, where no poll is young
         enough to show), held as the last poll: the next overviews show it while it is young
         (``health_held``) instead of each asking every rank again (131072 health requests per
         reload at 131072 ranks, 2.5 s of the overview there). Only the watch's own polls write
-        reports; ``/metrics`` takes the fresher health too."""
+        reports; ``/metrics`` takes the fresher health too. ``asked_at``: ``time.monotonic()``
+        when the page asked; a poll that came in since is newer, and stays."""
+        if self.last_at is not None and self.last_at > asked_at:
+            return
         self.last, self.last_at, self.last_by = health, time.monotonic(), PAGE_READ
         if self.cycle is not None:
             self.cycle.put_health(HealthPart.of(results, health))
