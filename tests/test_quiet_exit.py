@@ -210,3 +210,27 @@ async def test_the_frontend_stops_at_once_when_its_hosts_ranks_exit(caplog: Any)
         for p in procs:
             p.kill()
             p.wait()
+
+
+async def test_an_agent_whose_store_goes_away_while_it_registers_ends_quietly() -> None:
+    """Rank 0 killed while its host agents still register (a loaded box): the store's write
+    fails (``Broken pipe``) and nothing listens at its address any more. The agent ends with 0
+    and no traceback, as one that came up after its job ended."""
+    import argparse
+
+    from fakes import closed_port_url
+
+    from debug_server.agent import main as agent_main
+    from debug_server.agent.registry import StaticHostRegistry
+
+    class _GoneStore:
+        def set(self, key: str, value: str) -> None:
+            raise RuntimeError("Broken pipe")
+
+    port = int(closed_port_url().rsplit(":", 1)[1])
+    args = argparse.Namespace(host="127.0.0.1", port=0, advertise=None, host_id="h0",
+                              fetch_timeout=1.0, max_concurrency=4, restart_count=0,
+                              tree_hosts=0, master_addr="127.0.0.1", master_port=port,
+                              ready_fd=None, parent_pid=None)
+    registry = StaticHostRegistry([closed_port_url()], 0, 1)
+    assert await agent_main._serve(args, registry, None, _GoneStore()) == 0  # type: ignore[arg-type]

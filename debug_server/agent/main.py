@@ -71,9 +71,16 @@ async def _serve(args: argparse.Namespace, registry: Any, token: str | None,
         url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
         group: tuple[web.AppRunner, asyncio.Task[None]] | None = None
         if store is not None:
-            place = await asyncio.get_running_loop().run_in_executor(
-                None, _register, store, args.host_id, url, registry.ranks, args.restart_count,
-                args.tree_hosts)
+            try:
+                place = await asyncio.get_running_loop().run_in_executor(
+                    None, _register, store, args.host_id, url, registry.ranks,
+                    args.restart_count, args.tree_hosts)
+            except Exception as e:  # noqa: BLE001 - the store gone meanwhile: the job ended
+                if storeview.store_refuses(args.master_addr, args.master_port):
+                    logger.debug("debug_server agent %s: the store went away while it "
+                                 "registered (%s): the job ended", args.host_id, first_line(e))
+                    return 0
+                raise
             lead = tree.leads(place, args.tree_hosts)
             if lead is not None:
                 group = await _serve_group(args, lead, place, token)
