@@ -234,3 +234,32 @@ async def test_an_agent_whose_store_goes_away_while_it_registers_ends_quietly() 
                               ready_fd=None, parent_pid=None)
     registry = StaticHostRegistry([closed_port_url()], 0, 1)
     assert await agent_main._serve(args, registry, None, _GoneStore()) == 0  # type: ignore[arg-type]
+
+
+async def test_an_agent_whose_job_ends_while_a_store_call_hangs_ends_with_it() -> None:
+    """The same race where the store still listens but its call hangs: the agent watches its
+    parent from the start, and ends once the parent and the host's ranks are gone, without
+    waiting the store call out (its thread is a daemon's)."""
+    import argparse
+
+    from fakes import closed_port_url
+
+    from debug_server.agent import main as agent_main
+    from debug_server.agent.registry import StaticHostRegistry
+
+    class _HungStore:
+        def set(self, key: str, value: str) -> None:
+            time.sleep(60)
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait(30)  # a parent that has ended
+    args = argparse.Namespace(host="127.0.0.1", port=0, advertise=None, host_id="h0",
+                              fetch_timeout=1.0, max_concurrency=4, restart_count=0,
+                              tree_hosts=0, master_addr="127.0.0.1",
+                              master_port=int(closed_port_url().rsplit(":", 1)[1]),
+                              ready_fd=None, parent_pid=gone.pid)
+    registry = StaticHostRegistry([closed_port_url()], 0, 1)
+    started = time.monotonic()
+    got = await asyncio.wait_for(agent_main._serve(args, registry, None, _HungStore()),  # type: ignore[arg-type]
+                                 timeout=30)
+    assert got == 0 and time.monotonic() - started < 30

@@ -58,6 +58,34 @@ def _register(store: dist.Store, my_id: str, url: str, ranks: Sequence[int],
     return tree.join(store, my_id, restart, tree_hosts)
 
 
+async def _registered(args: argparse.Namespace, store: dist.Store, url: str,
+                      ranks: Sequence[int], done: asyncio.Event) -> int | None:
+    """``_register`` on a daemon thread of its own; None where the job ended meanwhile: its
+    store went away (rank 0 killed on a loaded box, before its agent was up), or ``done`` was
+    set (the parent and the host's ranks gone while a store call hangs: that thread is not
+    waited for, ``listen.exit_now``)."""
+    lane = storeview.StoreLane("debug_server.agent.register")
+    reg = lane.call(lambda: _register(store, args.host_id, url, ranks, args.restart_count,
+                                      args.tree_hosts))
+    lane.close()
+    ended = asyncio.ensure_future(done.wait())
+    try:
+        await asyncio.wait({reg, ended}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        ended.cancel()
+    if not reg.done():
+        reg.cancel()
+        return None
+    try:
+        return reg.result()
+    except Exception as e:  # noqa: BLE001 - the store gone meanwhile: the job ended
+        if storeview.store_refuses(args.master_addr, args.master_port):
+            logger.debug("debug_server agent %s: the store went away while it registered "
+                         "(%s): the job ended", args.host_id, first_line(e))
+            return None
+        raise
+
+
 async def _serve(args: argparse.Namespace, registry: Any, token: str | None,
                  store: dist.Store | None) -> int:
     app = make_agent_app(registry, args.host_id, fetch_timeout=args.fetch_timeout,
@@ -65,22 +93,19 @@ async def _serve(args: argparse.Namespace, registry: Any, token: str | None,
     runner = web.AppRunner(app, handle_signals=False, shutdown_timeout=2.0, access_log=None)
     await runner.setup()
     done = asyncio.Event()
+    group: tuple[web.AppRunner, asyncio.Task[None]] | None = None
+    watch: asyncio.Task[None] | None = None
     try:
         port = await start_sites(runner, args.host, args.port)
         host = args.advertise or "127.0.0.1"
         url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
-        group: tuple[web.AppRunner, asyncio.Task[None]] | None = None
+        # Watched from the start: a job that ends while this agent registers ends it too.
+        if args.parent_pid:
+            watch = asyncio.create_task(_watch_parent(args.parent_pid, done, registry))
         if store is not None:
-            try:
-                place = await asyncio.get_running_loop().run_in_executor(
-                    None, _register, store, args.host_id, url, registry.ranks,
-                    args.restart_count, args.tree_hosts)
-            except Exception as e:  # noqa: BLE001 - the store gone meanwhile: the job ended
-                if storeview.store_refuses(args.master_addr, args.master_port):
-                    logger.debug("debug_server agent %s: the store went away while it "
-                                 "registered (%s): the job ended", args.host_id, first_line(e))
-                    return 0
-                raise
+            place = await _registered(args, store, url, registry.ranks, done)
+            if place is None:
+                return 0
             lead = tree.leads(place, args.tree_hosts)
             if lead is not None:
                 group = await _serve_group(args, lead, place, token)
@@ -95,13 +120,11 @@ async def _serve(args: argparse.Namespace, registry: Any, token: str | None,
         # say where the pages are; the store says where each agent is).
         logger.debug("debug_server agent %s at %s for ranks %s", args.host_id, url,
                      format_ranks(registry.ranks))
-        watch = (asyncio.create_task(_watch_parent(args.parent_pid, done, registry))
-                 if args.parent_pid else None)
         await done.wait()
-        if watch is not None:
-            watch.cancel()
         return 0
     finally:
+        if watch is not None:
+            watch.cancel()
         if group is not None:
             group[1].cancel()
             await group[0].cleanup()
