@@ -255,9 +255,11 @@ async def test_a_big_job_s_dump_cycles_come_less_often_and_not_at_start(tmp_path
     monkeypatch.setattr(dumps_mod.asyncio, "sleep", sleep)
     for world, want in ((131072, [256.0, 256.0]), (8, [1.0, 60.0])):
         sleeps.clear()
+        cycles.clear()
         dumper = Dumper(_Job(world), str(tmp_path / "d"), interval=60)  # type: ignore[arg-type]
         monkeypatch.setattr(dumper, "run_cycle", cycle)
         assert dumper.interval_s() == max(60.0, world / dumps_mod.DUMP_RANKS_PER_S)
         with pytest.raises(asyncio.CancelledError):
             await dumper.run_forever()
         assert [round(s) for s in sleeps[:2]] == want, (world, sleeps)
+        assert len(cycles) == 2  # one after each of the two sleeps

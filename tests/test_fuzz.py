@@ -109,6 +109,10 @@ def test_worker_handlers_answer_200_400_or_404(servers: dict[str, int], name: st
         # py-spy's read of this very process: a stack dump is that handler's answer by design.
         assert body.startswith("Thread 0x"), body[:300]
         return
+    if name == "pyspy_dump" and status == 500:
+        # Its documented one-line answer where py-spy's read outlasts its bound (a loaded box).
+        assert body.startswith("py-spy did not finish reading pid "), body[:300]
+        return
     _check(status, body, allowed, target)
     if status == 500:
         assert body == "no dump path configured", body

@@ -20,8 +20,7 @@ from debug_server.fanout import fastjson
 from debug_server.fanout.reply import FrData
 from debug_server.fanout.transport import RankResult
 from debug_server.protocol import addrs, members
-from debug_server.protocol.agentwire import TAG, stack_class
-from debug_server.protocol.names import WITH_STACKS
+from debug_server.protocol.agentwire import NOT_ASKED_DATA, TAG, StackClasses
 
 
 def records(results: Sequence[RankResult], with_body: bool) -> tuple[list[dict[str, Any]],
@@ -137,7 +136,7 @@ def fr_tag(q: Mapping[str, str], results: Sequence[RankResult]) -> str:
     (``dump_time_ns`` changes on every ask of a live rank; a hung one's ring does not). For the
     default ask, ``results`` are the first round's (the rest follows from them)."""
     h = hashlib.blake2b(digest_size=12)
-    h.update(json.dumps(sorted((k, v) for k, v in q.items() if k not in (TAG, WITH_STACKS)),
+    h.update(json.dumps(sorted((k, v) for k, v in q.items() if k not in NOT_ASKED_DATA),
                         separators=(",", ":")).encode())
     h.update((members.known_param() or "").encode())
     for r in results:
@@ -196,15 +195,10 @@ def fold_stacks(results: Sequence[RankResult] | None) -> None:
     then its host agent's to show."""
     fold_notes(results)
     first: dict[str, str] = {}
-    seen: dict[int, str] = {}
+    class_of = StackClasses()
     for r in results or ():
-        body = r.body
-        if not r.ok or body is None:
-            continue
-        shared = seen.get(id(body))
-        if shared is None:
-            shared = seen[id(body)] = first.setdefault(stack_class(body), body)
-        r.body = shared
+        if r.ok and r.body is not None:
+            r.body = first.setdefault(class_of(r.body), r.body)
 
 
 def dump_times(dumps: Mapping[int, Mapping[str, Any]]) -> dict[str, int | None]:
@@ -221,7 +215,7 @@ def group_tag(q: Mapping[str, str], results: Sequence[RankResult], key: Any) -> 
     if key is None:
         return ""
     h = hashlib.blake2b(digest_size=12)
-    h.update(json.dumps(sorted((k, v) for k, v in q.items() if k not in (TAG, WITH_STACKS)),
+    h.update(json.dumps(sorted((k, v) for k, v in q.items() if k not in NOT_ASKED_DATA),
                         separators=(",", ":")).encode())
     h.update((members.known_param() or "").encode())
     h.update(repr(key).encode())

@@ -6,7 +6,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from debug_server.analysis import stackparse
-from debug_server.protocol.agentwire import stack_class
+from debug_server.protocol.agentwire import StackClasses
 
 __all__ = ["group_stacks", "stack_groups"]
 
@@ -29,11 +29,9 @@ def group_stacks(
     # classes): each class parsed once, each rank's position put in by class, not one lookup
     # chain per rank. Ranks alike share one text object on the way up: made a class once.
     by_text: dict[str, list[int]] = {}
-    class_of: dict[int, str] = {}
+    class_of = StackClasses()
     for r, text in stacks.items():
-        key = class_of.get(id(text))
-        if key is None:
-            key = class_of[id(text)] = stack_class(text)
+        key = class_of(text)
         rs = by_text.get(key)
         if rs is None:
             by_text[key] = [r]

@@ -438,8 +438,8 @@ class AgentRoute:
         slot = (ag.id, SINCE if SINCE in params else "local")
         # The FR part does not depend on stacks=true: both asks share what is held.
         question = (ranks_param(rs), tuple(sorted((k, v) for k, v in params.items()
-                                             if k not in (members.PARAM, WITH_STACKS,
-                                                          agentwire.CLASSES))))
+                                             if k not in (members.PARAM,
+                                                          *agentwire.NOT_ASKED_DATA))))
         held = self._held.get(slot) if conditional else None
         if held is not None and held[0] != question:
             held = None

@@ -13,7 +13,7 @@ from typing import Any
 
 from debug_server.analysis.ranks import format_ranks
 from debug_server.fanout.transport import GONE, RankResult
-from debug_server.protocol.agentwire import stack_class
+from debug_server.protocol.agentwire import StackClasses
 from debug_server.readers import procstate
 
 __all__ = ["MAX_ROWS", "MAX_STACKS_FILE_CHARS", "PER_RANK_LISTING_MAX", "capped", "failure_rows", "ranks_text",
@@ -91,15 +91,12 @@ def failure_rows(lines: Sequence[str]) -> list[str]:
     return capped(rows) + loose[:MAX_ROWS]
 
 
-def _stack_key(r: RankResult, memo: dict[int, str]) -> tuple[Any, ...]:
+def _stack_key(r: RankResult, class_of: StackClasses) -> tuple[Any, ...]:
     """What puts ranks in one section of ``stacks_<ts>.txt``: the same text but for thread ids
     (each process has its own), the same process state; or the same failure."""
     if not r.ok:
         return ("failed", *strip_rank(r.rank, r.line()))
-    body = r.body or ""
-    norm = memo.get(id(body))
-    if norm is None:  # ranks alike share one text object (the fan-out's): normalized once
-        norm = memo[id(body)] = stack_class(body)
+    norm = class_of(r.body or "")
     state = r.process.get("state") if isinstance(r.process, Mapping) else None
     return ("ok", norm, r.note if r.status == GONE else None, state, r.process is not None)
 
@@ -108,8 +105,8 @@ def grouped_sections(results: Sequence[RankResult], parts: list[str]) -> str:
     """``parts`` (the stack groups' preamble), then one section per class of ranks alike
     (``frontend.dumps.stacks_file``), within ``MAX_STACKS_FILE_CHARS``."""
     by_rank = {r.rank: r for r in results}
-    memo: dict[int, str] = {}
-    classes = group_lines((r.rank, _stack_key(r, memo)) for r in results)
+    class_of = StackClasses()
+    classes = group_lines((r.rank, _stack_key(r, class_of)) for r in results)
     classes.sort(key=lambda c: min(c[0]))
     size = sum(len(p) + 1 for p in parts)
     left: list[int] = []

@@ -130,8 +130,7 @@ class RankHealth:
 
 
 def _num(v: Any) -> float | None:
-    t = type(v)
-    if t is float:  # the usual case first: once or twice a rank per poll
+    if type(v) is float:  # the usual case first: once or twice a rank per poll
         return v  # type: ignore[no-any-return]
     return float(v) if isinstance(v, int | float) and not isinstance(v, bool) else None
 
@@ -241,13 +240,13 @@ def parse_health(results: Sequence[RankResult]) -> list[RankHealth]:
         age = _num(op.get("age_s")) if op is not None else None
         oldest = _num(h.get("oldest_in_flight_s"))
         try:  # the reply less its ages; an unhashable value (a list...) is shared with none
-            rest = h.copy()  # copies and pops: C loops, not a generator a rank
+            rest, op_rest = h.copy(), dict(op) if op else None  # C loops, not a generator
             for k in _AGES:
                 rest.pop(k, None)
-            if op:
-                op_rest = op.copy()
+            if op_rest is not None:
                 op_rest.pop("age_s", None)
-            shape: Any = (tuple(rest.items()), tuple(op_rest.items()) if op else None)
+            shape: Any = (tuple(rest.items()), tuple(op_rest.items()) if op_rest is not None
+                          else None)
             hash(shape)
         except TypeError:
             shape = None

@@ -31,7 +31,7 @@ from debug_server.fanout.transport import OK as ANSWERED
 from debug_server.frontend.fetchfacts import FetchFacts
 from debug_server.frontend.lanes import lanes_view
 from debug_server.protocol.addrs import NOT_REGISTERED
-from debug_server.protocol.agentwire import stack_class
+from debug_server.protocol.agentwire import StackClasses
 from debug_server.readers import procstate
 
 logger = logging.getLogger(__name__)
@@ -142,7 +142,7 @@ def _by_position(ranks: Sequence[int], pos: Mapping[int, Mapping[str, Any]],
                  ) -> dict[tuple[str, bool], list[int]]:
     """``ranks`` by position (summary, in a collective), in the order each position first
     comes in ``ranks``."""
-    if len(ranks) > BY_GROUP_ABOVE and list(ranks) == sorted(ranks):
+    if len(ranks) > BY_GROUP_ABOVE and list(ranks) == sorted(set(ranks)):  # increasing
         # 131071 ranks waiting at one line: by stack group (a set intersection each), not a
         # lookup per rank. Groups that share a rank (none from the analysis) go rank by rank.
         groups = list({id(g): g for g in pos.values()}.values())
@@ -481,13 +481,11 @@ def stacks_model(results: Sequence[RankResult], *, path: str = "/stacks",
     # A text's key, parsed once per class of texts alike but for thread ids (131072 texts, a
     # few classes); ranks alike share one text object on the way up: made a class once.
     keys: dict[str, tuple[Any, ...]] = {}
-    class_of: dict[int, str] = {}
+    class_of = StackClasses()
     for r in results:
         if r.ok:
             text = r.body or ""
-            cls = class_of.get(id(text))
-            if cls is None:
-                cls = class_of[id(text)] = stack_class(text)
+            cls = class_of(text)
             key = keys.get(cls)
             if key is None:
                 key = keys[cls] = _stack_key(text)

@@ -8,7 +8,12 @@ from __future__ import annotations
 
 import re
 
-from debug_server.protocol.names import DUMP_FILE_HANDLER, HEALTH_HANDLER, PING_HANDLER
+from debug_server.protocol.names import (
+    DUMP_FILE_HANDLER,
+    HEALTH_HANDLER,
+    PING_HANDLER,
+    WITH_STACKS,
+)
 
 FR = "agent_fr"
 STACKS = "agent_stacks"
@@ -33,11 +38,29 @@ ranks' stacks by class, a text that reads as an earlier rank's but for thread id
 rank's text (``hostreply.fold_stacks``), so a host's ranks at one line send one text, not one
 each. The aggregator folds its ranks so anyway on the way up; a frontend that asks a host agent
 itself does not send it, and sees each rank's own thread ids."""
+NOT_ASKED_DATA = (TAG, WITH_STACKS, CLASSES)
+"""Parameters that change no FR data of an ``agent_fr`` reply (its tag, and what an asker
+holds of it, leave them out): the asker's tag, whether and how the ranks' stacks come along."""
 FETCHABLE = frozenset({PING_HANDLER, HEALTH_HANDLER, DUMP_FILE_HANDLER})
 """Worker handlers ``agent_fetch`` relays (no parameters; the frontend asks the rest directly)."""
 
 
 _ID = re.compile(r"(?:0x[0-9a-fA-F]+|\d+)\b")
+
+
+class StackClasses:
+    """``stack_class`` per text object, made once: ranks alike share one text object on the way
+    up (``hostreply.fold_stacks``), so 131072 ranks' texts are a few classes to make. Each text
+    seen is held, so its id stays its own while this lives."""
+
+    def __init__(self) -> None:
+        self._by_id: dict[int, tuple[str, str]] = {}
+
+    def __call__(self, text: str) -> str:
+        got = self._by_id.get(id(text))
+        if got is None:
+            got = self._by_id[id(text)] = (text, stack_class(text))
+        return got[1]
 
 
 def stack_class(text: str) -> str:
