@@ -216,18 +216,22 @@ def _host_app(world: int, first: int, last: int) -> Any:
         classes = q.get(agentwire.CLASSES) == "true"
         if name == "agent_fr":
             stacks = b["classes" if classes else "stacks"] if q.get("stacks") == "true" else None
+            # What the host's agent reads with the FR (agentwire.READ_PARTS): health fresh
+            parts = None if stacks is None else {"stacks": stacks, **(
+                {"health": _health_rows(world, b["health"])}
+                if q.get(agentwire.WITH_HEALTH) == "true" else {})}
             if q.get("tag") == b["tag"]:
                 t = time.time_ns()
                 for r in b["results"]:
                     b["fr"].dumps[r.rank]["dump_time_ns"] = t
-                text = hostreply.unchanged_reply(f"fh{h}", b["results"], b["tag"], stacks,
+                text = hostreply.unchanged_reply(f"fh{h}", b["results"], b["tag"], parts,
                                                  hostreply.dump_times(b["fr"].dumps))
             else:
                 known = members.parse_known(q.get(members.PARAM, ""))
                 part = b["parts"].get(known)
                 if part is None:
                     part = b["parts"][known] = hostreply.data_part(b["fr"], known)
-                text = hostreply.with_part(f"fh{h}", b["results"], b["tag"], part, stacks,
+                text = hostreply.with_part(f"fh{h}", b["results"], b["tag"], part, parts,
                                            hostreply.dump_times(b["fr"].dumps))
             body = text.encode()
         elif name == "agent_stacks":

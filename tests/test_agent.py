@@ -172,8 +172,9 @@ async def test_agent_refuses_an_unknown_parameter_in_one_line(agent_fleet: dict[
     url = agent_fleet["agents"]["h0"].url
     async with aiohttp.ClientSession() as s, s.post(f"{url}/handler/agent_fr?rank=1") as resp:
         assert resp.status == 400
-        assert (await resp.text()) == ("unknown parameter 'rank' (allowed: classes, onlyactive, pgknown, "
-                                       "ranks, since, stacks, tag, whole, window)")
+        assert (await resp.text()) == ("unknown parameter 'rank' (allowed: classes, health, "
+                                       "onlyactive, pgknown, ranks, since, stacks, tag, whole, "
+                                       "window)")
 
 
 async def test_agent_relays_only_the_listed_handlers(agent_fleet: dict[str, Any]) -> None:

@@ -146,7 +146,7 @@ def test_every_collector_answers_the_collector_protocol() -> None:
     try:
         for c in (live, through, KeepLast(live, Departures()), DiskCollector()):
             assert isinstance(c, Collector), type(c)
-            for name in ("fetch", "fr", "stacks", "fr_stacks", "data_time_ns"):
+            for name in ("fetch", "fr", "stacks", "fr_stacks", "fr_stacks_health", "data_time_ns"):
                 want = inspect.signature(getattr(Collector, name)).parameters
                 have = inspect.signature(getattr(c, name)).parameters
                 takes_any = any(p.kind is p.VAR_KEYWORD for p in have.values())

@@ -22,6 +22,7 @@ from debug_server.fanout.live import LiveCollector
 from debug_server.fanout.transport import OK
 from debug_server.frontend.dumps import analyze_fr
 from debug_server.protocol import agentwire, members
+from debug_server.protocol.names import HEALTH_HANDLER
 from debug_server.protocol.wire import STACKS_SEP, split_stacks
 from debug_server.rank.worker import StaticProvider, make_worker_app
 from debug_server.readers.storeview import StaticRegistry
@@ -34,6 +35,14 @@ def _stack_text(rank: int) -> str:
     line = "time.sleep(60)" if rank == MISSING else "dist.all_reduce(t)"
     return (f'Thread 0x1 (most recent call first):\n  File "train.py", line {100 + rank} '
             f"in step\n    {line}\n")
+
+
+def _health(rank: int) -> dict[str, Any]:
+    """Each rank's own health reply (its own age), the missing rank healthy."""
+    if rank == MISSING:
+        return {"healthy": True, "stalled_op": None}
+    return {"healthy": False, "stalled_op": {"group": "0", "seq": 7, "op": "all_reduce",
+                                             "age_s": 60.0 + rank / 100}}
 
 
 def _counting(seen: list[str]) -> Any:
@@ -59,7 +68,8 @@ async def _counted_workers(dumps: Mapping[int, Mapping[str, Any]], older: int,
     seen: dict[int, list[str]] = {r: [] for r in dumps}
     urls = []
     for r in sorted(dumps):
-        app = make_worker_app(StaticProvider(dumps[r], stacks=_stack_text(r)))
+        app = make_worker_app(StaticProvider(dumps[r], stacks=_stack_text(r),
+                                             health=_health(r)))
         app.middlewares.append(_counting(seen[r]))
         if r == older:
             app.middlewares.append(web.middleware(_refuses_stacks))
@@ -177,6 +187,48 @@ async def test_through_agents_each_agent_and_each_rank_is_asked_once_per_page(
         assert all(s.note and "via agent" in s.note for s in stacks)
         verdict = analyze_fr(fr, stacks, WORLD)["verdict"]
         assert f"Rank {MISSING} never joined" in verdict and "train.py:106" in verdict
+
+
+async def test_the_overview_asks_each_agent_once_for_fr_stacks_and_health(
+        agents: dict[str, Any], fresh_members: None) -> None:
+    """``fr_stacks_health`` through agents: one ``agent_fr`` per host carries the ranks' health
+    too (``agentwire.WITH_HEALTH``), no ``agent_fetch``; each rank is asked for its health once
+    a page, and the records are what asking every rank directly gives. An agent that is gone
+    has its ranks' health asked directly in the same page."""
+    seen = agents["seen"]
+    async with aiohttp.ClientSession() as session:
+        direct = await LiveCollector(session, StaticRegistry(agents["urls"]), timeout=5.0
+                                     ).fetch(HEALTH_HANDLER)
+        for r in seen:
+            seen[r].clear()
+        through = collector_through(session, agents["urls"], PER_HOST, agents["agents"])
+        pages = [await through.fr_stacks_health() for _ in range(2)]
+        counts = await _agent_counts(agents["agents"])
+        await agents["runners"][WORLD].cleanup()  # host h0's agent: ranks 0-3 now directly
+        fr, stacks, health = await through.fr_stacks_health()
+    assert counts == {h: {agentwire.FR: 2, agentwire.INFO: 1} for h in counts}, counts
+    for r in range(WORLD):
+        asked = [q.split("?")[0] for q in seen[r]]
+        assert asked.count(f"/handler/{HEALTH_HANDLER}") == 3, (r, seen[r])
+    want = {r.rank: json.loads(r.body or "") for r in direct}
+    assert want[1]["stalled_op"]["age_s"] == 60.01 and want[MISSING]["healthy"] is True
+    for _, _, got in pages:
+        assert [r.rank for r in got] == list(range(WORLD))
+        assert {r.rank: json.loads(r.body or "") for r in got} == want
+        assert all(r.note and "via agent" in r.note for r in got), [r.note for r in got]
+    assert {r.rank: json.loads(r.body or "") for r in health} == want
+    assert [bool(r.note and "via agent" in r.note) for r in health] == \
+        [r >= PER_HOST for r in range(WORLD)]
+    assert fr.dumps.keys() == set(range(WORLD)) and len(stacks) == WORLD
+
+
+async def test_an_agent_refuses_health_without_stacks_in_one_line(
+        agents: dict[str, Any]) -> None:
+    ag = agents["agents"]["h0"]
+    async with aiohttp.ClientSession() as s, \
+            s.post(f"{ag.url}/handler/{agentwire.FR}?{agentwire.WITH_HEALTH}=true") as resp:
+        assert resp.status == 400
+        assert await resp.text() == "bad parameter health=true: only with stacks=true"
 
 
 async def test_an_agent_refuses_stacks_with_a_re_ask_in_one_line(agents: dict[str, Any]) -> None:

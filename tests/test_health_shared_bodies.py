@@ -4,6 +4,7 @@ body once, referenced by index): every rank still gets its own record."""
 from __future__ import annotations
 
 import json
+from typing import Any
 
 from debug_server.fanout.transport import RankResult
 from debug_server.frontend.hangreport import parse_health
@@ -33,3 +34,41 @@ def test_a_shared_unreadable_health_text_is_not_understood_for_every_rank_that_s
         (4, False, None, "health reply is not understood"),
         (5, False, None, "health reply is not understood"),
         (6, False, None, "health reply is not understood")]
+
+
+def test_replies_read_together_give_what_each_read_alone_gives() -> None:
+    """Each distinct text is read once and its ranks share its dicts (``parse_health``), and a
+    class's kind is read once per pair of dicts (``health_classes``): the same records, texts
+    and classes as reading every reply alone, over random mixes of shared and own texts."""
+    import random
+
+    from debug_server.frontend.hangreport import health_classes
+
+    rng = random.Random(7)
+    bodies = [json.dumps({"healthy": False, "stalled_op": {"group": "g", "seq": 3, "op": "x",
+                                                           "age_s": a},
+                          "in_flight": 1, "oldest_in_flight_s": b})
+              for a in (1.0, 2.5, None) for b in (3.0, None)]
+    bodies += [json.dumps({"healthy": True, "stalled_op": None, "in_flight": n,
+                           "oldest_in_flight_s": 1.5}) for n in (0, 2)]
+    bodies += ["not json", json.dumps({"healthy": "x"}), json.dumps({"healthy": True,
+                                                                     "l": [1, 2]})]
+    for _ in range(100):
+        replies = []
+        for r in range(40):
+            k = rng.random()
+            replies.append(_reply(r, None, "failed", None) if k < 0.1 else
+                           _reply(r, None, "failed", 404) if k < 0.15 else
+                           _reply(r, rng.choice(bodies)))
+        together = parse_health(replies)
+        alone = [parse_health([r])[0] for r in replies]
+        assert [_seen(h) for h in together] == [_seen(h) for h in alone]
+        assert [(c.kind, c.ranks, c.lo, c.hi) for c in health_classes(together)] == \
+            [(c.kind, c.ranks, c.lo, c.hi) for c in health_classes(alone)]
+
+
+def _seen(h: Any) -> tuple[Any, ...]:
+    """A record as read: its own ages (``op_now``, ``oldest_s``), the shared dicts less theirs."""
+    rest = {k: v for k, v in h.info.items() if k not in ("stalled_op", "oldest_in_flight_s")}
+    return (h.rank, h.answered, h.healthy, h.error, h.op_age_s, h.oldest_s, h.op_now(), rest,
+            h.text())

@@ -30,9 +30,9 @@ def rows_with_body(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def _parse(body: str, addrs: list[WorkerAddr] = ADDRS) -> tuple[list[RankResult],
                                                                   list[RankResult]]:
-    recs, dumps, tag, snap, stacks = parse_fr(body, AG, addrs)
-    assert tag == "t1" and dumps == {} and snap is not None and stacks is not None
-    return recs, stacks
+    recs, dumps, tag, snap, parts = parse_fr(body, AG, addrs)
+    assert tag == "t1" and dumps == {} and snap is not None and "stacks" in parts
+    return recs, parts["stacks"]
 
 
 def _row(ranks: str, elapsed: float = 0.1, **kw: Any) -> dict[str, Any]:

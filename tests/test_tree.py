@@ -136,6 +136,38 @@ def test_a_host_agent_sends_stacks_by_class_where_its_aggregator_asks_so(
         assert folded == own[:1], (route, folded)
 
 
+def test_health_comes_up_the_tree_with_the_fr_in_one_request_per_host(
+        job: dict[str, Any]) -> None:
+    """The overview's ask (``agentwire.WITH_HEALTH``): an aggregator asked for its group's FR,
+    stacks and health asks its host agents for all three at once (``test_fr_stacks`` counts
+    the requests) and sends every rank's health reply up, rank 5 (asleep) with no stalled op;
+    the overview shows every rank's health."""
+    from httpget import post
+
+    from debug_server.protocol import agentwire
+    from debug_server.protocol.addrs import parse_ranks
+
+    group = next(g for g in _groups(job["store_port"]).values()
+                 if STUCK in parse_ranks(g["ranks"]))
+    base = f"{group['url'].rstrip('/')}/handler"
+    status, body = post(f"{base}/{agentwire.FR}?ranks={group['ranks']}&stacks=true&"
+                        f"{agentwire.WITH_HEALTH}=true")
+    assert status == 200, body
+    part = json.loads(body)["health"]
+    got: dict[int, dict[str, Any]] = {}
+    for row in part["ranks"]:
+        assert row["status"] == "ok" and row["note"].startswith("via its host's agent"), row
+        for r in parse_ranks(str(row.get("ranks", row.get("rank")))):
+            got[r] = json.loads(part["bodies"][row["body"]])
+    assert sorted(got) == sorted(parse_ranks(group["ranks"])), got
+    assert all(isinstance(h["healthy"], bool) for h in got.values()), got
+    assert got[STUCK]["stalled_op"] is None, got[STUCK]
+    status, page = _get(job["url"], "/?format=json")
+    rows = json.loads(page)["ranks"]
+    assert [r["rank"] for r in rows] == list(range(WORLD))
+    assert not [r for r in rows if "unknown" in r["health"]], rows
+
+
 def test_a_dead_aggregator_is_bypassed_through_its_host_agents(job: dict[str, Any]) -> None:
     """Last in the module: the aggregator of rank 5's group (and its host's agent, the same
     process) killed; rank 5's host agent still answers for it, the others of that host

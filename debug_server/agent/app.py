@@ -13,7 +13,9 @@ already-digested reply for the host:
   (``frwindow``: the host's frontier; the frontend computes the job's and asks again with
   ``since=`` only for the ranks whose cut lies above it, exactly its own re-ask protocol;
   ``stacks=true``: the ranks' stacks too, asked in the same request per rank and sent as
-  ``agent_stacks`` sends them, with every reply, "unchanged" ones included),
+  ``agent_stacks`` sends them, with every reply, "unchanged" ones included; with
+  ``health=true`` their health replies too, under ``"health"``: the overview's three reads in
+  one request per host),
   each distinct call-site stack once per reply (entries name it by index: ``"frames"``),
   long member lists once per reply (``"lists"``, references in the dumps, and none the frontend
   already holds: ``pgknown``), and the host's **mismatch signatures**: per communicator and
@@ -51,7 +53,7 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 import aiohttp
@@ -77,8 +79,16 @@ from debug_server.protocol.agentwire import (
     STACKS,
     TAG,
     WHOLE,
+    WITH_HEALTH,
 )
-from debug_server.protocol.names import NATIVE, ONLY_ACTIVE, SINCE, WINDOW, WITH_STACKS
+from debug_server.protocol.names import (
+    HEALTH_HANDLER,
+    NATIVE,
+    ONLY_ACTIVE,
+    SINCE,
+    WINDOW,
+    WITH_STACKS,
+)
 from debug_server.protocol.wire import HandlerError, handler_routes
 
 # ---------------------------------------------------------------------------------------------
@@ -142,7 +152,7 @@ def _fr_part(app: web.Application, fr: FrData, known: frozenset[str]) -> str:
 
 
 def _fr_reply(app: web.Application, fr: FrData, known: frozenset[str], tag: str,
-              stacks: Sequence[RankResult] | None = None, keep: bool = False) -> str:
+              parts: hostreply.Parts | None = None, keep: bool = False) -> str:
     part = _fr_part(app, fr, known)
     if keep:  # a new asker of the same tag gets it again (LAST_FULL)
         last = app[LAST_FULL]
@@ -150,16 +160,18 @@ def _fr_reply(app: web.Application, fr: FrData, known: frozenset[str], tag: str,
         last[tag] = part
         while len(last) > LAST_FULL_KEPT:
             last.pop(next(iter(last)))
-    return hostreply.with_part(app[HOST_ID], fr.results, tag, part, stacks, None)
+    return hostreply.with_part(app[HOST_ID], fr.results, tag, part, parts, None)
 
 
 async def _agent_fr(request: web.Request, q: Mapping[str, str]) -> web.Response:
     _only(q, {RANKS, WINDOW, SINCE, WHOLE, ONLY_ACTIVE, members.PARAM, TAG,
-              WITH_STACKS, CLASSES})
-    want_stacks = _flag(q, WITH_STACKS)
+              WITH_STACKS, WITH_HEALTH, CLASSES})
+    want_stacks, want_health = _flag(q, WITH_STACKS), _flag(q, WITH_HEALTH)
     if want_stacks and (SINCE in q or _flag(q, WHOLE) or _flag(q, ONLY_ACTIVE)):
         raise BadParam(f"bad parameter {WITH_STACKS}=true: only with the default window "
                        "(no since, whole or onlyactive)")
+    if want_health and not want_stacks:
+        raise BadParam(f"bad parameter {WITH_HEALTH}=true: only with {WITH_STACKS}=true")
     collector = request.app[COLLECTOR]
     addrs = await _addrs(request, q)
     try:
@@ -168,7 +180,7 @@ async def _agent_fr(request: web.Request, q: Mapping[str, str]) -> web.Response:
         raise BadParam(f"bad parameter {members.PARAM}: {e}") from None
     loop = asyncio.get_running_loop()
     tag: str | None = None
-    stacks: Sequence[RankResult] | None = None
+    parts: hostreply.Parts | None = None
     keep = False  # the default ask's full reply is kept for a new asker (LAST_FULL)
     routed = collector.route is not None  # an aggregator: through its group's host agents
     if SINCE in q and routed:
@@ -184,23 +196,28 @@ async def _agent_fr(request: web.Request, q: Mapping[str, str]) -> web.Response:
                            f"{frwindow.LOCAL_SLACK} is supported")
         # Its hosts' windows cut at the group's frontier; its tag folds its hosts' tags, so a
         # group none of whose hosts changed answers "unchanged" (nothing encoded).
-        if want_stacks:
+        if want_health:
+            fr, got, health = await collector.fr_stacks_health(addrs)
+            parts = {WITH_STACKS: got, WITH_HEALTH: health}
+        elif want_stacks:
             fr, got = await collector.fr_stacks(addrs)
-            stacks = got
+            parts = {WITH_STACKS: got}
         else:
             fr = await collector.fr(addrs=addrs)
         tag = hostreply.group_tag(q, fr.results, collector.route.last_key())
         hostreply.fold_notes(fr.results)
-        hostreply.fold_stacks(stacks)
+        if parts:
+            hostreply.fold_stacks(parts[WITH_STACKS])
+            hostreply.fold_notes(parts.get(WITH_HEALTH))
         if tag and q.get(TAG) == tag:
             return web.Response(text=hostreply.unchanged_reply(
-                request.app[HOST_ID], fr.results, tag, stacks, hostreply.dump_times(fr.dumps)),
+                request.app[HOST_ID], fr.results, tag, parts, hostreply.dump_times(fr.dumps)),
                 content_type="application/json")
         part = request.app[LAST_FULL].get(tag) if tag else None
         if part is not None:
             request.app[COUNTS][FROM_LAST] = request.app[COUNTS].get(FROM_LAST, 0) + 1
             return web.Response(text=hostreply.with_part(
-                request.app[HOST_ID], fr.results, tag, part, stacks,
+                request.app[HOST_ID], fr.results, tag, part, parts,
                 hostreply.dump_times(fr.dumps)), content_type="application/json")
         keep = bool(tag)  # "": some ranks came another way; no conditional ask then
     elif SINCE in q:
@@ -221,27 +238,30 @@ async def _agent_fr(request: web.Request, q: Mapping[str, str]) -> web.Response:
         # Cut at this host's frontier; a host whose ranks' windows did not change since the
         # asker's tag is answered before any of them is parsed.
         # With stacks=true the ranks' stacks come in the same requests (LiveCollector.fr_stacks),
-        # and go with every reply, "unchanged" ones too: stacks are always read fresh.
+        # and go with every reply, "unchanged" ones too: stacks are always read fresh; so is
+        # health (health=true), asked of the ranks alongside.
+        health_read = asyncio.ensure_future(collector.fetch(HEALTH_HANDLER, None, addrs)) \
+            if want_health else None
         texts: dict[int, str] | None = {} if want_stacks else None
         first = await collector.first_round(addrs, texts)
         stacks_read = (asyncio.ensure_future(collector.stacks_after_fr(addrs, first, texts))
                        if texts is not None else None)
         tag = hostreply.fr_tag(q, first)
         if q.get(TAG) == tag:
-            stacks = await _read_stacks(stacks_read, q)
-            return web.Response(text=hostreply.unchanged_reply(request.app[HOST_ID], first, tag, stacks),
+            parts = await _read_parts(stacks_read, health_read, q)
+            return web.Response(text=hostreply.unchanged_reply(request.app[HOST_ID], first, tag, parts),
                                 content_type="application/json")
         part = request.app[LAST_FULL].get(tag)
         if part is not None:
             # Another asker (a restarted or attached frontend) of data this agent sent whole
             # already: the same data part, this ask's records and read times.
-            stacks = await _read_stacks(stacks_read, q)
+            parts = await _read_parts(stacks_read, health_read, q)
             request.app[COUNTS][FROM_LAST] = request.app[COUNTS].get(FROM_LAST, 0) + 1
             return web.Response(text=hostreply.with_part(request.app[HOST_ID], first, tag, part,
-                                                         stacks, hostreply.read_times(first)),
+                                                         parts, hostreply.read_times(first)),
                                 content_type="application/json")
         fr = await collector.complete(addrs, first)
-        stacks = await _read_stacks(stacks_read, q)
+        parts = await _read_parts(stacks_read, health_read, q)
         keep = True
     if tag is None:
         tag = hostreply.fr_tag(q, fr.results)
@@ -249,20 +269,23 @@ async def _agent_fr(request: web.Request, q: Mapping[str, str]) -> web.Response:
             return web.Response(text=hostreply.unchanged_reply(request.app[HOST_ID], fr.results, tag),
                                 content_type="application/json")
     # A host's few ranks: encoded here (a thread hop would cost more than the work).
-    body = _fr_reply(request.app, fr, known, tag, stacks, keep) \
+    body = _fr_reply(request.app, fr, known, tag, parts, keep) \
         if len(fr.dumps) <= INLINE_DUMPS else await loop.run_in_executor(
-            None, _fr_reply, request.app, fr, known, tag, stacks, keep)
+            None, _fr_reply, request.app, fr, known, tag, parts, keep)
     return web.Response(text=body, content_type="application/json")
 
 
-async def _read_stacks(task: asyncio.Future[list[RankResult]] | None, q: Mapping[str, str],
-                       ) -> list[RankResult] | None:
-    """A host's ranks' stacks, read alongside their FR; by class where the asker (an
-    aggregator) asks so (``agentwire.CLASSES``)."""
-    stacks = await task if task is not None else None
+async def _read_parts(stacks: asyncio.Future[list[RankResult]] | None,
+                     health: asyncio.Future[list[RankResult]] | None, q: Mapping[str, str],
+                     ) -> hostreply.Parts | None:
+    """A host's ranks' stacks (and health), read alongside their FR; stacks by class where the
+    asker (an aggregator) asks so (``agentwire.CLASSES``)."""
+    if stacks is None:
+        return None
+    got = await stacks
     if _flag(q, CLASSES):
-        hostreply.fold_stacks(stacks)
-    return stacks
+        hostreply.fold_stacks(got)
+    return {WITH_STACKS: got, **({WITH_HEALTH: await health} if health is not None else {})}
 
 
 async def _agent_stacks(request: web.Request, q: Mapping[str, str]) -> web.Response:

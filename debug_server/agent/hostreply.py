@@ -145,12 +145,19 @@ def fr_tag(q: Mapping[str, str], results: Sequence[RankResult]) -> str:
     return h.hexdigest()
 
 
-def stacks_part(stacks: Sequence[RankResult] | None) -> dict[str, Any]:
-    """``stacks=true``: the ranks' stacks as ``agent_stacks`` sends them, under ``"stacks"``."""
-    if stacks is None:
-        return {}
-    rows, texts = records(stacks, with_body=True)
-    return {"stacks": {"ranks": rows, "bodies": texts}}
+Parts = Mapping[str, Sequence[RankResult]]
+"""What a reply carries next to the FR data (``agentwire.READ_PARTS``): each part's name
+(``"stacks"``, ``"health"``) -> the ranks' records of it."""
+
+
+def read_parts(parts: Parts | None) -> dict[str, Any]:
+    """``stacks=true`` (and ``health=true``): each part's records as ``agent_stacks`` sends
+    them (``"ranks"``, ``"bodies"``), under its name."""
+    out: dict[str, Any] = {}
+    for name, results in (parts or {}).items():
+        rows, texts = records(results, with_body=True)
+        out[name] = {"ranks": rows, "bodies": texts}
+    return out
 
 
 def read_times(results: Sequence[RankResult]) -> dict[str, int | None]:
@@ -164,14 +171,14 @@ def read_times(results: Sequence[RankResult]) -> dict[str, int | None]:
 
 
 def unchanged_reply(host: str, results: Sequence[RankResult], tag: str,
-                    stacks: Sequence[RankResult] | None = None,
+                    parts: Parts | None = None,
                     snap: Mapping[str, int | None] | None = None) -> str:
     """The records and each rank's read time, read off its reply text (no parse) unless
     given (``snap``: an aggregator's, from the dumps its hosts sent)."""
     rows, _ = records(results, with_body=False)
     return fastjson.dumps({"host": host, "ranks": rows, TAG: tag, "unchanged": True,
                            "snap": read_times(results) if snap is None else snap,
-                           **stacks_part(stacks)})
+                           **read_parts(parts)})
 
 
 _HOST_NOTE = re.compile(r"via agent [^;]+$")
@@ -257,18 +264,18 @@ def data_part(fr: FrData, known: frozenset[str]) -> str:
 
 
 def with_part(host: str, results: Sequence[RankResult], tag: str, part: str,
-              stacks: Sequence[RankResult] | None, snap: Mapping[str, int | None] | None,
+              parts: Parts | None, snap: Mapping[str, int | None] | None,
               ) -> str:
-    """A full reply: this ask's records (and stacks, and read times where the data part was
+    """A full reply: this ask's records (and its read parts, and read times where the data part was
     made for an earlier ask) around the data part's text (``data_part``: an object, whose
     members follow the head's)."""
     rows, _ = records(results, with_body=False)
     head = fastjson.dumps({"host": host, "ranks": rows, TAG: tag,
                            **({"snap": snap} if snap is not None else {}),
-                           **stacks_part(stacks)}, default=str)
+                           **read_parts(parts)}, default=str)
     return head[:-1] + "," + part[1:]
 
 
 __all__ = ["HOST_NOTE", "data_part", "dump_times", "fold_notes", "fold_stacks", "fr_tag", "group_tag", "read_times", "records",
-           "share_frames", "share_lists", "share_same", "signatures", "stacks_part",
+           "Parts", "read_parts", "share_frames", "share_lists", "share_same", "signatures",
            "unchanged_reply", "with_part"]

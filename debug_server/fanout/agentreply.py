@@ -32,11 +32,15 @@ class AgentAddr:
     ranks: frozenset[int]
 
 
-def keep_stacks(into: list[RankResult] | None, got: list[RankResult] | None) -> None:
-    """An agent's stacks records, where they were asked for (ranks it does not serve left out:
-    they are asked directly)."""
-    if into is not None and got is not None:
-        into.extend(r for r in got if r.status != NOT_REGISTERED)
+def keep_parts(into: Mapping[str, list[RankResult]] | None,
+               got: Mapping[str, list[RankResult]]) -> None:
+    """An agent's records of the parts read with its FR (``agentwire.READ_PARTS``: stacks,
+    health), each where it was asked for (ranks it does not serve left out: they are asked
+    directly)."""
+    for name, into_part in (into or {}).items():
+        part = got.get(name)
+        if part is not None:
+            into_part.extend(r for r in part if r.status != NOT_REGISTERED)
 
 
 class _PerList:
@@ -204,19 +208,23 @@ def with_snap(dump: Mapping[str, Any], snap: Any) -> dict[str, Any]:
 
 
 _FrReply = tuple[list[RankResult], dict[int, dict[str, Any]], str, dict[str, Any] | None,
-                 list[RankResult] | None]
+                 dict[str, list[RankResult]]]
 
 
 def parse_fr(body: str, ag: AgentAddr, rs: Sequence[WorkerAddr]) -> _FrReply:
     """``agent_fr``: records, each rank's dump with its member lists put back, the reply's tag,
     for an "unchanged" reply (no dumps) each rank's read time (else None), and the ranks'
-    stacks records where it was asked ``stacks=true`` (else None)."""
+    records of each part read with the FR (``agentwire.READ_PARTS``) that it carries, by name:
+    the stacks where it was asked ``stacks=true``, the health where ``health=true``."""
     obj = _load(body)
     tag = obj.get(agentwire.TAG) if isinstance(obj.get(agentwire.TAG), str) else ""
-    part = obj.get("stacks")
-    if part is not None and not isinstance(part, dict):
-        raise ValueError("stacks is not an object")
-    stacks = _grouped_records(part, ag, rs, "stacks") if part is not None else None
+    parts: dict[str, list[RankResult]] = {}
+    for name in agentwire.READ_PARTS:
+        part = obj.get(name)
+        if part is not None:
+            if not isinstance(part, dict):
+                raise ValueError(f"{name} is not an object")
+            parts[name] = _grouped_records(part, ag, rs, name)
     if obj.get("unchanged") is True:
         snap = obj.get("snap")
         if not isinstance(snap, dict) or not tag:
@@ -224,7 +232,7 @@ def parse_fr(body: str, ag: AgentAddr, rs: Sequence[WorkerAddr]) -> _FrReply:
         # An answered rank's body is "" (its dump is the held one), as in a full reply.
         recs = _held_rows(obj["ranks"], ag, _urls(rs), "fr", lambda row: "" if isinstance(
             row, dict) and row.get("status") == OK else None)
-        return recs, {}, tag, snap, stacks
+        return recs, {}, tag, snap, parts
     lists, raw = obj.get("lists", {}), obj.get("dumps", {})
     if not isinstance(lists, dict) or not isinstance(raw, dict):
         raise ValueError("lists or dumps is not an object")
@@ -279,4 +287,4 @@ def parse_fr(body: str, ag: AgentAddr, rs: Sequence[WorkerAddr]) -> _FrReply:
         snap = fresh.get(str(r.rank)) if fresh is not None else pair[1]
         dumps[r.rank] = with_snap(rep, snap)
         r.body = ""
-    return recs, dumps, tag, None, stacks
+    return recs, dumps, tag, None, parts

@@ -49,7 +49,7 @@ from debug_server.fanout.agentdir import (
 )
 from debug_server.fanout.agentreply import (
     AgentAddr,
-    keep_stacks,
+    keep_parts,
     parse_fr,
     parse_grouped,
     ranks_param,
@@ -257,12 +257,17 @@ class AgentRoute:
         return Routed(results, rest)
 
     async def fr_stacks(self, plan: Plan, texts: dict[int, str],
+                        health: list[RankResult] | None = None,
                         ) -> Routed[tuple[FrData, list[RankResult]]]:
         """``fr_stacks`` through the agents: each agent is asked once for both
         (``agent_fr?stacks=true``) and asks each of its ranks once; ranks asked directly bring
-        their stacks texts with their FR (left, with their texts in ``texts``)."""
+        their stacks texts with their FR (left, with their texts in ``texts``). With ``health``
+        (a list to fill), each agent sends its ranks' health in the same reply
+        (``agentwire.WITH_HEALTH``): the records of the ranks it served go there."""
         got: list[RankResult] = []
-        fr = await self._fr_window(plan.groups, plan.direct, (got, texts))
+        parts = {WITH_STACKS: got, **({agentwire.WITH_HEALTH: health}
+                                      if health is not None else {})}
+        fr = await self._fr_window(plan.groups, plan.direct, parts, texts)
         have = {r.rank for r in got}
         return Routed((fr, got), [a for a in plan.addrs if a.rank not in have])
 
@@ -271,15 +276,16 @@ class AgentRoute:
 
     async def _fr_window(self, plan: list[tuple[AgentAddr, list[WorkerAddr]]],
                          direct: list[WorkerAddr],
-                         stacks: tuple[list[RankResult], dict[int, str]] | None = None,
+                         parts: dict[str, list[RankResult]] | None = None,
+                         texts: dict[int, str] | None = None,
                          ) -> FrData:
-        """The default ``fr`` through the agents; with ``stacks`` (records, texts) the ranks'
-        stacks come in the same requests: agents' records and direct ranks' texts go there."""
-        stacks_got, texts = stacks if stacks is not None else (None, None)
+        """The default ``fr`` through the agents; with ``parts`` (``agentwire.READ_PARTS``:
+        stacks, and health, by name -> a list to fill) the agents send their ranks' records of
+        them in the same replies, and direct ranks' stacks texts go to ``texts``."""
         addrs = [a for _, rs in plan for a in rs] + list(direct)
         # Round 1: agents cut at their host's frontier, direct ranks at their own.
         window = {WINDOW: str(frwindow.LOCAL_SLACK),
-                  **({WITH_STACKS: "true", **self.classes} if stacks is not None else {})}
+                  **({**dict.fromkeys(parts, "true"), **self.classes} if parts else {})}
         first: list[Any] = []
         tags: dict[str, str] = {}
         # Ranks of "unchanged" replies -> their new read times (their dumps are the held ones,
@@ -289,11 +295,11 @@ class AgentRoute:
         if known is None and len(plan) > 1:
             # This frontend holds no member list yet: one agent first, so the other agents'
             # replies do not each carry the world's list (2048 x 100 KB at 16384 ranks).
-            first = [await self._agent_fr(*plan[0], window, tags, stacks_got, snaps)]
+            first = [await self._agent_fr(*plan[0], window, tags, parts, snaps)]
             known = members.known_param()
         direct_round = self._direct_local(direct, texts)
         *rest_got, (direct_results, dumps) = await asyncio.gather(
-            *(self._agent_fr(ag, rs, {**window, members.PARAM: known or ""}, tags, stacks_got,
+            *(self._agent_fr(ag, rs, {**window, members.PARAM: known or ""}, tags, parts,
                              snaps) for ag, rs in plan[len(first):]), direct_round)
         results = list(direct_results)
         via: dict[int, AgentAddr] = {}
@@ -304,7 +310,7 @@ class AgentRoute:
                 Plan(rest, [], rest)
             parts = await asyncio.gather(
                 *(self._agent_fr(ag, rs, {**window, members.PARAM: members.known_param() or ""},
-                                 tags, stacks_got, snaps) for ag, rs in below.groups))
+                                 tags, parts, snaps) for ag, rs in below.groups))
             rest = list(below.direct) + _take(below.groups, parts, results, dumps, via)
             more, more_dumps = await self._direct_local(rest, texts)
             results += more
@@ -420,7 +426,7 @@ class AgentRoute:
 
     async def _agent_fr(self, ag: AgentAddr, rs: Sequence[WorkerAddr],
                         params: Mapping[str, str], tags: dict[str, str] | None = None,
-                        stacks: list[RankResult] | None = None,
+                        parts: dict[str, list[RankResult]] | None = None,
                         snaps: dict[int, Any] | None = None,
                         ) -> tuple[list[RankResult], dict[int, dict[str, Any]]] | None:
         """One agent's FR reply as records and parsed dumps; None when the agent failed (its
@@ -447,7 +453,7 @@ class AgentRoute:
         reply = await self._reply(ag, rs, agentwire.FR, ask, parse_fr)
         if reply is None:
             return None
-        recs, dumps, tag, snap, stk = reply
+        recs, dumps, tag, snap, got = reply
         if snap is not None:  # "unchanged": the held dumps again
             again = _held_again(held, tag, recs, snap, snaps)
             if again is None:
@@ -455,16 +461,16 @@ class AgentRoute:
                 reply = await self._reply(ag, rs, agentwire.FR, params, parse_fr)
                 if reply is None or reply[3] is not None:
                     return None
-                recs, dumps, tag, snap, stk = reply
-                keep_stacks(stacks, stk)
+                recs, dumps, tag, snap, got = reply
+                keep_parts(parts, got)
                 return self._held_reply(slot, question, conditional, recs, dumps, tag, tags)
-            keep_stacks(stacks, stk)
+            keep_parts(parts, got)
             if tags is not None:
                 tags[ag.id] = tag
             dumps = again
             self.agent_unchanged += 1
             return _registered(recs, dumps)
-        keep_stacks(stacks, stk)
+        keep_parts(parts, got)
         return self._held_reply(slot, question, conditional, recs, dumps, tag, tags)
 
     def _held_reply(self, slot: tuple[str, str], question: Any, conditional: bool,

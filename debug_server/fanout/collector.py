@@ -68,6 +68,12 @@ class Collector(Protocol):
         """``fr()`` and ``stacks()`` of the same ranks, for a page that shows both."""
         ...
 
+    async def fr_stacks_health(self, addrs: Sequence[WorkerAddr] | None = None,
+                               ) -> tuple[FrData, list[RankResult], list[RankResult]]:
+        """``fr_stacks()`` and every rank's health (``fetch`` of ``HEALTH_HANDLER``), for the
+        overview: through agents, one request per host for all three."""
+        ...
+
 
 @dataclass(slots=True)
 class Plan:
@@ -131,10 +137,12 @@ class Route(Protocol):
         ...
 
     async def fr_stacks(self, plan: Plan, texts: dict[int, str],
+                        health: list[RankResult] | None = None,
                         ) -> Routed[tuple[FrData, list[RankResult]]]:
         """The default FR window of every rank of ``plan`` and the stacks of those it served;
         ``left``: the ranks still without stacks, whose texts (where an FR reply brought them)
-        it put in ``texts``."""
+        it put in ``texts``. With ``health`` (a list to fill): the health records of the ranks
+        it served, asked in the same requests (the collector asks the others')."""
         ...
 
     def close(self) -> None: ...

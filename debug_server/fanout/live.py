@@ -15,6 +15,7 @@ agent asks its host's ranks with the two FR rounds apart (``first_round``, then 
 from __future__ import annotations
 
 import asyncio
+import operator
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 
@@ -37,8 +38,16 @@ from debug_server.fanout.transport import (
 )
 from debug_server.protocol import frwindow
 from debug_server.protocol.addrs import NOT_REGISTERED, WorkerAddr
-from debug_server.protocol.names import INCLUDE_STACKTRACES, ONLY_ACTIVE, STACKS_HANDLER, WINDOW
+from debug_server.protocol.names import (
+    HEALTH_HANDLER,
+    INCLUDE_STACKTRACES,
+    ONLY_ACTIVE,
+    STACKS_HANDLER,
+    WINDOW,
+)
 from debug_server.readers import pyspy
+
+_RANK = operator.attrgetter("rank")
 
 RouteFor = Callable[[Asker, FrRounds], Route]
 """A route built on the collector's asker and FR rounds (``agents.agent_route``)."""
@@ -157,22 +166,48 @@ class LiveCollector:
         request per rank where the worker is ours (``wire.WITH_STACKS``): half the requests of
         asking each. A rank whose worker timed out is read by py-spy as ``stacks`` reads it;
         one that answered without stacks (torch's C++ worker) is asked for them apart."""
+        fr, stacks, _ = await self._fr_stacks(addrs, None)
+        return fr, stacks
+
+    async def fr_stacks_health(self, addrs: Sequence[WorkerAddr] | None = None,
+                               ) -> tuple[FrData, list[RankResult], list[RankResult]]:
+        """``fr_stacks()`` and every rank's health: through agents in the same request per host
+        (``agentwire.WITH_HEALTH``: at 131072 ranks, 16384 host requests fewer than asking
+        apart); ranks no agent served, and without a route every rank, are asked for their
+        health alongside."""
+        health: list[RankResult] = []
+        return await self._fr_stacks(addrs, health)
+
+    async def _fr_stacks(self, addrs: Sequence[WorkerAddr] | None,
+                         health: list[RankResult] | None,
+                         ) -> tuple[FrData, list[RankResult], list[RankResult]]:
         if addrs is None:
             addrs = await self.registry.lookup()
         texts: dict[int, str] = {}
         plan = await self.route.plan(addrs) if self.route is not None else None
         if self.route is not None and plan is not None:
-            # Each agent asked once for both (``agent_fr?stacks=true``); ranks asked directly
-            # get theirs with their FR too (``stacks_after_fr``).
-            routed = await self.route.fr_stacks(plan, texts)
+            # Each agent asked once for all (``agent_fr?stacks=true&health=true``); ranks
+            # asked directly get their stacks with their FR too (``stacks_after_fr``), and
+            # their health apart.
+            routed = await self.route.fr_stacks(plan, texts, health)
             fr, got = routed.got
-            if routed.left:
-                got = got + await self.stacks_after_fr(routed.left, fr.results, texts)
-            return fr, sorted(got, key=lambda r: r.rank)
-        first = await self.first_round(addrs, texts)
+            have = {r.rank for r in health} if health is not None else None
+            rest = [a for a in addrs if a.rank not in have] if have is not None else []
+            more, health_more = await asyncio.gather(
+                self.stacks_after_fr(routed.left, fr.results, texts) if routed.left
+                else asyncio.sleep(0, []),
+                self.direct_fetch(HEALTH_HANDLER, None, rest) if rest else asyncio.sleep(0, []))
+            healths = sorted(health + health_more, key=_RANK) if health is not None else []
+            return fr, sorted(got + more, key=_RANK), healths
+        first_task = self.first_round(addrs, texts)
+        if health is not None:
+            first, got_health = await asyncio.gather(
+                first_task, self.direct_fetch(HEALTH_HANDLER, None, addrs))
+        else:
+            first, got_health = await first_task, []
         fr, stacks = await asyncio.gather(self.complete(addrs, first),
                                           self.stacks_after_fr(addrs, first, texts))
-        return fr, stacks
+        return fr, stacks, got_health
 
     async def fr_recent(self, ops: int, addrs: Sequence[WorkerAddr] | None = None) -> FrData:
         """Each rank's newest entries without their stacks: per communicator from its own

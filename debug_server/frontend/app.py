@@ -79,7 +79,6 @@ from debug_server.frontend.pagekit import parse_format as _format
 from debug_server.frontend.pagekit import query as _query
 from debug_server.frontend.pagekit import respond as _respond
 from debug_server.listen import own_server, start_sites
-from debug_server.protocol.names import HEALTH_HANDLER
 from debug_server.readers import pyspy
 from debug_server.readers.storeview import StaticRegistry, StoreRegistry
 
@@ -272,8 +271,8 @@ async def index(request: web.Request) -> web.Response:
     # from one more fan-out over every rank; the page says how old it is.
     held = health_held.held_health(request.app.get(HANG_WATCH))
     if held is None:
-        health, (fr, stack_res) = await asyncio.gather(
-            collector.fetch(HEALTH_HANDLER, None, addrs), collector.fr_stacks(addrs))
+        # Through agents, in the same request per host as the FR data and stacks.
+        fr, stack_res, health = await collector.fr_stacks_health(addrs)
         parsed = await _off_loop(parse_health, health)
         if HANG_WATCH in request.app:  # the next overviews show it while young (health_held)
             request.app[HANG_WATCH].hold(health, parsed, started)

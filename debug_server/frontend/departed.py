@@ -227,7 +227,8 @@ class _Kept:
 class KeepLast:
     """The collector, with the last data of every rank kept for when the rank is gone.
 
-    Everything but ``fetch``, ``fr``, ``stacks`` and ``fr_stacks`` passes through.
+    Everything but ``fetch``, ``fr``, ``stacks``, ``fr_stacks`` and ``fr_stacks_health``
+    passes through.
     """
 
     def __init__(self, inner: Any, departures: Departures) -> None:
@@ -308,6 +309,12 @@ class KeepLast:
                         ) -> tuple[FrData, list[RankResult]]:
         fr, stacks = await self._inner.fr_stacks(addrs)
         return self._keep_fr(fr), self._keep_stacks(stacks)
+
+    async def fr_stacks_health(self, addrs: Sequence[WorkerAddr] | None = None,
+                               ) -> tuple[FrData, list[RankResult], list[RankResult]]:
+        fr, stacks, health = await self._inner.fr_stacks_health(addrs)
+        self.departures.seen(health)
+        return self._keep_fr(fr), self._keep_stacks(stacks), self._relabel(health)
 
 
 def running_here(addrs: Sequence[WorkerAddr], host: str | None = None) -> bool:

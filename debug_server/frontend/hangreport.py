@@ -165,11 +165,21 @@ class HealthClass:
 def health_classes(health: Iterable[RankHealth]) -> list[HealthClass]:
     """``health`` by kind, in the order kinds first come (ranks in the order they come)."""
     out: dict[HealthKind, HealthClass] = {}
+    # A kind is read off the rank's shared dicts (``parse_health``): once per pair of them
+    # (the first record of each pair is held, so the dicts' ids stay theirs meanwhile).
+    by_dicts: dict[tuple[Any, ...], tuple[HealthClass, RankHealth]] = {}
     for h in health:
-        kind, age = h.kind(), h.age()
-        c = out.get(kind)
-        if c is None:
-            c = out[kind] = HealthClass(kind, [])
+        key = (h.healthy, h.error, id(h.info), id(h.stalled_op))
+        held = by_dicts.get(key)
+        if held is None:
+            kind = h.kind()
+            c = out.get(kind)
+            if c is None:
+                c = out[kind] = HealthClass(kind, [])
+            by_dicts[key] = (c, h)
+        else:
+            c = held[0]
+        age = h.age()
         c.ranks.append(h.rank)
         if age is not None:
             c.lo = age if c.lo is None or age < c.lo else c.lo
@@ -215,9 +225,10 @@ def parse_health(results: Sequence[RankResult]) -> list[RankHealth]:
     """
     out = []
     # Through agents, ranks with the same reply share one body text (``agent_fetch``): each
-    # distinct text is parsed once (16384 small parses were ~40 ms of the overview's loop).
-    # The parsed dicts are shared between records and only read (``info``).
-    parsed: dict[str, Any] = {}
+    # distinct text is read once (16384 small parses were ~40 ms of the overview's loop), and
+    # each rank of it is one small record. The parsed dicts are shared between records and
+    # only read (``info``).
+    read: dict[str, tuple[Any, ...] | str] = {}
     shapes: dict[Any, tuple[dict[str, Any], dict[str, Any] | None]] = {}
     for r in results:
         if r.http_status == 404:  # a worker without the handler (torch's own, or the viewer's)
@@ -226,38 +237,52 @@ def parse_health(results: Sequence[RankResult]) -> list[RankHealth]:
         if not r.ok:
             out.append(RankHealth(r.rank, False, None, error=r.error or r.status))
             continue
-        h = parsed.get(r.body, parsed) if r.body is not None else None
-        if h is parsed:
-            try:
-                h = parsed[r.body] = r.json()
-            except ValueError:
-                h = parsed[r.body] = None
-        if not isinstance(h, dict) or not isinstance(h.get("healthy"), bool):
-            out.append(RankHealth(r.rank, False, None, error="health reply is not understood"))
+        got = read.get(r.body) if r.body is not None else None
+        if got is None:
+            got = _read_health(r, shapes)
+            if r.body is not None:
+                read[r.body] = got
+        if type(got) is str:
+            out.append(RankHealth(r.rank, False, None, error=got))
             continue
-        op = h.get("stalled_op")
-        op = op if isinstance(op, dict) else None
-        age = _num(op.get("age_s")) if op is not None else None
-        oldest = _num(h.get("oldest_in_flight_s"))
-        try:  # the reply less its ages; an unhashable value (a list...) is shared with none
-            rest, op_rest = h.copy(), dict(op) if op else None  # C loops, not a generator
-            for k in _AGES:
-                rest.pop(k, None)
-            if op_rest is not None:
-                op_rest.pop("age_s", None)
-            shape: Any = (tuple(rest.items()), tuple(op_rest.items()) if op_rest is not None
-                          else None)
-            hash(shape)
-        except TypeError:
-            shape = None
-        first = shapes.setdefault(shape, (h, op)) if shape is not None else (h, op)
-        rec = RankHealth(r.rank, True, h["healthy"], first[1], first[0], None, age, oldest)
+        healthy, op, info, age, oldest = got
+        rec = RankHealth(r.rank, True, healthy, op, info, None, age, oldest)
         # Its own ages, None ones too (where __post_init__ took the shared dicts': the first
         # such rank's).
         if age is None or oldest is None:
             rec.op_age_s, rec.oldest_s = age, oldest
         out.append(rec)
     return out
+
+
+def _read_health(r: RankResult, shapes: dict[Any, tuple[dict[str, Any], dict[str, Any] | None]],
+                 ) -> tuple[Any, ...] | str:
+    """One reply text's (healthy, stalled op, info, its op's age, its oldest op's age), the
+    dicts those of the first reply of its shape (its text less its ages: 131071 ranks stalled
+    in one op, polled ms apart, share one); or why it is not understood."""
+    try:
+        h = r.json()
+    except ValueError:
+        h = None
+    if not isinstance(h, dict) or not isinstance(h.get("healthy"), bool):
+        return "health reply is not understood"
+    op = h.get("stalled_op")
+    op = op if isinstance(op, dict) else None
+    age = _num(op.get("age_s")) if op is not None else None
+    oldest = _num(h.get("oldest_in_flight_s"))
+    try:  # the reply less its ages; an unhashable value (a list...) is shared with none
+        rest, op_rest = h.copy(), dict(op) if op else None  # C loops, not a generator
+        for k in _AGES:
+            rest.pop(k, None)
+        if op_rest is not None:
+            op_rest.pop("age_s", None)
+        shape: Any = (tuple(rest.items()), tuple(op_rest.items()) if op_rest is not None
+                      else None)
+        hash(shape)
+    except TypeError:
+        shape = None
+    first = shapes.setdefault(shape, (h, op)) if shape is not None else (h, op)
+    return h["healthy"], first[1], first[0], age, oldest
 
 
 @dataclass(slots=True)

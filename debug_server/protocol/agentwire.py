@@ -38,9 +38,18 @@ ranks' stacks by class, a text that reads as an earlier rank's but for thread id
 rank's text (``hostreply.fold_stacks``), so a host's ranks at one line send one text, not one
 each. The aggregator folds its ranks so anyway on the way up; a frontend that asks a host agent
 itself does not send it, and sees each rank's own thread ids."""
-NOT_ASKED_DATA = (TAG, WITH_STACKS, CLASSES)
+WITH_HEALTH = "health"
+"""``agent_fr?stacks=true`` only: the ranks' health replies (``names.HEALTH_HANDLER``) come too,
+under ``"health"`` as the stacks come under ``"stacks"`` (records, each distinct body once), so
+a page that shows all three (the overview) asks each host once, not twice. An aggregator asks
+its host agents so where it is asked so."""
+READ_PARTS = (WITH_STACKS, WITH_HEALTH)
+"""What an ``agent_fr`` reply may carry next to the FR data, each read fresh with every reply
+("unchanged" ones too), each under its own name: ``"stacks"``, ``"health"``."""
+NOT_ASKED_DATA = (TAG, CLASSES, *READ_PARTS)
 """Parameters that change no FR data of an ``agent_fr`` reply (its tag, and what an asker
-holds of it, leave them out): the asker's tag, whether and how the ranks' stacks come along."""
+holds of it, leave them out): the asker's tag, whether and how the ranks' stacks and health
+come along."""
 FETCHABLE = frozenset({PING_HANDLER, HEALTH_HANDLER, DUMP_FILE_HANDLER})
 """Worker handlers ``agent_fetch`` relays (no parameters; the frontend asks the rest directly)."""
 

@@ -16,7 +16,12 @@ from debug_server.analysis.digest import DigestMemo
 from debug_server.fanout.reply import FrData
 from debug_server.fanout.transport import FAILED, OK, RankResult, RankStates
 from debug_server.protocol.addrs import WorkerAddr
-from debug_server.protocol.names import C10D_FR_HANDLER, FR_HANDLER, STACKS_HANDLER
+from debug_server.protocol.names import (
+    C10D_FR_HANDLER,
+    FR_HANDLER,
+    HEALTH_HANDLER,
+    STACKS_HANDLER,
+)
 from debug_server.tools.view_disk import CycleData
 
 CURRENT: contextvars.ContextVar[CycleData] = contextvars.ContextVar("debug_server_view_cycle")
@@ -81,6 +86,12 @@ class DiskCollector:
                         ) -> tuple[FrData, list[RankResult]]:
         """The live collector's pair for a page that shows both (``LiveCollector.fr_stacks``)."""
         return await self.fr(addrs=addrs), await self.stacks(addrs)
+
+    async def fr_stacks_health(self, addrs: Sequence[WorkerAddr] | None = None,
+                               ) -> tuple[FrData, list[RankResult], list[RankResult]]:
+        """``fr_stacks`` and the health, which a cycle does not record (``fetch``)."""
+        fr, stacks = await self.fr_stacks(addrs)
+        return fr, stacks, await self.fetch(HEALTH_HANDLER, None, addrs)
 
     async def fr(self, *, only_active: bool = False, whole: bool = False,
                  addrs: Sequence[WorkerAddr] | None = None, **_: Any) -> FrData:
