@@ -46,7 +46,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import fakefleet as ff
@@ -173,15 +173,23 @@ def _health_rows(world: int, ranks: list[int]) -> list[Any]:
     out = []
     for r in ranks:
         if r == gone:
-            h: dict[str, Any] = {"healthy": True, "stalled_op": None, "in_flight": 0,
-                                 "oldest_in_flight_s": None}
+            text = HEALTHY_TEXT
         else:
             age = round(now - HANG_T0 - (r % 4096) * 37e-6, 3)
-            h = {"healthy": False, "stalled_op": {"group": "main_comm", "seq": 1999,
-                                                  "op": "all_reduce", "age_s": age},
-                 "in_flight": 1, "oldest_in_flight_s": age}
-        out.append(RankResult(r, f"{CLOSED_URL}/r", OK, json.dumps(h), None, 0.001, 200))
+            text = STALLED_TEXT % (age, age)
+        out.append(RankResult(r, f"{CLOSED_URL}/r", OK, text, None, 0.001, 200))
     return out
+
+
+HEALTHY_TEXT = json.dumps({"healthy": True, "stalled_op": None, "in_flight": 0,
+                           "oldest_in_flight_s": None})
+STALLED_TEXT = json.dumps(
+    {"healthy": False, "stalled_op": {"group": "main_comm", "seq": 1999, "op": "all_reduce",
+                                      "age_s": 0.5}, "in_flight": 1, "oldest_in_flight_s": 0.5},
+).replace("0.5", "%r")
+"""What ``json.dumps`` writes for a rank stalled with its age (``%r``: a float as JSON writes
+it), made by formatting, not encoding: making a fake rank's reply is the rank's own work, which
+the bench keeps off this box as it keeps the ranks' FR windows (made once at start)."""
 
 
 def _host_app(world: int, first: int, last: int) -> Any:
@@ -446,10 +454,10 @@ def _measure(world: int, store_port: int, reps: int, pids: dict[str, list[int]],
             spy = _profile(groups, key)
             before = {g: ff_cpu(p) for g, p in groups.items()}
             sent0 = {k: _sent(v) for k, v in side.items()}
-            times: list[float] = []
+            times: list[tuple[float, float]] = []  # each rep's seconds and frontend CPU
             row[key], body = ff.median_of(
-                lambda path=path, times=times: _kept(times, ff.timed_get(f"{base}{path}",
-                                                                         "text/html")), reps)
+                lambda path=path, times=times: _kept(times, proc.pid, lambda path=path: (
+                    ff.timed_get(f"{base}{path}", "text/html"))), reps)
             row[key + "_reps"] = times
             row[key + "_cpu"] = {g: (ff_cpu(p) - before[g]) / reps for g, p in groups.items()}
             row[key + "_bytes"] = {k: (_sent(v) - sent0[k]) / reps for k, v in side.items()}
@@ -494,8 +502,12 @@ def _measure(world: int, store_port: int, reps: int, pids: dict[str, list[int]],
 REPORT_WAIT_S = 240.0
 
 
-def _kept(times: list[float], got: tuple[float, Any]) -> tuple[float, Any]:
-    times.append(got[0])
+def _kept(times: list[tuple[float, float]], pid: int,
+          page: Callable[[], tuple[float, Any]]) -> tuple[float, Any]:
+    """``page()``, its seconds and the frontend's CPU seconds kept in ``times``."""
+    cpu = ff.cpu_s(pid)
+    got = page()
+    times.append((got[0], ff.cpu_s(pid) - cpu))
     return got
 
 
@@ -636,7 +648,8 @@ def _print(row: dict[str, Any]) -> None:
               + ", ".join(f"{k} {v:.2f}" for k, v in c.items())
               + "   bytes/page " + ", ".join(f"{k} {v / 1e6:.1f} MB" for k, v in b.items())
               + f"   RSS peak so far {row[key + '_hwm_mb']:.0f} MB; page {row[key + '_page_kb']:.0f} KB"
-              + "; each: " + ", ".join(f"{t:.2f}" for t in row[key + "_reps"]))
+              + "; each (frontend CPU): "
+              + ", ".join(f"{t:.2f} ({c:.2f})" for t, c in row[key + "_reps"]))
     if "overview_held_s" in row:
         c = row["overview_held_cpu"]
         print(f"  {'/ (held)':>10} {row['overview_held_s']:6.2f} s   CPU s/page "
