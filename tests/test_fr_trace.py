@@ -401,3 +401,35 @@ def test_cycling_bucket_sizes_keep_their_own_signatures(tmp_path, capsys):
     assert fr_trace.main([write(tmp_path / "d", dumps), "--json"]) == 2
     r = json.loads(capsys.readouterr().out)
     assert [(f["kind"], f["seq"]) for f in r["findings"]] == [("size_mismatch", 21)]
+
+
+def test_selected_ranks_keep_the_class_rows_they_are_in_and_only_themselves(
+        tmp_path, capsys, monkeypatch):
+    """Above ``NCCL_CALLS_FULL_LIMIT`` pairs a row stands for a class of ranks (its lowest is
+    ``global_rank``): ``--selected-ranks`` keeps every row of a class a selected rank is in,
+    naming the selected ranks only, not the rows whose lowest rank was selected."""
+    from debug_server.analysis import core
+
+    dumps = S.hang_job(8, 5, missing_rank=6)
+    args = [write(tmp_path / "d", dumps), "--json", "--allow-incomplete-ranks"]
+    fr_trace.main(args + ["--selected-ranks", "5"])
+    per_rank = json.loads(capsys.readouterr().out)["nccl_calls"]
+    monkeypatch.setattr(core, "NCCL_CALLS_FULL_LIMIT", 4)
+    fr_trace.main(args)
+    classes = json.loads(capsys.readouterr().out)["nccl_calls"]
+    # rows of classes rank 5 is in, named by a lower rank: the old filter dropped them
+    assert any(c["global_rank"] < 5 and 5 in _ranks_of(c["global_ranks"]) for c in classes), \
+        classes
+    fr_trace.main(args + ["--selected-ranks", "5", "6"])
+    selected = json.loads(capsys.readouterr().out)["nccl_calls"]
+    assert {c["global_ranks"] for c in selected} <= {"5", "5-6", "6"}, selected
+    fives = [(c["collective_id"], c["state"]) for c in selected if c["global_ranks"] != "6"]
+    assert sorted(fives) == sorted((c["collective_id"], c["state"]) for c in per_rank)
+
+
+def _ranks_of(text: str) -> set[int]:
+    out: set[int] = set()
+    for part in text.split(","):
+        lo, _, hi = part.partition("-")
+        out.update(range(int(lo), int(hi or lo) + 1))
+    return out

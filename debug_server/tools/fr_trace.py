@@ -33,7 +33,7 @@ from debug_server.analysis import report, stackparse
 from debug_server.analysis.core import analyze_digests
 from debug_server.analysis.digest import RankDigest, digest_dump
 from debug_server.analysis.groups import group_label
-from debug_server.analysis.ranks import format_rank_set
+from debug_server.analysis.ranks import format_rank_set, rank_ranges
 from debug_server.dumpio import DumpError, group_members, load_dump, rank_files
 
 logger = logging.getLogger(__name__)
@@ -401,6 +401,29 @@ def _group_labels(dumps: dict[int, dict[str, Any]]) -> dict[str, str]:
             for name, (desc, rs) in cfg.items()}
 
 
+def select_calls(calls: Sequence[dict[str, Any]], selected: Sequence[int]) -> list[dict[str, Any]]:
+    """``--selected-ranks``: the NCCL call rows of those ranks. A row of a class of ranks (its
+    ``global_ranks``, above ``NCCL_CALLS_FULL_LIMIT`` pairs) is kept where a selected rank is
+    in the class, and then stands for the selected ranks of it alone."""
+    sel = sorted(set(selected))
+    out = []
+    for c in calls:
+        text = c.get("global_ranks")
+        if not isinstance(text, str):
+            if c.get("global_rank") in sel:
+                out.append(c)
+            continue
+        mine = []
+        for part in text.split(","):
+            lo, _, hi = part.partition("-")
+            a, b = int(lo), int(hi or lo)
+            mine += [r for r in sel if a <= r <= b]
+        if mine:
+            mine.sort()
+            out.append({**c, "global_rank": mine[0], "global_ranks": ",".join(rank_ranges(mine))})
+    return out
+
+
 def just_print_entries(dumps: dict[int, dict[str, Any]], args: argparse.Namespace) -> str:
     """Entries of every rank side by side, rows aligned by (group, seq) and P2P by p2p_seq."""
     ranks = [r for r in sorted(dumps) if args.selected_ranks is None or r in args.selected_ranks]
@@ -514,8 +537,7 @@ def run(args: argparse.Namespace) -> int:
             digests, stacks=stacks, unavailable=unavailable, pg_filters=args.pg_filters
         )
     if args.selected_ranks is not None:
-        sel = set(args.selected_ranks)
-        result["nccl_calls"] = [c for c in result["nccl_calls"] if c["global_rank"] in sel]
+        result["nccl_calls"] = select_calls(result["nccl_calls"], args.selected_ranks)
     # json.dumps, not json.dump: only the one-shot call uses the C encoder (json.dump to a file
     # walks the result in Python, 4x slower on the 20 MB result of 512 ranks).
     text = json.dumps(result) if args.output or args.json else ""
