@@ -191,24 +191,11 @@ async def _agent_fr(request: web.Request, q: Mapping[str, str]) -> web.Response:
         fr = await collector.routed_since(since, addrs)
         hostreply.fold_notes(fr.results)
     elif routed and not (_flag(q, WHOLE) or _flag(q, ONLY_ACTIVE)):
-        if WINDOW in q and q[WINDOW] != str(frwindow.LOCAL_SLACK):
-            raise BadParam(f"bad parameter window={q['window'][:20]!r}: only "
-                           f"{frwindow.LOCAL_SLACK} is supported")
+        _default_window(q)
         # Its hosts' windows cut at the group's frontier; its tag folds its hosts' tags, so a
         # group none of whose hosts changed answers "unchanged" (nothing encoded).
-        if want_health:
-            fr, got, health = await collector.fr_stacks_health(addrs)
-            parts = {WITH_STACKS: got, WITH_HEALTH: health}
-        elif want_stacks:
-            fr, got = await collector.fr_stacks(addrs)
-            parts = {WITH_STACKS: got}
-        else:
-            fr = await collector.fr(addrs=addrs)
+        fr, parts = await _group_read(collector, addrs, want_stacks, want_health)
         tag = hostreply.group_tag(q, fr.results, collector.route.last_key())
-        hostreply.fold_notes(fr.results)
-        if parts:
-            hostreply.fold_stacks(parts[WITH_STACKS])
-            hostreply.fold_notes(parts.get(WITH_HEALTH))
         if tag and q.get(TAG) == tag:
             return web.Response(text=hostreply.unchanged_reply(
                 request.app[HOST_ID], fr.results, tag, parts, hostreply.dump_times(fr.dumps)),
@@ -232,9 +219,7 @@ async def _agent_fr(request: web.Request, q: Mapping[str, str]) -> web.Response:
         fr = await collector.fr(whole=_flag(q, WHOLE), only_active=_flag(q, ONLY_ACTIVE),
                                 addrs=addrs)
     else:
-        if WINDOW in q and q[WINDOW] != str(frwindow.LOCAL_SLACK):
-            raise BadParam(f"bad parameter window={q['window'][:20]!r}: only "
-                           f"{frwindow.LOCAL_SLACK} is supported")
+        _default_window(q)
         # Cut at this host's frontier; a host whose ranks' windows did not change since the
         # asker's tag is answered before any of them is parsed.
         # With stacks=true the ranks' stacks come in the same requests (LiveCollector.fr_stacks),
@@ -273,6 +258,32 @@ async def _agent_fr(request: web.Request, q: Mapping[str, str]) -> web.Response:
         if len(fr.dumps) <= INLINE_DUMPS else await loop.run_in_executor(
             None, _fr_reply, request.app, fr, known, tag, parts, keep)
     return web.Response(text=body, content_type="application/json")
+
+
+def _default_window(q: Mapping[str, str]) -> None:
+    if WINDOW in q and q[WINDOW] != str(frwindow.LOCAL_SLACK):
+        raise BadParam(f"bad parameter window={q['window'][:20]!r}: only "
+                       f"{frwindow.LOCAL_SLACK} is supported")
+
+
+async def _group_read(collector: LiveCollector, addrs: list[WorkerAddr], want_stacks: bool,
+                      want_health: bool) -> tuple[FrData, hostreply.Parts | None]:
+    """An aggregator's default window of its group's ranks, with their stacks (and health)
+    where asked, through its hosts' agents; notes and stacks folded for the way up."""
+    parts: hostreply.Parts | None = None
+    if want_health:
+        fr, got, health = await collector.fr_stacks_health(addrs)
+        parts = {WITH_STACKS: got, WITH_HEALTH: health}
+    elif want_stacks:
+        fr, got = await collector.fr_stacks(addrs)
+        parts = {WITH_STACKS: got}
+    else:
+        fr = await collector.fr(addrs=addrs)
+    hostreply.fold_notes(fr.results)
+    if parts:
+        hostreply.fold_stacks(parts[WITH_STACKS])
+        hostreply.fold_notes(parts.get(WITH_HEALTH))
+    return fr, parts
 
 
 async def _read_parts(stacks: asyncio.Future[list[RankResult]] | None,
