@@ -13,7 +13,10 @@ the page with its age (``note``, JSON ``health_age_s``). Everything else on the 
 reachability of every rank, the FR data, the stacks, the verdict) is fetched fresh as before, and
 **a rank that does not answer now reads as not answering in the health column too**, whatever
 the held poll said. Below that size, or with no poll young enough, the overview asks every rank
-as before and its page is unchanged.
+as before and its page is unchanged. That read no longer costs a fan-out of its own through
+agents (``Collector.fr_stacks_health``: each host's agent brings its ranks' health with their FR
+and stacks, in one request), but it still asks every rank and parses every reply (at 131072
+ranks about 0.3 s of the frontend's CPU), which a held read saves.
 """
 
 from __future__ import annotations
