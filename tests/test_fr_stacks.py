@@ -222,6 +222,44 @@ async def test_the_overview_asks_each_agent_once_for_fr_stacks_and_health(
     assert fr.dumps.keys() == set(range(WORLD)) and len(stacks) == WORLD
 
 
+async def _refuses_health(request: web.Request, handler: Any) -> web.StreamResponse:
+    """An older agent: its ``agent_fr`` knows no ``health`` parameter."""
+    if agentwire.WITH_HEALTH in request.query:
+        return web.Response(status=400, text="unknown parameter 'health' (allowed: classes, "
+                                             "onlyactive, pgknown, ranks, since, stacks, tag, "
+                                             "whole, window)")
+    return await handler(request)
+
+
+async def test_an_older_agent_that_refuses_health_still_serves_fr_and_stacks(
+        workers: dict[str, Any], fresh_members: None) -> None:
+    """A newer frontend (attached from another host) and an older agent: the agent's refusal of
+    ``health=true`` is remembered, its FR and stacks still come through it, and its ranks'
+    health is asked directly; the agent is not skipped as failed."""
+    found = {}
+    for h in range(WORLD // PER_HOST):
+        lo = h * PER_HOST
+        app = agent.make_agent_app(StaticHostRegistry(workers["urls"][lo:lo + PER_HOST], lo,
+                                                      WORLD), f"h{h}", fetch_timeout=3.0)
+        if h == 1:
+            app.middlewares.append(web.middleware(_refuses_health))
+        found[f"h{h}"] = agents_mod.AgentAddr(f"h{h}", await serve(app, workers["runners"]),
+                                              frozenset(range(lo, lo + PER_HOST)))
+    async with aiohttp.ClientSession() as session:
+        through = collector_through(session, workers["urls"], PER_HOST, found)
+        pages = [await through.fr_stacks_health() for _ in range(2)]
+    older = range(PER_HOST, 2 * PER_HOST)
+    for fr, stacks, health in pages:
+        assert fr.dumps.keys() == set(range(WORLD))
+        assert all(r.note and "via agent" in r.note for r in fr.results + stacks)
+        assert [r.rank for r in health if r.status == OK] == list(range(WORLD))
+        assert [bool(r.note and "via agent" in r.note) for r in health] == \
+            [r not in older for r in range(WORLD)]
+    assert through.route.agent_unchanged == WORLD // PER_HOST  # the second page, h1 too
+    seen = workers["seen"][PER_HOST]  # h1's first rank: its health asked directly each page
+    assert [q.split("?")[0] for q in seen].count(f"/handler/{HEALTH_HANDLER}") == 2, seen
+
+
 async def test_an_agent_refuses_health_without_stacks_in_one_line(
         agents: dict[str, Any]) -> None:
     ag = agents["agents"]["h0"]

@@ -77,6 +77,10 @@ class AgentFailed(Exception):
     """An agent that did not give a usable reply; the text is one line."""
 
 
+class _NoHealth(Exception):
+    """An agent that refused ``health=true`` (an older one, asked by a newer frontend)."""
+
+
 class AgentRoute:
     """The live collector's way through one agent per host (module doc): a ``collector.Route``
     on the collector's asker and FR rounds; every answer is what the collector's direct methods
@@ -93,6 +97,9 @@ class AgentRoute:
         self._down: dict[str, float] = {}
         self.agent_requests = 0
         """Agent requests that gave a usable reply (tests and benchmarks read it)."""
+        self._no_health: set[str] = set()
+        """Agents that refused ``health=true``: asked without it from then on; the collector
+        asks their ranks' health directly, as it does for ranks no agent serves."""
         self.agent_unchanged = 0
         """``agent_fr`` replies that said "unchanged since your tag" (``_agent_fr``)."""
         self._held: dict[tuple[str, str], tuple[Any, str, dict[int, dict[str, Any]]]] = {}
@@ -186,6 +193,10 @@ class AgentRoute:
 
     async def _ask(self, ag: AgentAddr, handler: str, params: Mapping[str, str]) -> str:
         r = await self.asker.one(WorkerAddr(-1, ag.url), handler, params, self.agent_timeout)
+        if r.http_status == 400 and agentwire.WITH_HEALTH in params and \
+                f"parameter {agentwire.WITH_HEALTH!r}" in (r.error or ""):
+            self._no_health.add(ag.id)
+            raise _NoHealth
         if not r.ok or r.body is None:
             self._fail(ag, r.error or r.status)
         return r.body or ""
@@ -201,6 +212,8 @@ class AgentRoute:
                 await asyncio.get_running_loop().run_in_executor(None, parse, body, ag, rs)
         except AgentFailed:
             return None
+        except _NoHealth:  # an older agent: the rest of the ask, its ranks' health apart
+            return await self._reply(ag, rs, handler, _less_health(params), parse)
         except ValueError as e:
             with contextlib.suppress(AgentFailed):
                 self._fail(ag, f"unusable reply ({e})")
@@ -449,6 +462,8 @@ class AgentRoute:
         held = self._held.get(slot) if conditional else None
         if held is not None and held[0] != question:
             held = None
+        if ag.id in self._no_health:
+            params = _less_health(params)
         ask = {**params, agentwire.TAG: held[1]} if held is not None else params
         reply = await self._reply(ag, rs, agentwire.FR, ask, parse_fr)
         if reply is None:
@@ -549,6 +564,10 @@ def _registered(recs: list[RankResult], dumps: dict[int, dict[str, Any]],
         return recs, dumps
     recs = [r for r in recs if r.status != NOT_REGISTERED]
     return recs, {r.rank: dumps[r.rank] for r in recs if r.rank in dumps}
+
+
+def _less_health(params: Mapping[str, str]) -> dict[str, str]:
+    return {k: v for k, v in params.items() if k != agentwire.WITH_HEALTH}
 
 
 def _is_group(ag: AgentAddr) -> bool:

@@ -42,7 +42,8 @@ WITH_HEALTH = "health"
 """``agent_fr?stacks=true`` only: the ranks' health replies (``names.HEALTH_HANDLER``) come too,
 under ``"health"`` as the stacks come under ``"stacks"`` (records, each distinct body once), so
 a page that shows all three (the overview) asks each host once, not twice. An aggregator asks
-its host agents so where it is asked so."""
+its host agents so where it is asked so. An older agent refuses it (400 naming it): it is asked
+without it from then on, and its ranks' health directly (``agents.AgentRoute``)."""
 READ_PARTS = (WITH_STACKS, WITH_HEALTH)
 """What an ``agent_fr`` reply may carry next to the FR data, each read fresh with every reply
 ("unchanged" ones too), each under its own name: ``"stacks"``, ``"health"``."""
