@@ -321,10 +321,10 @@ class AgentRoute:
             # then what is left (and a host agent's ranks) directly, in this page
             below = await self._below(rest) if any(_is_group(ag) for ag, _ in plan) else \
                 Plan(rest, [], rest)
-            parts = await asyncio.gather(
+            replies = await asyncio.gather(
                 *(self._agent_fr(ag, rs, {**window, members.PARAM: members.known_param() or ""},
                                  tags, parts, snaps) for ag, rs in below.groups))
-            rest = list(below.direct) + _take(below.groups, parts, results, dumps, via)
+            rest = list(below.direct) + _take(below.groups, replies, results, dumps, via)
             more, more_dumps = await self._direct_local(rest, texts)
             results += more
             dumps.update(more_dumps)

@@ -228,7 +228,7 @@ def parse_health(results: Sequence[RankResult]) -> list[RankHealth]:
     # distinct text is read once (16384 small parses were ~40 ms of the overview's loop), and
     # each rank of it is one small record. The parsed dicts are shared between records and
     # only read (``info``).
-    read: dict[str, tuple[Any, ...] | str] = {}
+    read: dict[str, _Read | str] = {}
     shapes: dict[Any, tuple[dict[str, Any], dict[str, Any] | None]] = {}
     for r in results:
         if r.http_status == 404:  # a worker without the handler (torch's own, or the viewer's)
@@ -242,7 +242,7 @@ def parse_health(results: Sequence[RankResult]) -> list[RankHealth]:
             got = _read_health(r, shapes)
             if r.body is not None:
                 read[r.body] = got
-        if type(got) is str:
+        if isinstance(got, str):
             out.append(RankHealth(r.rank, False, None, error=got))
             continue
         healthy, op, info, age, oldest = got
@@ -255,8 +255,12 @@ def parse_health(results: Sequence[RankResult]) -> list[RankHealth]:
     return out
 
 
+_Read = tuple[bool, dict[str, Any] | None, dict[str, Any], float | None, float | None]
+"""One health reply text as read (``_read_health``)."""
+
+
 def _read_health(r: RankResult, shapes: dict[Any, tuple[dict[str, Any], dict[str, Any] | None]],
-                 ) -> tuple[Any, ...] | str:
+                 ) -> _Read | str:
     """One reply text's (healthy, stalled op, info, its op's age, its oldest op's age), the
     dicts those of the first reply of its shape (its text less its ages: 131071 ranks stalled
     in one op, polled ms apart, share one); or why it is not understood."""
