@@ -222,6 +222,27 @@ async def test_the_overview_asks_each_agent_once_for_fr_stacks_and_health(
     assert fr.dumps.keys() == set(range(WORLD)) and len(stacks) == WORLD
 
 
+async def test_ranks_no_agent_serves_get_their_health_asked_directly_in_the_same_page(
+        agents: dict[str, Any], fresh_members: None) -> None:
+    """Host h0 has no agent (its ranks' sidecars name one the directory does not know): its
+    ranks' FR, stacks and health are asked directly, h1's through its agent, each rank's
+    health once."""
+    seen = agents["seen"]
+    async with aiohttp.ClientSession() as session:
+        through = collector_through(session, agents["urls"], PER_HOST,
+                                    {"h1": agents["agents"]["h1"]})
+        for r in seen:
+            seen[r].clear()
+        fr, stacks, health = await through.fr_stacks_health()
+    assert [r.rank for r in health if r.status == OK] == list(range(WORLD))
+    via = [bool(r.note and "via agent" in r.note) for r in health]
+    assert via == [r >= PER_HOST for r in range(WORLD)], [r.note for r in health]
+    for r in range(WORLD):
+        asked = [q.split("?")[0] for q in seen[r]]
+        assert asked.count(f"/handler/{HEALTH_HANDLER}") == 1, (r, seen[r])
+    assert fr.dumps.keys() == set(range(WORLD)) and len(stacks) == WORLD
+
+
 async def _refuses_health(request: web.Request, handler: Any) -> web.StreamResponse:
     """An older agent: its ``agent_fr`` knows no ``health`` parameter."""
     if agentwire.WITH_HEALTH in request.query:

@@ -188,26 +188,31 @@ class LiveCollector:
         if self.route is not None and plan is not None:
             # Each agent asked once for all (``agent_fr?stacks=true&health=true``); ranks
             # asked directly get their stacks with their FR too (``stacks_after_fr``), and
-            # their health apart.
-            routed = await self.route.fr_stacks(plan, texts, health)
+            # their health apart: the ranks no agent serves meanwhile, those an agent left
+            # (it failed, or refused health) after.
+            routed, direct_health = await asyncio.gather(
+                self.route.fr_stacks(plan, texts, health),
+                self._health_of(plan.direct if health is not None else []))
             fr, got = routed.got
-            have = {r.rank for r in health} if health is not None else None
-            rest = [a for a in addrs if a.rank not in have] if have is not None else []
-            more, health_more = await asyncio.gather(
+            rest: list[WorkerAddr] = []
+            if health is not None:
+                health += direct_health
+                have = {r.rank for r in health}
+                rest = [a for a in addrs if a.rank not in have]
+            more, more_health = await asyncio.gather(
                 self.stacks_after_fr(routed.left, fr.results, texts) if routed.left
-                else asyncio.sleep(0, []),
-                self.direct_fetch(HEALTH_HANDLER, None, rest) if rest else asyncio.sleep(0, []))
-            healths = sorted(health + health_more, key=_RANK) if health is not None else []
+                else asyncio.sleep(0, []), self._health_of(rest))
+            healths = sorted(health + more_health, key=_RANK) if health is not None else []
             return fr, sorted(got + more, key=_RANK), healths
-        first_task = self.first_round(addrs, texts)
-        if health is not None:
-            first, got_health = await asyncio.gather(
-                first_task, self.direct_fetch(HEALTH_HANDLER, None, addrs))
-        else:
-            first, got_health = await first_task, []
+        first, got_health = await asyncio.gather(
+            self.first_round(addrs, texts), self._health_of(addrs if health is not None else []))
         fr, stacks = await asyncio.gather(self.complete(addrs, first),
                                           self.stacks_after_fr(addrs, first, texts))
         return fr, stacks, got_health
+
+    async def _health_of(self, addrs: Sequence[WorkerAddr]) -> list[RankResult]:
+        """Every rank's health reply, asked directly (none asked for no rank)."""
+        return await self.direct_fetch(HEALTH_HANDLER, None, addrs) if addrs else []
 
     async def fr_recent(self, ops: int, addrs: Sequence[WorkerAddr] | None = None) -> FrData:
         """Each rank's newest entries without their stacks: per communicator from its own

@@ -33,7 +33,7 @@ from debug_server.analysis import report, stackparse
 from debug_server.analysis.core import analyze_digests
 from debug_server.analysis.digest import RankDigest, digest_dump
 from debug_server.analysis.groups import group_label
-from debug_server.analysis.ranks import format_rank_set, rank_ranges
+from debug_server.analysis.ranks import format_rank_set, parse_rank_text, rank_ranges
 from debug_server.dumpio import DumpError, group_members, load_dump, rank_files
 
 logger = logging.getLogger(__name__)
@@ -405,7 +405,8 @@ def select_calls(calls: Sequence[dict[str, Any]], selected: Sequence[int]) -> li
     """``--selected-ranks``: the NCCL call rows of those ranks. A row of a class of ranks (its
     ``global_ranks``, above ``NCCL_CALLS_FULL_LIMIT`` pairs) is kept where a selected rank is
     in the class, and then stands for the selected ranks of it alone."""
-    sel = sorted(set(selected))
+    sel = set(selected)
+    mine_of: dict[str, list[int]] = {}  # a class's rows share its text: each read once
     out = []
     for c in calls:
         text = c.get("global_ranks")
@@ -413,13 +414,10 @@ def select_calls(calls: Sequence[dict[str, Any]], selected: Sequence[int]) -> li
             if c.get("global_rank") in sel:
                 out.append(c)
             continue
-        mine = []
-        for part in text.split(","):
-            lo, _, hi = part.partition("-")
-            a, b = int(lo), int(hi or lo)
-            mine += [r for r in sel if a <= r <= b]
+        mine = mine_of.get(text)
+        if mine is None:
+            mine = mine_of[text] = [r for r in parse_rank_text(text) if r in sel]
         if mine:
-            mine.sort()
             out.append({**c, "global_rank": mine[0], "global_ranks": ",".join(rank_ranges(mine))})
     return out
 
