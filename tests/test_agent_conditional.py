@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping
+from types import SimpleNamespace
 from typing import Any
 
 import aiohttp
@@ -137,7 +138,8 @@ async def test_an_unchanged_reply_for_dumps_no_longer_held_is_asked_again_plainl
     through = agent_fleet["through"]
     first = await through.fr()
     # As if another page had replaced what was held after this ask's tag was sent.
-    through.route._held = {slot: (q, tag, {}) for slot, (q, tag, _) in through.route._held.items()}
+    through.route._held = {slot: (q, tag, {}, known)
+                           for slot, (q, tag, _, known) in through.route._held.items()}
     second = await through.fr()
     assert through.route.agent_unchanged == 0
     assert sorted(second.dumps) == list(range(WORLD))
@@ -211,3 +213,39 @@ async def test_a_host_whose_ring_changed_is_not_answered_from_its_last_full_repl
         again = await (await _restarted(agent_fleet, session)).fr()
     assert await _from_last(agent_fleet) == {"h0": 1, "h1": 0}
     assert again.dumps[5]["entries"][-1]["state"] == entries[-1]["state"]
+
+
+async def test_the_member_lists_a_new_frontend_learns_do_not_make_its_second_page_whole(
+        fresh_members: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """24 ranks (their member list long enough to be learnt: ``members.MIN_CHARS``) behind 3
+    agents that answered a frontend before (their own lists learnt). A new frontend knows no
+    list: its first page asks one agent alone without ``pgknown``, the others naming the list
+    that reply taught it. Its second page asks each agent with its last reply's tag and the
+    ``pgknown`` that reply answered (the agent's tag covers it): every agent answers
+    "unchanged", and the page's window and cut are the first page's."""
+    from fakes import agent_fleet as fleet
+
+    from debug_server.fanout import agents as agents_mod
+    from debug_server.protocol import members
+
+    world = 24
+    dumps = synthetic.hang_job(world, n_entries=50, missing_rank=5)
+    async with fleet([LiveProvider(dumps[r]) for r in range(world)], per_host=8) as f:
+        await f["plain"].fr()  # an earlier frontend: the agents' lists are learnt
+        await agents_mod.AgentRoute(f["through"].route.agents, f["through"].asker,
+                                    f["through"].rounds).fr(
+            await f["through"].route.plan(await f["through"].registry.lookup()))
+        calls = []
+
+        def new_frontend() -> str | None:  # this process's cache is the agents' too
+            calls.append(1)
+            return None if len(calls) == 1 else members.known_param()
+
+        monkeypatch.setattr(agents_mod, "members", SimpleNamespace(
+            PARAM=members.PARAM, known_param=new_frontend))
+        through = f["through"]
+        first = await through.fr()
+        second = await through.fr()
+    assert through.route.agent_unchanged == 3 and through.route.cuts_reused == 1
+    assert analyze_fr(second, None, world) == analyze_fr(first, None, world)
+    assert "Rank 5 never joined" in analyze_fr(second, None, world)["verdict"]

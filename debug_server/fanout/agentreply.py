@@ -288,3 +288,42 @@ def parse_fr(body: str, ag: AgentAddr, rs: Sequence[WorkerAddr]) -> _FrReply:
         dumps[r.rank] = with_snap(rep, snap)
         r.body = ""
     return recs, dumps, tag, None, parts
+
+
+Held = tuple[Any, str, dict[int, dict[str, Any]], str | None]
+"""An agent's last full ``agent_fr`` reply: (the question, its tag, its parsed dumps, the
+``pgknown`` it was asked with: None where it was asked without)."""
+
+
+def held_again(held: Held | None, tag: str,
+                recs: list[RankResult], snap: Mapping[str, Any],
+                snaps: dict[int, Any] | None) -> dict[int, dict[str, Any]] | None:
+    """An "unchanged" reply's dumps: the held ones (``agents.AgentRoute._agent_fr``), each with its new
+    read time (shallow copies; with ``snaps``, the held dumps themselves and the times put
+    there); None where the held reply is not the one the tag names, or lacks a rank."""
+    if held is None or tag != held[1]:
+        return None
+    kept = held[2]
+    dumps: dict[int, dict[str, Any]] = {}
+    times: dict[int, Any] = {}
+    try:
+        for r in recs:
+            if r.status == OK:  # its body is "" already (agentreply.parse_fr)
+                dumps[r.rank] = kept[r.rank]
+                times[r.rank] = snap.get(str(r.rank))
+    except KeyError:
+        return None
+    if snaps is not None:
+        snaps.update(times)
+        return dumps
+    return {r: with_snap(d, times[r]) for r, d in dumps.items()}
+
+
+def registered(recs: list[RankResult], dumps: dict[int, dict[str, Any]],
+                ) -> tuple[list[RankResult], dict[int, dict[str, Any]]]:
+    """An agent's records and dumps less the ranks it says are not registered (it asked the
+    store before they came: they are asked directly)."""
+    if all(r.status != NOT_REGISTERED for r in recs):
+        return recs, dumps
+    recs = [r for r in recs if r.status != NOT_REGISTERED]
+    return recs, {r.rank: dumps[r.rank] for r in recs if r.rank in dumps}

@@ -49,10 +49,13 @@ from debug_server.fanout.agentdir import (
 )
 from debug_server.fanout.agentreply import (
     AgentAddr,
+    Held,
+    held_again,
     keep_parts,
     parse_fr,
     parse_grouped,
     ranks_param,
+    registered,
     with_snap,
 )
 from debug_server.fanout.asker import Asker
@@ -61,7 +64,7 @@ from debug_server.fanout.leanhttp import LeanClient
 from debug_server.fanout.live import LiveCollector
 from debug_server.fanout.reply import INLINE_BYTES, FrData, cut_off_loop, parse_off_loop
 from debug_server.fanout.rounds import FrRounds
-from debug_server.fanout.transport import OK, RankResult, Registry
+from debug_server.fanout.transport import RankResult, Registry
 from debug_server.protocol import agentwire, frwindow, members
 from debug_server.protocol.addrs import (
     AGENT_META_KEY,
@@ -102,8 +105,8 @@ class AgentRoute:
         asks their ranks' health directly, as it does for ranks no agent serves."""
         self.agent_unchanged = 0
         """``agent_fr`` replies that said "unchanged since your tag" (``_agent_fr``)."""
-        self._held: dict[tuple[str, str], tuple[Any, str, dict[int, dict[str, Any]]]] = {}
-        """(agent id, kind of ask) -> (question, tag, dumps) of its last full ``agent_fr`` reply."""
+        self._held: dict[tuple[str, str], Held] = {}
+        """(agent id, kind of ask) -> its last full ``agent_fr`` reply (``Held``)."""
         self._last_cut: tuple[Any, dict[str, int], dict[int, dict[str, Any]]] | None = None
         """(every agent's id, ranks and reply tag; the job's window; the dumps cut to it) of the
         last ``fr`` whose ranks all came through agents in one round."""
@@ -464,13 +467,22 @@ class AgentRoute:
             held = None
         if ag.id in self._no_health:
             params = _less_health(params)
-        ask = {**params, agentwire.TAG: held[1]} if held is not None else params
+        ask = params
+        if held is not None:
+            # The tag answers the question as it was asked, with the member lists this side
+            # named then (``pgknown``: the agent's tag covers them): asked so again, an agent
+            # whose ranks' windows did not change says so, whatever lists were learnt since
+            # (the first page's lists made every agent's second reply a whole one).
+            ask = {k: v for k, v in params.items() if k != members.PARAM}
+            if held[3] is not None:
+                ask[members.PARAM] = held[3]
+            ask[agentwire.TAG] = held[1]
         reply = await self._reply(ag, rs, agentwire.FR, ask, parse_fr)
         if reply is None:
             return None
         recs, dumps, tag, snap, got = reply
         if snap is not None:  # "unchanged": the held dumps again
-            again = _held_again(held, tag, recs, snap, snaps)
+            again = held_again(held, tag, recs, snap, snaps)
             if again is None:
                 # Another page replaced what this one held meanwhile: ask once more, plainly.
                 reply = await self._reply(ag, rs, agentwire.FR, params, parse_fr)
@@ -478,28 +490,31 @@ class AgentRoute:
                     return None
                 recs, dumps, tag, snap, got = reply
                 keep_parts(parts, got)
-                return self._held_reply(slot, question, conditional, recs, dumps, tag, tags)
+                return self._held_reply(slot, (question, params), conditional, recs, dumps, tag,
+                                        tags)
             keep_parts(parts, got)
             if tags is not None:
                 tags[ag.id] = tag
             dumps = again
             self.agent_unchanged += 1
-            return _registered(recs, dumps)
+            return registered(recs, dumps)
         keep_parts(parts, got)
-        return self._held_reply(slot, question, conditional, recs, dumps, tag, tags)
+        return self._held_reply(slot, (question, ask), conditional, recs, dumps, tag, tags)
 
-    def _held_reply(self, slot: tuple[str, str], question: Any, conditional: bool,
+    def _held_reply(self, slot: tuple[str, str], asked: tuple[Any, Mapping[str, str]],
+                    conditional: bool,
                     recs: list[RankResult], dumps: dict[int, dict[str, Any]], tag: str,
                     tags: dict[str, str] | None = None,
                     ) -> tuple[list[RankResult], dict[int, dict[str, Any]]]:
-        """A full ``agent_fr`` reply, held for the next conditional ask."""
+        """A full ``agent_fr`` reply, held for the next conditional ask; ``asked``: the question
+        and the parameters it was asked with."""
         if tag and conditional:
             # The parsed dumps themselves (no dump is changed in place after its reply is
             # parsed: a page's read times and cuts are new dicts): 131072 copies are ~50 MB.
-            self._held[slot] = (question, tag, dict(dumps))
+            self._held[slot] = (asked[0], tag, dict(dumps), asked[1].get(members.PARAM))
             if tags is not None:
                 tags[slot[0]] = tag
-        return _registered(recs, dumps)
+        return registered(recs, dumps)
 
     async def fr_plain(self, plan: Plan, *, only_active: bool, whole: bool) -> Routed[FrData]:
         params = {agentwire.WHOLE: str(whole).lower(), ONLY_ACTIVE: str(only_active).lower(),
@@ -530,40 +545,6 @@ def _take(groups: Sequence[tuple[AgentAddr, list[WorkerAddr]]], replies: Sequenc
         if len(served) < len(rs):  # records name only ranks asked (agentreply._records)
             rest += [a for a in rs if a.rank not in served]
     return rest
-
-
-def _held_again(held: tuple[Any, str, dict[int, dict[str, Any]]] | None, tag: str,
-                recs: list[RankResult], snap: Mapping[str, Any],
-                snaps: dict[int, Any] | None) -> dict[int, dict[str, Any]] | None:
-    """An "unchanged" reply's dumps: the held ones (``AgentRoute._agent_fr``), each with its new
-    read time (shallow copies; with ``snaps``, the held dumps themselves and the times put
-    there); None where the held reply is not the one the tag names, or lacks a rank."""
-    if held is None or tag != held[1]:
-        return None
-    kept = held[2]
-    dumps: dict[int, dict[str, Any]] = {}
-    times: dict[int, Any] = {}
-    try:
-        for r in recs:
-            if r.status == OK:  # its body is "" already (agentreply.parse_fr)
-                dumps[r.rank] = kept[r.rank]
-                times[r.rank] = snap.get(str(r.rank))
-    except KeyError:
-        return None
-    if snaps is not None:
-        snaps.update(times)
-        return dumps
-    return {r: with_snap(d, times[r]) for r, d in dumps.items()}
-
-
-def _registered(recs: list[RankResult], dumps: dict[int, dict[str, Any]],
-                ) -> tuple[list[RankResult], dict[int, dict[str, Any]]]:
-    """An agent's records and dumps less the ranks it says are not registered (it asked the
-    store before they came: they are asked directly)."""
-    if all(r.status != NOT_REGISTERED for r in recs):
-        return recs, dumps
-    recs = [r for r in recs if r.status != NOT_REGISTERED]
-    return recs, {r.rank: dumps[r.rank] for r in recs if r.rank in dumps}
 
 
 def _less_health(params: Mapping[str, str]) -> dict[str, str]:
