@@ -104,4 +104,89 @@ def test_held_lists_stay_within_their_rank_budget() -> None:
     small = [WorkerAddr(0, "u0")]
     memo(small)
     memo(small)
-    assert len(made) == 13  # a host's few ranks are not held
+    assert len(made) == 12  # a host's few ranks are held too (an aggregator asks 128 a page)
+
+
+def _records_one_by_one(results: list[RankResult], with_body: bool,
+                        ) -> tuple[list[dict[str, Any]], list[str]]:
+    """``hostreply.records`` as it was first written: each rank's summary, keyed by its JSON."""
+    from debug_server.protocol.addrs import format_ranks
+
+    texts: list[str] = []
+    rows: list[dict[str, Any]] = []
+    alike: dict[str, tuple[dict[str, Any], list[int]]] = {}
+    for r in results:
+        row = r.summary()
+        row.pop("url")
+        if with_body and r.body is not None:
+            if r.body not in texts:
+                texts.append(r.body)
+            row["body"] = texts.index(r.body)
+        if "process" in row:
+            rows.append(row)
+            continue
+        rank, elapsed = row.pop("rank"), row.pop("elapsed_s")
+        held = alike.setdefault(json.dumps(row, sort_keys=True), ({**row, "elapsed_s": 0.0}, []))
+        if not held[1]:
+            rows.append(held[0])
+        held[0]["elapsed_s"] = max(held[0]["elapsed_s"], elapsed)
+        held[1].append(rank)
+    for row, ranks in alike.values():
+        row.update({"rank": ranks[0]} if len(ranks) == 1 else {"ranks": format_ranks(ranks)})
+    return rows, texts
+
+
+def test_an_agents_records_are_each_ranks_summary_in_rows_of_ranks_alike() -> None:
+    """Random records of every status, body, note, HTTP status and process read: the rows and
+    bodies an agent writes (``hostreply.records``, keyed without making each rank's summary)
+    are the ones made rank by rank from each one's summary."""
+    import random
+
+    from debug_server.agent import hostreply
+
+    rng = random.Random(3)
+    for _ in range(1500):
+        results = [RankResult(r, f"http://w{r}", rng.choice([OK, OK, "unreachable", "gone"]),
+                              rng.choice([None, "", "a", "b"]), rng.choice([None, "boom"]),
+                              rng.choice([0.0, 0.01, 0.012345, 1.5]), rng.choice([None, 200, 404]),
+                              rng.choice([None, "", "via agent h1"]), 0, None,
+                              rng.choice([None, None, {"state": "R"}]))
+                   for r in rng.sample(range(64), rng.randint(0, 24))]
+        for with_body in (False, True):
+            got = hostreply.records(results, with_body)
+            want = _records_one_by_one(results, with_body)
+            assert json.dumps(got, sort_keys=True) == json.dumps(want, sort_keys=True)
+
+
+async def test_a_route_splits_the_same_ranks_by_the_same_host_lists_while_nothing_changed(
+        ) -> None:
+    """An aggregator's route asked for the same list of ranks with the same host agents found
+    hands the same lists again (``AgentRoute.plan``: what it made of them is held by
+    identity); another list, another agent's address or an agent down makes the split anew."""
+    import dataclasses
+
+    from fakes import FakeDirectory
+
+    from debug_server.fanout import agents as agents_mod
+
+    hosts = {f"h{h}": AgentAddr(f"h{h}", f"http://a{h}", frozenset(range(4 * h, 4 * h + 4)))
+             for h in range(3)}
+    addrs = [WorkerAddr(r, f"http://w{r}", meta={"agent": f"h{r // 4}"}) for r in range(12)]
+    addrs.append(WorkerAddr(12, "http://w12"))  # no agent: asked directly
+    route = agents_mod.AgentRoute(FakeDirectory(dict(hosts)), None, None)  # type: ignore[arg-type]
+    first = await route.plan(addrs, tree=False)
+    again = await route.plan(addrs, tree=False)
+    assert first is not None and again is not None
+    assert [[a.rank for a in rs] for _, rs in first.groups] == [[0, 1, 2, 3], [4, 5, 6, 7],
+                                                               [8, 9, 10, 11]]
+    assert [a.rank for a in first.direct] == [12]
+    assert all(a is b for (_, a), (_, b) in zip(first.groups, again.groups, strict=True))
+    other = await route.plan(list(addrs), tree=False)
+    assert other is not None and other.groups[0][1] is not first.groups[0][1]
+    route.agents.agents["h1"] = dataclasses.replace(hosts["h1"], url="http://moved")
+    moved = await route.plan(list(other.addrs), tree=False)
+    assert moved is not None and [ag.url for ag, _ in moved.groups][1] == "http://moved"
+    route._down["h2"] = float("inf")
+    down = await route.plan(moved.addrs, tree=False)
+    assert down is not None and [ag.id for ag, _ in down.groups] == ["h0", "h1"]
+    assert [a.rank for a in down.direct] == [8, 9, 10, 11, 12]

@@ -128,19 +128,30 @@ GROUPS = web.AppKey("groups", dict)
 """rank -> the groups its last reply named (``since`` for a re-ask is cut to them)."""
 LAST_FULL = web.AppKey("last_full", dict)
 """tag -> the data part of the last full ``agent_fr`` replies (:func:`_fr_part`), newest last."""
+ASKED = web.AppKey("asked", list)
+"""The registry's last read, the last ``ranks`` asked of it, and those ranks (``_addrs``)."""
 LAST_FULL_KEPT = 4
 FROM_LAST = "agent_fr (from its last full reply)"
 """``agent_info``'s count of full replies sent from :data:`LAST_FULL` (a new asker, same data)."""
 
 
 async def _addrs(request: web.Request, q: Mapping[str, str]) -> list[WorkerAddr]:
+    """The ranks asked (``ranks``; all by default) as the registry has them. The same
+    question of the same read gives the same list again (``ASKED``): an aggregator's route
+    splits a list it saw before by the same lists as before, and holds what it made of them
+    (``agentreply.ranks_param``...), not made again for each of its 128 hosts each page."""
     addrs = await request.app[REGISTRY].lookup()
     if RANKS in q:
+        held = request.app[ASKED]
+        if held and held[0] is addrs and held[1] == q[RANKS]:
+            return held[2]
         try:
             wanted_ranks = set(parse_ranks(q[RANKS]))
         except ValueError as e:
             raise BadParam(f"bad parameter ranks={q['ranks'][:40]!r}: {e}") from None
-        addrs = [a for a in addrs if a.rank in wanted_ranks]
+        got = [a for a in addrs if a.rank in wanted_ranks]
+        request.app[ASKED][:] = [addrs, q[RANKS], got]
+        return got
     return addrs
 
 
@@ -358,6 +369,7 @@ def make_agent_app(registry: Any, my_id: str, *, fetch_timeout: float,
     app[COUNTS] = {}
     app[GROUPS] = {}
     app[LAST_FULL] = {}
+    app[ASKED] = []
     app[SETTINGS] = {"timeout": fetch_timeout, "concurrency": max_concurrency, "token": token,
                      "route": route}
     app.cleanup_ctx.append(_client_ctx)

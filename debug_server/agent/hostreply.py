@@ -31,33 +31,44 @@ def records(results: Sequence[RankResult], with_body: bool) -> tuple[list[dict[s
     texts: list[str] = []
     index: dict[str, int] = {}
     rows: list[dict[str, Any]] = []
-    alike: dict[str, tuple[dict[str, Any], list[int]]] = {}
+    # What a row says but for its rank and reply time -> (the row, its ranks): an aggregator
+    # writes 1024 records a reply, each but the first of a kind a lookup and an append.
+    alike: dict[tuple[Any, ...], tuple[dict[str, Any], list[int]]] = {}
     for r in results:
-        row = r.summary()
-        row.pop("url", None)  # the asker knows its ranks' addresses
+        i = None
         if with_body and r.body is not None:
             i = index.get(r.body)
             if i is None:
                 i = index[r.body] = len(texts)
                 texts.append(r.body)
-            row["body"] = i
-        if "process" in row:  # read per rank on its host: its own row
-            rows.append(row)
+        if r.process is not None:  # read per rank on its host: its own row
+            rows.append(_row(r, i))
             continue
-        rank, elapsed = row.pop("rank"), row.pop("elapsed_s")
-        key = fastjson.dumps(row, default=str)
+        key = (r.status, r.error, r.http_status, r.note or None, i)
         held = alike.get(key)
         if held is None:
-            held = alike[key] = ({**row, "elapsed_s": elapsed}, [])
-            rows.append(held[0])
-        held[0]["elapsed_s"] = max(held[0]["elapsed_s"], elapsed)
-        held[1].append(rank)
+            row = _row(r, i)
+            del row["rank"]
+            held = alike[key] = (row, [])
+            rows.append(row)
+        elif r.elapsed_s > held[0]["elapsed_s"]:
+            held[0]["elapsed_s"] = round(r.elapsed_s, 4)
+        held[1].append(r.rank)
     for row, ranks in alike.values():
         if len(ranks) == 1:
             row["rank"] = ranks[0]
         else:
             row["ranks"] = addrs.format_ranks(ranks)
     return rows, texts
+
+
+def _row(r: RankResult, body: int | None) -> dict[str, Any]:
+    """A record's row: its summary less its URL (the asker knows its ranks' addresses)."""
+    row = r.summary()
+    del row["url"]
+    if body is not None:
+        row["body"] = body
+    return row
 
 
 def signatures(dumps: Mapping[int, Mapping[str, Any]]) -> dict[str, dict[str, dict[str, list[int]]]]:

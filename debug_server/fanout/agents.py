@@ -119,6 +119,10 @@ class AgentRoute:
         self._split: tuple[Sequence[WorkerAddr], dict[str, list[WorkerAddr]],
                            list[WorkerAddr]] | None = None
         """(the addresses split, their ranks by aggregator id, the others): ``plan``."""
+        self._by_host: tuple[Sequence[WorkerAddr], set[str], dict[str, AgentAddr],
+                             dict[str, list[WorkerAddr]], list[WorkerAddr]] | None = None
+        """(the addresses no aggregator took, their agents' ids, those agents found, the
+        addresses by agent id, the others): ``plan``."""
 
     def last_key(self) -> Any:
         """What the last ``fr`` window stands for: every agent's id and reply tag, where every
@@ -172,18 +176,21 @@ class AgentRoute:
             addrs_left: Sequence[WorkerAddr] = split[2]
         else:
             addrs_left = addrs
-        ids = {m[AGENT_META_KEY] for a in addrs_left if (m := a.meta) and isinstance(
-            m.get(AGENT_META_KEY), str)}
-        ids = {i for i in ids if self._down.get(i, 0.0) <= now}
-        found.update(await self.agents.lookup(ids) if ids else {})
-        direct: list[WorkerAddr] = []
-        for a in addrs_left:
-            aid = a.meta.get(AGENT_META_KEY) if a.meta else None
-            ag = found.get(aid) if isinstance(aid, str) else None
-            if a.url is None or ag is None or a.rank not in ag.ranks:
-                direct.append(a)
-            else:
-                by_agent.setdefault(ag.id, []).append(a)
+        # The ranks no aggregator took, by host agent: the same split again (the same lists)
+        # where the same list comes with the same agents found (an aggregator's every page).
+        held = self._by_host
+        ids = held[1] if held is not None and held[0] is addrs_left else {
+            m[AGENT_META_KEY] for a in addrs_left
+            if (m := a.meta) and isinstance(m.get(AGENT_META_KEY), str)}
+        hosts = await self.agents.lookup(
+            {i for i in ids if self._down.get(i, 0.0) <= now}) if ids else {}
+        if held is not None and held[0] is addrs_left and held[2] == hosts:
+            by_host, direct = held[3], held[4]
+        else:
+            by_host, direct = _by_host(addrs_left, hosts)
+            self._by_host = (addrs_left, ids, hosts, by_host, direct)
+        found.update(hosts)
+        by_agent.update(by_host)
         if not by_agent:
             return None
         return Plan(addrs, [(found[i], rs) for i, rs in by_agent.items()], direct)
@@ -545,6 +552,21 @@ def _take(groups: Sequence[tuple[AgentAddr, list[WorkerAddr]]], replies: Sequenc
         if len(served) < len(rs):  # records name only ranks asked (agentreply._records)
             rest += [a for a in rs if a.rank not in served]
     return rest
+
+
+def _by_host(addrs: Sequence[WorkerAddr], hosts: Mapping[str, AgentAddr],
+             ) -> tuple[dict[str, list[WorkerAddr]], list[WorkerAddr]]:
+    """``addrs`` by the host agent that serves each (its sidecar names it), and the others."""
+    by_host: dict[str, list[WorkerAddr]] = {}
+    direct: list[WorkerAddr] = []
+    for a in addrs:
+        aid = a.meta.get(AGENT_META_KEY) if a.meta else None
+        ag = hosts.get(aid) if isinstance(aid, str) else None
+        if a.url is None or ag is None or a.rank not in ag.ranks:
+            direct.append(a)
+        else:
+            by_host.setdefault(ag.id, []).append(a)
+    return by_host, direct
 
 
 def _less_health(params: Mapping[str, str]) -> dict[str, str]:
