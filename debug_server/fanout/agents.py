@@ -121,8 +121,7 @@ class AgentRoute:
         """(the addresses split, their ranks by aggregator id, the others): ``plan``."""
         self._by_host: tuple[Sequence[WorkerAddr], set[str], dict[str, AgentAddr],
                              dict[str, list[WorkerAddr]], list[WorkerAddr]] | None = None
-        """(the addresses no aggregator took, their agents' ids, those agents found, the
-        addresses by agent id, the others): ``plan``."""
+        """(ranks no aggregator took, their agents' ids, those found, ``_by_host``): ``plan``."""
 
     def last_key(self) -> Any:
         """What the last ``fr`` window stands for: every agent's id and reply tag, where every
@@ -176,12 +175,10 @@ class AgentRoute:
             addrs_left: Sequence[WorkerAddr] = split[2]
         else:
             addrs_left = addrs
-        # The ranks no aggregator took, by host agent: the same split again (the same lists)
-        # where the same list comes with the same agents found (an aggregator's every page).
+        # By host agent: the same lists again for the same list and agents (an aggregator's).
         held = self._by_host
-        ids = held[1] if held is not None and held[0] is addrs_left else {
-            m[AGENT_META_KEY] for a in addrs_left
-            if (m := a.meta) and isinstance(m.get(AGENT_META_KEY), str)}
+        ids = held[1] if held is not None and held[0] is addrs_left else {m[AGENT_META_KEY] for a in
+               addrs_left if (m := a.meta) and isinstance(m.get(AGENT_META_KEY), str)}
         hosts = await self.agents.lookup(
             {i for i in ids if self._down.get(i, 0.0) <= now}) if ids else {}
         if held is not None and held[0] is addrs_left and held[2] == hosts:
