@@ -295,12 +295,12 @@ Held = tuple[Any, str, dict[int, dict[str, Any]], str | None]
 ``pgknown`` it was asked with: None where it was asked without)."""
 
 
-def held_again(held: Held | None, tag: str,
-                recs: list[RankResult], snap: Mapping[str, Any],
-                snaps: dict[int, Any] | None) -> dict[int, dict[str, Any]] | None:
-    """An "unchanged" reply's dumps: the held ones (``agents.AgentRoute._agent_fr``), each with its new
-    read time (shallow copies; with ``snaps``, the held dumps themselves and the times put
-    there); None where the held reply is not the one the tag names, or lacks a rank."""
+def held_again(held: Held | None, tag: str, recs: list[RankResult], snap: Mapping[str, Any],
+               snaps: dict[int, Any] | None) -> dict[int, dict[str, Any]] | None:
+    """An "unchanged" reply's dumps: the held ones (``agents.AgentRoute._agent_fr``), each
+    with its new read time (shallow copies; with ``snaps``, the held dumps themselves and the
+    times put there); None where the held reply is not the one the tag names, or lacks a
+    rank."""
     if held is None or tag != held[1]:
         return None
     kept = held[2]
@@ -320,7 +320,7 @@ def held_again(held: Held | None, tag: str,
 
 
 def registered(recs: list[RankResult], dumps: dict[int, dict[str, Any]],
-                ) -> tuple[list[RankResult], dict[int, dict[str, Any]]]:
+               ) -> tuple[list[RankResult], dict[int, dict[str, Any]]]:
     """An agent's records and dumps less the ranks it says are not registered (it asked the
     store before they came: they are asked directly)."""
     if all(r.status != NOT_REGISTERED for r in recs):
