@@ -231,7 +231,7 @@ async def test_the_member_lists_a_new_frontend_learns_do_not_make_its_second_pag
     world = 24
     dumps = synthetic.hang_job(world, n_entries=50, missing_rank=5)
     async with fleet([LiveProvider(dumps[r]) for r in range(world)], per_host=8) as f:
-        await f["plain"].fr()  # an earlier frontend: the agents' lists are learnt
+        # An earlier frontend's page: the agents answered once and learnt their lists.
         await agents_mod.AgentRoute(f["through"].route.agents, f["through"].asker,
                                     f["through"].rounds).fr(
             await f["through"].route.plan(await f["through"].registry.lookup()))
@@ -245,6 +245,7 @@ async def test_the_member_lists_a_new_frontend_learns_do_not_make_its_second_pag
             PARAM=members.PARAM, known_param=new_frontend))
         through = f["through"]
         first = await through.fr()
+        assert through.route.agent_unchanged == 0 and calls  # its first page: whole replies
         second = await through.fr()
     assert through.route.agent_unchanged == 3 and through.route.cuts_reused == 1
     assert analyze_fr(second, None, world) == analyze_fr(first, None, world)

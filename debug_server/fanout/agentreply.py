@@ -327,3 +327,23 @@ def registered(recs: list[RankResult], dumps: dict[int, dict[str, Any]],
         return recs, dumps
     recs = [r for r in recs if r.status != NOT_REGISTERED]
     return recs, {r.rank: dumps[r.rank] for r in recs if r.rank in dumps}
+
+
+def take_replies(groups: Sequence[tuple[AgentAddr, list[WorkerAddr]]], replies: Sequence[Any],
+                 results: list[RankResult], dumps: dict[int, dict[str, Any]],
+                 via: dict[int, AgentAddr]) -> list[WorkerAddr]:
+    """The agents' FR replies (``agents.AgentRoute._agent_fr``: records and dumps, None for a
+    failed agent) put into ``results``, ``dumps`` and ``via``; the ranks none of them served."""
+    rest: list[WorkerAddr] = []
+    for (ag, rs), reply in zip(groups, replies, strict=True):
+        if reply is None:
+            rest += rs
+            continue
+        recs, ds = reply
+        served = {r.rank for r in recs}
+        results += recs
+        dumps.update(ds)
+        via.update(dict.fromkeys(served, ag))
+        if len(served) < len(rs):  # records name only ranks asked (``_records``)
+            rest += [a for a in rs if a.rank not in served]
+    return rest

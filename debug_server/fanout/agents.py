@@ -56,6 +56,7 @@ from debug_server.fanout.agentreply import (
     parse_grouped,
     ranks_param,
     registered,
+    take_replies,
     with_snap,
 )
 from debug_server.fanout.asker import Asker
@@ -176,12 +177,11 @@ class AgentRoute:
         else:
             addrs_left = addrs
         # By host agent: the same lists again for the same list and agents (an aggregator's).
-        held = self._by_host
-        ids = held[1] if held is not None and held[0] is addrs_left else {m[AGENT_META_KEY] for a in
-               addrs_left if (m := a.meta) and isinstance(m.get(AGENT_META_KEY), str)}
+        held = self._by_host if self._by_host and self._by_host[0] is addrs_left else None
+        ids = held[1] if held is not None else _host_ids(addrs_left)
         hosts = await self.agents.lookup(
             {i for i in ids if self._down.get(i, 0.0) <= now}) if ids else {}
-        if held is not None and held[0] is addrs_left and held[2] == hosts:
+        if held is not None and held[2] == hosts:
             by_host, direct = held[3], held[4]
         else:
             by_host, direct = _by_host(addrs_left, hosts)
@@ -323,7 +323,7 @@ class AgentRoute:
                              snaps) for ag, rs in plan[len(first):]), direct_round)
         results = list(direct_results)
         via: dict[int, AgentAddr] = {}
-        rest = _take(plan, first + rest_got, results, dumps, via)
+        rest = take_replies(plan, first + rest_got, results, dumps, via)
         if rest:  # agents that failed: an aggregator's ranks through their host agents,
             # then what is left (and a host agent's ranks) directly, in this page
             below = await self._below(rest) if any(_is_group(ag) for ag, _ in plan) else \
@@ -331,7 +331,7 @@ class AgentRoute:
             replies = await asyncio.gather(
                 *(self._agent_fr(ag, rs, {**window, members.PARAM: members.known_param() or ""},
                                  tags, parts, snaps) for ag, rs in below.groups))
-            rest = list(below.direct) + _take(below.groups, replies, results, dumps, via)
+            rest = list(below.direct) + take_replies(below.groups, replies, results, dumps, via)
             more, more_dumps = await self._direct_local(rest, texts)
             results += more
             dumps.update(more_dumps)
@@ -417,7 +417,7 @@ class AgentRoute:
                                        for ag, rs in plan.groups))
         results: list[RankResult] = []
         dumps: dict[int, dict[str, Any]] = {}
-        rest = list(plan.direct) + _take(plan.groups, parts, results, dumps, {})
+        rest = list(plan.direct) + take_replies(plan.groups, parts, results, dumps, {})
         first = {a.rank: {"pg_status": dict.fromkeys(since, {})} for a in rest}
         more, more_dumps = await self._direct_since(since, rest, first)
         results += more
@@ -527,28 +527,14 @@ class AgentRoute:
                                          for ag, rs in plan.groups))
         results: list[RankResult] = []
         dumps: dict[int, dict[str, Any]] = {}
-        rest = _take(plan.groups, replies, results, dumps, {})
+        rest = take_replies(plan.groups, replies, results, dumps, {})
         return Routed(FrData(results, dumps), rest)
 
 
-def _take(groups: Sequence[tuple[AgentAddr, list[WorkerAddr]]], replies: Sequence[Any],
-          results: list[RankResult], dumps: dict[int, dict[str, Any]],
-          via: dict[int, AgentAddr]) -> list[WorkerAddr]:
-    """The agents' FR replies (``_agent_fr``: records and dumps, None for a failed agent) put
-    into ``results``, ``dumps`` and ``via``; the ranks none of them served."""
-    rest: list[WorkerAddr] = []
-    for (ag, rs), reply in zip(groups, replies, strict=True):
-        if reply is None:
-            rest += rs
-            continue
-        recs, ds = reply
-        served = {r.rank for r in recs}
-        results += recs
-        dumps.update(ds)
-        via.update(dict.fromkeys(served, ag))
-        if len(served) < len(rs):  # records name only ranks asked (agentreply._records)
-            rest += [a for a in rs if a.rank not in served]
-    return rest
+def _host_ids(addrs: Sequence[WorkerAddr]) -> set[str]:
+    """The host agents ``addrs``' sidecars name."""
+    return {m[AGENT_META_KEY] for a in addrs
+            if (m := a.meta) and isinstance(m.get(AGENT_META_KEY), str)}
 
 
 def _by_host(addrs: Sequence[WorkerAddr], hosts: Mapping[str, AgentAddr],
