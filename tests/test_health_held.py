@@ -146,7 +146,8 @@ async def test_an_overview_that_read_every_rank_s_health_lends_it_to_the_next_on
     first = await (await client.get("/?format=json")).json()
     assert "health_age_s" not in first and watch.last_by == "an overview's read of every rank"
     assert [r["health"] for r in first["ranks"]] == ["healthy", "healthy"]
-    watch.last[0] = RankHealth(0, True, False, STALLED)  # what the held read says, not a worker
+    # What the held read says, not a worker.
+    watch.last = [RankHealth(0, True, False, STALLED), *watch.last[1:]]
     again = await (await client.get("/", headers={"Accept": CURL})).text()
     assert again.splitlines()[2].startswith(
         "Health column: an overview's read of every rank of 0 s ago (at this job size the hang "

@@ -53,18 +53,30 @@ def test_replies_read_together_give_what_each_read_alone_gives() -> None:
                            "oldest_in_flight_s": 1.5}) for n in (0, 2)]
     bodies += ["not json", json.dumps({"healthy": "x"}), json.dumps({"healthy": True,
                                                                      "l": [1, 2]})]
+    runs = 0
     for _ in range(100):
-        replies = []
-        for r in range(40):
-            k = rng.random()
-            replies.append(_reply(r, None, "failed", None) if k < 0.1 else
-                           _reply(r, None, "failed", 404) if k < 0.15 else
-                           _reply(r, rng.choice(bodies)))
-        together = parse_health(replies)
-        alone = [parse_health([r])[0] for r in replies]
+        replies: list[RankResult] = []
+        while len(replies) < 40:  # runs of ranks that answered alike, as an agent's rows come
+            k, body = rng.random(), rng.choice(bodies)
+            for _ in range(rng.choice((1, 1, 2, 5))):
+                r = len(replies)
+                replies.append(_reply(r, None, "failed", None) if k < 0.1 else
+                               _reply(r, None, "failed", 404) if k < 0.15 else _reply(r, body))
+        # Ranks the watch counts unhealthy for their timeouts, amid their runs.
+        errors = {r: "health check timed out 3 times in a row"
+                  for r in rng.sample(range(len(replies)), 3)}
+        together = parse_health(replies, errors)
+        runs += len(together.runs)
+        alone = [parse_health([r], errors)[0] for r in replies]
         assert [_seen(h) for h in together] == [_seen(h) for h in alone]
-        assert [(c.kind, c.ranks, c.lo, c.hi) for c in health_classes(together)] == \
-            [(c.kind, c.ranks, c.lo, c.hi) for c in health_classes(alone)]
+        assert sum(h.error == errors[h.rank] for h in together if h.rank in errors) == 3
+        # Per run, per record of the set, and per record read alone: the same classes.
+        classes = [(c.kind, c.ranks, c.lo, c.hi) for c in health_classes(alone)]
+        assert [(c.kind, c.ranks, c.lo, c.hi) for c in health_classes(together)] == classes
+        assert [(c.kind, c.ranks, c.lo, c.hi) for c in health_classes(list(together))] == classes
+        assert [c.first for c in health_classes(together)] == [
+            together[c.ranks[0]] for c in health_classes(alone)]
+    assert runs < 100 * 40 * 0.7  # runs were read as runs, not rank by rank
 
 
 def _seen(h: Any) -> tuple[Any, ...]:

@@ -21,7 +21,7 @@ import json
 import logging
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from debug_server.analysis import stackparse
@@ -48,6 +48,15 @@ from debug_server.frontend.dumps import (
     fr_trace_text,
 )
 from debug_server.frontend.fetchfacts import FetchFacts
+from debug_server.frontend.health import (
+    HealthClass,
+    RankHealth,
+    class_texts,
+    health_classes,
+    kind_text,
+    parse_health,
+    ranks_of,
+)
 from debug_server.frontend.lastcycle import FrPart, HealthPart, LastCycle
 from debug_server.protocol.names import HEALTH_HANDLER
 from debug_server.readers import procstate
@@ -60,140 +69,7 @@ MAX_POLLS_PER_S = 512
 """Health requests per second at most: above 1024 ranks the poll interval grows with the job
 (32 s at 16384 ranks), so an idle frontend stays near 5 % of one core at any size."""
 UNRESPONSIVE_POLLS = 3
-NO_HEALTH_CHECK = "no health check"
-"""Why the health of a rank whose worker answers the health check with 404 is unknown."""
 REPORT_VERSION = 1
-
-
-@dataclass(slots=True)
-class RankHealth:
-    """One rank's answer to one health poll, reduced to what the watch decides on."""
-
-    rank: int
-    answered: bool
-    """The worker replied with a health JSON object."""
-    healthy: bool | None
-    """None when unknown (no answer, or a worker without a health check)."""
-    stalled_op: dict[str, Any] | None = None
-    """The stalled op (``group``, ``seq``, ``op``); its ``age_s`` may be another rank's
-    (``parse_health`` shares it between ranks alike): this rank's is :attr:`op_age_s`."""
-    info: dict[str, Any] = field(default_factory=dict)
-    """The whole health reply (``in_flight``...), shared like ``stalled_op``: this rank's
-    ``oldest_in_flight_s`` is :attr:`oldest_s`."""
-    error: str | None = None
-    op_age_s: float | None = None
-    """This rank's stalled op's age (from ``stalled_op`` when not given)."""
-    oldest_s: float | None = None
-    """This rank's oldest op in flight's age (from ``info`` when not given)."""
-
-    def __post_init__(self) -> None:
-        if self.op_age_s is None and self.stalled_op:
-            self.op_age_s = _num(self.stalled_op.get("age_s"))
-        if self.oldest_s is None and self.info:
-            self.oldest_s = _num(self.info.get("oldest_in_flight_s"))
-
-    def op_now(self) -> dict[str, Any] | None:
-        """The stalled op with this rank's own age."""
-        op = self.stalled_op
-        if op is None or op.get("age_s") == self.op_age_s:
-            return op
-        return {**op, "age_s": self.op_age_s}
-
-    def text(self) -> str:
-        """This rank's health in words: the overview's health column, the hang report's line."""
-        return kind_text(self.kind(), self.age())
-
-    def kind(self) -> HealthKind:
-        """This rank's health in words less its age: ranks of one kind read alike but for it."""
-        if self.healthy is None:
-            return (f"health unknown ({self.error or 'no answer'})", "", "", "")
-        if self.healthy:
-            n = self.info.get("in_flight")
-            if not isinstance(n, int) or n <= 0:
-                return ("healthy", "", "", "")
-            return (f"healthy ({n} op{'s' if n != 1 else ''} in flight", ", oldest {} s", ".0f",
-                    ")")
-        op = self.stalled_op
-        if op:
-            return (f"UNHEALTHY: {op.get('group')} seq {op.get('seq')} {op.get('op')}",
-                    " in flight for {} s", ".1f", "")
-        return (f"UNHEALTHY: {self.error or 'stalled'}", "", "", "")
-
-    def age(self) -> float | None:
-        """The age in this rank's words: its stalled op's, else its oldest op in flight's."""
-        if self.healthy is None:
-            return None
-        return self.op_age_s if self.healthy is False else self.oldest_s
-
-    def line(self) -> str:
-        return f"rank {self.rank}: {self.text()}"
-
-
-def _num(v: Any) -> float | None:
-    if type(v) is float:  # the usual case first: once or twice a rank per poll
-        return v  # type: ignore[no-any-return]
-    return float(v) if isinstance(v, int | float) and not isinstance(v, bool) else None
-
-
-HealthKind = tuple[str, str, str, str]
-"""A health text less its age: (words, the age's words with ``{}`` for it, the age's format,
-words after the age)."""
-
-
-def kind_text(kind: HealthKind, lo: float | None, hi: float | None = None) -> str:
-    """The words of ``kind`` with an age, or with the range of ages ``lo``-``hi`` of ranks alike."""
-    head, around, fmt, tail = kind
-    if lo is None or not around:
-        return head + tail
-    low, high = format(lo, fmt), format(lo if hi is None else hi, fmt)
-    return head + around.format(low if low == high else f"{low}-{high}") + tail
-
-
-@dataclass(slots=True)
-class HealthClass:
-    """Ranks whose health reads alike but for its age, with the range of their ages."""
-
-    kind: HealthKind
-    ranks: list[int]
-    lo: float | None = None
-    hi: float | None = None
-
-    def text(self) -> str:
-        return kind_text(self.kind, self.lo, self.hi)
-
-
-def health_classes(health: Iterable[RankHealth]) -> list[HealthClass]:
-    """``health`` by kind, in the order kinds first come (ranks in the order they come)."""
-    out: dict[HealthKind, HealthClass] = {}
-    # A kind is read off the rank's shared dicts (``parse_health``): once per pair of them
-    # (the first record of each pair is held, so the dicts' ids stay theirs meanwhile).
-    by_dicts: dict[tuple[Any, ...], tuple[HealthClass, RankHealth]] = {}
-    for h in health:
-        key = (h.healthy, h.error, id(h.info), id(h.stalled_op))
-        held = by_dicts.get(key)
-        if held is None:
-            kind = h.kind()
-            c = out.get(kind)
-            if c is None:
-                c = out[kind] = HealthClass(kind, [])
-            by_dicts[key] = (c, h)
-        else:
-            c = held[0]
-        age = h.age()
-        c.ranks.append(h.rank)
-        if age is not None:
-            c.lo = age if c.lo is None or age < c.lo else c.lo
-            c.hi = age if c.hi is None or age > c.hi else c.hi
-    return list(out.values())
-
-
-def class_texts(health: Iterable[RankHealth]) -> dict[int, str]:
-    """Each rank's health as its class's words (one text per class; ages as their range):
-    the overview's health column where ranks alike share one row (``render.CELLS_MAX``)."""
-    out: dict[int, str] = {}
-    for c in health_classes(health):
-        out.update(dict.fromkeys(c.ranks, c.text()))
-    return out
 
 
 def health_lines(health: Sequence[RankHealth], grouped: bool | None = None) -> list[str]:
@@ -204,89 +80,11 @@ def health_lines(health: Sequence[RankHealth], grouped: bool | None = None) -> l
         grouped = len(health) > PER_RANK_LISTING_MAX
     if not grouped:
         return [h.line() for h in health]
-    by_rank = {h.rank: h for h in health}
-    rows = [(c.ranks, by_rank[c.ranks[0]].line() if len(c.ranks) == 1 else
+    rows = [(c.ranks, c.first.line() if len(c.ranks) == 1 and c.first else
              f"{ranks_head(c.ranks, 'rank')} ({len(c.ranks)} ranks): {c.text()}")
             for c in health_classes(health)]
     rows.sort(key=lambda row: row[0][0])
     return capped(rows)
-
-
-_AGES = ("stalled_op", "oldest_in_flight_s")
-"""The keys of a health reply that differ between ranks stalled in one op (``parse_health``)."""
-
-
-def parse_health(results: Sequence[RankResult]) -> list[RankHealth]:
-    """Health replies as records; a missing or malformed reply is ``healthy=None``.
-
-    Replies that differ only in their ages (131071 ranks stalled in one op, polled ms apart)
-    share one ``info`` and one ``stalled_op`` dict, each record keeping its own ages
-    (``op_age_s``, ``oldest_s``): the held poll is one small record per rank, not three dicts.
-    """
-    out = []
-    # Through agents, ranks with the same reply share one body text (``agent_fetch``): each
-    # distinct text is read once (16384 small parses were ~40 ms of the overview's loop), and
-    # each rank of it is one small record. The parsed dicts are shared between records and
-    # only read (``info``).
-    read: dict[str, _Read | str] = {}
-    shapes: dict[Any, tuple[dict[str, Any], dict[str, Any] | None]] = {}
-    for r in results:
-        if r.http_status == 404:  # a worker without the handler (torch's own, or the viewer's)
-            out.append(RankHealth(r.rank, False, None, error=NO_HEALTH_CHECK))
-            continue
-        if not r.ok:
-            out.append(RankHealth(r.rank, False, None, error=r.error or r.status))
-            continue
-        got = read.get(r.body) if r.body is not None else None
-        if got is None:
-            got = _read_health(r, shapes)
-            if r.body is not None:
-                read[r.body] = got
-        if isinstance(got, str):
-            out.append(RankHealth(r.rank, False, None, error=got))
-            continue
-        healthy, op, info, age, oldest = got
-        rec = RankHealth(r.rank, True, healthy, op, info, None, age, oldest)
-        # Its own ages, None ones too (where __post_init__ took the shared dicts': the first
-        # such rank's).
-        if age is None or oldest is None:
-            rec.op_age_s, rec.oldest_s = age, oldest
-        out.append(rec)
-    return out
-
-
-_Read = tuple[bool, dict[str, Any] | None, dict[str, Any], float | None, float | None]
-"""One health reply text as read (``_read_health``)."""
-
-
-def _read_health(r: RankResult, shapes: dict[Any, tuple[dict[str, Any], dict[str, Any] | None]],
-                 ) -> _Read | str:
-    """One reply text's (healthy, stalled op, info, its op's age, its oldest op's age), the
-    dicts those of the first reply of its shape (its text less its ages: 131071 ranks stalled
-    in one op, polled ms apart, share one); or why it is not understood."""
-    try:
-        h = r.json()
-    except ValueError:
-        h = None
-    if not isinstance(h, dict) or not isinstance(h.get("healthy"), bool):
-        return "health reply is not understood"
-    op = h.get("stalled_op")
-    op = op if isinstance(op, dict) else None
-    age = _num(op.get("age_s")) if op is not None else None
-    oldest = _num(h.get("oldest_in_flight_s"))
-    try:  # the reply less its ages; an unhashable value (a list...) is shared with none
-        rest, op_rest = h.copy(), dict(op) if op else None  # C loops, not a generator
-        for k in _AGES:
-            rest.pop(k, None)
-        if op_rest is not None:
-            op_rest.pop("age_s", None)
-        shape: Any = (tuple(rest.items()), tuple(op_rest.items()) if op_rest is not None
-                      else None)
-        hash(shape)
-    except TypeError:
-        shape = None
-    first = shapes.setdefault(shape, (h, op)) if shape is not None else (h, op)
-    return h["healthy"], first[1], first[0], age, oldest
 
 
 @dataclass(slots=True)
@@ -295,8 +93,8 @@ class HangReport:
 
     stamp: str
     time_unix: float
-    trigger: list[RankHealth]
-    health: list[RankHealth]
+    trigger: Sequence[RankHealth]
+    health: Sequence[RankHealth]
     result: dict[str, Any]
     culprits: list[dict[str, Any]]
     text: str = ""
@@ -338,10 +136,10 @@ def health_json(health: Sequence[RankHealth], grouped: bool | None = None
         grouped = len(health) > PER_RANK_LISTING_MAX
     if not grouped:
         return [_health_json(h) for h in health]
-    by_rank = {h.rank: h for h in health}
     rows: list[tuple[list[int], dict[str, Any]]] = []
     for c in sorted(health_classes(health), key=lambda c: c.ranks[0]):
-        first = by_rank[c.ranks[0]]
+        first = c.first
+        assert first is not None  # every class is made with its first record
         if len(c.ranks) == 1:
             rows.append((c.ranks, _health_json(first)))
             continue
@@ -427,7 +225,7 @@ def render_text(rep: HangReport, fetch: FetchFacts, stacks: Sequence[RankResult]
                      f"{c.get('group_label') or c['group']} seq {c['seq']} {c['op']}; "
                      f"now at {at}" + (f"; process {proc}" if proc else "")))
     lines += capped(rows)
-    shown = sorted({c["rank"] for c in rep.culprits} | {h.rank for h in rep.trigger})
+    shown = sorted({c["rank"] for c in rep.culprits} | set(ranks_of(rep.trigger)))
     if len(shown) > PER_RANK_LISTING_MAX:
         by_rank = {r.rank: r for r in stacks}
         lines += ["", grouped_sections([by_rank[r] for r in shown if r in by_rank], []).rstrip("\n")]
@@ -466,7 +264,7 @@ class HangWatch:
         """True from the report until every rank is healthy again."""
         self.reports: list[str] = []
         """Paths of the ``.txt`` reports written (or, without a dump_dir, their stamps)."""
-        self.last: list[RankHealth] = []
+        self.last: Sequence[RankHealth] = ()
         self.last_at: float | None = None
         """``time.monotonic()`` when ``last`` came in (the overview may use it: ``health_held``)."""
         self.last_by = POLLED
@@ -476,7 +274,8 @@ class HangWatch:
         """Given the culprit ranks, who had been slow before the hang and for how long
         (``frontend.stragglers.StragglerWatch.before_hang``); the report adds it to its verdict."""
 
-    def hold(self, results: list[RankResult], health: list[RankHealth], asked_at: float) -> None:
+    def hold(self, results: Sequence[RankResult], health: Sequence[RankHealth],
+             asked_at: float) -> None:
         """A page's own read of every rank's health (the overview's, where no poll is young
         enough to show), held as the last poll: the next overviews show it while it is young
         (``health_held``) instead of each asking every rank again (131072 health requests per
@@ -507,21 +306,21 @@ class HangWatch:
         """One health poll; returns the report when this poll wrote one."""
         addrs = await self.collector.registry.lookup()
         results = await self.collector.fetch(HEALTH_HANDLER, None, addrs)
-        # Off the loop: 131072 replies take a few hundred ms to read, which pages would wait.
-        health = await asyncio.get_running_loop().run_in_executor(None, parse_health, results)
         # Timeouts in a row, kept for the ranks that time out only (not a count per rank).
-        timeouts, self._timeouts = self._timeouts, {}
-        for r, h in zip(results, health, strict=True):
+        timeouts, self._timeouts, errors = self._timeouts, {}, {}
+        for r in results:
             if r.status != TIMED_OUT:
                 continue
             n = self._timeouts[r.rank] = timeouts.get(r.rank, 0) + 1
             if n >= self.unresponsive_polls:
-                h.healthy = False
-                h.error = f"health check timed out {n} times in a row"
+                errors[r.rank] = f"health check timed out {n} times in a row"
+        # Off the loop: 131072 replies take a while to read, which pages would wait.
+        health = await asyncio.get_running_loop().run_in_executor(None, parse_health, results,
+                                                                  errors)
         self.last, self.last_at, self.last_by = health, time.monotonic(), POLLED
         if self.cycle is not None:
             self.cycle.put_health(HealthPart.of(results, health))
-        bad = [h for h in health if h.healthy is False]
+        bad = health.where(lambda h: h.healthy is False)
         if not bad:
             if self.unhealthy:
                 logger.warning("debug_server: no rank reports a stall any more")
@@ -534,7 +333,7 @@ class HangWatch:
                      "; ".join(health_lines(bad, len(health) > PER_RANK_LISTING_MAX)))
         return await self.write_report(bad, health, addrs)
 
-    async def write_report(self, trigger: list[RankHealth], health: list[RankHealth],
+    async def write_report(self, trigger: Sequence[RankHealth], health: Sequence[RankHealth],
                            addrs: Any = None) -> HangReport:
         c = self.collector
         now = time.time()

@@ -22,13 +22,11 @@ import dataclasses
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from debug_server.fanout.reply import FrData
 from debug_server.fanout.transport import RankResult
-
-if TYPE_CHECKING:  # hangreport puts the health part; this module only holds it
-    from debug_server.frontend.hangreport import RankHealth
+from debug_server.frontend.health import HealthSet, RankHealth
 
 __all__ = ["SEQ_KEYS", "FrPart", "HealthPart", "LastCycle"]
 
@@ -84,7 +82,8 @@ class FrPart:
 class HealthPart:
     """The hang watch's last health poll, as ``/metrics`` reads it."""
 
-    health: tuple[RankHealth, ...]
+    health: Sequence[RankHealth]
+    """Not changed once held (a ``health.HealthSet`` as ``parse_health`` made it)."""
     replied: frozenset[int]
     """Ranks whose worker answered the poll with any HTTP status (one without a health check
     answers 404: its worker is up, its health unknown)."""
@@ -93,7 +92,7 @@ class HealthPart:
 
     @classmethod
     def of(cls, results: Sequence[RankResult], health: Sequence[RankHealth]) -> HealthPart:
-        return cls(tuple(health), frozenset(r.rank for r in results if r.http_status is not None),
+        return cls(health if isinstance(health, HealthSet) else tuple(health), frozenset(r.rank for r in results if r.http_status is not None),
                    time.monotonic())
 
 
