@@ -127,3 +127,43 @@ def test_binomial_tail() -> None:
     assert stragglers.binom_tail(0, 10, 0.5) == 1.0
     assert stragglers.binom_tail(10, 10, 0.5) == pytest.approx(2**-10)
     assert stragglers.binom_tail(11, 10, 0.5) == 0.0
+
+
+def test_compact_dumps_give_what_whole_ones_give() -> None:
+    """What the straggler poll keeps of each reply (``compact``: the entries' times in arrays,
+    the rest of the dump as it came) reads as the whole dump, over fleets with two groups,
+    start times, clock offsets and damaged entries; the entries themselves are not kept."""
+    rnd = random.Random(5)
+    named = 0
+    for _ in range(60):
+        m, slow = rnd.choice((2, 4, 8)), rnd.randrange(8)
+        dumps = lagged_rings(m, rnd.choice((12, 40)),
+                             lambda r, s, slow=slow: rnd.uniform(0, 2) + (40 if r == slow else 0),
+                             start_lag=(lambda r, s, slow=slow: rnd.uniform(0, 50 if r == slow else 1))
+                             if rnd.random() < 0.5 else None)
+        lagged_rings(m, 30, lambda r, s: rnd.uniform(0, 20), group="tp",
+                     members=sorted(rnd.sample(range(m), 2)), into=dumps)
+        for d in dumps.values():  # a dropped entry, a P2P one, one without a time, a repeat
+            es = d["entries"]
+            k = rnd.randrange(len(es))
+            es[k] = rnd.choice(({**es[k], "is_p2p": True}, {**es[k], "time_created_ns": None},
+                                {**es[k], "time_created_ns": es[k]["time_created_ns"] + 9}))
+            if rnd.random() < 0.3:
+                es.pop(rnd.randrange(len(es)))
+        clocks = {r: Clock(rnd.choice((0, 2 * MS)), rnd.choice((1000, 3 * MS))) for r in dumps}
+        rule = Rule(window_ops=rnd.choice((8, 200)))
+        kept = {r: stragglers.compact(d) for r, d in dumps.items()}
+        assert all("entries" not in d and d["pg_config"] is dumps[r]["pg_config"]
+                   for r, d in kept.items())
+        whole = stragglers.analyze(dumps, clocks, rule)
+        assert stragglers.analyze(kept, clocks, rule) == whole
+        named += len(whole["stragglers"])
+    assert named >= 10  # fleets where someone is named, not only quiet ones
+
+
+def test_ranks_alike_share_their_window_s_seqs_and_ops() -> None:
+    dumps = lagged_rings(64, 16, lambda r, s: 0.0)
+    runs = [stragglers.timings(d)["main_comm"] for d in dumps.values()]
+    assert len({id(run.seqs) for run in runs}) == 1 and len({id(run.ops) for run in runs}) == 1
+    assert runs[5].seqs == tuple(range(16)) and runs[5].ops == ("all_reduce",) * 16
+    assert runs[5].issued[3] == T0 + 3 * 100 * MS and runs[5].started is None

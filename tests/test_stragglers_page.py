@@ -7,6 +7,7 @@ import random
 from collections.abc import AsyncIterator
 from typing import Any
 
+import aiohttp
 import pytest
 from _scenarios import MS, lagged_rings
 
@@ -121,3 +122,23 @@ class _NowProvider(StaticProvider):
         return clock.shifted({**super().fr_snapshot(**kw), "dump_time_ns": time.time_ns()},
                              self.offset)
 
+
+
+async def test_the_poll_keeps_each_reply_s_times_not_its_entries(fleet: list[str]) -> None:
+    """The watch's fetch keeps of each reply what the analysis reads as it arrives
+    (``reply.kept_on_arrival``): no body text and no entries are held, and the result is the
+    one the whole replies give."""
+    async with aiohttp.ClientSession() as session:
+        collector = LiveCollector(session, StaticRegistry(fleet), timeout=5.0)
+        try:
+            watch = page.StragglerWatch(collector)
+            result = await watch.poll()
+            kept = await collector.fr_recent(watch.rule.window_ops, keep=stragglers.compact)
+            whole = await collector.fr_recent(watch.rule.window_ops)
+        finally:
+            collector.close()
+    assert [r.ok and r.body == "" for r in kept.results] == [True] * 4
+    assert all(stragglers.TIMINGS in d and "entries" not in d for d in kept.dumps.values())
+    assert all(len(d["entries"]) == 120 for d in whole.dumps.values())  # the rings, whole
+    assert [(s["rank"], s["side"]) for s in result["stragglers"]] == [(2, "host")]
+    assert stragglers.analyze(kept.dumps) == stragglers.analyze(whole.dumps)

@@ -30,14 +30,16 @@ from __future__ import annotations
 import bisect
 import math
 import statistics
+import sys
+from array import array
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from debug_server.protocol import frwindow
 
-__all__ = ["Clock", "Rule", "analyze", "best_clock", "binom_tail", "estimate", "needed_ops",
-           "public", "sentence"]
+__all__ = ["TIMINGS", "Clock", "Rule", "Run", "analyze", "best_clock", "binom_tail", "compact",
+           "estimate", "needed_ops", "public", "sentence", "timings"]
 
 HOST, DEVICE = "host", "device"
 SPARK_POINTS = 48
@@ -115,15 +117,90 @@ def binom_tail(k: int, n: int, p: float) -> float:
 # The window: per group, every member's times of its newest complete collectives
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
+class Run:
+    """One rank's collectives on one group as the analysis reads them (``timings``), oldest
+    first: per collective its seq, op and issue time, and its start time (0: none)."""
+
+    desc: str
+    """The group's desc in its first entry (where its ``pg_config`` has none)."""
+    seqs: tuple[int, ...]
+    """Shared between ranks alike (``_shared``), as is ``ops``."""
+    ops: tuple[str, ...]
+    issued: array[int]
+    started: array[int] | None
+    """None where no entry has a start time."""
+
+
+_SHARED: dict[tuple[Any, ...], tuple[Any, ...]] = {}
+_SHARED_MAX = 4096
+
+
+def _shared(t: tuple[Any, ...]) -> tuple[Any, ...]:
+    """One tuple object for equal tuples: 131072 ranks' windows of one group are one tuple of
+    seqs and one of ops, not 131072 of each."""
+    got = _SHARED.get(t)
+    if got is None:
+        if len(_SHARED) >= _SHARED_MAX:
+            _SHARED.clear()
+        got = _SHARED[t] = t
+    return got
+
+
+def timings(dump: Mapping[str, Any]) -> dict[str, Run]:
+    """What the analysis reads of a dump's entries, per group: its issued collectives (not
+    P2P) with their times, in two arrays. About 0.3 KB a rank for a window of 16, where the
+    entries as parsed take 27 KB: the straggler poll keeps this of each reply as it arrives
+    (``compact``), so 131072 ranks' windows fit in tens of MB."""
+    acc: dict[str, tuple[str, list[int], list[str], array[int], array[int]]] = {}
+    name: Any = None
+    cur: tuple[str, list[int], list[str], array[int], array[int]] | None = None
+    entries = dump.get("entries")
+    for e in entries if isinstance(entries, list) else ():
+        seq, issued = e.get("collective_seq_id"), e.get("time_created_ns")
+        if type(seq) is not int or type(issued) is not int or issued <= 0:
+            continue
+        pg, p2p = e.get("process_group"), e.get("is_p2p")
+        if p2p or not isinstance(pg, (list, tuple)) or not pg:
+            continue
+        op = _op(e.get("profiling_name"))
+        if p2p is None and op.partition(" ")[0] in _P2P:
+            continue  # a schema without is_p2p: P2P by its name
+        if cur is None or pg[0] != name:
+            name = pg[0]
+            cur = acc.get(str(name))
+            if cur is None:
+                cur = acc[str(name)] = (str(pg[1]) if len(pg) > 1 else "", [], [], array("q"),
+                                        array("q"))
+        started = e.get("time_discovered_started_ns")
+        cur[1].append(seq)
+        cur[2].append(sys.intern(op))
+        cur[3].append(issued)
+        cur[4].append(started if type(started) is int and started > 0 else 0)
+    return {n: Run(desc, _shared(tuple(seqs)), _shared(tuple(ops)), issued,
+                   started if any(started) else None)
+            for n, (desc, seqs, ops, issued, started) in acc.items()}
+
+
+def compact(dump: Mapping[str, Any]) -> dict[str, Any]:
+    """``dump`` less its entries, with their ``timings`` (under ``TIMINGS``): all that
+    ``analyze`` reads of it."""
+    out = {k: v for k, v in dump.items() if k != "entries"}
+    out[TIMINGS] = timings(dump)
+    return out
+
+
+TIMINGS = "straggler_timings"
+"""Where a ``compact`` dump keeps its ``timings`` (``analyze`` reads them instead of entries)."""
+
+
+@dataclass(frozen=True, slots=True)
 class _Group:
     name: str
     desc: str
     members: list[int]
-    issued: dict[int, dict[int, int]]
-    """rank -> seq -> issue time on the reader's clock."""
-    started: dict[int, dict[int, int]]
-    """rank -> seq -> start time on the reader's clock, where the entry has one."""
+    runs: dict[int, Run]
+    """rank -> its collectives on this group."""
     ops: dict[int, str]
 
 
@@ -150,55 +227,35 @@ def _config(dumps: Mapping[int, Mapping[str, Any]]) -> dict[str, tuple[str, set[
     return config
 
 
-def _groups(dumps: Mapping[int, Mapping[str, Any]], clocks: Mapping[int, Clock]) -> dict[str, _Group]:
+def _groups(dumps: Mapping[int, Mapping[str, Any]]) -> dict[str, _Group]:
     out: dict[str, _Group] = {}
     config = _config(dumps)
+    merged: set[tuple[str, int, int]] = set()  # (group, id(seqs), id(ops)) whose ops are in
     for rank, dump in dumps.items():
-        off = clocks[rank].offset_ns if rank in clocks else 0
-        entries = dump.get("entries")
-        # The hot loop (4096 ranks x 32 entries a poll): a few dict reads per entry; each group's
-        # per-rank map is looked up once per run of entries of that group.
-        name: Any = None
-        mine: dict[int, int] = {}
-        mine_started: dict[int, int] = {}
-        g: _Group | None = None
-        for e in entries if isinstance(entries, list) else ():
-            seq, issued = e.get("collective_seq_id"), e.get("time_created_ns")
-            if type(seq) is not int or type(issued) is not int or issued <= 0:
-                continue
-            pg, p2p = e.get("process_group"), e.get("is_p2p")
-            if p2p or not isinstance(pg, (list, tuple)) or not pg:
-                continue
-            if pg[0] != name:
-                name = pg[0]
-                g = out.get(str(name))
-                if g is None:
-                    desc, members = config.get(str(name), (str(pg[1]) if len(pg) > 1 else "",
-                                                           set()))
-                    g = out[str(name)] = _Group(str(name), desc, sorted(members), {}, {}, {})
-                mine = g.issued.setdefault(rank, {})
-                mine_started = g.started.setdefault(rank, {})
-            assert g is not None
-            if seq not in g.ops:
-                op = _op(e.get("profiling_name"))
-                if p2p is None and op.partition(" ")[0] in _P2P:
-                    continue  # a schema without is_p2p: P2P by its name
-                g.ops[seq] = op
-            mine[seq] = issued - off
-            started = e.get("time_discovered_started_ns")
-            if type(started) is int and started > 0:
-                mine_started[seq] = started - off
+        runs = dump.get(TIMINGS)
+        for name, run in (runs if isinstance(runs, dict) else timings(dump)).items():
+            g = out.get(name)
+            if g is None:
+                desc, members = config.get(name, (run.desc, set()))
+                g = out[name] = _Group(name, desc, sorted(members), {}, {})
+            g.runs[rank] = run
+            key = (name, id(run.seqs), id(run.ops))  # runs alike share both (_shared)
+            if key not in merged:
+                merged.add(key)
+                for seq, op in zip(run.seqs, run.ops, strict=True):
+                    g.ops.setdefault(seq, op)
     for g in out.values():
         if not g.members:  # no pg_config: the ranks seen in its entries
-            g.members = sorted(g.issued)
+            g.members = sorted(g.runs)
     return out
 
 
 def _complete(g: _Group, window: int) -> list[int]:
     """The newest ``window`` seqs every member issued (a rank missing data hides the group)."""
-    if any(r not in g.issued for r in g.members):
+    if any(r not in g.runs for r in g.members):
         return []
-    common = set.intersection(*(set(g.issued[r]) for r in g.members)) if g.members else set()
+    distinct = {id(g.runs[r].seqs): g.runs[r].seqs for r in g.members}
+    common = set.intersection(*(set(s) for s in distinct.values())) if distinct else set()
     common &= set(g.ops)
     return sorted(common)[-window:]
 
@@ -209,24 +266,45 @@ def _complete(g: _Group, window: int) -> list[int]:
 
 @dataclass(slots=True)
 class _Lags:
-    lags: dict[int, list[float]]
+    lags: dict[int, array[float]]
     """rank -> lag in ms at each collective of the window, oldest first."""
     last: dict[int, int]
     n: int
 
 
-def _lags(g: _Group, seqs: Sequence[int], times: dict[int, dict[int, int]]) -> _Lags | None:
-    want = set(seqs)
-    if not want or any(r not in times or not times[r].keys() >= want for r in g.members):
+def _lags(g: _Group, seqs: Sequence[int], started: bool,
+          offsets: Mapping[int, int]) -> _Lags | None:
+    """Each member's lag at each of ``seqs``: by issue time, or (``started``) by start time;
+    None where a member lacks one of them. Times are put on the reader's clock (``offsets``)."""
+    if not seqs:
         return None
     members = g.members
-    columns = [[times[r][s] for s in seqs] for r in members]
+    where: dict[int, list[int] | None] = {}  # id(a run's seqs) -> positions of ``seqs`` in it
+    columns = []
+    for r in members:
+        run = g.runs.get(r)
+        times = None if run is None else run.started if started else run.issued
+        if run is None or times is None:
+            return None
+        pos = where.get(id(run.seqs), [])
+        if pos == []:
+            at = {s: i for i, s in enumerate(run.seqs)}  # a seq again: its last entry
+            pos = where[id(run.seqs)] = ([at[s] for s in seqs] if all(s in at for s in seqs)
+                                         else None)
+        if pos is None:
+            return None
+        col = [times[i] for i in pos]
+        if started and min(col) <= 0:  # an entry without a start time
+            return None
+        off = offsets.get(r, 0)
+        columns.append([t - off for t in col] if off else col)
     last = dict.fromkeys(members, 0)
     firsts = []
     for at_seq in zip(*columns, strict=True):  # one tuple per collective, members in order
         firsts.append(min(at_seq))
         last[members[at_seq.index(max(at_seq))]] += 1
-    lags = {r: [(t - f) / 1e6 for t, f in zip(col, firsts, strict=True)]
+    # Arrays: 131072 members' 16 lags as float objects were 74 MB more.
+    lags = {r: array("d", [(t - f) / 1e6 for t, f in zip(col, firsts, strict=True)])
             for r, col in zip(members, columns, strict=True)}
     return _Lags(lags, last, len(seqs))
 
@@ -292,12 +370,13 @@ def _median_without(ordered: Sequence[float], v: float) -> float:
 
 def _group_result(g: _Group, clocks: Mapping[int, Clock], rule: Rule) -> dict[str, Any] | None:
     seqs = _complete(g, rule.window_ops)
-    host = _lags(g, seqs, g.issued) if len(g.members) >= 2 else None
+    offsets = {r: c.offset_ns for r, c in clocks.items() if c.offset_ns}
+    host = _lags(g, seqs, False, offsets) if len(g.members) >= 2 else None
     if host is None:
         return None
     rows = _rows(g, host, clocks, rule, HOST)
     shown = host
-    device = _lags(g, seqs, g.started)
+    device = _lags(g, seqs, True, offsets)
     if device is not None:
         named = {row["rank"] for row in rows if row["slow"]}
         for i, dev in enumerate(_rows(g, device, clocks, rule, DEVICE)):
@@ -339,7 +418,7 @@ def analyze(dumps: Mapping[int, Mapping[str, Any]], clocks: Mapping[int, Clock] 
     """
     clocks = clocks or {}
     groups = []
-    for g in sorted(_groups(dumps, clocks).values(), key=lambda g: g.name):
+    for g in sorted(_groups(dumps).values(), key=lambda g: g.name):
         res = _group_result(g, clocks, rule)
         if res is not None:
             groups.append(res)

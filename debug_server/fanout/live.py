@@ -26,7 +26,7 @@ from debug_server.fanout.asker import Asker
 from debug_server.fanout.collector import Plan, Route, Routed
 from debug_server.fanout.leanhttp import LeanClient
 from debug_server.fanout.outside import OutsideReads
-from debug_server.fanout.reply import Each, FrData, cut_off_loop, parse_off_loop
+from debug_server.fanout.reply import Each, FrData, Keep, cut_off_loop, parse_off_loop
 from debug_server.fanout.rounds import FrRounds
 from debug_server.fanout.transport import (
     OK,
@@ -214,17 +214,19 @@ class LiveCollector:
         """Every rank's health reply, asked directly (none asked for no rank)."""
         return await self.direct_fetch(HEALTH_HANDLER, None, addrs) if addrs else []
 
-    async def fr_recent(self, ops: int, addrs: Sequence[WorkerAddr] | None = None) -> FrData:
+    async def fr_recent(self, ops: int, addrs: Sequence[WorkerAddr] | None = None,
+                        keep: Keep | None = None) -> FrData:
         """Each rank's newest entries without their stacks: per communicator from its own
         frontier less ``ops`` on (``window=<ops>&includestacktraces=false``), in one request per
         rank straight to the workers; the straggler poll's fetch (``frontend.stragglers``). A
-        worker that refuses these parameters gets whole rings, cut to the window as they arrive."""
+        worker that refuses these parameters gets whole rings, cut to the window as they arrive.
+        ``keep``: what to keep of each reply as it arrives (``reply.kept_on_arrival``)."""
         if addrs is None:
             addrs = await self.registry.lookup()
         cut = frwindow.Window(slack=ops)
         results = await self.rounds.ask({WINDOW: str(ops), INCLUDE_STACKTRACES: "false"},
-                                        addrs, cut)
-        results = await self.rounds.whole_for_refusers(results, addrs, [], cut)
+                                        addrs, cut, keep=keep)
+        results = await self.rounds.whole_for_refusers(results, addrs, [], cut, keep)
         return FrData(results, await parse_off_loop(results))
 
     # -- every rank directly (the route's fall-back, and an agent's own collector) ------------

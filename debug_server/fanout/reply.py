@@ -34,6 +34,8 @@ from debug_server.protocol.wire import split_stacks
 
 Cut = Callable[[dict[str, Any]], dict[str, Any]]
 Each = Callable[[RankResult], Awaitable[None]]
+Keep = Callable[[dict[str, Any]], dict[str, Any]]
+"""What a fan-out keeps of each parsed reply (``kept_on_arrival``)."""
 
 
 @dataclass(slots=True)
@@ -165,6 +167,23 @@ def cutter(cut_for: Callable[[RankResult], Cut | None]) -> Each:
 def cut_on_arrival(cut: Cut | None) -> Each | None:
     """:func:`cutter` with one window for every record (None: no cut, no ``each``)."""
     return None if cut is None else cutter(lambda r: cut)
+
+
+def kept_on_arrival(keep: Keep, then: Each | None) -> Each:
+    """An ``each`` that runs ``then`` (a cut), then parses each answered reply and keeps only
+    ``keep`` of it (``keep_parsed``): a fan-out that reads little of each reply (the straggler
+    poll's times) holds that little as the replies come, not every reply's text and dump
+    (131072 windows of 16 entries: 3.8 GB parsed)."""
+
+    async def each(r: RankResult) -> None:
+        if then is not None:
+            await then(r)
+        if r.ok:
+            dump = fr_object(r)
+            if dump is not None:  # else parse_dumps says why it is not understood
+                keep_parsed(r, keep(dump))
+
+    return each
 
 
 def lists_referred(then: Each | None) -> Each:

@@ -23,7 +23,9 @@ from debug_server.fanout.collector import PRIME_RANKS, PRIME_TIMEOUT_S
 from debug_server.fanout.reply import (
     Cut,
     Each,
+    Keep,
     cut_on_arrival,
+    kept_on_arrival,
     param_cut,
     parse_dumps,
     stacks_apart,
@@ -61,15 +63,18 @@ class FrRounds:
 
     async def ask(self, params: Mapping[str, str], addrs: Sequence[WorkerAddr],
                   cut: Cut | None = None, stacks: dict[int, str] | None = None,
-                  ) -> list[RankResult]:
+                  keep: Keep | None = None) -> list[RankResult]:
         """One FR fan-out; a 404 from our handler retries c10d's, and the winner is remembered.
 
         ``cut``: the window these replies are for (default: the one ``params`` ask for); a big
         reply is cut to it as it arrives (``reply.cutter``). ``stacks``: where ``params`` ask
         for them (``wire.WITH_STACKS``), each reply's stacks text goes there as it arrives.
+        ``keep``: what to keep of each of our workers' replies as it arrives (``reply.Keep``).
         """
         cut = cut or param_cut(params)
         each = cut_on_arrival(cut)
+        if keep is not None:
+            each = kept_on_arrival(keep, each)
         if stacks is not None:
             each = stacks_apart(stacks, each)
         handlers = {a.rank: self._fr_handler.get(a.url or "", FR_HANDLER) for a in addrs}
@@ -181,15 +186,17 @@ class FrRounds:
                                              lambda d: frwindow.window(d, since))
 
     async def whole_for_refusers(self, results: list[RankResult], asked: Sequence[WorkerAddr],
-                                 whole: list[WorkerAddr], cut: Cut) -> list[RankResult]:
+                                 whole: list[WorkerAddr], cut: Cut, keep: Keep | None = None,
+                                 ) -> list[RankResult]:
         """Workers that refused our window parameters (400) get whole rings, now and later
-        (``cut`` to the window as they arrive)."""
+        (``cut`` to the window as they arrive; ``keep`` as ``ask``'s)."""
         refused = {r.rank for r in results if r.http_status == 400}
         for a in asked:
             if a.rank in refused:
                 self._no_since.add(a.url or "")
         whole = whole + [a for a in asked if a.rank in refused]
         if whole:
-            more = {r.rank: r for r in await self.ask({ONLY_ACTIVE: "false"}, whole, cut)}
+            more = {r.rank: r for r in await self.ask({ONLY_ACTIVE: "false"}, whole, cut,
+                                                      keep=keep)}
             results = [more.pop(r.rank, r) for r in results] + list(more.values())
         return sorted(results, key=lambda r: r.rank)

@@ -124,7 +124,9 @@ class StragglerWatch:
         # takes the worker's thread (and the trainer's GIL) far longer to build.
         heads = await self.collector.fetch(FR_HANDLER, CLOCK_PARAMS, addrs)
         self._clocks(heads, await parse_off_loop(heads))
-        return await fetch(self.rule.window_ops, addrs)
+        # Each reply kept as the analysis' times as it arrives: 131072 ranks' windows parsed
+        # whole were 3.8 GB, their times are 0.17 GB.
+        return await fetch(self.rule.window_ops, addrs, keep=stragglers.compact)
 
     def _clocks(self, results: Sequence[RankResult],
                 dumps: Mapping[int, Mapping[str, Any]]) -> dict[int, Clock]:
