@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -142,3 +143,42 @@ async def test_the_poll_keeps_each_reply_s_times_not_its_entries(fleet: list[str
     assert all(len(d["entries"]) == 120 for d in whole.dumps.values())  # the rings, whole
     assert [(s["rank"], s["side"]) for s in result["stragglers"]] == [(2, "host")]
     assert stragglers.analyze(kept.dumps) == stragglers.analyze(whole.dumps)
+
+
+async def test_where_polls_are_rationed_the_page_shows_the_last_poll_while_it_is_young(
+        aiohttp_client: Any) -> None:
+    """At 2048 ranks the watch polls every 16 s (``MAX_POLLS_PER_S``), each poll asking every
+    rank twice: the page shows the last poll while it is younger than that, saying how old it
+    is; an older one, or any at a size where polls are not rationed, is polled again."""
+    app = make_frontend_app(ServerConfig(port=0, fetch_timeout=1.0),
+                            StaticRegistry([None] * 2048))
+    client = await aiohttp_client(app)
+    watch = page.watch_of(app)
+    polls = []
+    real_poll = watch.poll
+
+    async def counted() -> dict[str, Any]:
+        polls.append(time.time())
+        return await real_poll()
+
+    watch.poll = counted  # type: ignore[method-assign]
+    assert watch.poll_interval() == 16.0 > watch.interval
+    first = await (await client.get("/stragglers?format=text")).text()
+    assert len(polls) == 1 and not first.startswith("From the straggler poll")
+    again = await (await client.get("/stragglers?format=text")).text()
+    assert len(polls) == 1 and again.startswith("From the straggler poll of 0 s ago: at this "
+                                                "job size the watch polls every 16 s"), again
+    html = await (await client.get("/stragglers", headers={"Accept": "text/html"})).text()
+    assert len(polls) == 1 and "From the straggler poll of 0 s ago" in html
+    body = await (await client.get("/stragglers?format=json")).json()
+    assert len(polls) == 1 and set(body) == {"stragglers", "groups_checked", "window_ops"}
+    assert watch.last_at is not None
+    watch.last_at -= 17.0  # older than one interval: polled again
+    await client.get("/stragglers?format=text")
+    assert len(polls) == 2
+    small = page.StragglerWatch(LiveCollector(None, StaticRegistry([None] * 4),  # type: ignore[arg-type]
+                                              timeout=1.0))
+    small.last, small.last_at = {"stragglers": []}, time.time()
+    small.poll = counted  # type: ignore[method-assign]
+    await small.for_page()  # not rationed at 4 ranks: every page polls
+    assert len(polls) == 3

@@ -10,7 +10,9 @@ and ``analysis.stragglers.analyze``. It keeps the last result (the overview's "S
 named slow without a break: the hang report says "rank 2 had been arriving last for 14 min
 before it stopped" from that (``before_hang``).
 
-The page itself polls once more (fresh data for curl), then answers as the others do: HTML to
+The page itself polls once more (fresh data for curl; where the job is big enough that the watch
+rations its polls, it shows the last poll while that is younger than one interval, and says so:
+``for_page``), then answers as the others do: HTML to
 browsers (a table per group, ranks by median lag, a lag sparkline each), the text tables to
 curl, and to ``Accept: application/json`` / ``?format=json`` exactly
 ``{"stragglers": [...], "groups_checked": [...], "window_ops": N}``.
@@ -113,6 +115,24 @@ class StragglerWatch:
             result = await _off_loop(stragglers.analyze, fr.dumps, clocks, self.rule)
             self._remember(result, time.time())
             return result
+
+    async def for_page(self) -> tuple[dict[str, Any], float | None]:
+        """The page's result and its age: a poll now; where this job size rations the polls
+        (``poll_interval`` above ``interval``), the last one while it is younger than one
+        interval (a poll asks every rank twice: 262144 requests at 131072 ranks), with its
+        age in seconds (None: polled now)."""
+        interval = self.poll_interval()
+        if self.last is not None and self.last_at is not None and interval > self.interval:
+            age = time.time() - self.last_at
+            if 0 <= age <= interval:
+                return self.last, age
+        return await self.poll(), None
+
+    def held_note(self, age: float) -> str:
+        """What the page says of a result ``age`` seconds old (``for_page``)."""
+        return (f"From the straggler poll of {age:.0f} s ago: at this job size the watch polls "
+                f"every {self.poll_interval():.0f} s, and the page does not ask every rank "
+                "again meanwhile.")
 
     async def _fetch(self) -> FrData:
         fetch = getattr(self.collector, "fr_recent", None)
@@ -233,8 +253,9 @@ def _points(spark: Sequence[float], top: float) -> str:
     return " ".join(f"{i * step:.1f},{SPARK_H - 1 - v * scale:.1f}" for i, v in enumerate(spark))
 
 
-def page_model(result: Mapping[str, Any]) -> dict[str, Any]:
-    """What ``stragglers.html`` shows: the sentences, and per group its slowest rows."""
+def page_model(result: Mapping[str, Any], held_note: str = "") -> dict[str, Any]:
+    """What ``stragglers.html`` shows: the sentences, per group its slowest rows, and where the
+    result is an earlier poll's, ``held_note`` (``StragglerWatch.held_note``)."""
     groups = []
     for g in result["groups"]:
         rows = g["rows"][:ROWS_SHOWN]
@@ -243,7 +264,7 @@ def page_model(result: Mapping[str, Any]) -> dict[str, Any]:
                                       "share_pct": round(r["last_share"] * 100)} for r in rows],
                        "more": max(0, len(g["rows"]) - ROWS_SHOWN), "top_ms": round(top, 1)})
     return {"sentences": [stragglers.sentence(s, result) for s in result["stragglers"]],
-            "groups": groups, "window_ops": result["window_ops"],
+            "groups": groups, "window_ops": result["window_ops"], "held_note": held_note,
             "spark_w": SPARK_W, "spark_h": SPARK_H}
 
 
@@ -258,13 +279,15 @@ async def stragglers_page(request: web.Request) -> web.Response:
     q = _query(request, {"format": _format, "refresh": render.parse_refresh})
     fmt = negotiate(request, q.get("format"))
     watch = watch_of(request.app)
-    result = await watch.poll()
-    if fmt == "json":
+    result, age = await watch.for_page()
+    note = watch.held_note(age) if age is not None else ""
+    if fmt == "json":  # exactly the contract's keys
         return _respond(fmt, stragglers.public(result))
     if fmt == "text":
-        return _respond(fmt, await _off_loop(text_report, result))
+        text = await _off_loop(text_report, result)
+        return _respond(fmt, f"{note}\n{text}" if note else text)
     html = await _off_loop(lambda: request.app[TEMPLATES].get_template("stragglers.html").render(
-        title="Stragglers", failures=watch.failures, **page_model(result)))
+        title="Stragglers", failures=watch.failures, **page_model(result, note)))
     return _respond(fmt, html)
 
 
