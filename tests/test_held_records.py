@@ -52,6 +52,23 @@ def test_an_unchanged_row_gives_the_same_records_with_the_new_reply_time() -> No
     assert all(r.note == "via agent agg-0" for r in again)
 
 
+def test_a_whole_reply_s_records_are_given_again_by_the_unchanged_one_after_it() -> None:
+    """A new frontend's first page gets whole replies, its second unchanged ones: those give
+    the first page's records again (not 131072 new ones), but for a row with a rank the whole
+    reply failed (its dump missing), which is made anew."""
+    ag = AgentAddr("agg-whole", "http://agg", frozenset(range(4)))
+    dump = {"entries": [], "pg_config": {}, "version": "2.10"}
+    whole = json.dumps({"tag": "t1", "ranks": [_row("0-1"), _row("2-3")],
+                        "dumps": {"0": dump, "1": dump, "2": dump}})  # rank 3 sent none
+    recs, dumps, tag, snap, _ = parse_fr(whole, ag, ADDRS)
+    assert tag == "t1" and snap is None and sorted(dumps) == [0, 1, 2]
+    assert [(r.status, r.body) for r in recs[:3]] == [(OK, "")] * 3 and recs[3].status != OK
+    again, _, _, snap, _ = parse_fr(_reply([_row("0-1", 0.3), _row("2-3", 0.3)]), ag, ADDRS)
+    assert snap is not None and [r is w for r, w in zip(again, recs, strict=True)] == [
+        True, True, False, False]
+    assert [(r.status, r.elapsed_s, r.body) for r in again] == [(OK, 0.3, "")] * 4
+
+
 def test_a_row_that_reads_otherwise_gives_new_records() -> None:
     first, first_stacks = _parse(_reply([_row("0-3")]))
     # Another note, other ranks in the row, another stack text: new records each.

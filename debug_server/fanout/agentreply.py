@@ -149,10 +149,15 @@ def _held_rows(rows: Sequence[Any], ag: AgentAddr, urls: Mapping[int, str | None
         if key is not None:
             new[key] = recs
         out += recs
+    _put_held((ag.id, part), urls, new)
+    return out
+
+
+def _put_held(key: tuple[str, str], urls: Mapping[int, str | None],
+              rows: dict[tuple[Any, ...], list[RankResult]]) -> None:
     if len(_HELD) >= _HELD_MAX:
         _HELD.clear()
-    _HELD[(ag.id, part)] = (urls, new)
-    return out
+    _HELD[key] = (urls, rows)
 
 
 def _elapsed(row: Mapping[str, Any]) -> float:
@@ -251,7 +256,8 @@ def parse_fr(body: str, ag: AgentAddr, rs: Sequence[WorkerAddr]) -> _FrReply:
     if not isinstance(same, dict):
         raise ValueError("same is not an object")
     urls = _urls(rs)
-    recs = [r for row in obj["ranks"] for r in _records(row, ag, urls, None)]
+    rows = [(row, _records(row, ag, urls, None)) for row in obj["ranks"]]
+    recs = [r for _, row_recs in rows for r in row_recs]
     dumps: dict[int, dict[str, Any]] = {}
     later: list[tuple[RankResult, Any]] = []
     for r in recs:
@@ -287,7 +293,18 @@ def parse_fr(body: str, ag: AgentAddr, rs: Sequence[WorkerAddr]) -> _FrReply:
         snap = fresh.get(str(r.rank)) if fresh is not None else pair[1]
         dumps[r.rank] = with_snap(rep, snap)
         r.body = ""
+    _hold(rows, ag, urls, "fr")
     return recs, dumps, tag, None, parts
+
+
+def _hold(rows: Sequence[tuple[Any, list[RankResult]]], ag: AgentAddr,
+          urls: Mapping[int, str | None], part: str) -> None:
+    """A whole reply's rows whose ranks all answered, held as ``_held_rows`` holds an
+    unchanged reply's: the next (unchanged) reply's rows give these records again, not 131072
+    new ones on a new frontend's second page."""
+    _put_held((ag.id, part), urls, {key: recs for row, recs in rows
+                                    if (key := _row_key(row, "")) is not None
+                                    and all(r.status == OK and r.body == "" for r in recs)})
 
 
 Held = tuple[Any, str, dict[int, dict[str, Any]], str | None]
