@@ -22,6 +22,7 @@ __all__ = ["NO_HEALTH_CHECK", "HealthClass", "HealthKind", "HealthSet", "RankHea
 NO_HEALTH_CHECK = "no health check"
 """Why the health of a rank whose worker answers the health check with 404 is unknown."""
 
+
 @dataclass(slots=True)
 class RankHealth:
     """One rank's answer to one health poll, reduced to what the watch decides on."""
@@ -171,7 +172,8 @@ class HealthSet(Sequence[RankHealth]):
         return self._each
 
     def where(self, keep: Callable[[RankHealth], bool]) -> HealthSet:
-        """The ranks whose record ``keep`` keeps (asked once per run)."""
+        """The ranks whose record ``keep`` keeps: asked once per run, so it reads what the
+        ranks of a run share (not ``rank``)."""
         return HealthSet([(rec, ranks) for rec, ranks in self.runs if keep(rec)])
 
     def ranks(self) -> list[int]:
