@@ -167,3 +167,19 @@ def test_ranks_alike_share_their_window_s_seqs_and_ops() -> None:
     assert len({id(run.seqs) for run in runs}) == 1 and len({id(run.ops) for run in runs}) == 1
     assert runs[5].seqs == tuple(range(16)) and runs[5].ops == ("all_reduce",) * 16
     assert runs[5].issued[3] == T0 + 3 * 100 * MS and runs[5].started is None
+
+
+def test_past_the_rows_a_page_shows_a_member_s_row_is_what_metrics_reads() -> None:
+    """200 members: the slowest ``SPARK_ROWS`` and the slow one carry every figure, the others
+    only what ``/metrics`` reads of every member (a lighter result to hold at 131072)."""
+    rnd = random.Random(9)
+    dumps = lagged_rings(200, 30, lambda r, s: rnd.uniform(0, 2) + (40 if r == 150 else 0))
+    rows = stragglers.analyze(dumps)["groups"][0]["rows"]
+    assert [r["rank"] for r in rows][0] == 150 and rows[0]["slow"] and "spark" in rows[0]
+    assert len(rows) == 200 and sorted(r["rank"] for r in rows) == list(range(200))
+    full, light = rows[:stragglers.SPARK_ROWS], rows[stragglers.SPARK_ROWS:]
+    assert all(len(r["spark"]) == 30 and r["p_value"] <= 1.0 for r in full)
+    assert all(set(r) == {"rank", "median_lag_ms", "last_share", "last", "slow", "side"}
+               and not r["slow"] for r in light)
+    assert [r["median_lag_ms"] for r in rows] == sorted((r["median_lag_ms"] for r in rows),
+                                                       reverse=True)

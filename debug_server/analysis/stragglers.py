@@ -34,7 +34,7 @@ import sys
 from array import array
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from debug_server.protocol import frwindow
 
@@ -333,8 +333,21 @@ def _p_last(k: int, n: int, m: int) -> float:
     return binom_tail(k, n, 1.0 / m) if k * m > n else 1.0
 
 
+class _Row(NamedTuple):
+    """One member's figures on one side (``_rows``), before the pages' rounding."""
+
+    rank: int
+    median: float
+    last: int
+    p: float
+    err: float
+    bar: float
+    slow: bool
+    side: str
+
+
 def _rows(g: _Group, lg: _Lags, clocks: Mapping[int, Clock], rule: Rule,
-          side: str) -> list[dict[str, Any]]:
+          side: str) -> list[_Row]:
     m = len(g.members)
     needed = needed_ops(rule, m)
     medians = {r: statistics.median(v) for r, v in lg.lags.items()}
@@ -348,11 +361,23 @@ def _rows(g: _Group, lg: _Lags, clocks: Mapping[int, Clock], rule: Rule,
         p = _p_last(lg.last[r], lg.n, m)
         bar = max(rule.min_lag_ms, rule.lag_factor * base, err)
         slow = lg.n >= needed and p <= rule.p_value and medians[r] >= bar
-        rows.append({"rank": r, "median_lag_ms": medians[r], "last_share": lg.last[r] / lg.n,
-                     "last": lg.last[r], "p_value": p, "clock_error_ms": err,
-                     "within_clock_error": medians[r] < err, "threshold_ms": bar,
-                     "slow": slow, "side": side})
+        rows.append(_Row(r, medians[r], lg.last[r], p, err, bar, slow, side))
     return rows
+
+
+def _row(row: _Row, n: int, lags: Sequence[float] | None) -> dict[str, Any]:
+    """A member's row as the pages read it. With its ``lags`` (the slowest ``SPARK_ROWS`` and
+    every slow one): every figure, its trend and its sparkline. Without (the others): what
+    ``/metrics`` reads of every member, its lag, share and side; at 131072 members the full
+    rows were 90 MB of the poll's result, held until the next poll."""
+    head = {"rank": row.rank, "median_lag_ms": round(row.median, 3),
+            "last_share": round(row.last / n, 4), "last": row.last}
+    if lags is None:
+        return {**head, "slow": row.slow, "side": row.side}
+    return {**head, "p_value": row.p, "clock_error_ms": round(row.err, 3),
+            "within_clock_error": row.median < row.err, "threshold_ms": round(row.bar, 3),
+            "slow": row.slow, "side": row.side, "trend_ms": round(_trend(lags), 3),
+            "spark": _spark(lags)}
 
 
 def _median_without(ordered: Sequence[float], v: float) -> float:
@@ -375,29 +400,22 @@ def _group_result(g: _Group, clocks: Mapping[int, Clock], rule: Rule) -> dict[st
     if host is None:
         return None
     rows = _rows(g, host, clocks, rule, HOST)
-    shown = host
     device = _lags(g, seqs, True, offsets)
     if device is not None:
-        named = {row["rank"] for row in rows if row["slow"]}
+        named = {row.rank for row in rows if row.slow}
         for i, dev in enumerate(_rows(g, device, clocks, rule, DEVICE)):
-            if dev["slow"] and dev["rank"] not in named:
+            if dev.slow and dev.rank not in named:
                 rows[i] = dev
-    rows.sort(key=lambda row: (-row["median_lag_ms"], row["rank"]))
-    # Trend and sparkline for the rows a page shows (the slowest, and every slow one).
-    for i, row in enumerate(rows):
-        if i < SPARK_ROWS or row["slow"]:
-            lags = (device if row["side"] == DEVICE and device else shown).lags[row["rank"]]
-            row.update(trend_ms=round(_trend(lags), 3), spark=_spark(lags))
-        else:
-            row.update(trend_ms=None, spark=[])
-        for k in ("median_lag_ms", "clock_error_ms", "threshold_ms"):
-            row[k] = round(row[k], 3)
-        row["last_share"] = round(row["last_share"], 4)
+    rows.sort(key=lambda row: (-row.median, row.rank))
+    # Every figure, the trend and the sparkline for the rows a page shows (the slowest, and
+    # every slow one); the others as /metrics reads them.
+    out = [_row(row, host.n, (device if row.side == DEVICE and device else host).lags[row.rank]
+                if i < SPARK_ROWS or row.slow else None) for i, row in enumerate(rows)]
     counts: dict[str, int] = {}
     for s in seqs:
         counts[g.ops[s]] = counts.get(g.ops[s], 0) + 1
     return {"group": g.name, "desc": g.desc, "label": _label(g), "size": len(g.members),
-            "ops": host.n, "op_names": sorted(counts, key=lambda o: -counts[o]), "rows": rows}
+            "ops": host.n, "op_names": sorted(counts, key=lambda o: -counts[o]), "rows": out}
 
 
 def _label(g: _Group) -> str:
@@ -414,7 +432,9 @@ def analyze(dumps: Mapping[int, Mapping[str, Any]], clocks: Mapping[int, Clock] 
     slow rank and group: ``rank, group, label, median_lag_ms, last_share, side``; ``label`` names
     the group as the pages do, e.g. ``default_pg`` for c10d's group ``0``), ``groups_checked``
     (groups with enough complete collectives in the window: ``needed_ops``), ``window_ops``, and
-    ``groups`` (per group its rows, slowest first, for the pages).
+    ``groups`` (per group a row per member, slowest first, for the pages and ``/metrics``: the
+    slowest ``SPARK_ROWS`` and every slow one with every figure, the others with ``rank``,
+    ``median_lag_ms``, ``last_share``, ``last``, ``slow`` and ``side``: ``_row``).
     """
     clocks = clocks or {}
     groups = []
