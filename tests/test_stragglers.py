@@ -161,6 +161,21 @@ def test_compact_dumps_give_what_whole_ones_give() -> None:
     assert named >= 10  # fleets where someone is named, not only quiet ones
 
 
+def test_malformed_entries_and_dumps_are_skipped_not_raised() -> None:
+    """What the poll keeps of a reply is made as the reply arrives (``compact``): entries that
+    are not objects, a process group that is not a list, entries that are not a list, are
+    skipped there, and the others still name the slow rank."""
+    rnd = random.Random(2)
+    dumps = lagged_rings(4, 40, lambda r, s: rnd.uniform(0, 2) + (40 if r == 2 else 0))
+    dumps[0]["entries"][5:5] = ["x", None, 3, [1, 2], {"process_group": "main_comm",
+                                                       "collective_seq_id": 5,
+                                                       "time_created_ns": 7}]
+    kept = {r: stragglers.compact(d) for r, d in dumps.items()}
+    kept[4] = stragglers.compact({"entries": {"not": "a list"}, "pg_config": "nor this"})
+    assert kept[4][stragglers.TIMINGS] == {}
+    assert [s["rank"] for s in stragglers.analyze(kept)["stragglers"]] == [2]
+
+
 def test_ranks_alike_share_their_window_s_seqs_and_ops() -> None:
     dumps = lagged_rings(64, 16, lambda r, s: 0.0)
     runs = [stragglers.timings(d)["main_comm"] for d in dumps.values()]

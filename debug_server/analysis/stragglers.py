@@ -157,6 +157,8 @@ def timings(dump: Mapping[str, Any]) -> dict[str, Run]:
     cur: tuple[str, list[int], list[str], array[int], array[int]] | None = None
     entries = dump.get("entries")
     for e in entries if isinstance(entries, list) else ():
+        if type(e) is not dict:  # a malformed entry is skipped, as a timeless one is
+            continue
         seq, issued = e.get("collective_seq_id"), e.get("time_created_ns")
         if type(seq) is not int or type(issued) is not int or issued <= 0:
             continue
