@@ -149,9 +149,10 @@ def _shared(t: tuple[Any, ...]) -> tuple[Any, ...]:
 
 def timings(dump: Mapping[str, Any]) -> dict[str, Run]:
     """What the analysis reads of a dump's entries, per group: its issued collectives (not
-    P2P) with their times, in two arrays. About 0.3 KB a rank for a window of 16, where the
-    entries as parsed take 27 KB: the straggler poll keeps this of each reply as it arrives
-    (``compact``), so 131072 ranks' windows fit in tens of MB."""
+    P2P) with their times, in two arrays: under 0.5 KB a rank for a window of 16, where the
+    entries as parsed take about 29 KB. The straggler poll keeps this of each reply as it
+    arrives (``compact``): 131072 ranks' replies held 168 MB, not 3.8 GB
+    (``benchmarks/bench_stragglers_scale.py``)."""
     acc: dict[str, tuple[str, list[int], list[str], array[int], array[int]]] = {}
     name: Any = None
     cur: tuple[str, list[int], list[str], array[int], array[int]] | None = None
