@@ -68,6 +68,10 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, bool], qui
     return out
 
 
+GLOO_ABORT = "terminate called without an active exception"
+"""What gloo's threads print where they abort an exit without ``destroy_process_group``."""
+
+
 @pytest.mark.parametrize("path", quietjob.PATHS)
 def test_exit_path_adds_only_the_start_and_finish_lines(
         runs: dict[tuple[str, bool], quietjob.Run], path: str) -> None:
@@ -79,9 +83,12 @@ def test_exit_path_adds_only_the_start_and_finish_lines(
         (bare.output[-20:], served.output[-20:])
     added = quietjob.added(served, bare)
     shown = "\n".join(served.output)
-    if path == "return" and bare.returncode != served.returncode:
-        # gloo aborted one of the two runs only: torchrun's failure report of that run is
-        # gloo's (seen with and without the server on a loaded box); ours are still checked.
+    if path == "return" and (bare.returncode != served.returncode
+                             or any(GLOO_ABORT in ln for ln in served.output)):
+        # gloo aborted a rank of the served run (or of one run only): torchrun's failure report
+        # of that run is gloo's, and which rank it names, and when, differ from the bare run's
+        # even where both aborted (the fresh clone's CI at ef00e4f: both did, 4 lines
+        # "added"); ours are still checked.
         added = [ln for ln in added if "debug_server" in ln]
     assert len(added) <= 3 and all("debug_server" in ln for ln in added), shown
     assert sum("debug_server frontend: " in ln for ln in added) == 1, shown  # the finish line

@@ -163,15 +163,19 @@ async def test_where_polls_are_rationed_the_page_shows_the_last_poll_while_it_is
 
     watch.poll = counted  # type: ignore[method-assign]
     assert watch.poll_interval() == 16.0 > watch.interval
-    first = await (await client.get("/stragglers?format=text")).text()
+    resp = await client.get("/stragglers?format=text")
+    first = await resp.text()
     assert len(polls) == 1 and not first.startswith("From the straggler poll")
+    assert "Age" not in resp.headers  # polled now
     again = await (await client.get("/stragglers?format=text")).text()
     assert len(polls) == 1 and again.startswith("From the straggler poll of 0 s ago: at this "
                                                 "job size the watch polls every 16 s"), again
     html = await (await client.get("/stragglers", headers={"Accept": "text/html"})).text()
     assert len(polls) == 1 and "From the straggler poll of 0 s ago" in html
-    body = await (await client.get("/stragglers?format=json")).json()
+    resp = await client.get("/stragglers?format=json")
+    body = await resp.json()
     assert len(polls) == 1 and set(body) == {"stragglers", "groups_checked", "window_ops"}
+    assert resp.headers["Age"] == "0"  # a JSON reader is told how old it is too
     assert watch.last_at is not None
     watch.last_at -= 17.0  # older than one interval: polled again
     await client.get("/stragglers?format=text")

@@ -11,8 +11,8 @@ named slow without a break: the hang report says "rank 2 had been arriving last 
 before it stopped" from that (``before_hang``).
 
 The page itself polls once more (fresh data for curl; where the job is big enough that the watch
-rations its polls, it shows the last poll while that is younger than one interval, and says so:
-``for_page``), then answers as the others do: HTML to
+rations its polls, it shows the last poll while that is younger than one interval, and says so,
+in its text and in an ``Age`` header: ``for_page``), then answers as the others do: HTML to
 browsers (a table per group, ranks by median lag, a lag sparkline each), the text tables to
 curl, and to ``Accept: application/json`` / ``?format=json`` exactly
 ``{"stragglers": [...], "groups_checked": [...], "window_ops": N}``.
@@ -281,14 +281,18 @@ async def stragglers_page(request: web.Request) -> web.Response:
     watch = watch_of(request.app)
     result, age = await watch.for_page()
     note = watch.held_note(age) if age is not None else ""
-    if fmt == "json":  # exactly the contract's keys
-        return _respond(fmt, stragglers.public(result))
-    if fmt == "text":
+    if fmt == "json":  # exactly the contract's keys; a held poll's age in the Age header
+        resp = _respond(fmt, stragglers.public(result))
+    elif fmt == "text":
         text = await _off_loop(text_report, result)
-        return _respond(fmt, f"{note}\n{text}" if note else text)
-    html = await _off_loop(lambda: request.app[TEMPLATES].get_template("stragglers.html").render(
-        title="Stragglers", failures=watch.failures, **page_model(result, note)))
-    return _respond(fmt, html)
+        resp = _respond(fmt, f"{note}\n{text}" if note else text)
+    else:
+        resp = _respond(fmt, await _off_loop(
+            lambda: request.app[TEMPLATES].get_template("stragglers.html").render(
+                title="Stragglers", failures=watch.failures, **page_model(result, note))))
+    if age is not None:  # HTTP's own word for how old a kept answer is (RFC 9111)
+        resp.headers["Age"] = str(int(age))
+    return resp
 
 
 class _Slot:
