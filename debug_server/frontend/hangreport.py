@@ -80,7 +80,7 @@ def health_lines(health: Sequence[RankHealth], grouped: bool | None = None) -> l
         grouped = len(health) > PER_RANK_LISTING_MAX
     if not grouped:
         return [h.line() for h in health]
-    rows = [(c.ranks, c.first.line() if len(c.ranks) == 1 and c.first else
+    rows = [(c.ranks, c.first.line() if len(c.ranks) == 1 else
              f"{ranks_head(c.ranks, 'rank')} ({len(c.ranks)} ranks): {c.text()}")
             for c in health_classes(health)]
     rows.sort(key=lambda row: row[0][0])
@@ -139,7 +139,6 @@ def health_json(health: Sequence[RankHealth], grouped: bool | None = None
     rows: list[tuple[list[int], dict[str, Any]]] = []
     for c in sorted(health_classes(health), key=lambda c: c.ranks[0]):
         first = c.first
-        assert first is not None  # every class is made with its first record
         if len(c.ranks) == 1:
             rows.append((c.ranks, _health_json(first)))
             continue

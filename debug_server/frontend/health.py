@@ -113,10 +113,10 @@ class HealthClass:
 
     kind: HealthKind
     ranks: list[int]
+    first: RankHealth
+    """The record of its first rank."""
     lo: float | None = None
     hi: float | None = None
-    first: RankHealth | None = None
-    """The record of its first rank."""
 
     def text(self) -> str:
         return kind_text(self.kind, self.lo, self.hi)
@@ -218,7 +218,7 @@ def health_classes(health: Iterable[RankHealth]) -> list[HealthClass]:
             kind = h.kind()
             c = out.get(kind)
             if c is None:
-                c = out[kind] = HealthClass(kind, [], first=h)
+                c = out[kind] = HealthClass(kind, [], h)
             by_dicts[key] = (c, h)
         else:
             c = held[0]
@@ -264,14 +264,15 @@ def parse_health(results: Sequence[RankResult],
     prev: RankResult | None = None  # the record the last run was read from
     ranks: list[int] = []
     for r in results:
-        if (prev is not None and r.body == prev.body and r.status == prev.status
+        own = errors is not None and r.rank in errors  # the watch's verdict: a run of its own
+        if (not own and prev is not None and r.body == prev.body and r.status == prev.status
                 and r.error == prev.error and r.http_status == prev.http_status
-                and r.dump is prev.dump and (not errors or r.rank not in errors)):
+                and r.dump is prev.dump):
             ranks.append(r.rank)
             continue
         ranks = [r.rank]
         runs.append((_one(r, read, shapes, errors), ranks))
-        prev = r if not errors or r.rank not in errors else None
+        prev = None if own else r
     return HealthSet(runs)
 
 
