@@ -63,6 +63,9 @@ class FakeDirectory:
     def forget(self, agent_id: str) -> None:
         pass
 
+    def close(self) -> None:
+        pass
+
 
 class AgentedRegistry:
     """Workers as the store gives them: each with its sidecar naming its host's agent

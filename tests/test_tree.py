@@ -168,6 +168,27 @@ def test_health_comes_up_the_tree_with_the_fr_in_one_request_per_host(
     assert not [r for r in rows if "unknown" in r["health"]], rows
 
 
+def test_the_straggler_poll_asks_the_aggregators_and_they_their_host_agents(
+        job: dict[str, Any]) -> None:
+    """``/stragglers`` through the tree (``fanout.recent``): the page answers its three keys,
+    each aggregator and each host agent answered ``agent_recent`` (its clock, then its ranks'
+    times), and the page names nobody where rank 5 sleeps (too few complete collectives)."""
+    from httpget import post
+
+    from debug_server.protocol import agentwire
+
+    status, body = _get(job["url"], "/stragglers?format=json")
+    assert status == 200, body
+    got = json.loads(body)
+    assert sorted(got) == ["groups_checked", "stragglers", "window_ops"] and \
+        got["stragglers"] == [], got
+    hosts = _store_json(job["store_port"], [f"agent/{_host(r)}" for r in range(0, WORLD, PER_HOST)])
+    for where in [*_groups(job["store_port"]).values(), *hosts.values()]:
+        status, info = post(f"{where['url'].rstrip('/')}/handler/{agentwire.INFO}")
+        assert status == 200, info
+        assert json.loads(info)["requests"].get(agentwire.RECENT, 0) >= 2, (where["url"], info)
+
+
 def test_a_dead_aggregator_is_bypassed_through_its_host_agents(job: dict[str, Any]) -> None:
     """Last in the module: the aggregator of rank 5's group (and its host's agent, the same
     process) killed; rank 5's host agent still answers for it, the others of that host

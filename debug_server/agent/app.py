@@ -61,6 +61,7 @@ from aiohttp import web
 
 from debug_server import auth
 from debug_server.agent import hostreply
+from debug_server.fanout import recent
 from debug_server.fanout.leanhttp import LeanClient
 from debug_server.fanout.live import LiveCollector, RouteFor
 from debug_server.fanout.reply import INLINE_DUMPS, FrData
@@ -69,13 +70,17 @@ from debug_server.protocol import frwindow, members
 from debug_server.protocol.addrs import WorkerAddr, parse_ranks
 from debug_server.protocol.agentwire import (
     CLASSES,
+    CLOCK,
     EVERY,
     FETCH,
     FETCHABLE,
     FR,
     HANDLER,
     INFO,
+    MAX_OPS,
+    OPS,
     RANKS,
+    RECENT,
     STACKS,
     TAG,
     WHOLE,
@@ -128,6 +133,8 @@ GROUPS = web.AppKey("groups", dict)
 """rank -> the groups its last reply named (``since`` for a re-ask is cut to them)."""
 LAST_FULL = web.AppKey("last_full", dict)
 """tag -> the data part of the last full ``agent_fr`` replies (:func:`_fr_part`), newest last."""
+CLOCKS = web.AppKey("clocks", recent.ClockBook)
+"""Each asked rank's (or host agent's) clock estimates, kept between straggler polls."""
 ASKED = web.AppKey("asked", list)
 """The registry's last read, the last ``ranks`` asked of it, and those ranks (``_addrs``)."""
 LAST_FULL_KEPT = 4
@@ -335,6 +342,22 @@ async def _agent_fetch(request: web.Request, q: Mapping[str, str]) -> web.Respon
     return web.json_response({"host": request.app[HOST_ID], RANKS: rows, "bodies": texts})
 
 
+async def _agent_recent(request: web.Request, q: Mapping[str, str]) -> web.Response:
+    """The straggler poll's read over the asked ranks (``fanout.recent``): ``clock=true``, this
+    agent's clock at once; else ``ops`` collectives per group of each rank, with its clock."""
+    _only(q, {RANKS, OPS, CLOCK})
+    if _flag(q, CLOCK):
+        return web.json_response(recent.now_reply())
+    raw = q.get(OPS, "")
+    if not raw.isdigit() or not 1 <= int(raw) <= MAX_OPS:
+        raise BadParam(f"bad parameter {OPS}={raw[:20]!r}: must be 1..{MAX_OPS}")
+    addrs = await _addrs(request, q)
+    got = await recent.read(request.app[COLLECTOR], int(raw), addrs, request.app[CLOCKS])
+    body = await asyncio.get_running_loop().run_in_executor(None, recent.encode_bytes, got) \
+        if recent.big(got) else recent.encode_bytes(got)
+    return web.Response(body=body, content_type="application/json")
+
+
 async def _agent_info(request: web.Request, q: Mapping[str, str]) -> web.Response:
     _only(q, set())
     addrs = await request.app[REGISTRY].lookup()
@@ -343,7 +366,8 @@ async def _agent_info(request: web.Request, q: Mapping[str, str]) -> web.Respons
                               "requests": dict(request.app[COUNTS])})
 
 
-HANDLERS = {FR: _agent_fr, STACKS: _agent_stacks, FETCH: _agent_fetch, INFO: _agent_info}
+HANDLERS = {FR: _agent_fr, STACKS: _agent_stacks, FETCH: _agent_fetch, INFO: _agent_info,
+            RECENT: _agent_recent}
 
 
 def _counted(request: web.Request) -> web.Request:
@@ -370,6 +394,7 @@ def make_agent_app(registry: Any, my_id: str, *, fetch_timeout: float,
     app[GROUPS] = {}
     app[LAST_FULL] = {}
     app[ASKED] = []
+    app[CLOCKS] = recent.ClockBook()
     app[SETTINGS] = {"timeout": fetch_timeout, "concurrency": max_concurrency, "token": token,
                      "route": route}
     app.cleanup_ctx.append(_client_ctx)

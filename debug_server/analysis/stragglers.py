@@ -39,7 +39,7 @@ from typing import Any, NamedTuple
 from debug_server.protocol import frwindow
 
 __all__ = ["TIMINGS", "Clock", "Rule", "Run", "analyze", "best_clock", "binom_tail", "compact",
-           "estimate", "needed_ops", "public", "sentence", "timings"]
+           "estimate", "needed_ops", "public", "sentence", "shared", "timings"]
 
 HOST, DEVICE = "host", "device"
 SPARK_POINTS = 48
@@ -125,7 +125,7 @@ class Run:
     desc: str
     """The group's desc in its first entry (where its ``pg_config`` has none)."""
     seqs: tuple[int, ...]
-    """Shared between ranks alike (``_shared``), as is ``ops``."""
+    """Shared between ranks alike (``shared``), as is ``ops``."""
     ops: tuple[str, ...]
     issued: array[int]
     started: array[int] | None
@@ -136,7 +136,7 @@ _SHARED: dict[tuple[Any, ...], tuple[Any, ...]] = {}
 _SHARED_MAX = 4096
 
 
-def _shared(t: tuple[Any, ...]) -> tuple[Any, ...]:
+def shared(t: tuple[Any, ...]) -> tuple[Any, ...]:
     """One tuple object for equal tuples: 131072 ranks' windows of one group are one tuple of
     seqs and one of ops, not 131072 of each."""
     got = _SHARED.get(t)
@@ -180,7 +180,7 @@ def timings(dump: Mapping[str, Any]) -> dict[str, Run]:
         cur[2].append(sys.intern(op))
         cur[3].append(issued)
         cur[4].append(started if type(started) is int and started > 0 else 0)
-    return {n: Run(desc, _shared(tuple(seqs)), _shared(tuple(ops)), issued,
+    return {n: Run(desc, shared(tuple(seqs)), shared(tuple(ops)), issued,
                    started if any(started) else None)
             for n, (desc, seqs, ops, issued, started) in acc.items()}
 

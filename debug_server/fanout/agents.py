@@ -228,6 +228,11 @@ class AgentRoute:
         self._ok(ag)
         return out
 
+    async def ask_agent(self, ag: AgentAddr, rs: Sequence[WorkerAddr], handler: str,
+                        params: Mapping[str, str], parse: Any) -> Any:
+        """``parse(body, ag, rs)`` of agent ``ag``'s reply (``_reply``; ``fanout.recent``)."""
+        return await self._reply(ag, rs, handler, params, parse)
+
     def _fail(self, ag: AgentAddr, why: str) -> None:
         if ag.id not in self._down:
             logger.warning("debug_server: agent %s (%s): %s; asking its ranks directly for "

@@ -1,11 +1,11 @@
 """``/stragglers``: ranks that arrive late at collectives while the job runs, and their history.
 
 ``StragglerWatch`` polls every ``POLL_INTERVAL_S`` (longer above 640 ranks: ``MAX_POLLS_PER_S``):
-one FR fan-out of each rank's newest entries (``Collector.fr_recent``: ``window_for`` ops per
-communicator, fewer at scale so a poll moves at most ``ENTRY_BUDGET`` entries), each rank's
-clock against ours from its reply (``dump_time_ns`` within the request's round trip;
-``analysis.stragglers.estimate``, the shortest of the last ``CLOCK_KEEP`` round trips wins),
-and ``analysis.stragglers.analyze``. It keeps the last result (the overview's "Slow:" lines and
+each rank's newest entries' times (``window_for`` ops per communicator, fewer at scale so a poll
+moves at most ``ENTRY_BUDGET`` entries) and each rank's clock against ours (``fanout.recent``:
+through the tree's aggregators or each host's agent where the job has them, two asks per agent;
+every other rank asked directly, a reply with no entries for its clock, then its times), and
+``analysis.stragglers.analyze``. It keeps the last result (the overview's "Slow:" lines and
 ``/metrics`` read it, at no cost to them) and, per (rank, group), since when the rank has been
 named slow without a break: the hang report says "rank 2 had been arriving last for 14 min
 before it stopped" from that (``before_hang``).
@@ -23,7 +23,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -31,12 +30,11 @@ from aiohttp import web
 from tabulate import tabulate
 
 from debug_server.analysis import stragglers
-from debug_server.analysis.digest import SNAPSHOT_TIME_KEY
-from debug_server.analysis.stragglers import Clock, Rule
+from debug_server.analysis.stragglers import Rule
+from debug_server.fanout import recent
 from debug_server.fanout.collector import Collector
+from debug_server.fanout.live import LiveCollector
 from debug_server.fanout.pagefirst import poll_forever
-from debug_server.fanout.reply import FrData, parse_off_loop
-from debug_server.fanout.transport import RankResult
 from debug_server.frontend import render
 from debug_server.frontend.pagekit import (
     COLLECTOR,
@@ -47,7 +45,6 @@ from debug_server.frontend.pagekit import off_loop as _off_loop
 from debug_server.frontend.pagekit import parse_format as _format
 from debug_server.frontend.pagekit import query as _query
 from debug_server.frontend.pagekit import respond as _respond
-from debug_server.protocol.names import FR_HANDLER, INCLUDE_COLLECTIVES
 
 logger = logging.getLogger(__name__)
 
@@ -63,15 +60,11 @@ ENTRY_BUDGET = 32_768
 down to ``MIN_WINDOW`` from 2048 on (what the lag computation costs grows with it)."""
 MAX_WINDOW = 128
 MIN_WINDOW = 16
-CLOCK_KEEP = 16
-"""Round trips per rank whose clock estimates are kept; the shortest one's is used."""
 STREAK_GRACE_S = 30.0
 """A rank not named for longer than this (polls that failed, a quiet group) starts a new streak."""
 ROWS_SHOWN = 32
 """Ranks per group on the page and in the text (the slowest); JSON names every straggler."""
 SPARK_W, SPARK_H = 120, 20
-CLOCK_PARAMS = {INCLUDE_COLLECTIVES: "false"}
-"""The clock round's FR ask: config, status and ``dump_time_ns``, no entries."""
 
 
 
@@ -89,7 +82,8 @@ class StragglerWatch:
         self.collector = collector
         self.interval = interval
         self.rule = Rule(window_ops=window_for(collector.world_size))
-        self.clocks: dict[int, deque[Clock]] = {}
+        self.book = recent.ClockBook()
+        """Each rank's (or agent's) clock estimates (``fanout.recent``)."""
         self.last: dict[str, Any] | None = None
         self.last_at: float | None = None
         """``time.time()`` of the last result."""
@@ -109,10 +103,9 @@ class StragglerWatch:
     async def poll(self) -> dict[str, Any]:
         """One fetch and analysis; the result (``analysis.stragglers.analyze``) is kept."""
         async with self._lock:  # the page and the background poll: one at a time
-            fr = await self._fetch()
-            self.failures = [r.line() for r in fr.results if not r.ok]
-            clocks = self._clocks(fr.results, fr.dumps)
-            result = await _off_loop(stragglers.analyze, fr.dumps, clocks, self.rule)
+            got = await self._fetch()
+            self.failures = got.lines()
+            result = await _off_loop(stragglers.analyze, got.dumps, got.clocks, self.rule)
             self._remember(result, time.time())
             return result
 
@@ -134,30 +127,16 @@ class StragglerWatch:
                 f"every {self.poll_interval():.0f} s, and the page does not ask every rank "
                 "again meanwhile.")
 
-    async def _fetch(self) -> FrData:
-        fetch = getattr(self.collector, "fr_recent", None)
-        if fetch is None:  # the post-mortem viewer's collector: the rings as written
-            return await self.collector.fr(whole=True)
-        addrs = await self.collector.registry.lookup()
-        # The clocks first, from a reply with no entries: it is built in microseconds, so its
-        # round trip (the bound on the clock's error) is short; a reply of hundreds of entries
-        # takes the worker's thread (and the trainer's GIL) far longer to build.
-        heads = await self.collector.fetch(FR_HANDLER, CLOCK_PARAMS, addrs)
-        self._clocks(heads, await parse_off_loop(heads))
-        # Each reply kept as the analysis' times as it arrives: 131072 ranks' windows parsed
-        # whole were 3.8 GB, their times are 0.17 GB.
-        return await fetch(self.rule.window_ops, addrs, keep=stragglers.compact)
-
-    def _clocks(self, results: Sequence[RankResult],
-                dumps: Mapping[int, Mapping[str, Any]]) -> dict[int, Clock]:
-        for r in results:
-            dump = dumps.get(r.rank)
-            read = dump.get(SNAPSHOT_TIME_KEY) if dump is not None else None
-            if r.ok and r.done_ns and type(read) is int and read > 0:
-                self.clocks.setdefault(r.rank, deque(maxlen=CLOCK_KEEP)).append(
-                    stragglers.estimate(read, r.done_ns, r.elapsed_s))
-        # A rank without a clock reading (torch's C++ worker) is taken as on ours.
-        return {rank: stragglers.best_clock(c) for rank, c in self.clocks.items()}
+    async def _fetch(self) -> recent.Recent:
+        if not isinstance(self.collector, LiveCollector):
+            # The post-mortem viewer's collector: the rings as written, on the frontend's clock.
+            fr = await self.collector.fr(whole=True)
+            return recent.Recent(dict(fr.dumps), {}, {r.rank: (r.status, r.line())
+                                                      for r in fr.results if not r.ok})
+        # Through the tree where the job has one (two asks per aggregator), else each rank
+        # directly: its clock from a reply with no entries, then its times (``fanout.recent``).
+        return await recent.read(self.collector, self.rule.window_ops,
+                                 await self.collector.registry.lookup(), self.book)
 
     def _remember(self, result: dict[str, Any], now: float) -> None:
         self.last, self.last_at = result, now

@@ -19,6 +19,15 @@ FR = "agent_fr"
 STACKS = "agent_stacks"
 FETCH = "agent_fetch"
 INFO = "agent_info"
+RECENT = "agent_recent"
+"""The straggler poll's read (``fanout.recent``): with :data:`CLOCK` the agent's clock, read at
+once; with :data:`OPS` each asked rank's newest collectives' times and its clock against the
+agent's."""
+CLOCK = "clock"
+"""``agent_recent?clock=true``: only the agent's own clock (``{"dump_time_ns": ...}``)."""
+OPS = "ops"
+"""``agent_recent``: collectives per group wanted of each rank (its newest)."""
+MAX_OPS = 4096
 TAG = "tag"
 """``agent_fr``'s conditional ask: the ``tag`` of the asker's last reply for the same question;
 when nothing but the ranks' read times changed since, the reply is ``"unchanged": true`` with
