@@ -193,6 +193,27 @@ it), made by formatting, not encoding: making a fake rank's reply is the rank's 
 the bench keeps off this box as it keeps the ranks' FR windows (made once at start)."""
 
 
+def _recent_reply(world: int, host: int, ops: int) -> dict[str, Any]:
+    """What a host's agent answers the straggler poll (``fanout.recent.encode``): its 8 ranks'
+    newest ``ops`` all_reduces on main_comm, 100 ms apart, each rank 0-2 ms late at random and
+    rank 77777 40 ms more (the rank that later hangs had been arriving last), on the host's
+    clock within 20 µs."""
+    import random
+
+    rnd = random.Random(host)
+    seqs = list(range(2000 - ops, 2000))
+    t0 = 1_700_000_000 * 10**9  # every host's ranks issue the same collectives at once
+    rows = []
+    for r in range(host * PER_HOST, min(world, (host + 1) * PER_HOST)):
+        times = [t0 + i * 100_000_000 + int((rnd.uniform(0, 2) + (40 if r == _missing(world)
+                                                                  else 0)) * 1e6)
+                 for i in range(ops)]
+        deltas = [times[0], *(b - a for a, b in zip(times, times[1:], strict=False))]
+        rows.append([r, 0, 20_000, {"main_comm": [0, 0, deltas, None]}])
+    return {"groups": {"main_comm": {"desc": "default", "ranks": [[0, world - 1]]}},
+            "seqs": [seqs], "ops": [["all_reduce"] * ops], "ranks": rows, "failed": []}
+
+
 def _host_app(world: int, first: int, last: int) -> Any:
     from aiohttp import web
 
@@ -247,6 +268,9 @@ def _host_app(world: int, first: int, last: int) -> Any:
             body = grouped_body(h, "classes" if classes else "stacks")
         elif name == "agent_fetch":
             body = grouped_body(h, "health")
+        elif name == agentwire.RECENT:
+            body = json.dumps({"dump_time_ns": time.time_ns()} if q.get(agentwire.CLOCK) == "true"
+                              else _recent_reply(world, h, int(q.get(agentwire.OPS, "16")))).encode()
         else:
             raise web.HTTPNotFound()
         sent["bytes"] += len(body)
@@ -477,6 +501,7 @@ def _measure(world: int, store_port: int, reps: int, pids: dict[str, list[int]],
                 spy.wait(30)
             if path == "/stacks":
                 row["stacks_apart"] = _stacks_apart(body, world)
+        row.update(_straggler_poll(base, groups, side, world))
         if wait_poll:
             # The overview as a user finds it on a frontend that has run a while: its health
             # column from the hang watch's last poll (``health_held``), not a fan-out of its own.
@@ -506,6 +531,26 @@ def _measure(world: int, store_port: int, reps: int, pids: dict[str, list[int]],
     finally:
         ff.end_process(proc)
         shutil.rmtree(report_dir, ignore_errors=True)
+
+
+def _straggler_poll(base: str, groups: dict[str, list[int]], side: dict[str, list[str]],
+                    world: int) -> dict[str, Any]:
+    """``/stragglers?format=json`` once: the page's own poll (``fanout.recent``: the frontend
+    asks each aggregator for its clock and its ranks' times, each aggregator its hosts), its
+    seconds, CPU and bytes per level, and whether it names the slow rank alone."""
+    _trace("/stragglers")
+    spy = _profile(groups, "stragglers_s")
+    before = {g: ff_cpu(p) for g, p in groups.items()}
+    sent0 = {k: _sent(v) for k, v in side.items()}
+    secs, body = ff.timed_get(f"{base}/stragglers?format=json")
+    if spy is not None:
+        spy.send_signal(signal.SIGINT)
+        spy.wait(30)
+    named = [s["rank"] for s in json.loads(body)["stragglers"]]
+    return {"stragglers_s": secs, "stragglers_cpu": {g: ff_cpu(p) - before[g]
+                                                     for g, p in groups.items()},
+            "stragglers_bytes": {k: _sent(v) - sent0[k] for k, v in side.items()},
+            "stragglers_named": named == [_missing(world)]}
 
 
 REPORT_WAIT_S = 240.0
@@ -676,6 +721,12 @@ def _print(row: dict[str, Any]) -> None:
               + f"   RSS peak so far {row[key + '_hwm_mb']:.0f} MB; page {row[key + '_page_kb']:.0f} KB"
               + "; each (frontend CPU): "
               + ", ".join(f"{t:.2f} ({c:.2f})" for t, c in row[key + "_reps"]))
+    c, b = row["stragglers_cpu"], row["stragglers_bytes"]
+    print(f"  {'/stragglers':>10} {row['stragglers_s']:6.2f} s   CPU s "
+          + ", ".join(f"{k} {v:.2f}" for k, v in c.items())
+          + "   bytes " + ", ".join(f"{k} {v / 1e6:.1f} MB" for k, v in b.items())
+          + f"   (its own poll through the tree; names rank {_missing(row['ranks'])} alone: "
+          f"{row['stragglers_named']})")
     if "overview_held_s" in row:
         c = row["overview_held_cpu"]
         print(f"  {'/ (held)':>10} {row['overview_held_s']:6.2f} s   CPU s/page "

@@ -27,6 +27,7 @@ host agents, then directly.
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import time
 from array import array
@@ -55,6 +56,10 @@ CLOCK_KEEP = 16
 """Round trips per rank (or agent) whose clock estimates are kept; the shortest one's is used."""
 CLOCK_PARAMS = {INCLUDE_COLLECTIVES: "false"}
 """The clock round's FR ask: config, status and ``dump_time_ns``, no entries."""
+CLOCK_ASKS = 8
+"""Agents asked for their clock at once by one read: a round trip is the bound on a clock's
+error, and one that waits behind a hundred others' replies on the asker's own loop (an
+aggregator asking its 128 hosts at once) reads tens of ms longer than the network's."""
 MAX_ROWS = 1 << 21
 """Most ranks one ``agent_recent`` reply may carry (a reply over that is refused)."""
 
@@ -103,9 +108,10 @@ async def read(collector: LiveCollector, ops: int, addrs: Sequence[WorkerAddr],
         return await _direct(collector, ops, addrs, book)
     got = Recent({}, {}, {})
     direct: list[WorkerAddr] = list(plan.direct)
+    clock_asks = asyncio.Semaphore(CLOCK_ASKS)
     while plan.groups:
         meanwhile = asyncio.ensure_future(_direct(collector, ops, direct, book))
-        parts = await asyncio.gather(*(_through(route, collector, ag, rs, ops, book)
+        parts = await asyncio.gather(*(_through(route, collector, ag, rs, ops, book, clock_asks)
                                        for ag, rs in plan.groups))
         _merge(got, await meanwhile)
         direct = []
@@ -159,11 +165,14 @@ async def _direct(collector: LiveCollector, ops: int, addrs: Sequence[WorkerAddr
 
 
 async def _through(route: AgentRoute, collector: LiveCollector, ag: AgentAddr,
-                   rs: Sequence[WorkerAddr], ops: int, book: ClockBook) -> Recent | None:
-    """``rs`` through agent ``ag``: its clock, then its ranks' times and clocks composed with
-    it; None where it did not answer both (its ranks are then asked another way)."""
-    head = await collector.asker.one(WorkerAddr(-1, ag.url), agentwire.RECENT,
-                                     {agentwire.CLOCK: "true"}, route.agent_timeout)
+                   rs: Sequence[WorkerAddr], ops: int, book: ClockBook,
+                   clock_asks: asyncio.Semaphore) -> Recent | None:
+    """``rs`` through agent ``ag``: its clock (at most :data:`CLOCK_ASKS` such asks at once),
+    then its ranks' times and clocks composed with it; None where it did not answer both (its
+    ranks are then asked another way)."""
+    async with clock_asks:
+        head = await collector.asker.one(WorkerAddr(-1, ag.url), agentwire.RECENT,
+                                         {agentwire.CLOCK: "true"}, route.agent_timeout)
     if not head.ok:  # down, or an agent older than agent_recent (404)
         return None
     try:
@@ -314,15 +323,23 @@ def _pairs(ranks: Sequence[int]) -> list[list[int]]:
 
 
 def _members_text(ranges: Any) -> str:
-    """A group's members as the JSON list text ``pg_config`` carries (``frwindow`` parses each
-    distinct text once)."""
-    out: list[int] = []
+    """A group's members as the JSON list text ``pg_config`` carries: one text object per
+    distinct ranges (:func:`_text_of`), so ``frwindow`` parses it once, not once per reply (a
+    world group's list at 131072 ranks is 0.9 MB)."""
+    pairs = []
+    total = 0
     for pair in _list(ranges):
         lo, hi = _ints(pair) if len(_list(pair)) == 2 else (-1, -1)
-        if lo < 0 or hi < lo or len(out) + hi - lo >= MAX_ROWS:
+        total += hi - lo + 1
+        if lo < 0 or hi < lo or total > MAX_ROWS:
             raise ValueError("a group's members are not ranges [first, last]")
-        out += range(lo, hi + 1)
-    return fastjson.dumps(out)
+        pairs.append((lo, hi))
+    return _text_of(tuple(pairs))
+
+
+@functools.lru_cache(maxsize=256)
+def _text_of(pairs: tuple[tuple[int, int], ...]) -> str:
+    return fastjson.dumps([r for lo, hi in pairs for r in range(lo, hi + 1)])
 
 
 def big(got: Recent) -> bool:
