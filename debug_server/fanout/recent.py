@@ -108,10 +108,12 @@ async def read(collector: LiveCollector, ops: int, addrs: Sequence[WorkerAddr],
         return await _direct(collector, ops, addrs, book)
     got = Recent({}, {}, {})
     direct: list[WorkerAddr] = list(plan.direct)
-    clock_asks = asyncio.Semaphore(CLOCK_ASKS)
     while plan.groups:
+        # Every agent's clock first, then the data: a clock ask that waits behind other
+        # agents' data replies on this loop reads a longer round trip, a larger error.
+        clocks = await _agent_clocks(route, collector, [ag for ag, _ in plan.groups], book)
         meanwhile = asyncio.ensure_future(_direct(collector, ops, direct, book))
-        parts = await asyncio.gather(*(_through(route, collector, ag, rs, ops, book, clock_asks)
+        parts = await asyncio.gather(*(_through(route, ag, rs, ops, clocks.get(ag.id))
                                        for ag, rs in plan.groups))
         _merge(got, await meanwhile)
         direct = []
@@ -164,23 +166,34 @@ async def _direct(collector: LiveCollector, ops: int, addrs: Sequence[WorkerAddr
                                      if not r.ok})
 
 
-async def _through(route: AgentRoute, collector: LiveCollector, ag: AgentAddr,
-                   rs: Sequence[WorkerAddr], ops: int, book: ClockBook,
-                   clock_asks: asyncio.Semaphore) -> Recent | None:
-    """``rs`` through agent ``ag``: its clock (at most :data:`CLOCK_ASKS` such asks at once),
-    then its ranks' times and clocks composed with it; None where it did not answer both (its
+async def _agent_clocks(route: AgentRoute, collector: LiveCollector, agents: list[AgentAddr],
+                        book: ClockBook) -> dict[str, Clock]:
+    """Each of ``agents``' clock against ours (``agent_recent?clock=true``, at most
+    :data:`CLOCK_ASKS` asks at once), where it answered now."""
+    asks = asyncio.Semaphore(CLOCK_ASKS)
+
+    async def one(ag: AgentAddr) -> Clock | None:
+        async with asks:
+            head = await collector.asker.one(WorkerAddr(-1, ag.url), agentwire.RECENT,
+                                             {agentwire.CLOCK: "true"}, route.agent_timeout)
+        if not head.ok:  # down, or an agent older than agent_recent (404)
+            return None
+        try:
+            now = fastjson.loads(head.body or "").get(SNAPSHOT_TIME_KEY)
+        except (ValueError, AttributeError):
+            return None
+        book.add(("agent", ag.id), head, now)
+        return book.best(("agent", ag.id))
+
+    got = await asyncio.gather(*(one(ag) for ag in agents))
+    return {ag.id: c for ag, c in zip(agents, got, strict=True) if c is not None}
+
+
+async def _through(route: AgentRoute, ag: AgentAddr, rs: Sequence[WorkerAddr], ops: int,
+                   mine: Clock | None) -> Recent | None:
+    """``rs`` through agent ``ag``, whose clock against ours is ``mine``: its ranks' times,
+    their clocks composed with it; None where it did not answer (or its clock did not: its
     ranks are then asked another way)."""
-    async with clock_asks:
-        head = await collector.asker.one(WorkerAddr(-1, ag.url), agentwire.RECENT,
-                                         {agentwire.CLOCK: "true"}, route.agent_timeout)
-    if not head.ok:  # down, or an agent older than agent_recent (404)
-        return None
-    try:
-        now = fastjson.loads(head.body or "").get(SNAPSHOT_TIME_KEY)
-    except (ValueError, AttributeError):
-        return None
-    book.add(("agent", ag.id), head, now)
-    mine = book.best(("agent", ag.id))
     if mine is None:
         return None
     got = await route.ask_agent(ag, rs, agentwire.RECENT, {agentwire.OPS: str(ops)}, _parse)
