@@ -70,13 +70,17 @@ parameter             meaning; who sends it; who reads it
                       ``agentwire.TAG``); ``fanout.agents`` -> agent
 ``handler``           ``agent_fetch``: the worker handler to relay (``agentwire.FETCHABLE``)
 ``every``             ``agent_stacks``: py-spy for every rank, not only the stuck ones
+``clock``             ``agent_recent``: ``true``: only the agent's clock; ``fanout.recent`` -> agent
+``ops``               ``agent_recent``: newest collectives per group of each rank (1-4096);
+                      ``fanout.recent`` -> agent
 ===================== =========================================================================
 
 Agent routes (``protocol.agentwire``; sent by ``fanout.agents.AgentRoute``, answered by
 ``agent.app``, read back by ``fanout.agentreply``): ``agent_fr`` (``ranks``, ``window`` or
 ``since`` or ``whole``/``onlyactive``, ``pgknown``, ``tag``, ``stacks``), ``agent_stacks``
-(``ranks``, ``native``, ``every``), ``agent_fetch`` (``ranks``, ``handler``), ``agent_info``
-(none).
+(``ranks``, ``native``, ``every``), ``agent_fetch`` (``ranks``, ``handler``), ``agent_recent``
+(``clock``, or ``ranks`` and ``ops``: the straggler poll's read, sent and read back by
+``fanout.recent``), ``agent_info`` (none).
 
 **The stacks separator.** A ``stacks=true`` reply is the FR JSON, ``wire.STACKS_SEP``
 (``"\\n\\x1e"``), then the stacks text; JSON escapes every control character, so the first
