@@ -27,9 +27,10 @@ async def agent(aiohttp_client: Any) -> Any:
                                                fetch_timeout=5.0))
 
 
-async def test_agent_lists_its_four_handlers(agent: Any) -> None:
+async def test_agent_lists_its_five_handlers(agent: Any) -> None:
     resp = await agent.get("/handler/")
-    assert await resp.json() == ["agent_fetch", "agent_fr", "agent_info", "agent_stacks"]
+    assert await resp.json() == ["agent_fetch", "agent_fr", "agent_info", "agent_recent",
+                                 "agent_stacks"]
 
 
 async def test_agent_unknown_handler_is_404_naming_it_cut_to_80_characters(agent: Any) -> None:
