@@ -29,10 +29,11 @@ from __future__ import annotations
 import asyncio
 import functools
 import itertools
+import sys
 import time
 from array import array
 from collections import deque
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -196,16 +197,12 @@ async def _through(route: AgentRoute, ag: AgentAddr, rs: Sequence[WorkerAddr], o
     ranks are then asked another way)."""
     if mine is None:
         return None
-    got = await route.ask_agent(ag, rs, agentwire.RECENT, {agentwire.OPS: str(ops)}, _parse)
-    if got is None:
-        return None
-    got.clocks = {r: Clock(c.offset_ns + mine.offset_ns, c.error_ns + mine.error_ns)
-                  for r, c in got.clocks.items()}
-    return got
+    return await route.ask_agent(ag, rs, agentwire.RECENT, {agentwire.OPS: str(ops)},
+                                 functools.partial(_parse, mine))  # type: ignore[no-any-return]
 
 
-def _parse(body: str, ag: AgentAddr, rs: Sequence[WorkerAddr]) -> Recent:
-    got = decode(fastjson.loads(body))
+def _parse(mine: Clock, body: str, ag: AgentAddr, rs: Sequence[WorkerAddr]) -> Recent:
+    got = decode(fastjson.loads(body), mine)
     asked = {a.rank for a in rs}
     if any(r not in asked for r in got.dumps):
         raise ValueError("a rank that was not asked")
@@ -261,10 +258,11 @@ def encode_bytes(got: Recent) -> bytes:
     return fastjson.dumps_bytes(encode(got))
 
 
-def decode(obj: Any) -> Recent:
+def decode(obj: Any, base: Clock | None = None) -> Recent:
     """An ``agent_recent`` reply read back (:func:`encode`): compact dumps that share one
-    ``pg_config`` and one tuple per distinct seqs and ops, and each rank's clock; raises
-    ValueError (one line) on anything else."""
+    ``pg_config`` and one tuple per distinct seqs and ops, and each rank's clock (composed with
+    ``base``, the agent's clock against the reader's: offsets and errors added; ranks whose
+    clocks read alike share one ``Clock``); raises ValueError (one line) on anything else."""
     if not isinstance(obj, dict) or not all(isinstance(obj.get(k), list)
                                             for k in ("seqs", "ops", "ranks", "failed")):
         raise ValueError("not an agent_recent reply")
@@ -273,42 +271,55 @@ def decode(obj: Any) -> Recent:
     cfg = {str(name): {"name": str(name), "desc": str(g.get("desc", "")),
                        "ranks": _members_text(g.get("ranks"))}
            for name, g in obj["groups"].items() if isinstance(g, dict)}
-    seqs = [tuple(_ints(s)) for s in obj["seqs"]]
-    ops = [tuple(str(o) for o in _list(s)) for s in obj["ops"]]
+    descs = {name: c["desc"] for name, c in cfg.items()}
+    seqs = [stragglers.shared(tuple(_ints(s))) for s in obj["seqs"]]
+    ops = [stragglers.shared(tuple(sys.intern(str(o)) for o in _list(s))) for s in obj["ops"]]
+    off0, err0 = (base.offset_ns, base.error_ns) if base is not None else (0, 0)
+    shared_clocks: dict[tuple[int, int], Clock] = {}
     dumps: dict[int, dict[str, Any]] = {}
     clocks: dict[int, Clock] = {}
     for row in obj["ranks"]:
         if not isinstance(row, list) or len(row) != 4 or not isinstance(row[3], dict):
             raise ValueError("a rank row is not [rank, offset, error, groups]")
-        rank, off, err = _ints(row[:3])
+        rank, off, err, parts = row
+        if not (type(rank) is int and type(off) is int and type(err) is int):
+            raise ValueError("a rank row's rank, offset and error are not integers")
         runs = {}
-        for name, part in row[3].items():
+        for name, part in parts.items():
             if not isinstance(part, list) or len(part) != 4:
                 raise ValueError("a group's part is not [seqs, ops, times, starts]")
             si, oi, deltas, started = part
             if not (type(si) is int and 0 <= si < len(seqs) and type(oi) is int
                     and 0 <= oi < len(ops)) or len(seqs[si]) != len(ops[oi]):
                 raise ValueError("a group's seqs or ops index is out of range")
-            issued = array("q", _ints(deltas))
-            for i in range(1, len(issued)):
-                issued[i] += issued[i - 1]
+            issued = _times(itertools.accumulate(_list(deltas)))
             if len(issued) != len(seqs[si]):
                 raise ValueError("a group's times do not match its seqs")
             if started is not None and len(_list(started)) != len(issued):
                 raise ValueError("a group's start times do not match its seqs")
-            start = None if started is None else array("q", [
-                i + d if type(d) is int else 0 for i, d in zip(issued, started, strict=True)])
-            desc = str(cfg.get(name, {}).get("desc", ""))
-            runs[str(name)] = Run(desc, stragglers.shared(seqs[si]),
-                                  stragglers.shared(ops[oi]), issued, start)
+            start = None if started is None else _times(
+                i + d if d is not None else 0 for i, d in zip(issued, started, strict=True))
+            runs[str(name)] = Run(descs.get(name, ""), seqs[si], ops[oi], issued, start)
         dumps[rank] = {"pg_config": cfg, stragglers.TIMINGS: runs}
-        clocks[rank] = Clock(off, max(0, err))
+        key = (off + off0, max(0, err) + err0)
+        c = shared_clocks.get(key)
+        if c is None:
+            c = shared_clocks[key] = Clock(*key)
+        clocks[rank] = c
     failed = {}
     for f in obj["failed"]:
         if not (isinstance(f, list) and len(f) == 3 and type(f[0]) is int):
             raise ValueError("a failed row is not [rank, status, line]")
         failed[f[0]] = (str(f[1])[:40], str(f[2])[:500])
     return Recent(dumps, clocks, failed)
+
+
+def _times(values: Iterable[Any]) -> array[int]:
+    """Integers in an array (``array`` itself refuses anything else)."""
+    try:
+        return array("q", values)
+    except (TypeError, OverflowError) as e:
+        raise ValueError(f"times that are not integers ({e})") from None
 
 
 def _list(v: Any) -> list[Any]:
