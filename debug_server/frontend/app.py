@@ -44,7 +44,7 @@ from debug_server.errors import first_line
 from debug_server.fanout import agents
 from debug_server.fanout.leanhttp import LeanClient
 from debug_server.fanout.pagefirst import in_background
-from debug_server.fanout.transport import MAX_BODY_BYTES, OK, RankResult, Registry, settle_gc
+from debug_server.fanout.transport import MAX_BODY_BYTES, OK, Registry, settle_gc
 from debug_server.frontend import (
     attach,
     departed,
@@ -56,7 +56,7 @@ from debug_server.frontend import (
     stragglers,
 )
 from debug_server.frontend.dumps import Dumper, analyze_fr, fr_trace_text, stacks_report
-from debug_server.frontend.fetchfacts import FetchFacts
+from debug_server.frontend.fetchfacts import FetchFacts, rank_rows
 from debug_server.frontend.hangreport import HangWatch, parse_health
 from debug_server.frontend.lastcycle import LastCycle
 from debug_server.frontend.metrics import CycleFill, metrics_response, read_now
@@ -113,14 +113,6 @@ METRICS_CYCLE = web.AppKey("metrics_cycle", CycleFill)
 routes = web.RouteTableDef()
 
 
-def _rank_rows(results: Sequence[RankResult],
-               stacks: Sequence[RankResult] = ()) -> list[dict[str, Any]]:
-    """Each rank's record; with ``stacks``, its process as read on its host (``process``)."""
-    procs = {r.rank: r.process for r in stacks if r.process is not None}
-    return [r.summary() | {"line": r.line()}
-            | ({"process": procs[r.rank]} if r.rank in procs else {}) for r in results]
-
-
 async def _fr_page(request: web.Request) -> web.Response:
     q = _query(request, {"format": _format, "full": _bool01, "page": _page,
                          "onlyactive": _bool01, "refresh": render.parse_refresh})
@@ -141,7 +133,7 @@ async def _fr_page(request: web.Request) -> web.Response:
     if not whole and LAST_CYCLE in request.app:  # the job's window: /metrics' newest cycle
         request.app[LAST_CYCLE].put_page(fr, result, started)
     if fmt == "json":
-        return _respond(fmt, {**result, "ranks": _rank_rows(fr.results, stacks),
+        return _respond(fmt, {**result, "ranks": rank_rows(fr.results, stacks),
                               "fr_window": fr.window})
     fetch = FetchFacts.of(fr)  # what the pages show of the fetch itself
     if fmt == "text":
