@@ -501,7 +501,6 @@ def _measure(world: int, store_port: int, reps: int, pids: dict[str, list[int]],
                 spy.wait(30)
             if path == "/stacks":
                 row["stacks_apart"] = _stacks_apart(body, world)
-        row.update(_straggler_poll(base, groups, side, world))
         if wait_poll:
             # The overview as a user finds it on a frontend that has run a while: its health
             # column from the hang watch's last poll (``health_held``), not a fan-out of its own.
@@ -525,6 +524,9 @@ def _measure(world: int, store_port: int, reps: int, pids: dict[str, list[int]],
             row["overview_health"] = (f"held: {m.group(1).decode().replace('&#39;', chr(39))}, "
                                       f"{int(m.group(2))} s old" if m else "fetched")
             row["overview_held_page_kb"] = len(body) / 1024
+        # Last: with --wait-poll minutes into the job's life, as a user meets it (each level's
+        # book holds clock samples taken at quiet moments: fanout.recent.sample_clocks).
+        row.update(_straggler_poll(base, groups, side, world))
         _trace("done")
         row["rss_mb"] = ff.status_kb(proc.pid, "VmHWM") / 1024
         return row

@@ -229,3 +229,24 @@ async def test_an_agent_answers_its_clock_and_refuses_bad_parameters(aiohttp_cli
     body = await resp.json()
     assert resp.status == 200 and body["ranks"] == [] and body["failed"][0][0] == 0
     await asyncio.sleep(0)
+
+
+async def test_agents_clocks_are_sampled_between_polls_without_asking_a_rank() -> None:
+    """``recent.sample_clocks``: the aggregators' clocks asked again and again into the book
+    (each a short round trip at a quiet moment); no rank is read for it. A reader without a
+    route (a host's agent over its ranks) has nothing to sample and returns."""
+    async with _tree() as t:
+        book = recent.ClockBook()
+        before = {r: p.reads for r, p in t["providers"].items()}
+        task = asyncio.ensure_future(recent.sample_clocks(t["through"], book, interval=0.02))
+        try:
+            deadline = time.monotonic() + 30
+            while not all(len(book._by.get(("agent", f"agg-{g}"), ())) >= 3 for g in (0, 1)):
+                assert time.monotonic() < deadline, book._by
+                await asyncio.sleep(0.01)
+        finally:
+            task.cancel()
+        assert set(book._by) == {("agent", "agg-0"), ("agent", "agg-1")}
+        assert all(_counts(a) >= 3 for a in t["agg_apps"])
+        assert {r: p.reads for r, p in t["providers"].items()} == before
+        await asyncio.wait_for(recent.sample_clocks(t["plain"], book, interval=0.01), 5)

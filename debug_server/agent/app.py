@@ -413,9 +413,12 @@ async def _client_ctx(app: web.Application) -> AsyncIterator[None]:
             app[COLLECTOR] = LiveCollector(session, app[REGISTRY], timeout=s["timeout"],
                                        max_concurrency=s["concurrency"], http=http,
                                        prime_ranks=2, route=s["route"])
+            # An aggregator's host agents' clocks, sampled at quiet moments (fanout.recent).
+            sampler = asyncio.ensure_future(recent.sample_clocks(app[COLLECTOR], app[CLOCKS]))
             try:
                 yield
             finally:
+                sampler.cancel()
                 app[COLLECTOR].close()  # its background reads of quiet ranks (fanout.outside)
     finally:
         http.close()

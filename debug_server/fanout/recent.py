@@ -29,6 +29,8 @@ from __future__ import annotations
 import asyncio
 import functools
 import itertools
+import logging
+import random
 import sys
 import time
 from array import array
@@ -51,7 +53,9 @@ from debug_server.protocol import agentwire, frwindow
 from debug_server.protocol.addrs import NOT_REGISTERED, WorkerAddr
 from debug_server.protocol.names import FR_HANDLER, INCLUDE_COLLECTIVES
 
-__all__ = ["CLOCK_KEEP", "CLOCK_PARAMS", "ClockBook", "Recent", "decode", "encode", "read"]
+logger = logging.getLogger(__name__)
+
+__all__ = ["CLOCK_KEEP", "CLOCK_PARAMS", "ClockBook", "Recent", "decode", "encode", "read", "sample_clocks"]
 
 CLOCK_KEEP = 16
 """Round trips per rank (or agent) whose clock estimates are kept; the shortest one's is used."""
@@ -61,6 +65,9 @@ CLOCK_ASKS = 8
 """Agents asked for their clock at once by one read: a round trip is the bound on a clock's
 error, and one that waits behind a hundred others' replies on the asker's own loop (an
 aggregator asking its 128 hosts at once) reads tens of ms longer than the network's."""
+CLOCK_SAMPLE_S = 60.0
+"""Seconds between a reader's background asks of its agents' clocks (:func:`sample_clocks`),
+each wait drawn from half to one and a half times it."""
 MAX_ROWS = 1 << 21
 """Most ranks one ``agent_recent`` reply may carry (a reply over that is refused)."""
 
@@ -168,10 +175,10 @@ async def _direct(collector: LiveCollector, ops: int, addrs: Sequence[WorkerAddr
 
 
 async def _agent_clocks(route: AgentRoute, collector: LiveCollector, agents: list[AgentAddr],
-                        book: ClockBook) -> dict[str, Clock]:
+                        book: ClockBook, at_once: int = CLOCK_ASKS) -> dict[str, Clock]:
     """Each of ``agents``' clock against ours (``agent_recent?clock=true``, at most
-    :data:`CLOCK_ASKS` asks at once), where it answered now."""
-    asks = asyncio.Semaphore(CLOCK_ASKS)
+    ``at_once`` asks at a time), where it answered now."""
+    asks = asyncio.Semaphore(at_once)
 
     async def one(ag: AgentAddr) -> Clock | None:
         async with asks:
@@ -188,6 +195,29 @@ async def _agent_clocks(route: AgentRoute, collector: LiveCollector, agents: lis
 
     got = await asyncio.gather(*(one(ag) for ag in agents))
     return {ag.id: c for ag, c in zip(agents, got, strict=True) if c is not None}
+
+
+async def sample_clocks(collector: LiveCollector, book: ClockBook,
+                        interval: float = CLOCK_SAMPLE_S) -> None:
+    """For ever: every ``interval`` s or so, each agent this reader's route plans for (the
+    tree's aggregators, else each host's agent) asked for its clock, two at a time, into
+    ``book``. A poll's own clock phase runs where every level starts its own at once (an
+    aggregator's 128 hosts as its frontend's ask arrives; in ``bench_tree`` 64 aggregators on
+    one loop: round trips of 50-400 ms); an estimate taken at a quiet moment has a short
+    round trip, and the book keeps the best of its last ``CLOCK_KEEP``. A reader without a
+    route (a host's agent over its ranks, on their host) has nothing to sample."""
+    route = collector.route if isinstance(collector.route, AgentRoute) else None
+    if route is None:
+        return
+    rnd = random.Random()
+    while True:
+        await asyncio.sleep(interval * rnd.uniform(0.5, 1.5))
+        try:
+            plan = await route.plan(await collector.registry.lookup())
+            if plan is not None:
+                await _agent_clocks(route, collector, [ag for ag, _ in plan.groups], book, 2)
+        except Exception:  # noqa: BLE001 - a sample is a hint; the poll asks again anyway
+            logger.debug("debug_server: clock sample failed", exc_info=True)
 
 
 async def _through(route: AgentRoute, ag: AgentAddr, rs: Sequence[WorkerAddr], ops: int,

@@ -97,8 +97,15 @@ class StragglerWatch:
         return max(self.interval, self.collector.world_size / MAX_POLLS_PER_S)
 
     async def run_forever(self) -> None:
-        await poll_forever(self.poll_interval, self.poll, lambda e: logger.error(
-            "debug_server: straggler poll failed", exc_info=e))
+        # The agents' clocks sampled at quiet moments between polls too (``fanout.recent``).
+        sampler = asyncio.ensure_future(recent.sample_clocks(self.collector, self.book)) \
+            if isinstance(self.collector, LiveCollector) else None
+        try:
+            await poll_forever(self.poll_interval, self.poll, lambda e: logger.error(
+                "debug_server: straggler poll failed", exc_info=e))
+        finally:
+            if sampler is not None:
+                sampler.cancel()
 
     async def poll(self) -> dict[str, Any]:
         """One fetch and analysis; the result (``analysis.stragglers.analyze``) is kept."""
