@@ -198,3 +198,14 @@ def test_past_the_rows_a_page_shows_a_member_s_row_is_what_metrics_reads() -> No
                and not r["slow"] for r in light)
     assert [r["median_lag_ms"] for r in rows] == sorted((r["median_lag_ms"] for r in rows),
                                                        reverse=True)
+
+
+def test_dumps_without_pg_config_are_read_by_the_ranks_in_their_entries() -> None:
+    """A group no ``pg_config`` names has the ranks seen in its entries as members (before,
+    that raised ``FrozenInstanceError`` and the poll failed)."""
+    dumps = lagged_rings(4, 40, lambda r, s: 40.0 if r == 2 else 0.0)
+    for d in dumps.values():
+        d["pg_config"] = {}
+    res = stragglers.analyze(dumps)
+    assert [s["rank"] for s in res["stragglers"]] == [2]
+    assert res["groups"][0]["size"] == 4

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import bisect
 import math
+import operator
 import statistics
 import sys
 from array import array
@@ -249,7 +250,7 @@ def _groups(dumps: Mapping[int, Mapping[str, Any]]) -> dict[str, _Group]:
                     g.ops.setdefault(seq, op)
     for g in out.values():
         if not g.members:  # no pg_config: the ranks seen in its entries
-            g.members = sorted(g.runs)
+            g.members.extend(sorted(g.runs))  # (the record is frozen, its list is not)
     return out
 
 
@@ -282,8 +283,10 @@ def _lags(g: _Group, seqs: Sequence[int], started: bool,
     if not seqs:
         return None
     members = g.members
-    where: dict[int, list[int] | None] = {}  # id(a run's seqs) -> positions of ``seqs`` in it
-    columns = []
+    # id(a run's seqs) -> where ``seqs`` lie in it: a slice where they lie in a row (a window
+    # every member issued whole: the usual case), else their positions; None: one is missing.
+    where: dict[int, slice | list[int] | None] = {}
+    columns: list[array[int]] = []  # arrays: 131072 members' 16 times as int objects were 83 MB
     for r in members:
         run = g.runs.get(r)
         times = None if run is None else run.started if started else run.issued
@@ -291,25 +294,36 @@ def _lags(g: _Group, seqs: Sequence[int], started: bool,
             return None
         pos = where.get(id(run.seqs), [])
         if pos == []:
-            at = {s: i for i, s in enumerate(run.seqs)}  # a seq again: its last entry
-            pos = where[id(run.seqs)] = ([at[s] for s in seqs] if all(s in at for s in seqs)
-                                         else None)
+            pos = where[id(run.seqs)] = _positions(run.seqs, seqs)
         if pos is None:
             return None
-        col = [times[i] for i in pos]
+        col = times[pos] if isinstance(pos, slice) else array("q", [times[i] for i in pos])
         if started and min(col) <= 0:  # an entry without a start time
             return None
         off = offsets.get(r, 0)
-        columns.append([t - off for t in col] if off else col)
+        columns.append(array("q", [t - off for t in col]) if off else col)
     last = dict.fromkeys(members, 0)
     firsts = []
-    for at_seq in zip(*columns, strict=True):  # one tuple per collective, members in order
+    for i in range(len(seqs)):  # one collective at a time: no tuple of every member's times each
+        at_seq = list(map(operator.itemgetter(i), columns))
         firsts.append(min(at_seq))
         last[members[at_seq.index(max(at_seq))]] += 1
     # Arrays: 131072 members' 16 lags as float objects were 74 MB more.
     lags = {r: array("d", [(t - f) / 1e6 for t, f in zip(col, firsts, strict=True)])
             for r, col in zip(members, columns, strict=True)}
     return _Lags(lags, last, len(seqs))
+
+
+def _positions(run_seqs: Sequence[int], seqs: Sequence[int]) -> slice | list[int] | None:
+    """Where each of ``seqs`` lies in a run's (a seq again: its last entry): a slice where they
+    lie in a row, else a list; None where one is missing."""
+    at = {s: i for i, s in enumerate(run_seqs)}
+    if not all(s in at for s in seqs):
+        return None
+    pos = [at[s] for s in seqs]
+    if pos == list(range(pos[0], pos[0] + len(pos))):
+        return slice(pos[0], pos[0] + len(pos))
+    return pos
 
 
 def _trend(lags: Sequence[float]) -> float:
