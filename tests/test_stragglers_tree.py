@@ -232,11 +232,13 @@ async def test_an_agent_answers_its_clock_and_refuses_bad_parameters(aiohttp_cli
 
 
 async def test_agents_clocks_are_sampled_between_polls_without_asking_a_rank() -> None:
-    """``recent.sample_clocks``: the aggregators' clocks asked again and again into the book
-    (each a short round trip at a quiet moment); no rank is read for it. A reader without a
-    route (a host's agent over its ranks) has nothing to sample and returns."""
+    """``recent.sample_clocks``: the clocks of the agents the route's last plan found (the
+    aggregators, after a page) asked again and again into the book (each a short round trip at
+    a quiet moment); no rank is read for it. A reader without a route (a host's agent over its
+    ranks) has nothing to sample and returns."""
     async with _tree() as t:
         book = recent.ClockBook()
+        await t["through"].fetch("ping")  # a page through the route: its plan's agents
         before = {r: p.reads for r, p in t["providers"].items()}
         task = asyncio.ensure_future(recent.sample_clocks(t["through"], book, interval=0.02))
         try:

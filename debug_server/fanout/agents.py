@@ -120,6 +120,8 @@ class AgentRoute:
         self._split: tuple[Sequence[WorkerAddr], dict[str, list[WorkerAddr]],
                            list[WorkerAddr]] | None = None
         """(the addresses split, their ranks by aggregator id, the others): ``plan``."""
+        self.planned: list[AgentAddr] = []
+        """The agents of the last plan (``fanout.recent.sample_clocks`` asks their clocks)."""
         self._by_host: tuple[Sequence[WorkerAddr], set[str], dict[str, AgentAddr],
                              dict[str, list[WorkerAddr]], list[WorkerAddr]] | None = None
         """(ranks no aggregator took, their agents' ids, those found, ``_by_host``): ``plan``."""
@@ -190,7 +192,9 @@ class AgentRoute:
         by_agent.update(by_host)
         if not by_agent:
             return None
-        return Plan(addrs, [(found[i], rs) for i, rs in by_agent.items()], direct)
+        plan = Plan(addrs, [(found[i], rs) for i, rs in by_agent.items()], direct)
+        self.planned = [ag for ag, _ in plan.groups]
+        return plan
 
     async def _below(self, rs: Sequence[WorkerAddr]) -> Plan:
         """Ranks an aggregator left (it failed, or did not know them): their host agents'

@@ -199,13 +199,14 @@ async def _agent_clocks(route: AgentRoute, collector: LiveCollector, agents: lis
 
 async def sample_clocks(collector: LiveCollector, book: ClockBook,
                         interval: float = CLOCK_SAMPLE_S) -> None:
-    """For ever: every ``interval`` s or so, each agent this reader's route plans for (the
-    tree's aggregators, else each host's agent) asked for its clock, two at a time, into
-    ``book``. A poll's own clock phase runs where every level starts its own at once (an
-    aggregator's 128 hosts as its frontend's ask arrives; in ``bench_tree`` 64 aggregators on
-    one loop: round trips of 50-400 ms); an estimate taken at a quiet moment has a short
-    round trip, and the book keeps the best of its last ``CLOCK_KEEP``. A reader without a
-    route (a host's agent over its ranks, on their host) has nothing to sample."""
+    """For ever: every ``interval`` s or so, the agents of the route's last plan (the tree's
+    aggregators, else each host's agent, as the last page or poll through it found them: no
+    store read of its own) asked for their clocks, two at a time, into ``book``. A poll's own
+    clock phase runs where every level starts its own at once (an aggregator's 128 hosts as its
+    frontend's ask arrives; in ``bench_tree`` 64 aggregators on one loop: round trips of
+    50-400 ms); an estimate taken at a quiet moment has a short round trip, and the book keeps
+    the best of its last ``CLOCK_KEEP``. A reader without a route (a host's agent over its
+    ranks, on their host) has nothing to sample."""
     route = collector.route if isinstance(collector.route, AgentRoute) else None
     if route is None:
         return
@@ -213,9 +214,8 @@ async def sample_clocks(collector: LiveCollector, book: ClockBook,
     while True:
         await asyncio.sleep(interval * rnd.uniform(0.5, 1.5))
         try:
-            plan = await route.plan(await collector.registry.lookup())
-            if plan is not None:
-                await _agent_clocks(route, collector, [ag for ag, _ in plan.groups], book, 2)
+            if route.planned:
+                await _agent_clocks(route, collector, list(route.planned), book, 2)
         except Exception:  # noqa: BLE001 - a sample is a hint; the poll asks again anyway
             logger.debug("debug_server: clock sample failed", exc_info=True)
 
