@@ -155,9 +155,9 @@ class AgentRoute:
             # Which aggregator has which rank, made again only when the aggregators found
             # change (131072 entries: not on every page); the memo holds the objects whose ids
             # it compares, so none can be reused meanwhile.
-            ids = tuple(id(ag) for ag in found.values())
-            if self._owner[0] != ids:
-                self._owner = (ids, {r: ag.id for ag in found.values() for r in ag.ranks},
+            objs = tuple(id(ag) for ag in found.values())
+            if self._owner[0] != objs:
+                self._owner = (objs, {r: ag.id for ag in found.values() for r in ag.ranks},
                                tuple(found.values()))
                 self._split = None
             # The registry hands back the same list while the store's keys stay (``storeview``):
