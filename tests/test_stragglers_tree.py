@@ -20,6 +20,7 @@ from typing import Any
 import aiohttp
 import pytest
 from _scenarios import MS, lagged_rings
+from aiohttp import web
 from fakes import AgentedRegistry, FakeDirectory, closed_port_url, serve, start_agents
 from test_stragglers_page import _NowProvider
 
@@ -51,10 +52,12 @@ class _Counted(_NowProvider):
 
 
 @contextlib.asynccontextmanager
-async def _tree(dead: frozenset[int] = frozenset()) -> AsyncIterator[dict[str, Any]]:
+async def _tree(dead: frozenset[int] = frozenset(),
+                wedged_agg: bool = False) -> AsyncIterator[dict[str, Any]]:
     rnd = random.Random(11)
     dumps = lagged_rings(WORLD, 60, lambda r, s: rnd.uniform(0, 2) + (40 if r == SLOW else 0))
     runners: list[Any] = []
+    released = asyncio.Event()
     try:
         providers = {r: _Counted(d, AHEAD_NS if r >= 4 else 0) for r, d in dumps.items()}
         urls = [closed_port_url() if r in dead else await serve(make_worker_app(p), runners)
@@ -66,6 +69,14 @@ async def _tree(dead: frozenset[int] = frozenset()) -> AsyncIterator[dict[str, A
             app = agent.make_agent_app(
                 AgentedRegistry(urls, PER_HOST), f"agg-{g}", fetch_timeout=3.0,
                 route=agents_mod.agent_route(FakeDirectory(mine), classes=True))  # type: ignore[arg-type]
+            if wedged_agg and g == 1:  # takes every request, answers none until the end
+
+                async def wedged(request: web.Request) -> web.Response:
+                    await released.wait()
+                    return web.Response()
+
+                app = web.Application()
+                app.router.add_post("/handler/{name}", wedged)
             url = await serve(app, runners)
             agg_apps.append(app)
             agg_runners.append(runners[-1])
@@ -82,6 +93,7 @@ async def _tree(dead: frozenset[int] = frozenset()) -> AsyncIterator[dict[str, A
                 through.close()
                 plain.close()
     finally:
+        released.set()
         for r in runners:
             await r.cleanup()
 
@@ -149,6 +161,17 @@ async def test_a_dead_aggregator_s_ranks_come_through_their_host_agents() -> Non
         polls = (t["providers"][0].reads - before[0]) // 2
         assert polls >= 1 and all(p.reads - before[r] == 2 * polls
                                   for r, p in t["providers"].items())
+
+
+async def test_a_wedged_aggregator_s_ranks_come_through_their_host_agents() -> None:
+    """An aggregator that takes the clock ask and never answers: its clock ask gives up after
+    ``recent.CLOCK_TIMEOUT_S`` (not a page's agent timeout) and its ranks come through their
+    host agents, the slow one named."""
+    async with _tree(wedged_agg=True) as t:
+        watch = page.StragglerWatch(t["through"])
+        await _named(watch, [SLOW])
+        assert watch.failures == [] and ("agent", "agg-1") not in watch.book._by
+        assert {("agent", "h2"), ("agent", "h3")} <= set(watch.book._by)
 
 
 async def test_a_rank_its_host_agent_cannot_read_is_one_failure_not_asked_again() -> None:

@@ -65,6 +65,10 @@ CLOCK_ASKS = 8
 """Agents asked for their clock at once by one read: a round trip is the bound on a clock's
 error, and one that waits behind a hundred others' replies on the asker's own loop (an
 aggregator asking its 128 hosts at once) reads tens of ms longer than the network's."""
+CLOCK_TIMEOUT_S = 2.0
+"""Most seconds an agent's clock ask may take: it is answered at once, and a round trip that
+long bounds nothing useful; a wedged agent then costs its reader 2 s, not a page's timeout
+(its ranks are asked another way)."""
 CLOCK_SAMPLE_S = 60.0
 """Seconds between a reader's background asks of its agents' clocks (:func:`sample_clocks`),
 each wait drawn from half to one and a half times it."""
@@ -183,7 +187,8 @@ async def _agent_clocks(route: AgentRoute, collector: LiveCollector, agents: lis
     async def one(ag: AgentAddr) -> Clock | None:
         async with asks:
             head = await collector.asker.one(WorkerAddr(-1, ag.url), agentwire.RECENT,
-                                             {agentwire.CLOCK: "true"}, route.agent_timeout)
+                                             {agentwire.CLOCK: "true"},
+                                             min(CLOCK_TIMEOUT_S, route.agent_timeout))
         if not head.ok:  # down, or an agent older than agent_recent (404)
             return None
         try:
