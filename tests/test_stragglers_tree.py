@@ -145,7 +145,7 @@ async def test_composed_clocks_put_every_rank_on_the_frontend_s_clock() -> None:
             want = AHEAD_NS if r >= 4 else 0
             # Each level's estimate is within its error; the errors add up the tree.
             assert abs(c.offset_ns - want) <= c.error_ns + MS, (r, c)
-            assert c.error_ns < 500 * MS, (r, c)
+            assert c.error_ns < 2_000 * MS, (r, c)  # round trips, not a data reply's wait
 
 
 async def test_a_dead_aggregator_s_ranks_come_through_their_host_agents() -> None:
