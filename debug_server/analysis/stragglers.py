@@ -198,7 +198,7 @@ TIMINGS = "straggler_timings"
 """Where a ``compact`` dump keeps its ``timings`` (``analyze`` reads them instead of entries)."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class _Group:
     name: str
     desc: str
@@ -250,7 +250,7 @@ def _groups(dumps: Mapping[int, Mapping[str, Any]]) -> dict[str, _Group]:
                     g.ops.setdefault(seq, op)
     for g in out.values():
         if not g.members:  # no pg_config: the ranks seen in its entries
-            g.members.extend(sorted(g.runs))  # (the record is frozen, its list is not)
+            g.members = sorted(g.runs)
     return out
 
 
@@ -302,9 +302,9 @@ def _lags(g: _Group, seqs: Sequence[int], started: bool,
         times = None if run is None else run.started if started else run.issued
         if run is None or times is None:
             return None
-        pos = where.get(id(run.seqs), [])
-        if pos == []:
-            pos = where[id(run.seqs)] = _positions(run.seqs, seqs)
+        if id(run.seqs) not in where:
+            where[id(run.seqs)] = _positions(run.seqs, seqs)
+        pos = where[id(run.seqs)]
         if pos is None:
             return None
         if isinstance(pos, slice):  # the run itself where the window is all of it

@@ -239,7 +239,7 @@ async def _through(route: AgentRoute, ag: AgentAddr, rs: Sequence[WorkerAddr], o
 def _parse(mine: Clock, body: str, ag: AgentAddr, rs: Sequence[WorkerAddr]) -> Recent:
     got = decode(fastjson.loads(body), mine)
     asked = {a.rank for a in rs}
-    if any(r not in asked for r in got.dumps):
+    if any(r not in asked for r in (*got.dumps, *got.failed)):
         raise ValueError("a rank that was not asked")
     return got
 

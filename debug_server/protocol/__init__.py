@@ -44,7 +44,7 @@ parameter             meaning; who sends it; who reads it
                       ``false``; c10d's NCCL recorder in round 1: ``true``), agent's ``agent_fr``
                       -> worker ``_fr_args``, torch's C++ worker
 ``includecollectives`` FR: ``false`` leaves collectives out (torch's); the straggler clock round
-                      (``frontend.stragglers``) -> worker
+                      (``fanout.recent``) -> worker
 ``includestacktraces`` FR: ``false``: entries without their frames (torch's); the straggler poll
                       (``LiveCollector.fr_recent``) -> worker
 ``window``            FR: each group from this rank's own frontier less N ops (ours); fanout
