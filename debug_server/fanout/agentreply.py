@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from operator import attrgetter
 from typing import Any
 
 from debug_server.analysis.digest import SNAPSHOT_TIME_KEY
@@ -39,8 +40,16 @@ def keep_parts(into: Mapping[str, list[RankResult]] | None,
     directly)."""
     for name, into_part in (into or {}).items():
         part = got.get(name)
-        if part is not None:
+        if part is None:
+            continue
+        if NOT_REGISTERED in map(_STATUS, part):
             into_part.extend(r for r in part if r.status != NOT_REGISTERED)
+        else:  # the usual case, read in C (1024 records a reply from an aggregator)
+            into_part.extend(part)
+
+
+_STATUS = attrgetter("status")
+_RANK = attrgetter("rank")
 
 
 class _PerList:
@@ -340,7 +349,7 @@ def registered(recs: list[RankResult], dumps: dict[int, dict[str, Any]],
                ) -> tuple[list[RankResult], dict[int, dict[str, Any]]]:
     """An agent's records and dumps less the ranks it says are not registered (it asked the
     store before they came: they are asked directly)."""
-    if all(r.status != NOT_REGISTERED for r in recs):
+    if NOT_REGISTERED not in map(_STATUS, recs):
         return recs, dumps
     recs = [r for r in recs if r.status != NOT_REGISTERED]
     return recs, {r.rank: dumps[r.rank] for r in recs if r.rank in dumps}
@@ -357,7 +366,7 @@ def take_replies(groups: Sequence[tuple[AgentAddr, list[WorkerAddr]]], replies: 
             rest += rs
             continue
         recs, ds = reply
-        served = {r.rank for r in recs}
+        served = set(map(_RANK, recs))
         results += recs
         dumps.update(ds)
         via.update(dict.fromkeys(served, ag))

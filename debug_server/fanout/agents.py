@@ -363,7 +363,7 @@ class AgentRoute:
                 if r in dumps:
                     dumps[r] = with_snap(dumps[r], snap)
             since = frwindow.frontier(dumps)
-            again = [r for r in dumps if not frwindow.covers(dumps[r], since)]
+            again = frwindow.not_covered(dumps, since)
             if again:
                 results, dumps = await self._again(since, again, via, addrs, results, dumps)
             dumps = await cut_off_loop(dumps, since)

@@ -304,21 +304,33 @@ def window_all(dumps: Mapping[int, Mapping[str, Any]],
     """:func:`window` of every dump, each distinct one cut once: dumps that share ``entries``
     and ``fr_window`` by identity (the fan-out's shallow copies) share the cut ``entries`` list
     and ``fr_window`` facts after it too (each keeps its own top-level dict, so its own
-    ``dump_time_ns``), and the analysis digests them once (``analysis.digest.share_key``)."""
-    cuts: dict[tuple[int, int], tuple[Mapping[str, Any], dict[str, Any]]] = {}
-    out: dict[int, dict[str, Any]] = {}
+    ``dump_time_ns``), and the analysis digests them once (``analysis.digest.share_key``).
+
+    A dump that this cut would leave as it is (cut at ``since`` already, by its host's agent:
+    most are) is returned itself, not copied (131072 top-level copies a page at 131072 ranks):
+    no dump is changed in place once parsed, by the fan-out or anyone after it."""
+    cuts: dict[tuple[int, int], tuple[Mapping[str, Any], dict[str, Any] | None]] = {}
+    out: dict[int, Any] = {}
     for r, d in dumps.items():
         k = (id(d.get("entries")), id(d.get(WINDOW_KEY)))
         held = cuts.get(k)
         if held is None:
+            if not isinstance(d.get("entries"), list) or _cut_at(d, since):
+                cuts[k] = (d, None)  # d keeps the ids of k alive while this runs
+                out[r] = d
+                continue
             w = window(d, since)
-            cuts[k] = (d, w)  # d keeps the ids of k alive while this runs
+            cuts[k] = (d, w)
             out[r] = w
             continue
+        cut = held[1]
+        if cut is None:
+            out[r] = d
+            continue
         w = dict(d)
-        w["entries"] = held[1].get("entries")
-        if WINDOW_KEY in held[1]:
-            w[WINDOW_KEY] = held[1][WINDOW_KEY]
+        w["entries"] = cut.get("entries")
+        if WINDOW_KEY in cut:
+            w[WINDOW_KEY] = cut[WINDOW_KEY]
         out[r] = w
     return out
 
@@ -439,6 +451,21 @@ def cutter(*, since: Mapping[str, int] | None = None, slack: int | None = None) 
         return picked, {WINDOW_KEY: _facts(head.get(WINDOW_KEY), s, len(entries), oldest)}
 
     return cut
+
+
+def not_covered(dumps: Mapping[int, Mapping[str, Any]], since: Mapping[str, int]) -> list[int]:
+    """The ranks whose dumps do not hold every entry of ``since``'s window (:func:`covers`),
+    each distinct window facts read once (ranks alike share them by identity)."""
+    seen: dict[int, bool] = {}
+    out: list[int] = []
+    for r, d in dumps.items():
+        facts = d.get(WINDOW_KEY)
+        ok = seen.get(id(facts))
+        if ok is None:
+            ok = seen[id(facts)] = covers(d, since)
+        if not ok:
+            out.append(r)
+    return out
 
 
 def covers(dump: Mapping[str, Any], since: Mapping[str, int]) -> bool:

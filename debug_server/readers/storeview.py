@@ -95,30 +95,34 @@ def get_many(store: dist.Store, keys: Sequence[str]) -> list[bytes]:
 
 def lookup_workers(store: dist.Store, world_size: int, restart_count: int) -> list[WorkerAddr]:
     """One ``WorkerAddr`` per rank; never waits for a key that is not there."""
-    ranks = range(world_size)
-    present_ranks = [r for r, here in zip(ranks, present(store, [url_key(r) for r in ranks]),
-                                          strict=True) if here]
+    url_keys = [url_key(r) for r in range(world_size)]
+    here = present(store, url_keys)
+    present_ranks = [r for r in range(world_size) if here[r]]
+    meta_keys = [meta_key(r) for r in present_ranks]
     # One round trip per chunk where every rank has its sidecar (ours do).
-    with_meta = [r for r, here in zip(present_ranks, present(
-        store, [meta_key(r) for r in present_ranks]), strict=True) if here]
-    got_urls = _multi_get(store, present_ranks, url_key)
-    got_metas = _multi_get(store, with_meta, meta_key)
+    with_meta = [(r, k) for r, k, m in zip(present_ranks, meta_keys, present(store, meta_keys),
+                                          strict=True) if m]
+    got_urls = dict(zip(present_ranks, get_many(
+        store, url_keys if len(present_ranks) == world_size else
+        [url_keys[r] for r in present_ranks]), strict=True))
+    got_metas = dict(zip((r for r, _ in with_meta), get_many(store, [k for _, k in with_meta]),
+                         strict=True))
     metas = meta_dicts(got_metas)
     out: list[WorkerAddr] = []
+    add = out.append
     for rank in range(world_size):
-        if rank not in got_urls:
-            out.append(WorkerAddr(rank, None, NOT_REGISTERED))
+        url = got_urls.get(rank)
+        if url is None:
+            add(WorkerAddr(rank, None, NOT_REGISTERED))
             continue
-        raw = got_metas.get(rank)
         meta = metas.get(rank)
         # Parsed once: a sidecar of this restart is fine as it is (the usual case).
-        stale = None if meta is not None and type(meta.get("restart")) is int and \
-            meta["restart"] == restart_count else stale_reason(raw, restart_count)
+        stale = None if meta is not None and meta.get("restart") == restart_count and \
+            type(meta["restart"]) is int else stale_reason(got_metas.get(rank), restart_count)
         if stale:
-            out.append(WorkerAddr(rank, None, stale))
+            add(WorkerAddr(rank, None, stale))
         else:
-            out.append(WorkerAddr(rank, got_urls[rank].decode(errors="replace").rstrip("/"),
-                                  meta=meta))
+            add(WorkerAddr(rank, url.decode(errors="replace").rstrip("/"), None, meta))
     return out
 
 
@@ -138,12 +142,6 @@ def same_as_before(last: list[WorkerAddr] | None, new: list[WorkerAddr]) -> list
         else:
             same = False
     return last if same else new
-
-
-def _multi_get(store: dist.Store, ranks: list[int], key: Callable[[int], str]) -> dict[int, bytes]:
-    if not ranks:
-        return {}
-    return dict(zip(ranks, get_many(store, [key(r) for r in ranks]), strict=True))
 
 
 class StoreLane:
