@@ -28,6 +28,7 @@ the per-rank rows the pages show.
 from __future__ import annotations
 
 import bisect
+import itertools
 import math
 import operator
 import statistics
@@ -217,8 +218,12 @@ def _config(dumps: Mapping[int, Mapping[str, Any]]) -> dict[str, tuple[str, set[
     """Each group's desc and members over every rank's ``pg_config``."""
     config: dict[str, tuple[str, set[int]]] = {}
     seen: set[tuple[str, int]] = set()
+    read: set[int] = set()  # ids of the pg_configs read: ranks of one reply share theirs
     for dump in dumps.values():
         cfg = dump.get("pg_config")
+        if id(cfg) in read:
+            continue
+        read.add(id(cfg))  # cfg lives in its dump while this runs: its id is its own
         descs = {str(c.get("name", k)): str(c.get("desc", ""))
                  for k, c in (cfg.items() if isinstance(cfg, Mapping) else ())
                  if isinstance(c, Mapping)}
@@ -314,7 +319,7 @@ def _lags(g: _Group, seqs: Sequence[int], started: bool,
         if started and min(col) <= 0:  # an entry without a start time
             return None
         off = offsets.get(r, 0)
-        columns.append(array("q", [t - off for t in col]) if off else col)
+        columns.append(array("q", map(operator.sub, col, itertools.repeat(off))) if off else col)
     last = dict.fromkeys(members, 0)
     firsts = []
     for i in range(len(seqs)):  # one collective at a time: no tuple of every member's times each
@@ -322,9 +327,18 @@ def _lags(g: _Group, seqs: Sequence[int], started: bool,
         firsts.append(min(at_seq))
         last[members[at_seq.index(max(at_seq))]] += 1
     # Each member's median lag from its lags made and dropped one member at a time.
-    medians = {r: statistics.median([(t - f) / 1e6 for t, f in zip(col, firsts, strict=True)])
+    medians = {r: _median_ms(sorted(map(operator.sub, col, firsts)))
                for r, col in zip(members, columns, strict=True)}
     return _Lags(dict(zip(members, columns, strict=True)), firsts, medians, last, len(seqs))
+
+
+def _median_ms(ordered: Sequence[int]) -> float:
+    """``statistics.median`` of ``ordered`` (sorted ns) in ms, the very float it gives of the
+    lags in ms (each divided, then the middle two averaged): the order of the ns is theirs."""
+    n = len(ordered)
+    if n % 2:
+        return ordered[n // 2] / 1e6
+    return (ordered[n // 2 - 1] / 1e6 + ordered[n // 2] / 1e6) / 2
 
 
 def _positions(run_seqs: Sequence[int], seqs: Sequence[int]) -> slice | list[int] | None:

@@ -30,6 +30,7 @@ import asyncio
 import functools
 import itertools
 import logging
+import operator
 import random
 import sys
 import time
@@ -333,7 +334,8 @@ def decode(obj: Any, base: Clock | None = None) -> Recent:
             if started is not None and len(_list(started)) != len(issued):
                 raise ValueError("a group's start times do not match its seqs")
             start = None if started is None else _times(
-                i + d if d is not None else 0 for i, d in zip(issued, started, strict=True))
+                map(operator.add, issued, started) if None not in started else
+                (i + d if d is not None else 0 for i, d in zip(issued, started, strict=True)))
             runs[str(name)] = Run(descs.get(name, ""), seqs[si], ops[oi], issued, start)
         dumps[rank] = _Timed(cfg, runs)
         key = (off + off0, max(0, err) + err0)

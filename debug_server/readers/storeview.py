@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import queue
 import socket
@@ -93,12 +94,21 @@ def get_many(store: dist.Store, keys: Sequence[str]) -> list[bytes]:
     return out
 
 
+@functools.lru_cache(maxsize=4)
+def _keys(world_size: int) -> tuple[list[str], list[str]]:
+    """Every rank's two keys (``url_key``, ``meta_key``), made once per world size: a read
+    every ``reread_s`` made 262144 texts each time at 131072 ranks. Read, never changed."""
+    ranks = range(world_size)
+    return [url_key(r) for r in ranks], [meta_key(r) for r in ranks]
+
+
 def lookup_workers(store: dist.Store, world_size: int, restart_count: int) -> list[WorkerAddr]:
     """One ``WorkerAddr`` per rank; never waits for a key that is not there."""
-    url_keys = [url_key(r) for r in range(world_size)]
+    url_keys, all_meta_keys = _keys(world_size)
     here = present(store, url_keys)
     present_ranks = [r for r in range(world_size) if here[r]]
-    meta_keys = [meta_key(r) for r in present_ranks]
+    meta_keys = all_meta_keys if len(present_ranks) == world_size else \
+        [all_meta_keys[r] for r in present_ranks]
     # One round trip per chunk where every rank has its sidecar (ours do).
     with_meta = [(r, k) for r, k, m in zip(present_ranks, meta_keys, present(store, meta_keys),
                                           strict=True) if m]
