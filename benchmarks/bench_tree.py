@@ -37,6 +37,7 @@ import argparse
 import asyncio
 import dataclasses
 import datetime
+import gzip
 import json
 import os
 import re
@@ -47,6 +48,7 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.request
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -527,6 +529,7 @@ def _measure(world: int, store_port: int, reps: int, pids: dict[str, list[int]],
         # Last: with --wait-poll minutes into the job's life, as a user meets it (each level's
         # book holds clock samples taken at quiet moments: fanout.recent.sample_clocks).
         row.update(_straggler_poll(base, groups, side, world))
+        row.update(_metrics(base, groups, world))
         _trace("done")
         row["rss_mb"] = ff.status_kb(proc.pid, "VmHWM") / 1024
         return row
@@ -553,6 +556,37 @@ def _straggler_poll(base: str, groups: dict[str, list[int]], side: dict[str, lis
                                                      for g, p in groups.items()},
             "stragglers_bytes": {k: _sent(v) - sent0[k] for k, v in side.items()},
             "stragglers_named": named == [_missing(world)]}
+
+
+def _metrics(base: str, groups: dict[str, list[int]], world: int) -> dict[str, Any]:
+    """``/metrics`` as Prometheus scrapes it (``Accept-Encoding: gzip``), twice, after every
+    other page (the last cycle's FR analysis, the hang watch's poll where ``--wait-poll``
+    waited for it, the straggler poll just made), then once plain (``curl``): a scrape asks no
+    rank; the first renders the families of that cycle and compresses them, the others find
+    them made. Each scrape's seconds and frontend CPU, the sizes, and whether the text names
+    the missing rank alone (``debug_server_missing_ranks{...,rank="77777"} 1``)."""
+    _trace("/metrics")
+    spy = _profile(groups, "metrics_s")
+    out: list[tuple[float, float]] = []
+    sizes: list[int] = []
+    text = b""
+    for accept in ("gzip", "gzip", "identity"):
+        before = ff_cpu(groups["frontend"])
+        t0 = time.perf_counter()
+        req = urllib.request.Request(f"{base}/metrics", headers={"Accept-Encoding": accept})
+        with urllib.request.urlopen(req, timeout=600) as r:
+            body = r.read()
+            gz = r.headers.get("Content-Encoding") == "gzip"
+        out.append((time.perf_counter() - t0, ff_cpu(groups["frontend"]) - before))
+        sizes.append(len(body))
+        text = gzip.decompress(body) if gz else body
+    if spy is not None:
+        spy.send_signal(signal.SIGINT)
+        spy.wait(30)
+    missing = re.findall(rb'^debug_server_missing_ranks\{[^}]*rank="(\d+)"[^}]*\} 1', text,
+                         re.MULTILINE)
+    return {"metrics_reps": out, "metrics_sizes": sizes,
+            "metrics_names": [int(m) for m in missing] == [_missing(world)]}
 
 
 REPORT_WAIT_S = 240.0
@@ -729,6 +763,10 @@ def _print(row: dict[str, Any]) -> None:
           + "   bytes " + ", ".join(f"{k} {v / 1e6:.1f} MB" for k, v in b.items())
           + f"   (its own poll through the tree; names rank {_missing(row['ranks'])} alone: "
           f"{row['stragglers_named']})")
+    print(f"  {'/metrics':>10} gzip, gzip, plain: " + ", ".join(
+        f"{t:.2f} s ({c:.2f} CPU s; {n / 1e6:.1f} MB)"
+        for (t, c), n in zip(row["metrics_reps"], row["metrics_sizes"], strict=True))
+          + f"; names rank {_missing(row['ranks'])} missing alone: {row['metrics_names']}")
     if "overview_held_s" in row:
         c = row["overview_held_cpu"]
         print(f"  {'/ (held)':>10} {row['overview_held_s']:6.2f} s   CPU s/page "

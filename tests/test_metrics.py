@@ -4,6 +4,7 @@ asks no rank."""
 from __future__ import annotations
 
 import asyncio
+import zlib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -68,6 +69,11 @@ async def scrape(aiohttp_client: Any, fake_rank: Any) -> Any:
     """Scrape a frontend over rank 0 (stalled in all_reduce #4), rank 1 (never issued it,
     healthy) and rank 2 (unreachable) once its cycles came in; returns the response, the
     text and ``{name: [samples]}``."""
+    return await metrics_when(await _frontend(aiohttp_client, fake_rank), _ready)
+
+
+async def _frontend(aiohttp_client: Any, fake_rank: Any) -> Any:
+    """A test client of the ``scrape`` fixture's frontend."""
     dumps = synthetic.hang_job(2, n_entries=5, missing_rank=1)
     dumps[0]["pg_status"]["main_comm"] = {"last_enqueued_collective": 4,
                                           "last_started_collective": 4,
@@ -80,9 +86,8 @@ async def scrape(aiohttp_client: Any, fake_rank: Any) -> Any:
             closed_port_url()]
     # Cycles every 0.3 s (the hang watch's health poll and the frontend's FR cycle): the
     # scrape waits for both to have come in.
-    client = await aiohttp_client(make_frontend_app(
+    return await aiohttp_client(make_frontend_app(
         ServerConfig(port=0, fetch_timeout=2.0, dump_interval=0.3), StaticRegistry(urls)))
-    return await metrics_when(client, _ready)
 
 
 def _by(samples: dict[str, list[Any]], name: str, key: str = "rank") -> dict[str, float]:
@@ -94,6 +99,42 @@ async def test_metrics_is_prometheus_text_0_0_4(scrape: Any) -> None:
     assert resp.status == 200
     assert resp.headers["Content-Type"] == CONTENT_TYPE == "text/plain; version=0.0.4; charset=utf-8"
     assert "# HELP debug_server_stuck_seq " in text and "# TYPE debug_server_stuck_seq gauge" in text
+
+
+async def test_a_scrape_that_takes_gzip_gets_the_same_text_gzipped(aiohttp_client: Any,
+                                                                   fake_rank: Any) -> None:
+    """Prometheus asks ``Accept-Encoding: gzip``: the cycle's text is compressed once, each
+    scrape's own lines added to a copy of the compressor; one gzip member, the same text."""
+    client = await _frontend(aiohttp_client, fake_rank)
+    resp, text, _ = await metrics_when(client, _ready)
+    assert resp.headers["Content-Encoding"] == "gzip"  # aiohttp's client asks gzip, deflate
+    for _ in range(2):  # the second from the held compressor
+        got = await client.get("/metrics", headers={"Accept-Encoding": "gzip"},
+                               auto_decompress=False)
+        raw = await got.read()
+        assert got.headers["Content-Encoding"] == "gzip" and raw[:2] == b"\x1f\x8b"
+        one = zlib.decompressobj(31)
+        assert _cycle_lines(one.decompress(raw).decode()) == _cycle_lines(text)
+        assert one.eof and not one.unused_data  # one member, nothing after it
+    plain = await client.get("/metrics", headers={"Accept-Encoding": "gzip;q=0, identity"})
+    assert "Content-Encoding" not in plain.headers
+    assert _cycle_lines(await plain.text()) == _cycle_lines(text)
+
+
+def _cycle_lines(text: str) -> list[str]:
+    """The cycle's families (the scrape's own moment, ``NowCollector``'s, starts at the world
+    size) less how long the last FR cycle took: a cycle every 0.3 s here."""
+    cycle = text.partition("# HELP debug_server_world_size")[0]
+    assert cycle != text
+    return [line for line in cycle.splitlines() if "scrape_duration" not in line]
+
+
+@pytest.mark.parametrize(("header", "takes"), [
+    ("gzip", True), ("deflate, gzip;q=1.0, *;q=0.5", True), ("*", True), ("GZIP", True),
+    ("gzip;q=0", False), ("identity", False), ("", False), ("gzip;q=x", False),
+    ("br, deflate", False)])
+def test_takes_gzip_reads_the_accept_encoding_header(header: str, takes: bool) -> None:
+    assert metrics.takes_gzip(header) is takes
 
 
 async def test_metrics_show_the_stuck_sequence_number(scrape: Any) -> None:

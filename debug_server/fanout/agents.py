@@ -327,9 +327,9 @@ class AgentRoute:
             first = [await self._agent_fr(*plan[0], window, tags, parts, snaps)]
             known = members.known_param()
         direct_round = self._direct_local(direct, texts)
-        *rest_got, (direct_results, dumps) = await asyncio.gather(
+        rest_got, (direct_results, dumps) = await asyncio.gather(asyncio.gather(
             *(self._agent_fr(ag, rs, {**window, members.PARAM: known or ""}, tags, parts,
-                             snaps) for ag, rs in plan[len(first):]), direct_round)
+                             snaps) for ag, rs in plan[len(first):])), direct_round)
         results = list(direct_results)
         via: dict[int, AgentAddr] = {}
         rest = take_replies(plan, first + rest_got, results, dumps, via)
@@ -427,7 +427,8 @@ class AgentRoute:
         results: list[RankResult] = []
         dumps: dict[int, dict[str, Any]] = {}
         rest = list(plan.direct) + take_replies(plan.groups, parts, results, dumps, {})
-        first = {a.rank: {"pg_status": dict.fromkeys(since, {})} for a in rest}
+        first: dict[int, dict[str, Any]] = {
+            a.rank: {"pg_status": dict.fromkeys(since, {})} for a in rest}
         more, more_dumps = await self._direct_since(since, rest, first)
         results += more
         dumps.update(more_dumps)

@@ -223,7 +223,7 @@ async def pyspy_dump(request: web.Request) -> web.Response:
 
 
 @routes.get("/metrics")
-async def metrics(request: web.Request) -> web.Response:
+async def metrics(request: web.Request) -> web.StreamResponse:
     """From the frontend's last cycle (``LAST_CYCLE``): a scrape asks no rank. The post-mortem
     viewer's app has no cycles; its collector reads files, read on request."""
     _query(request, {})
@@ -235,7 +235,7 @@ async def metrics(request: web.Request) -> web.Response:
     slow = stragglers.held(app)
     slow_age = (max(0.0, time.time() - slow.last_at) if slow is not None
                 and slow.last_at is not None else None)
-    return await metrics_response(cycle, app[COLLECTOR].world_size,
+    return await metrics_response(request, cycle, app[COLLECTOR].world_size,
                                   len(watch.reports) if watch else 0,
                                   slow.last if slow is not None else None, slow_age)
 

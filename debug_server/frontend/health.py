@@ -197,7 +197,7 @@ def ranks_of(health: Iterable[RankHealth]) -> list[int]:
     return [h.rank for h in health]
 
 
-def _runs(health: Iterable[RankHealth]) -> Iterable[tuple[RankHealth, list[int] | None]]:
+def runs_of(health: Iterable[RankHealth]) -> Iterable[tuple[RankHealth, list[int] | None]]:
     """(record, its run's ranks) of a ``HealthSet``; (record, None) per record of any other."""
     if isinstance(health, HealthSet):
         return health.runs
@@ -211,7 +211,7 @@ def health_classes(health: Iterable[RankHealth]) -> list[HealthClass]:
     # A kind is read off the rank's shared dicts (``parse_health``): once per pair of them
     # (the first record of each pair is held, so the dicts' ids stay theirs meanwhile).
     by_dicts: dict[tuple[Any, ...], tuple[HealthClass, RankHealth]] = {}
-    for h, ranks in _runs(health):
+    for h, ranks in runs_of(health):
         key = (h.healthy, h.error, id(h.info), id(h.stalled_op))
         held = by_dicts.get(key)
         if held is None:

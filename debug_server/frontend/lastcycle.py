@@ -44,8 +44,9 @@ class FrPart:
     """Every rank the fetch asked."""
     answered: frozenset[int]
     """Ranks whose worker answered the fetch (any HTTP status)."""
-    seqs: Mapping[str, tuple[tuple[str, str, int], ...]]
-    """``SEQ_KEYS`` key -> ``(rank, group, seq)`` rows, from each rank's ``pg_status``."""
+    seqs: Mapping[str, tuple[tuple[str, int, tuple[int, ...]], ...]]
+    """``SEQ_KEYS`` key -> ``(group, seq, ranks)``: the ranks whose ``pg_status`` reads that
+    seq for that group (ranks in order; rows by group, then seq)."""
     at: float
     """``time.monotonic()`` when the analysis was done."""
     took_s: float
@@ -56,26 +57,35 @@ class FrPart:
     @classmethod
     def of(cls, fr: FrData, result: Mapping[str, Any], started: float, by: str) -> FrPart:
         """The part of one fetch and its analysis ``result``; ``started``: ``time.monotonic()``
-        when the fetch began. Off the event loop at scale (one pass over every rank's status)."""
-        rows: dict[str, list[tuple[str, str, int]]] = {k: [] for k in SEQ_KEYS}
-        for rank, dump in sorted(fr.dumps.items()):
+        when the fetch began. Ranks whose dumps share their ``pg_status`` by identity (the
+        fan-out's copies of ranks alike) are read once: a pass over every rank is a lookup."""
+        kinds: dict[int, tuple[Any, list[int]]] = {}  # id(pg_status) -> (it, its ranks)
+        for rank, dump in fr.dumps.items():
             status = dump.get("pg_status") if isinstance(dump, Mapping) else None
+            held = kinds.get(id(status))
+            if held is None:
+                kinds[id(status)] = (status, [rank])  # alive in its dump: its id is its own
+            else:
+                held[1].append(rank)
+        rows: dict[str, dict[tuple[str, int], list[int]]] = {k: {} for k in SEQ_KEYS}
+        for status, ranks in kinds.values():
             if not isinstance(status, Mapping):
                 continue
-            label = str(rank)  # one text per rank for all its rows (131072 ranks x 3 keys)
-            for group, st in sorted(status.items()):
+            for group, st in status.items():
                 if not isinstance(st, Mapping):
                     continue
                 for key in SEQ_KEYS:
                     v = st.get(key)
                     if isinstance(v, int) and not isinstance(v, bool):
-                        rows[key].append((label, str(group), v))
+                        rows[key].setdefault((str(group), v), []).extend(ranks)
         findings = tuple(f for f in result.get("findings", [])
                          if f.get("severity", "error") == "error")
         now = time.monotonic()
         return cls(findings, tuple(r.rank for r in fr.results),
                    frozenset(r.rank for r in fr.results if r.http_status is not None),
-                   {k: tuple(v) for k, v in rows.items()}, now, now - started, by)
+                   {k: tuple((g, seq, tuple(sorted(ranks)))
+                             for (g, seq), ranks in sorted(v.items())) for k, v in rows.items()},
+                   now, now - started, by)
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,8 +120,8 @@ class LastCycle:
         self.health: HealthPart | None = None
         self.fetching = 0
         """FR fetches for the FR part in flight now (the frontend's cycle waits for them)."""
-        self.memo: tuple[Any, bytes] | None = None
-        """``/metrics``' text of the current parts, keyed by what it was built from
+        self.memo: tuple[Any, Any] | None = None
+        """``/metrics``' text of the current parts (``metrics.CycleText``), keyed by what it was built from
         (``metrics.py``'s; the parts are replaced, never changed, so identity is the key)."""
 
     @property
