@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import random
+from collections import Counter
 from collections.abc import Iterator
 from typing import Any
 
@@ -72,20 +73,20 @@ class _Reference:
         missing, missing_n = gauge("missing_ranks", ["group", "seq", "rank"]), \
             gauge("missing_ranks_count", ["group", "seq"])
         stuck, kinds = gauge("stuck_seq", ["group", "op"]), gauge("findings", ["kind"])
-        by_kind: dict[str, int] = {}
-        lowest: dict[str, tuple[int, str]] = {}
-        for f in fr.findings if fr is not None else ():
-            kind, group, seq = str(f.get("kind")), str(f.get("group")), f.get("seq")
-            by_kind[kind] = by_kind.get(kind, 0) + 1
-            if kind == "missing_ranks":
-                for r in f.get("ranks", []):
-                    missing.add_metric([group, str(seq), str(r)], 1)
-                missing_n.add_metric([group, str(seq)], len(f.get("ranks", [])))
-            if isinstance(seq, int) and (group not in lowest or seq < lowest[group][0]):
-                lowest[group] = (seq, str(f.get("op")))
-        for group, (seq, op) in sorted(lowest.items()):
-            stuck.add_metric([group, op], seq)
-        for kind, n in sorted(by_kind.items()):
+        found = list(fr.findings) if fr is not None else []
+        for f in (f for f in found if f.get("kind") == "missing_ranks"):
+            where = [str(f.get("group")), str(f.get("seq"))]
+            for r in f.get("ranks", []):
+                missing.add_metric([*where, str(r)], 1)
+            missing_n.add_metric(where, len(f.get("ranks", [])))
+        # Per group, its first finding of the lowest seq (the one metrics names it by).
+        for group in sorted({str(f.get("group")) for f in found}):
+            at = [(f["seq"], str(f.get("op"))) for f in found
+                  if str(f.get("group")) == group and isinstance(f.get("seq"), int)]
+            if at:
+                seq, op = min(at, key=lambda t: t[0])
+                stuck.add_metric([group, op], seq)
+        for kind, n in sorted(Counter(str(f.get("kind")) for f in found).items()):
             kinds.add_metric([kind], n)
         yield from (missing, missing_n, stuck, kinds)
         if fr is not None:
