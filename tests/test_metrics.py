@@ -121,6 +121,19 @@ async def test_a_scrape_that_takes_gzip_gets_the_same_text_gzipped(aiohttp_clien
     assert _cycle_lines(await plain.text()) == _cycle_lines(text)
 
 
+async def test_head_of_metrics_sends_no_body(aiohttp_client: Any, fake_rank: Any) -> None:
+    """HEAD (which aiohttp routes to the GET handler) gets the headers alone, plain or gzip:
+    the next request on the same connection reads its own reply."""
+    client = await _frontend(aiohttp_client, fake_rank)
+    _, text, _ = await metrics_when(client, _ready)
+    for accept in ("identity", "gzip"):
+        head = await client.head("/metrics", headers={"Accept-Encoding": accept})
+        assert head.status == 200 and await head.read() == b""
+        assert int(head.headers["Content-Length"]) > 0
+        again = await client.get("/metrics", headers={"Accept-Encoding": "identity"})
+        assert _cycle_lines(await again.text()) == _cycle_lines(text)
+
+
 def _cycle_lines(text: str) -> list[str]:
     """The cycle's families (the scrape's own moment, ``NowCollector``'s, starts at the world
     size) less how long the last FR cycle took: a cycle every 0.3 s here."""

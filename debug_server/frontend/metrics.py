@@ -348,8 +348,9 @@ async def metrics_response(request: web.Request, cycle: LastCycle, world_size: i
         None, render, world_size, c, hang_reports, slow_age_s, cycle, gz)
     headers = {"Content-Type": CONTENT_TYPE, "Vary": "Accept-Encoding",
                **({"Content-Encoding": "gzip"} if gz else {})}
-    if len(chunks) == 1:
-        return web.Response(body=chunks[0], headers=headers)
+    if len(chunks) == 1 or request.method == "HEAD":  # a Response sends a HEAD no body
+        return web.Response(body=chunks[0] if len(chunks) == 1 else b"".join(chunks),
+                            headers=headers)
     resp = web.StreamResponse(headers=headers)
     resp.content_length = sum(map(len, chunks))
     await resp.prepare(request)
