@@ -231,7 +231,8 @@ def parse_fr(body: str, ag: AgentAddr, rs: Sequence[WorkerAddr]) -> _FrReply:
     records of each part read with the FR (``agentwire.READ_PARTS``) that it carries, by name:
     the stacks where it was asked ``stacks=true``, the health where ``health=true``."""
     obj = _load(body)
-    tag = obj.get(agentwire.TAG) if isinstance(obj.get(agentwire.TAG), str) else ""
+    got_tag = obj.get(agentwire.TAG)
+    tag = got_tag if isinstance(got_tag, str) else ""
     parts: dict[str, list[RankResult]] = {}
     for name in agentwire.READ_PARTS:
         part = obj.get(name)
@@ -279,7 +280,8 @@ def parse_fr(body: str, ag: AgentAddr, rs: Sequence[WorkerAddr]) -> _FrReply:
         if not isinstance(d, dict):
             r.status, r.error = FAILED, f"rank {r.rank}: the agent sent no dump"
             continue
-        for e in d.get("entries") if isinstance(d.get("entries"), list) else ():
+        entries = d.get("entries")
+        for e in entries if isinstance(entries, list) else ():
             i = e.get("frames") if isinstance(e, dict) else None
             if type(i) is int:  # one shared list per distinct stack (agent.share_frames)
                 if not 0 <= i < len(frame_sets):
