@@ -16,9 +16,13 @@ with what is known (``world_size``, ``cycle_ready 0``, the hang reports, empty f
 The post-mortem viewer (a collector of files, no ranks) has no cycles: its ``/metrics`` reads
 the chosen dump cycle's files on request (``read_now``).
 
-A custom collector turns a cycle into metric families in a private ``CollectorRegistry`` (never
-the process-global one, so nothing leaks between apps or tests); the families of one cycle are
-rendered once and reused until a part changes. Exposition is the Prometheus text format 0.0.4.
+A cycle's families (``cycle_families``) are written by ``promtext`` as classes: ranks that share
+a value and labels are one label text, their lines joined in C (at 131072 ranks, 1.4 million
+samples, ``prometheus_client`` took 9 s of CPU for them); they are rendered once and reused until
+a part changes, and gzipped once per cycle for scrapes that take gzip (``CycleText``). The
+scrape's own moment (``NowCollector``: world size, readiness, ages, reports) is a custom
+collector in a private ``CollectorRegistry`` (never the process-global one, so nothing leaks
+between apps or tests). Exposition is the Prometheus text format 0.0.4.
 
 Metrics (labels in braces; ``rank`` is the global rank, ``group`` the communicator):
 
