@@ -53,8 +53,8 @@ def _rss_mb() -> float:
 
 def run(world: int, how: str) -> dict[str, Any]:
     from debug_server.analysis import stragglers
-    from debug_server.fanout import fastjson
     from debug_server.fanout.transport import settle_gc
+    from debug_server.protocol import fastjson
 
     settle_gc()  # as the frontend's process does
     members = str(list(range(world)))

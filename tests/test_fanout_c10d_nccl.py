@@ -13,12 +13,12 @@ import aiohttp
 from aiohttp import web
 from fakefleet import c10d_dump, c10d_empty_dump, c10d_nccl_dump, make_c10d_worker_app
 
-from debug_server.fanout import c10d_workers, fastjson
+from debug_server.fanout import c10d_workers
 from debug_server.fanout.leanhttp import LeanClient
 from debug_server.fanout.live import LiveCollector
 from debug_server.fanout.reply import FrData
 from debug_server.frontend.dumps import analyze_fr
-from debug_server.protocol import members
+from debug_server.protocol import fastjson, members
 from debug_server.readers.storeview import StaticRegistry
 from debug_server.tools import synthetic
 

@@ -1,4 +1,4 @@
-"""``fanout.fastjson``: the same values as ``json`` for what the fan-outs parse and write,
+"""``protocol.fastjson``: the same values as ``json`` for what the fan-outs parse and write,
 with ``orjson`` and without it (a source tree run where it is missing)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from debug_server.fanout import fastjson
+from debug_server.protocol import fastjson
 from debug_server.tools import synthetic
 
 _DUMP = synthetic.hang_job(4, n_entries=5, missing_rank=3)[0]

@@ -16,10 +16,9 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from debug_server.analysis.digest import SNAPSHOT_TIME_KEY
-from debug_server.fanout import fastjson
 from debug_server.fanout.reply import FrData
 from debug_server.fanout.transport import RankResult
-from debug_server.protocol import addrs, members
+from debug_server.protocol import addrs, fastjson, members
 from debug_server.protocol.agentwire import NOT_ASKED_DATA, TAG, StackClasses
 
 

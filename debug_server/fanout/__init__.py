@@ -20,6 +20,6 @@ for the digests' memo). It never imports ``frontend``, ``agent`` or ``recording`
 - ``agents``: ``AgentRoute``, the route through one agent per host (it returns what it left,
   never calls the collector), and ``collector_for``
   (the frontend's collector); ``agentreply`` reads an agent's replies;
-- ``pagefirst``: a page's requests before the background polls'; ``fastjson``: orjson where
-  installed.
+- ``pagefirst``: a page's requests before the background polls' (JSON goes through
+  ``protocol.fastjson``: orjson where installed).
 """

@@ -18,9 +18,8 @@ from operator import attrgetter
 from typing import Any
 
 from debug_server.analysis.digest import SNAPSHOT_TIME_KEY
-from debug_server.fanout import fastjson
 from debug_server.fanout.transport import FAILED, OK, RankResult
-from debug_server.protocol import addrs, agentwire, members
+from debug_server.protocol import addrs, agentwire, fastjson, members
 from debug_server.protocol.addrs import NOT_REGISTERED, WorkerAddr
 
 

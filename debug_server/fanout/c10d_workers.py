@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from debug_server.fanout import fastjson
+from debug_server.protocol import fastjson
 from debug_server.protocol.frwindow import ACTIVE_KEY as _ACTIVE_KEY
 from debug_server.protocol.frwindow import WINDOW_KEY as _WINDOW_KEY
 

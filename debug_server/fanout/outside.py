@@ -29,9 +29,9 @@ from dataclasses import replace
 from typing import Any
 
 from debug_server.errors import first_line
-from debug_server.fanout import fastjson
 from debug_server.fanout.asker import QUIET_ASK_S, REREAD_S, Asker, Quiet
 from debug_server.fanout.transport import OK, TIMED_OUT, UNREACHABLE, RankResult, fetch_one
+from debug_server.protocol import fastjson
 from debug_server.protocol.addrs import WorkerAddr
 from debug_server.protocol.names import PID
 from debug_server.readers import procstate, pyspy

@@ -43,14 +43,13 @@ from typing import Any
 from debug_server.analysis import stragglers
 from debug_server.analysis.digest import SNAPSHOT_TIME_KEY
 from debug_server.analysis.stragglers import Clock, Run
-from debug_server.fanout import fastjson
 from debug_server.fanout.agentdir import GROUP_ID_PREFIX
 from debug_server.fanout.agentreply import AgentAddr
 from debug_server.fanout.agents import AgentRoute
 from debug_server.fanout.live import LiveCollector
 from debug_server.fanout.reply import INLINE_BYTES, parse_off_loop
 from debug_server.fanout.transport import RankResult
-from debug_server.protocol import agentwire, frwindow
+from debug_server.protocol import agentwire, fastjson, frwindow
 from debug_server.protocol.addrs import NOT_REGISTERED, WorkerAddr
 from debug_server.protocol.names import FR_HANDLER, INCLUDE_COLLECTIVES
 

@@ -26,9 +26,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from debug_server.errors import first_line
-from debug_server.fanout import c10d_workers, fastjson
+from debug_server.fanout import c10d_workers
 from debug_server.fanout.transport import FAILED, RankResult
-from debug_server.protocol import activecover, frtext, frwindow, members
+from debug_server.protocol import activecover, fastjson, frtext, frwindow, members
 from debug_server.protocol.names import SINCE, WINDOW
 from debug_server.protocol.wire import split_stacks
 

@@ -29,9 +29,9 @@ from urllib.parse import urlencode
 import aiohttp
 
 from debug_server.errors import first_line
-from debug_server.fanout import fastjson
 from debug_server.fanout.leanhttp import BodyTooLarge, LeanClient, ProtocolError
 from debug_server.fanout.pagefirst import PageFirstSemaphore
+from debug_server.protocol import fastjson
 from debug_server.protocol.addrs import NOT_REGISTERED, WorkerAddr
 
 logger = logging.getLogger(__name__)

@@ -29,7 +29,8 @@ def rank_rows(results: Sequence[RankResult],
     """Each rank's record as the JSON pages list it: ``summary()`` and ``line()``; with
     ``stacks``, its process as read on its host (``process``). What all but a rank's number and
     URL say is made once per kind of record (ranks that answered alike through an agent share
-    status, error, time and note): 131072 rows of records alike in 0.09-0.12 s, not 0.21-0.25 s, on the page's loop."""
+    status, error, time and note): 131072 rows of records alike in 0.09-0.12 s, not
+    0.21-0.25 s, on the page's loop."""
     procs = {r.rank: r.process for r in stacks if r.process is not None}
     kinds: dict[tuple[Any, ...], tuple[dict[str, Any], str]] = {}
     out = []

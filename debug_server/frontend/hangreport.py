@@ -26,7 +26,6 @@ from typing import Any
 
 from debug_server.analysis import stackparse
 from debug_server.analysis.verdict import category_line
-from debug_server.fanout import fastjson
 from debug_server.fanout.collector import Collector
 from debug_server.fanout.pagefirst import poll_forever
 from debug_server.fanout.transport import TIMED_OUT, RankResult
@@ -58,6 +57,7 @@ from debug_server.frontend.health import (
     ranks_of,
 )
 from debug_server.frontend.lastcycle import FrPart, HealthPart, LastCycle
+from debug_server.protocol import fastjson
 from debug_server.protocol.names import HEALTH_HANDLER
 from debug_server.readers import procstate
 

@@ -121,8 +121,8 @@ class LastCycle:
         self.fetching = 0
         """FR fetches for the FR part in flight now (the frontend's cycle waits for them)."""
         self.memo: tuple[Any, Any] | None = None
-        """``/metrics``' text of the current parts (``metrics.CycleText``), keyed by what it was built from
-        (``metrics.py``'s; the parts are replaced, never changed, so identity is the key)."""
+        """``/metrics``' text of the current parts (``metrics.CycleText``), keyed by what it
+        was built from (the parts are replaced, never changed, so identity is the key)."""
 
     @property
     def fr(self) -> FrPart | None:

@@ -18,8 +18,8 @@ import jinja2
 from aiohttp import web
 
 from debug_server.config import ServerConfig
-from debug_server.fanout import fastjson
 from debug_server.fanout.collector import Collector
+from debug_server.protocol import fastjson
 from debug_server.protocol.addrs import Registry
 
 FORMATS = ("html", "text", "json")

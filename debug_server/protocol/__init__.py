@@ -5,7 +5,8 @@ agent's key and rank lists), ``names`` (every handler and parameter name below, 
 as literals), ``wire`` (the two routes, the stacks separator, ``HandlerError``), ``agentwire``
 (the agent's routes and parameters), ``frwindow`` (windows: which FR entries a page needs),
 ``frtext`` (cutting c10d's ring text to a window), ``activecover`` (an ``onlyactive`` reply read
-as a cut), ``members`` (member lists sent once: ``pgknown``). Pure: no torch, no recording.
+as a cut), ``members`` (member lists sent once: ``pgknown``), ``fastjson`` (JSON by ``orjson``
+where installed, the same values as ``json``). Pure: no torch, no recording.
 
 **Routes.** Workers (``rank.worker``) and agents (``agent.app``) serve the paths of torch's C++
 ``WorkerServer``: ``GET /handler/`` lists the handler names as JSON; ``POST

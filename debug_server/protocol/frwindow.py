@@ -289,9 +289,9 @@ def window(dump: Mapping[str, Any], since: Mapping[str, int]) -> dict[str, Any]:
     Groups not in ``since`` keep every entry; malformed entries are kept for the analyzer to
     report. Idempotent: cutting a cut dump again keeps the ring facts of the first cut.
     """
-    entries = dump.get("entries")
-    if not isinstance(entries, list) or _cut_at(dump, since):
+    if _as_it_is(dump, since):
         return dict(dump)
+    entries = dump["entries"]
     picked, oldest = _pick(entries, since)
     out = dict(dump)
     out["entries"] = [entries[i] for i in picked]
@@ -315,7 +315,7 @@ def window_all(dumps: Mapping[int, Mapping[str, Any]],
         k = (id(d.get("entries")), id(d.get(WINDOW_KEY)))
         held = cuts.get(k)
         if held is None:
-            if not isinstance(d.get("entries"), list) or _cut_at(d, since):
+            if _as_it_is(d, since):
                 cuts[k] = (d, None)  # d keeps the ids of k alive while this runs
                 out[r] = d
                 continue
@@ -333,6 +333,12 @@ def window_all(dumps: Mapping[int, Mapping[str, Any]],
             w[WINDOW_KEY] = cut[WINDOW_KEY]
         out[r] = w
     return out
+
+
+def _as_it_is(dump: Mapping[str, Any], since: Mapping[str, int]) -> bool:
+    """Whether cutting ``dump`` at ``since`` keeps it as it is: no entries list to cut, or
+    cut there already."""
+    return not isinstance(dump.get("entries"), list) or _cut_at(dump, since)
 
 
 def _cut_at(dump: Mapping[str, Any], since: Mapping[str, int]) -> bool:

@@ -104,17 +104,16 @@ def _keys(world_size: int) -> tuple[list[str], list[str]]:
 
 def lookup_workers(store: dist.Store, world_size: int, restart_count: int) -> list[WorkerAddr]:
     """One ``WorkerAddr`` per rank; never waits for a key that is not there."""
-    url_keys, all_meta_keys = _keys(world_size)
+    url_keys, meta_keys = _keys(world_size)
     here = present(store, url_keys)
     present_ranks = [r for r in range(world_size) if here[r]]
-    meta_keys = all_meta_keys if len(present_ranks) == world_size else \
-        [all_meta_keys[r] for r in present_ranks]
+    if len(present_ranks) < world_size:  # the keys of the ranks registered
+        url_keys = [url_keys[r] for r in present_ranks]
+        meta_keys = [meta_keys[r] for r in present_ranks]
     # One round trip per chunk where every rank has its sidecar (ours do).
     with_meta = [(r, k) for r, k, m in zip(present_ranks, meta_keys, present(store, meta_keys),
                                           strict=True) if m]
-    got_urls = dict(zip(present_ranks, get_many(
-        store, url_keys if len(present_ranks) == world_size else
-        [url_keys[r] for r in present_ranks]), strict=True))
+    got_urls = dict(zip(present_ranks, get_many(store, url_keys), strict=True))
     got_metas = dict(zip((r for r, _ in with_meta), get_many(store, [k for _, k in with_meta]),
                          strict=True))
     metas = meta_dicts(got_metas)

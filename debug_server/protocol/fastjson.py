@@ -1,4 +1,5 @@
-"""JSON on the hot paths of a fan-out (replies parsed and made by the thousand per page).
+"""JSON on the hot paths of the wire (replies parsed and made by the thousand per page, every
+rank's registration sidecar read at once).
 
 ``orjson`` where it is installed (a dependency of the package; parsing a rank's FR window takes
 a third of the time, making an agent's reply a tenth), else the standard library. Both give the
