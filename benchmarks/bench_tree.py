@@ -483,7 +483,7 @@ def _measure(world: int, store_port: int, reps: int, pids: dict[str, list[int]],
         fr = json.loads(body)
         row["verdict"] = fr["verdict"]
         row["json_mb"] = len(body) / 1e6
-        row["via_agg"] = sum(1 for r in fr["ranks"] if "via agent agg-" in (r.get("note") or ""))
+        row["via_agg"] = _via_aggregator(fr["ranks"])
         for key, path in PAGES:
             _trace(path)
             spy = _profile(groups, key)
@@ -683,6 +683,15 @@ def _profile(groups: dict[str, list[int]], key: str) -> subprocess.Popen[bytes] 
 
 def ff_cpu(pids: list[int]) -> float:
     return sum(ff.cpu_s(p) for p in pids)
+
+
+def _via_aggregator(rows: list[dict[str, Any]]) -> int:
+    """Ranks the JSON page's rows say came through an aggregator (a row of ranks alike names
+    them as ``global_ranks``: ``fetchfacts.rank_rows``)."""
+    from debug_server.protocol.addrs import parse_ranks
+
+    return sum(len(parse_ranks(r["global_ranks"])) if "global_ranks" in r else 1
+               for r in rows if "via agent agg-" in (r.get("note") or ""))
 
 
 def _stacks_apart(html: bytes, world: int) -> bool:

@@ -148,7 +148,7 @@ async def test_agent_fr_reply_carries_the_hosts_mismatch_signatures(agent_fleet:
         reply = await resp.json()
     newest = max(int(seq) for seq in reply["signatures"]["main_comm"])
     (sig, ranks), = reply["signatures"]["main_comm"][str(newest)].items()
-    assert json.loads(sig)[0] == "all_reduce" and ranks == [4, 5, 7]
+    assert json.loads(sig)[0] == "all_reduce" and ranks == "4-5,7"
 
 
 async def test_health_poll_goes_through_agents(agent_fleet: dict[str, Any]) -> None:

@@ -21,6 +21,7 @@ from debug_server.analysis.digest import SNAPSHOT_TIME_KEY, DigestMemo, digest_d
 from debug_server.fanout.live import LiveCollector
 from debug_server.frontend.dumps import analyze_fr
 from debug_server.protocol import agentwire
+from debug_server.protocol.agentwire import read_classes_obj, read_times_obj
 from debug_server.rank.worker import StaticProvider
 from debug_server.tools import synthetic
 
@@ -124,13 +125,17 @@ async def test_agent_answers_unchanged_only_to_the_tag_of_its_last_reply(
     same = await _post(f"{url}&tag={whole['tag']}")
     other = await _post(f"{url}&tag=0123456789abcdef01234567")
     assert same["unchanged"] is True and "dumps" not in same and same["tag"] == whole["tag"]
-    assert sorted(same["snap"]) == ["4", "5", "6", "7"]
+    snap = read_times_obj(same["snap"])
+    assert same["snap"]["ranks"] == "4-7" and sorted(snap) == [4, 5, 6, 7]
     # A rank whose window reads as another's goes as that rank's, with its own read time.
-    sent = {r: d[SNAPSHOT_TIME_KEY] for r, d in whole["dumps"].items()}
-    sent.update({r: t for r, (_, t) in whole.get("same", {}).items()})
-    assert all(same["snap"][r] > sent[r] for r in same["snap"])
-    assert "unchanged" not in other and sorted([*other["dumps"], *other.get("same", {})]) == \
-        ["4", "5", "6", "7"]
+    sent = {int(r): d[SNAPSHOT_TIME_KEY] for r, d in whole["dumps"].items()}
+    for _, times in read_classes_obj(whole.get("same", [])):
+        sent.update(times)
+    assert sorted(sent) == [4, 5, 6, 7]
+    assert all(snap[r] > sent[r] for r in snap)
+    assert "unchanged" not in other and sorted(
+        [*map(int, other["dumps"]), *(r for _, t in read_classes_obj(other.get("same", []))
+                                      for r in t)]) == [4, 5, 6, 7]
 
 
 async def test_an_unchanged_reply_for_dumps_no_longer_held_is_asked_again_plainly(

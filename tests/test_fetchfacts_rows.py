@@ -7,6 +7,7 @@ import random
 
 from debug_server.fanout.transport import GONE, OK, TIMED_OUT, UNREACHABLE, RankResult
 from debug_server.frontend.fetchfacts import rank_rows
+from debug_server.protocol.addrs import parse_ranks
 
 
 def _old(results: list[RankResult], stacks: list[RankResult]) -> list[dict[str, object]]:
@@ -34,3 +35,44 @@ def test_rows_read_as_each_record_s_summary_and_line() -> None:
         assert rows == _old(results, stacks)
         assert [list(r) for r in rows] == [list(r) for r in _old(results, stacks)]  # key order
         assert len({id(r) for r in rows}) == len(rows)  # each row its own dict
+
+
+def test_above_the_limit_ranks_alike_are_one_row_that_says_what_each_record_says() -> None:
+    """Above the limit, every rank is in exactly one row; a class row says what each of its
+    ranks' records says but for URL and time (the longest time), and a rank read from outside
+    keeps its own row, as below the limit."""
+    rnd = random.Random(5)
+    for _ in range(100):
+        results, stacks = [], []
+        for rank in range(rnd.randrange(2, 60)):
+            status = rnd.choice((OK, OK, OK, TIMED_OUT, UNREACHABLE, GONE))
+            results.append(RankResult(
+                rank, f"http://h:{rank}", status, None, rnd.choice((None, "refused")),
+                rnd.choice((0.01, 0.25, 0.012345)), rnd.choice((None, 200)),
+                rnd.choice((None, "via agent agg-0", "gone at 03:00")), 0, None,
+                rnd.choice((None,) * 5 + ({"state": "D", "rank": rank},))))
+            if rnd.random() < 0.1:
+                stacks.append(RankResult(rank, None, OK, "", process={"state": "R"}))
+        rows = rank_rows(results, stacks, limit=1)
+        full = {r["rank"]: r for r in rank_rows(results, stacks)}
+        seen: list[int] = []
+        for row in rows:
+            ranks = parse_ranks(row["global_ranks"]) if "global_ranks" in row else [row["rank"]]
+            seen += ranks
+            if "global_ranks" not in row:
+                assert row == full[row["rank"]]
+                continue
+            assert row["rank"] == ranks[0] and len(ranks) > 1 and row["url"] is None
+            assert [k for k in row if k != "global_ranks"] == list(full[ranks[0]])
+            for r in ranks:
+                each = full[r]
+                assert "process" not in each
+                assert {k: v for k, v in each.items() if k not in ("rank", "url", "elapsed_s",
+                                                                   "line")} == \
+                    {k: v for k, v in row.items() if k not in ("rank", "url", "elapsed_s",
+                                                              "line", "global_ranks")}
+                assert each["elapsed_s"] <= row["elapsed_s"]
+            assert row["elapsed_s"] == max(full[r]["elapsed_s"] for r in ranks)
+            assert row["line"].startswith(f"ranks {row['global_ranks']}: ")
+        assert sorted(seen) == sorted(r.rank for r in results)
+        assert [r["rank"] for r in rows] == sorted(r["rank"] for r in rows)

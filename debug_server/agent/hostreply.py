@@ -19,7 +19,15 @@ from debug_server.analysis.digest import SNAPSHOT_TIME_KEY
 from debug_server.fanout.reply import FrData
 from debug_server.fanout.transport import RankResult
 from debug_server.protocol import addrs, fastjson, members
-from debug_server.protocol.agentwire import NOT_ASKED_DATA, TAG, StackClasses
+from debug_server.protocol.agentwire import (
+    NOT_ASKED_DATA,
+    SAME,
+    SNAP,
+    TAG,
+    StackClasses,
+    classes_obj,
+    times_obj,
+)
 
 
 def records(results: Sequence[RankResult], with_body: bool) -> tuple[list[dict[str, Any]],
@@ -70,9 +78,10 @@ def _row(r: RankResult, body: int | None) -> dict[str, Any]:
     return row
 
 
-def signatures(dumps: Mapping[int, Mapping[str, Any]]) -> dict[str, dict[str, dict[str, list[int]]]]:
+def signatures(dumps: Mapping[int, Mapping[str, Any]]) -> dict[str, dict[str, dict[str, str]]]:
     """Per group and collective seq, each distinct ``op sizes dtypes`` with the ranks that issued
-    it: the host's part of the mismatch check, in a few bytes per op."""
+    it (their range text, ``0-1023``): the host's part of the mismatch check, in a few bytes per
+    op whatever the ranks (an aggregator's thousand ranks that agree are one short text)."""
     out: dict[str, dict[str, dict[str, list[int]]]] = {}
     texts: dict[str, str] = {}  # repr of the fields -> their JSON (one encode per distinct op)
     for rank, d in sorted(dumps.items()):
@@ -92,7 +101,8 @@ def signatures(dumps: Mapping[int, Mapping[str, Any]]) -> dict[str, dict[str, di
             if sig is None:
                 sig = texts[key] = json.dumps(fields, separators=(",", ":"))
             out.setdefault(g, {}).setdefault(str(seq), {}).setdefault(sig, []).append(rank)
-    return out
+    return {g: {seq: {sig: addrs.format_ranks(rs) for sig, rs in sigs.items()}
+                for seq, sigs in by_seq.items()} for g, by_seq in out.items()}
 
 
 def share_lists(dumps: Mapping[int, Mapping[str, Any]],
@@ -170,24 +180,25 @@ def read_parts(parts: Parts | None) -> dict[str, Any]:
     return out
 
 
-def read_times(results: Sequence[RankResult]) -> dict[str, int | None]:
-    """Each answering rank's read time (``dump_time_ns``), read off its reply text (no parse)."""
-    snap: dict[str, int | None] = {}
+def read_times(results: Sequence[RankResult]) -> dict[str, Any]:
+    """Each answering rank's read time (``dump_time_ns``), read off its reply text (no parse),
+    as the wire sends them (``agentwire.times_obj``)."""
+    snap: dict[int, int | None] = {}
     for r in results:
         if r.ok:
             m = _SNAP_RE.search(r.body or "")
-            snap[str(r.rank)] = int(m.group(0).rpartition(":")[2]) if m else None
-    return snap
+            snap[r.rank] = int(m.group(0).rpartition(":")[2]) if m else None
+    return times_obj(snap)
 
 
 def unchanged_reply(host: str, results: Sequence[RankResult], tag: str,
                     parts: Parts | None = None,
-                    snap: Mapping[str, int | None] | None = None) -> str:
+                    snap: Mapping[str, Any] | None = None) -> str:
     """The records and each rank's read time, read off its reply text (no parse) unless
     given (``snap``: an aggregator's, from the dumps its hosts sent)."""
     rows, _ = records(results, with_body=False)
     return fastjson.dumps({"host": host, "ranks": rows, TAG: tag, "unchanged": True,
-                           "snap": read_times(results) if snap is None else snap,
+                           SNAP: read_times(results) if snap is None else snap,
                            **read_parts(parts)})
 
 
@@ -218,10 +229,11 @@ def fold_stacks(results: Sequence[RankResult] | None) -> None:
             r.body = first.setdefault(class_of(r.body), r.body)
 
 
-def dump_times(dumps: Mapping[int, Mapping[str, Any]]) -> dict[str, int | None]:
-    """Each rank's read time from its parsed dump (an aggregator's ranks' bodies are parsed)."""
-    return {str(r): t if type(t := d.get(SNAPSHOT_TIME_KEY)) is int else None
-            for r, d in dumps.items()}
+def dump_times(dumps: Mapping[int, Mapping[str, Any]]) -> dict[str, Any]:
+    """Each rank's read time from its parsed dump (an aggregator's ranks' bodies are parsed),
+    as the wire sends them (``agentwire.times_obj``)."""
+    return times_obj({r: t if type(t := d.get(SNAPSHOT_TIME_KEY)) is int else None
+                      for r, d in dumps.items()})
 
 
 def group_tag(q: Mapping[str, str], results: Sequence[RankResult], key: Any) -> str:
@@ -241,14 +253,14 @@ def group_tag(q: Mapping[str, str], results: Sequence[RankResult], key: Any) -> 
     return "g" + h.hexdigest()
 
 
-def share_same(dumps: Mapping[str, Mapping[str, Any]]) -> tuple[dict[str, Any],
-                                                                 dict[str, list[Any]]]:
-    """Ranks whose dumps read the same but for their read time, as one dump: ``"same"`` maps
-    each other rank to ``[rank sent, its read time]``. What goes up a level grows with the
-    distinct behaviours, not with the ranks (an aggregator's thousand ranks in a few dumps)."""
+def share_same(dumps: Mapping[str, Mapping[str, Any]]) -> tuple[dict[str, Any], list[Any]]:
+    """Ranks whose dumps read the same but for their read time, as one dump: ``"same"`` lists
+    each dump sent with the other ranks that read as it and their own read times
+    (``agentwire.classes_obj``). What goes up a level grows with the distinct behaviours, not
+    with the ranks (an aggregator's thousand ranks in a few dumps)."""
     first: dict[str, str] = {}
     out: dict[str, Any] = {}
-    same: dict[str, list[Any]] = {}
+    same: dict[int, dict[int, int | None]] = {}
     for r, d in dumps.items():
         rest = {k: v for k, v in d.items() if k != SNAPSHOT_TIME_KEY}
         text = fastjson.dumps(rest, default=str)
@@ -258,8 +270,8 @@ def share_same(dumps: Mapping[str, Mapping[str, Any]]) -> tuple[dict[str, Any],
             out[r] = d
         else:
             t = d.get(SNAPSHOT_TIME_KEY)
-            same[r] = [int(rep), t if type(t) is int else None]
-    return out, same
+            same.setdefault(int(rep), {})[int(r)] = t if type(t) is int else None
+    return out, classes_obj(same)
 
 
 
@@ -269,19 +281,19 @@ def data_part(fr: FrData, known: frozenset[str]) -> str:
     dumps, lists = share_lists(fr.dumps, known)
     dumps, frame_sets = share_frames(dumps)
     dumps, same = share_same(dumps)
-    return fastjson.dumps({"dumps": dumps, "same": same, "lists": lists, "frames": frame_sets,
+    return fastjson.dumps({"dumps": dumps, SAME: same, "lists": lists, "frames": frame_sets,
                            "window": fr.window, "signatures": signatures(fr.dumps)}, default=str)
 
 
 def with_part(host: str, results: Sequence[RankResult], tag: str, part: str,
-              parts: Parts | None, snap: Mapping[str, int | None] | None,
+              parts: Parts | None, snap: Mapping[str, Any] | None,
               ) -> str:
     """A full reply: this ask's records (and its read parts, and read times where the data part was
     made for an earlier ask) around the data part's text (``data_part``: an object, whose
     members follow the head's)."""
     rows, _ = records(results, with_body=False)
     head = fastjson.dumps({"host": host, "ranks": rows, TAG: tag,
-                           **({"snap": snap} if snap is not None else {}),
+                           **({SNAP: snap} if snap is not None else {}),
                            **read_parts(parts)}, default=str)
     return head[:-1] + "," + part[1:]
 

@@ -18,7 +18,7 @@ from operator import attrgetter
 from typing import Any
 
 from debug_server.analysis.digest import SNAPSHOT_TIME_KEY
-from debug_server.fanout.transport import FAILED, OK, RankResult
+from debug_server.fanout.transport import FAILED, GONE, OK, RankResult
 from debug_server.protocol import addrs, agentwire, fastjson, members
 from debug_server.protocol.addrs import NOT_REGISTERED, WorkerAddr
 
@@ -240,13 +240,13 @@ def parse_fr(body: str, ag: AgentAddr, rs: Sequence[WorkerAddr]) -> _FrReply:
                 raise ValueError(f"{name} is not an object")
             parts[name] = _grouped_records(part, ag, rs, name)
     if obj.get("unchanged") is True:
-        snap = obj.get("snap")
-        if not isinstance(snap, dict) or not tag:
+        snap = obj.get(agentwire.SNAP)
+        if snap is None or not tag:
             raise ValueError("an unchanged reply without its tag or read times")
         # An answered rank's body is "" (its dump is the held one), as in a full reply.
         recs = _held_rows(obj["ranks"], ag, _urls(rs), "fr", lambda row: "" if isinstance(
             row, dict) and row.get("status") == OK else None)
-        return recs, {}, tag, snap, parts
+        return recs, {}, tag, agentwire.read_times_obj(snap), parts
     lists, raw = obj.get("lists", {}), obj.get("dumps", {})
     if not isinstance(lists, dict) or not isinstance(raw, dict):
         raise ValueError("lists or dumps is not an object")
@@ -258,27 +258,22 @@ def parse_fr(body: str, ag: AgentAddr, rs: Sequence[WorkerAddr]) -> _FrReply:
         raise ValueError("frames is not a list")
     # A full reply the agent made for an earlier ask (agent.LAST_FULL) carries this ask's
     # read times apart.
-    fresh = obj.get("snap")
-    if fresh is not None and not isinstance(fresh, dict):
-        raise ValueError("snap is not an object")
-    same = obj.get("same", {})
-    if not isinstance(same, dict):
-        raise ValueError("same is not an object")
+    fresh = obj.get(agentwire.SNAP)
+    fresh_times = agentwire.read_times_obj(fresh) if fresh is not None else None
+    classes = agentwire.read_classes_obj(obj.get(agentwire.SAME, []))
     urls = _urls(rs)
-    rows = [(row, _records(row, ag, urls, None)) for row in obj["ranks"]]
+    # An answered rank's body is "" (its dump is parsed already; the snapshot keys on a body).
+    rows = [(row, _records(row, ag, urls, "" if isinstance(row, dict) and row.get(
+        "status") in (OK, GONE) else None)) for row in obj["ranks"]]
     recs = [r for _, row_recs in rows for r in row_recs]
+    answered = {r.rank: r for r in recs if r.ok}
     dumps: dict[int, dict[str, Any]] = {}
-    later: list[tuple[RankResult, Any]] = []
-    for r in recs:
-        d = raw.get(str(r.rank))
-        if not r.ok:
-            continue
-        if d is None and str(r.rank) in same:
-            later.append((r, same[str(r.rank)]))
+    for key, d in raw.items():
+        rank = int(key) if key.isascii() and key.isdigit() else -1
+        if rank not in answered:
             continue
         if not isinstance(d, dict):
-            r.status, r.error = FAILED, f"rank {r.rank}: the agent sent no dump"
-            continue
+            continue  # no dump of this rank: failed below
         entries = d.get("entries")
         for e in entries if isinstance(entries, list) else ():
             i = e.get("frames") if isinstance(e, dict) else None
@@ -288,21 +283,22 @@ def parse_fr(body: str, ag: AgentAddr, rs: Sequence[WorkerAddr]) -> _FrReply:
                 e["frames"] = frame_sets[i]
         members.inline(d)
         members.learn(d)
-        dumps[r.rank] = d if fresh is None else with_snap(d, fresh.get(str(r.rank)))
-        r.body = ""  # answered (the dump is parsed already); the snapshot keys on a body
-    for r, pair in later:
-        # A rank whose dump read the same as another's (``hostreply.share_same``): its own top
-        # level (its read time) over the other's parts, shared by identity, which the analysis
-        # and the window's cut read once for all of them.
-        if not (isinstance(pair, list) and len(pair) == 2 and type(pair[0]) is int):
-            raise ValueError("a same entry is not [rank, read time]")
-        rep = dumps.get(pair[0])
-        if rep is None:
-            r.status, r.error = FAILED, f"rank {r.rank}: the agent sent no dump"
-            continue
-        snap = fresh.get(str(r.rank)) if fresh is not None else pair[1]
-        dumps[r.rank] = with_snap(rep, snap)
-        r.body = ""
+        dumps[rank] = d if fresh_times is None else with_snap(d, fresh_times.get(rank))
+    for rep, times in classes:
+        # Ranks whose dumps read the same as another's (``hostreply.share_same``): each its own
+        # top level (its read time) over the other's parts, shared by identity, which the
+        # analysis and the window's cut read once for all of them.
+        base = dumps.get(rep)
+        if base is None:
+            continue  # failed below
+        if fresh_times is not None:
+            times = {r: fresh_times.get(r) for r in times}
+        dumps.update({r: with_snap(base, t) for r, t in times.items()
+                      if r in answered and r not in dumps})
+    if len(dumps) < len(answered):
+        for r in recs:
+            if r.ok and r.rank not in dumps:
+                r.status, r.error, r.body = FAILED, f"rank {r.rank}: the agent sent no dump", None
     _hold(rows, ag, urls, "fr")
     return recs, dumps, tag, None, parts
 
@@ -322,7 +318,7 @@ Held = tuple[Any, str, dict[int, dict[str, Any]], str | None]
 ``pgknown`` it was asked with: None where it was asked without)."""
 
 
-def held_again(held: Held | None, tag: str, recs: list[RankResult], snap: Mapping[str, Any],
+def held_again(held: Held | None, tag: str, recs: list[RankResult], snap: Mapping[int, Any],
                snaps: dict[int, Any] | None) -> dict[int, dict[str, Any]] | None:
     """An "unchanged" reply's dumps: the held ones (``agents.AgentRoute._agent_fr``), each
     with its new read time (shallow copies; with ``snaps``, the held dumps themselves and the
@@ -337,7 +333,7 @@ def held_again(held: Held | None, tag: str, recs: list[RankResult], snap: Mappin
         for r in recs:
             if r.status == OK:  # its body is "" already (agentreply.parse_fr)
                 dumps[r.rank] = kept[r.rank]
-                times[r.rank] = snap.get(str(r.rank))
+                times[r.rank] = snap.get(r.rank)
     except KeyError:
         return None
     if snaps is not None:

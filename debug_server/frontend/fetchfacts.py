@@ -15,8 +15,13 @@ from typing import Any
 
 from debug_server.fanout.reply import FrData
 from debug_server.fanout.transport import OK, RankResult
+from debug_server.protocol.addrs import format_ranks
 
-__all__ = ["FetchFacts", "failure_lines", "rank_rows"]
+__all__ = ["RANK_ROWS_FULL_LIMIT", "FetchFacts", "failure_lines", "rank_rows"]
+
+RANK_ROWS_FULL_LIMIT = 16384
+"""Up to this many records, the JSON pages' ``ranks`` list one row per rank; above it, one row
+per kind of record (``rank_rows``)."""
 
 
 def failure_lines(results: Sequence[RankResult]) -> list[str]:
@@ -24,14 +29,22 @@ def failure_lines(results: Sequence[RankResult]) -> list[str]:
     return [r.line() for r in results if r.status != OK]  # not ok, or GONE
 
 
-def rank_rows(results: Sequence[RankResult],
-              stacks: Sequence[RankResult] = ()) -> list[dict[str, Any]]:
+def rank_rows(results: Sequence[RankResult], stacks: Sequence[RankResult] = (),
+              limit: int = RANK_ROWS_FULL_LIMIT) -> list[dict[str, Any]]:
     """Each rank's record as the JSON pages list it: ``summary()`` and ``line()``; with
     ``stacks``, its process as read on its host (``process``). What all but a rank's number and
     URL say is made once per kind of record (ranks that answered alike through an agent share
     status, error, time and note): 131072 rows of records alike in 0.09-0.12 s, not
-    0.21-0.25 s, on the page's loop."""
+    0.21-0.25 s, on the page's loop.
+
+    Above ``limit`` records, ranks whose records agree but for their URL and reply time are
+    one row (as an agent's rows and ``nccl_calls`` above its limit): the same keys, ``rank`` the
+    lowest, ``global_ranks`` their range text (``"0-77776,77778-131071"``), ``url`` null (each
+    rank's own is on ``/rank/<n>``), ``elapsed_s`` the longest, ``line`` naming the ranks; a
+    rank read from outside (``process``) keeps its own row. 131072 rows were 31 MB of JSON."""
     procs = {r.rank: r.process for r in stacks if r.process is not None}
+    if len(results) > limit:
+        return _class_rows(results, procs)
     kinds: dict[tuple[Any, ...], tuple[dict[str, Any], str]] = {}
     out = []
     for r in results:
@@ -46,6 +59,41 @@ def rank_rows(results: Sequence[RankResult],
             row["process"] = procs[r.rank]
         out.append(row)
     return out
+
+
+def _class_rows(results: Sequence[RankResult],
+                procs: dict[int, Any]) -> list[dict[str, Any]]:
+    """``rank_rows`` above its limit: one row per kind of record (its doc)."""
+    kinds: dict[tuple[Any, ...], tuple[RankResult, list[int]]] = {}
+    own: list[tuple[int, dict[str, Any]]] = []
+    for r in results:
+        if r.process is not None or r.rank in procs:
+            row = r.summary() | {"line": r.line()}
+            if r.rank in procs:
+                row["process"] = procs[r.rank]
+            own.append((r.rank, row))
+            continue
+        key = (r.status, r.error, r.http_status, r.note)
+        held = kinds.get(key)
+        if held is None:
+            kinds[key] = (r, [r.rank])
+        else:
+            if r.elapsed_s > held[0].elapsed_s:
+                kinds[key] = held = (r, held[1])
+            held[1].append(r.rank)
+    rows = own
+    for r, ranks in kinds.values():
+        if len(ranks) == 1:
+            rows.append((r.rank, r.summary() | {"line": r.line()}))
+            continue
+        text = format_ranks(ranks)
+        row = r.summary()
+        row["rank"], row["url"] = min(ranks), None
+        row = {"rank": row.pop("rank"), "global_ranks": text, **row}
+        row["line"] = f"ranks {text}: {r.line().partition(': ')[2]}"
+        rows.append((row["rank"], row))
+    rows.sort(key=lambda kr: kr[0])
+    return [row for _, row in rows]
 
 
 @dataclass(frozen=True, slots=True)

@@ -7,7 +7,10 @@ these are the names and the one conditional parameter both sides spell.
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
+from typing import Any
 
+from debug_server.protocol.addrs import format_ranks, parse_ranks
 from debug_server.protocol.names import (
     DUMP_FILE_HANDLER,
     HEALTH_HANDLER,
@@ -62,6 +65,77 @@ holds of it, leave them out): the asker's tag, whether and how the ranks' stacks
 come along."""
 FETCHABLE = frozenset({PING_HANDLER, HEALTH_HANDLER, DUMP_FILE_HANDLER})
 """Worker handlers ``agent_fetch`` relays (no parameters; the frontend asks the rest directly)."""
+
+
+SNAP = "snap"
+"""``agent_fr``: each answering rank's read time (``dump_time_ns``) where it is not in the
+reply's dumps: an "unchanged" reply's, or a full reply made for an earlier ask's. Written by
+:func:`times_obj`, read by :func:`read_times_obj`."""
+SAME = "same"
+"""``agent_fr``: ranks whose dumps read the same as a dump sent, as classes
+(:func:`classes_obj`)."""
+
+
+def times_obj(times: Mapping[int, int | None]) -> dict[str, Any]:
+    """Ranks' read times on the wire: ``{"ranks": "0-1023", "ns": [t0, ..., t1023]}``, the
+    times in ascending rank order (None: a rank whose reply had none). The frontend reads 131072
+    of them on every page of a hung job: a list of ints parses in a fraction of a map's time
+    (no key text per rank), and a rank is found without ``str(rank)``."""
+    ranks = sorted(times)
+    return {"ranks": format_ranks(ranks), "ns": [times[r] for r in ranks]}
+
+
+def _times(ranks_text: Any, ns: Any, what: str) -> dict[int, int | None]:
+    if not isinstance(ranks_text, str) or not isinstance(ns, list):
+        raise ValueError(f"{what} is not ranks text and a list of times")
+    ranks = parse_ranks(ranks_text)
+    if len(ranks) != len(ns) or not set(map(type, ns)) <= {int, type(None)}:
+        raise ValueError(f"{what}: the times do not match the ranks")
+    return dict(zip(ranks, ns, strict=True))
+
+
+def read_times_obj(obj: Any) -> dict[int, int | None]:
+    """rank -> read time of a :func:`times_obj` (or of the older map ``{"<rank>": time}``);
+    ValueError of one line for anything else."""
+    if isinstance(obj, dict) and obj.keys() == {"ranks", "ns"}:
+        return _times(obj["ranks"], obj["ns"], SNAP)
+    if not isinstance(obj, dict):
+        raise ValueError("snap is not an object")
+    try:
+        return {int(r): t if type(t) is int else None for r, t in obj.items()}
+    except ValueError:
+        raise ValueError("snap names a rank that is not a number") from None
+
+
+def classes_obj(classes: Mapping[int, Mapping[int, int | None]]) -> list[Any]:
+    """Ranks that share a dump sent, on the wire: ``[[rank sent, "1-1023", [their read
+    times]], ...]`` (the rank sent -> each other rank's own read time)."""
+    out = []
+    for rep, times in classes.items():
+        t = times_obj(times)
+        out.append([rep, t["ranks"], t["ns"]])
+    return out
+
+
+def read_classes_obj(obj: Any) -> list[tuple[int, dict[int, int | None]]]:
+    """(rank sent, {other rank: its read time}) of a :func:`classes_obj` (or of the older map
+    ``{"<rank>": [rank sent, read time]}``); ValueError of one line for anything else."""
+    if isinstance(obj, list):
+        out = []
+        for row in obj:
+            if not (isinstance(row, list) and len(row) == 3 and type(row[0]) is int):
+                raise ValueError("a same row is not [rank, ranks, times]")
+            out.append((row[0], _times(row[1], row[2], SAME)))
+        return out
+    if not isinstance(obj, dict):
+        raise ValueError("same is not a list")
+    by_rep: dict[int, dict[int, int | None]] = {}
+    for r, pair in obj.items():
+        if not (isinstance(pair, list) and len(pair) == 2 and type(pair[0]) is int) or \
+                not r.isdigit():
+            raise ValueError("a same entry is not [rank, read time]")
+        by_rep.setdefault(pair[0], {})[int(r)] = pair[1] if type(pair[1]) is int else None
+    return list(by_rep.items())
 
 
 _ID = re.compile(r"(?:0x[0-9a-fA-F]+|\d+)\b")
