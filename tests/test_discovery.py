@@ -106,6 +106,26 @@ def _three_ranks(port: int) -> tuple[Any, StoreRegistry]:
     return store, StoreRegistry("127.0.0.1", port, world_size=3, restart_count=0, timeout=2)
 
 
+async def test_a_registry_started_after_the_ranks_registered_reads_them_at_once(
+        tcp_store: Any) -> None:
+    """An attached or restarted frontend reads the registry as it starts, so its first page
+    does not; one that starts before the ranks registered leaves the read to the first page."""
+    early = StoreRegistry("127.0.0.1", tcp_store.port, world_size=3, restart_count=0, timeout=2)
+    try:
+        await early._lane.call(lambda: None)  # its start (connect, look) is done: in order
+        assert early.answered and early.last is None
+        store, late = _three_ranks(tcp_store.port)
+        try:
+            await late._lane.call(lambda: None)
+            assert late.last is not None and [a.url for a in late.last] == [
+                "http://h:0", "http://h:1", "http://h:2"]
+            assert await late.lookup() is late.last  # the page finds it read
+        finally:
+            late.close()
+    finally:
+        early.close()
+
+
 async def test_a_read_again_of_unchanged_keys_gives_the_same_objects(tcp_store: Any,
                                                                       monkeypatch: Any) -> None:
     """Every REREAD_S the registry reads every rank's keys again: what did not change comes
