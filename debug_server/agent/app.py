@@ -19,7 +19,8 @@ already-digested reply for the host:
   each distinct call-site stack once per reply (entries name it by index: ``"frames"``),
   long member lists once per reply (``"lists"``, references in the dumps, and none the frontend
   already holds: ``pgknown``), and the host's **mismatch signatures**: per communicator and
-  sequence number, each distinct (op, sizes, dtypes) with the ranks that issued it. Every reply
+  sequence number, each distinct (op, sizes, dtypes) with the ranks that issued it (range
+  text). Every reply
   has a ``tag`` (:func:`fr_tag`); asked again with ``tag=`` and nothing but the ranks' read
   times changed since (a hung host), the reply is ``"unchanged": true`` with the rank records
   and each rank's ``dump_time_ns`` only (the frontend uses the dumps it holds); an asker
@@ -29,8 +30,10 @@ already-digested reply for the host:
   once, with the ranks that have it);
 - in every reply, records of ranks that answered alike share one row (``"ranks"``: their range
   text), and in ``agent_fr`` ranks whose windows read the same share one dump (``"same"``:
-  rank -> [the rank whose dump it has, its own read time]): an aggregator's thousand ranks
-  (``tree``) go up as a few dumps and rows;
+  ``[[the rank whose dump they have, their range text, their own read times]]``,
+  ``agentwire.classes_obj``; read times apart from dumps, ``"snap"``, as
+  ``agentwire.times_obj``): an aggregator's thousand ranks (``tree``) go up as a few dumps and
+  rows;
 - ``agent_fetch?handler=<name>``: the same grouping for ``ping``, the health check and the
   pickle dump (the frontend's health poll becomes one request per host);
 - ``agent_info``: which ranks it serves and how many requests of each kind it answered.
