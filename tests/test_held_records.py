@@ -84,6 +84,22 @@ def test_a_row_that_reads_otherwise_gives_new_records() -> None:
     assert all(r.body == "x\n" for r in other_stacks)
 
 
+def test_a_row_whose_text_changed_gives_the_same_records_with_the_new_text() -> None:
+    """The health part's texts change with every page (the ages in them): its rows give the
+    same records again, each with this reply's text, not 131072 new records a page."""
+    first, first_stacks = _parse(_reply([_row("0-3")], stack="stalled 3 s\n"))
+    again, again_stacks = _parse(_reply([_row("0-3")], stack="stalled 4 s\n"))
+    assert [id(r) for r in again_stacks] == [id(r) for r in first_stacks]
+    assert [r.body for r in again_stacks] == ["stalled 4 s\n"] * 4
+    # A row with a rank of its own text: the others' records stay, its own takes its text.
+    rows = [{**_row("0-2"), "body": 0}, {**_row("3"), "body": 1}]
+    body = json.dumps({**json.loads(_reply([_row("0-3")])), "stacks": {
+        "ranks": rows, "bodies": ["stalled 4 s\n", "healthy\n"]}})
+    _, split = _parse(body)
+    assert [r.body for r in split] == ["stalled 4 s\n"] * 3 + ["healthy\n"]
+    assert [id(r) for r in split[:3]] != [id(r) for r in again_stacks[:3]]  # another row
+
+
 def test_a_failed_row_is_made_anew_every_time() -> None:
     failed = {"ranks": "2-3", "status": "timed out", "elapsed_s": 2.0, "http_status": None,
               "error": "timed out after 2.0 s"}

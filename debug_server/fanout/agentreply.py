@@ -122,22 +122,23 @@ last reply): ``_held_rows``."""
 _HELD_MAX = 65536
 
 
-def _row_key(row: Any, body: str | None) -> tuple[Any, ...] | None:
-    """What makes an answered row's records, but for its reply time; None for any other row
-    (a failed rank's record is made anew: its error may be relabelled on the way)."""
+def _row_key(row: Any) -> tuple[Any, ...] | None:
+    """What makes an answered row's records, but for its reply time and body; None for any
+    other row (a failed rank's record is made anew: its error may be relabelled on the way)."""
     if not isinstance(row, dict) or row.get("status") != OK or "process" in row:
         return None
     return (row.get("rank"), row.get("ranks"), row.get("note"), row.get("error"),
-            row.get("http_status"), body)
+            row.get("http_status"))
 
 
 def _held_rows(rows: Sequence[Any], ag: AgentAddr, urls: Mapping[int, str | None], part: str,
                body_of: Any) -> list[RankResult]:
     """Every row's records, where a row reads as it did in the agent's last reply of this
-    ``part`` the same record objects again, with this reply's time: the hung case's
+    ``part`` the same record objects again, with this reply's time and body: the hung case's
     unchanged replies rebuild no record (131072 records a page at the frontend, each made
-    and freed). The records of answered ranks are not changed on the way (only a failed
-    rank's are: ``KeepLast._relabel``; those are made anew)."""
+    and freed), nor do the health replies, whose texts change with every page (the ages in
+    them). The records of answered ranks are not changed on the way (only a failed rank's
+    are: ``KeepLast._relabel``; those are made anew)."""
     held = _HELD.get((ag.id, part))
     # The same URLs (an aggregator's lists of its hosts' ranks are made per ask: compared)
     old = held[1] if held is not None and (held[0] is urls or held[0] == urls) else {}
@@ -145,7 +146,7 @@ def _held_rows(rows: Sequence[Any], ag: AgentAddr, urls: Mapping[int, str | None
     out: list[RankResult] = []
     for row in rows:
         body = body_of(row)
-        key = _row_key(row, body)
+        key = _row_key(row)
         recs = old.get(key) if key is not None else None
         if recs is None:
             recs = _records(row, ag, urls, body)
@@ -154,6 +155,9 @@ def _held_rows(rows: Sequence[Any], ag: AgentAddr, urls: Mapping[int, str | None
             if recs[0].elapsed_s != elapsed:
                 for r in recs:
                     r.elapsed_s = elapsed
+            if recs[0].body is not body:
+                for r in recs:
+                    r.body = body
         if key is not None:
             new[key] = recs
         out += recs
@@ -309,7 +313,7 @@ def _hold(rows: Sequence[tuple[Any, list[RankResult]]], ag: AgentAddr,
     unchanged reply's: the next (unchanged) reply's rows give these records again, not 131072
     new ones on a new frontend's second page."""
     _put_held((ag.id, part), urls, {key: recs for row, recs in rows
-                                    if (key := _row_key(row, "")) is not None
+                                    if (key := _row_key(row)) is not None
                                     and all(r.status == OK and r.body == "" for r in recs)})
 
 
