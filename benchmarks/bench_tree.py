@@ -555,7 +555,7 @@ def _straggler_poll(base: str, groups: dict[str, list[int]], side: dict[str, lis
     return {"stragglers_s": secs, "stragglers_cpu": {g: ff_cpu(p) - before[g]
                                                      for g, p in groups.items()},
             "stragglers_bytes": {k: _sent(v) - sent0[k] for k, v in side.items()},
-            "stragglers_named": named == [_missing(world)]}
+            "stragglers_named": named == [_missing(world)], "stragglers_ranks": named[:8]}
 
 
 def _metrics(base: str, groups: dict[str, list[int]], world: int) -> dict[str, Any]:
@@ -771,7 +771,8 @@ def _print(row: dict[str, Any]) -> None:
           + ", ".join(f"{k} {v:.2f}" for k, v in c.items())
           + "   bytes " + ", ".join(f"{k} {v / 1e6:.1f} MB" for k, v in b.items())
           + f"   (its own poll through the tree; names rank {_missing(row['ranks'])} alone: "
-          f"{row['stragglers_named']})")
+          f"{row['stragglers_named']}"
+          + ("" if row["stragglers_named"] else f"; named {row['stragglers_ranks']}") + ")")
     print(f"  {'/metrics':>10} gzip, gzip, plain: " + ", ".join(
         f"{t:.2f} s ({c:.2f} CPU s; {n / 1e6:.1f} MB)"
         for (t, c), n in zip(row["metrics_reps"], row["metrics_sizes"], strict=True))

@@ -155,7 +155,9 @@ def _held_rows(rows: Sequence[Any], ag: AgentAddr, urls: Mapping[int, str | None
             if recs[0].elapsed_s != elapsed:
                 for r in recs:
                     r.elapsed_s = elapsed
-            if recs[0].body is not body:
+            # A text that reads as before keeps its object: what is memoized by a text's
+            # identity (an aggregator's stack classes, ``hostreply.fold_stacks``) stays valid.
+            if recs[0].body != body:
                 for r in recs:
                     r.body = body
         if key is not None:
