@@ -226,7 +226,7 @@ def with_snap(dump: Mapping[str, Any], snap: Any) -> dict[str, Any]:
     return out
 
 
-_FrReply = tuple[list[RankResult], dict[int, dict[str, Any]], str, dict[str, Any] | None,
+_FrReply = tuple[list[RankResult], dict[int, dict[str, Any]], str, dict[int, int | None] | None,
                  dict[str, list[RankResult]]]
 
 
