@@ -6,7 +6,7 @@ from __future__ import annotations
 import random
 
 from debug_server.fanout.transport import GONE, OK, TIMED_OUT, UNREACHABLE, RankResult
-from debug_server.frontend.fetchfacts import rank_rows
+from debug_server.frontend.fetchfacts import rank_rows, stack_rows
 from debug_server.protocol.addrs import parse_ranks
 
 
@@ -76,3 +76,31 @@ def test_above_the_limit_ranks_alike_are_one_row_that_says_what_each_record_says
             assert row["line"].startswith(f"ranks {row['global_ranks']}: ")
         assert sorted(seen) == sorted(r.rank for r in results)
         assert [r["rank"] for r in rows] == sorted(r["rank"] for r in rows)
+
+
+def test_stack_rows_read_as_each_record_and_its_text_below_and_above_the_limit() -> None:
+    """``/stacks?format=json``: one row per rank (its summary and text) up to the limit; above
+    it, ranks whose records and texts agree are one row with that text, every rank in one."""
+    rnd = random.Random(7)
+    texts = ["at train.py:88\n", "at train.py:90\n", "Thread 0x1\n"]
+    for _ in range(100):
+        results = [RankResult(rank, f"http://h:{rank}", rnd.choice((OK, OK, TIMED_OUT)),
+                              rnd.choice(texts), rnd.choice((None, "refused")),
+                              rnd.choice((0.01, 0.25)), 200, rnd.choice((None, "via agent a")),
+                              0, None, rnd.choice((None,) * 6 + ({"state": "D"},)))
+                   for rank in range(rnd.randrange(2, 50))]
+        full = {r.rank: r.summary() | {"stacks": r.body if r.ok else None} for r in results}
+        assert stack_rows(results) == [full[r.rank] for r in results]
+        seen: list[int] = []
+        for row in stack_rows(results, limit=1):
+            ranks = parse_ranks(row["global_ranks"]) if "global_ranks" in row else [row["rank"]]
+            seen += ranks
+            if "global_ranks" not in row:
+                assert row == full[row["rank"]]
+                continue
+            assert row["url"] is None and row["rank"] == ranks[0] and len(ranks) > 1
+            for r in ranks:
+                assert {k: v for k, v in full[r].items() if k not in ("rank", "url", "elapsed_s")} \
+                    == {k: v for k, v in row.items()
+                        if k not in ("rank", "url", "elapsed_s", "global_ranks")}
+        assert sorted(seen) == sorted(r.rank for r in results)

@@ -56,7 +56,7 @@ from debug_server.frontend import (
     stragglers,
 )
 from debug_server.frontend.dumps import Dumper, analyze_fr, fr_trace_text, stacks_report
-from debug_server.frontend.fetchfacts import FetchFacts, rank_rows
+from debug_server.frontend.fetchfacts import FetchFacts, rank_rows, stack_rows
 from debug_server.frontend.hangreport import HangWatch, parse_health
 from debug_server.frontend.lastcycle import LastCycle
 from debug_server.frontend.metrics import CycleFill, metrics_response, read_now
@@ -197,9 +197,7 @@ async def _stacks_page(request: web.Request, *, path: str, every: bool,
     native = q.get("native", native_default)
     results = await request.app[COLLECTOR].stacks(native=native, every=every)
     if fmt == "json":
-        return _respond(fmt, {"native": native,
-                              "ranks": [r.summary() | {"stacks": r.body if r.ok else None}
-                                        for r in results]})
+        return _respond(fmt, {"native": native, "ranks": stack_rows(results)})
     if fmt == "text":
         return _respond(fmt, await _off_loop(lambda: stacks_report(results)))
     html = await _off_loop(lambda: request.app[TEMPLATES].get_template("stacks.html").render(

@@ -17,7 +17,7 @@ from debug_server.fanout.reply import FrData
 from debug_server.fanout.transport import OK, RankResult
 from debug_server.protocol.addrs import format_ranks
 
-__all__ = ["RANK_ROWS_FULL_LIMIT", "FetchFacts", "failure_lines", "rank_rows"]
+__all__ = ["RANK_ROWS_FULL_LIMIT", "FetchFacts", "failure_lines", "rank_rows", "stack_rows"]
 
 RANK_ROWS_FULL_LIMIT = 16384
 """Up to this many records, the JSON pages' ``ranks`` list one row per rank; above it, one row
@@ -61,19 +61,38 @@ def rank_rows(results: Sequence[RankResult], stacks: Sequence[RankResult] = (),
     return out
 
 
-def _class_rows(results: Sequence[RankResult],
-                procs: dict[int, Any]) -> list[dict[str, Any]]:
-    """``rank_rows`` above its limit: one row per kind of record (its doc)."""
+def stack_rows(results: Sequence[RankResult],
+               limit: int = RANK_ROWS_FULL_LIMIT) -> list[dict[str, Any]]:
+    """``/stacks?format=json``'s rows: each record's ``summary()`` and its text (``stacks``,
+    null for a rank without); above ``limit`` records, one row per kind of record and text, as
+    ``rank_rows`` (the tree's aggregators send the ranks waiting at one line as one text:
+    131072 rows were ~260 MB of JSON, each with the same 1.8 KB)."""
+    if len(results) <= limit:
+        return [r.summary() | {"stacks": r.body if r.ok else None} for r in results]
+    return _class_rows(results, {}, texts=True)
+
+
+def _own_row(r: RankResult, procs: dict[int, Any], texts: bool) -> dict[str, Any]:
+    if texts:
+        return r.summary() | {"stacks": r.body if r.ok else None}
+    row = r.summary() | {"line": r.line()}
+    if r.rank in procs:
+        row["process"] = procs[r.rank]
+    return row
+
+
+def _class_rows(results: Sequence[RankResult], procs: dict[int, Any],
+                texts: bool = False) -> list[dict[str, Any]]:
+    """``rank_rows`` above its limit: one row per kind of record (its doc); ``texts``: per
+    kind of record and text, each row with its ``stacks`` instead of a ``line``
+    (``stack_rows``)."""
     kinds: dict[tuple[Any, ...], tuple[RankResult, list[int]]] = {}
     own: list[tuple[int, dict[str, Any]]] = []
     for r in results:
         if r.process is not None or r.rank in procs:
-            row = r.summary() | {"line": r.line()}
-            if r.rank in procs:
-                row["process"] = procs[r.rank]
-            own.append((r.rank, row))
+            own.append((r.rank, _own_row(r, procs, texts)))
             continue
-        key = (r.status, r.error, r.http_status, r.note)
+        key = (r.status, r.error, r.http_status, r.note, r.body if texts and r.ok else None)
         held = kinds.get(key)
         if held is None:
             kinds[key] = (r, [r.rank])
@@ -84,13 +103,16 @@ def _class_rows(results: Sequence[RankResult],
     rows = own
     for r, ranks in kinds.values():
         if len(ranks) == 1:
-            rows.append((r.rank, r.summary() | {"line": r.line()}))
+            rows.append((r.rank, _own_row(r, procs, texts)))
             continue
         text = format_ranks(ranks)
         row = r.summary()
         row["rank"], row["url"] = min(ranks), None
         row = {"rank": row.pop("rank"), "global_ranks": text, **row}
-        row["line"] = f"ranks {text}: {r.line().partition(': ')[2]}"
+        if texts:
+            row["stacks"] = r.body if r.ok else None
+        else:
+            row["line"] = f"ranks {text}: {r.line().partition(': ')[2]}"
         rows.append((row["rank"], row))
     rows.sort(key=lambda kr: kr[0])
     return [row for _, row in rows]
