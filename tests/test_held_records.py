@@ -45,7 +45,7 @@ def test_an_unchanged_row_gives_the_same_records_with_the_new_reply_time() -> No
     again, again_stacks = _parse(_reply([_row("0-3", 0.4)]))
     assert [id(r) for r in again] == [id(r) for r in first]
     assert [id(r) for r in again_stacks] == [id(r) for r in first_stacks]
-    # A text that reads as before keeps its object (memos by a text's identity stay valid).
+    # A text that reads as before keeps its object (ranks alike keep sharing one).
     assert all(r.body is first_stacks[0].body for r in again_stacks)
     assert [r.elapsed_s for r in again] == [0.4] * 4
     assert [(r.rank, r.url, r.status, r.body) for r in again] == \

@@ -155,8 +155,9 @@ def _held_rows(rows: Sequence[Any], ag: AgentAddr, urls: Mapping[int, str | None
             if recs[0].elapsed_s != elapsed:
                 for r in recs:
                     r.elapsed_s = elapsed
-            # A text that reads as before keeps its object: what is memoized by a text's
-            # identity (an aggregator's stack classes, ``hostreply.fold_stacks``) stays valid.
+            # A text that reads as before keeps its object (ranks alike keep sharing one); an
+            # aggregator's folded stacks (``hostreply.fold_stacks``) read otherwise and are set
+            # to the row's text again, then folded again.
             if recs[0].body != body:
                 for r in recs:
                     r.body = body
@@ -272,7 +273,7 @@ def parse_fr(body: str, ag: AgentAddr, rs: Sequence[WorkerAddr]) -> _FrReply:
     rows = [(row, _records(row, ag, urls, "" if isinstance(row, dict) and row.get(
         "status") in (OK, GONE) else None)) for row in obj["ranks"]]
     recs = [r for _, row_recs in rows for r in row_recs]
-    answered = {r.rank: r for r in recs if r.ok}
+    answered = {r.rank for r in recs if r.ok}
     dumps: dict[int, dict[str, Any]] = {}
     for key, d in raw.items():
         rank = int(key) if key.isascii() and key.isdigit() else -1

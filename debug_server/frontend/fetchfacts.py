@@ -106,9 +106,9 @@ def _class_rows(results: Sequence[RankResult], procs: dict[int, Any],
             rows.append((r.rank, _own_row(r, procs, texts)))
             continue
         text = format_ranks(ranks)
-        row = r.summary()
+        # summary()'s keys after these two; its rank and URL are the representative's
+        row: dict[str, Any] = {"rank": 0, "global_ranks": text, **r.summary()}
         row["rank"], row["url"] = min(ranks), None
-        row = {"rank": row.pop("rank"), "global_ranks": text, **row}
         if texts:
             row["stacks"] = r.body if r.ok else None
         else:
